@@ -1,1 +1,66 @@
-//! placeholder
+//! # rmlx — Apple's MLX array framework from Rust
+//!
+//! Lazy n-dimensional arrays with automatic scheduling on MLX's backends: CUDA (Linux, NVIDIA), CPU
+//! (Linux, macOS) and Metal (macOS). The same code runs on all of them; MLX picks the device.
+//!
+//! ```
+//! use rmlx::{ops, Array, Dtype};
+//! let x = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+//! let w = ops::eye(2, 2, 0, Dtype::Float32)?;
+//! let y = (x.matmul(&w)? + 1.0)?;      // lazy: nothing computed yet
+//! assert_eq!(y.to_vec::<f32>()?, vec![2.0, 3.0, 4.0, 5.0]);
+//! # Ok::<(), rmlx::Error>(())
+//! ```
+//!
+//! ## Errors
+//! Every operation returns [`Result`]. MLX's C++ exceptions (shape mismatches, bad dtypes, I/O
+//! failures found during evaluation) become [`Error::Mlx`] with MLX's message; nothing aborts.
+//!
+//! ## Threads
+//! [`Array`] is `Send` but not `Sync`: hand arrays to other threads freely, but do not use one array
+//! from two threads at once (evaluation mutates it); clone it instead — clones are cheap handles.
+//! Each thread has its own default stream, so threads can build and evaluate graphs concurrently.
+//!
+//! ## Linking
+//! `rmlx-sys` finds or installs MLX when it builds and links it with a runpath, so tests and binaries
+//! of this workspace run without environment variables. A crate of yours that builds binaries adds
+//! the same runpath from its build script with `DEP_RMLX_LIB_DIR` (see `build.rs` of this crate).
+
+mod array;
+mod device;
+mod dtype;
+mod error;
+pub mod fast;
+pub mod io;
+pub mod memory;
+mod operators;
+pub mod ops;
+pub mod quantization;
+pub mod random;
+
+pub use array::{async_eval, eval, Array};
+pub use device::{
+    default_device, mlx_version, set_default_device, synchronize, with_device, with_stream, Device, DeviceType, Stream,
+};
+pub use dtype::{Dtype, Element};
+pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use num_complex::Complex32;
+pub use ops::Axes;
+
+#[doc(hidden)]
+pub mod bench {
+    //! The C++ side of the per-op overhead benchmark (the same loops written against `mlx::core`).
+    use crate::device::current;
+    use crate::Result;
+
+    /// Seconds to build a chain of `n` lazy adds in C++ (no evaluation).
+    pub fn cpp_build_add_chain(n: i32) -> Result<f64> {
+        Ok(rmlx_sys::ffi::bench_build_add_chain(n, current())?)
+    }
+
+    /// Seconds to build and evaluate a chain of `n` adds in C++.
+    pub fn cpp_eval_add_chain(n: i32) -> Result<f64> {
+        Ok(rmlx_sys::ffi::bench_eval_add_chain(n, current())?)
+    }
+}
