@@ -17,6 +17,10 @@ use std::fmt;
 ///
 /// `Array` is `Send` (it may move to another thread) but not `Sync`: evaluating an array mutates it,
 /// so one array must not be used from two threads at the same time. Clone it for each thread instead.
+/// MLX records ops on the building thread's own default stream, so a graph must be evaluated on the
+/// thread that built it: evaluate before sending (arrays made from data, loaded, or evaluated cross
+/// freely). Evaluating a foreign lazy graph is an `Err` ("There is no Stream(...) in current
+/// thread"), never a crash.
 ///
 /// ```
 /// use rmlx::Array;

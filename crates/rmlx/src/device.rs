@@ -61,7 +61,8 @@ impl Device {
     pub fn default_stream(self) -> Result<Stream> {
         Ok(Stream(ffi::default_stream(self.code(), self.index)?))
     }
-    /// A new stream on this device. Ops on different streams may run concurrently.
+    /// A new stream on this device. Ops on different streams may run concurrently. The stream
+    /// belongs to the current thread: use it only from here.
     pub fn new_stream(self) -> Result<Stream> {
         Ok(Stream(ffi::new_stream(self.code(), self.index)?))
     }

@@ -2,8 +2,8 @@
 //! NumPy `.npy`.
 //!
 //! Loading is lazy: `load_safetensors` reads the header and returns arrays whose data is read from
-//! the file when first evaluated, so a model's weights are only read once used. A file that is cut
-//! short is reported as an error when its data is read.
+//! the file when first evaluated, so a model's weights are only read once used. A safetensors file
+//! that is cut short is reported when it is opened (its header's offsets exceed the file).
 
 use crate::array::{array_vec, from_array_vec};
 use crate::device::current;

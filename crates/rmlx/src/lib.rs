@@ -17,9 +17,12 @@
 //! failures found during evaluation) become [`Error::Mlx`] with MLX's message; nothing aborts.
 //!
 //! ## Threads
-//! [`Array`] is `Send` but not `Sync`: hand arrays to other threads freely, but do not use one array
-//! from two threads at once (evaluation mutates it); clone it instead — clones are cheap handles.
-//! Each thread has its own default stream, so threads can build and evaluate graphs concurrently.
+//! [`Array`] is `Send` but not `Sync`: do not use one array from two threads at once (evaluation
+//! mutates it); clone it instead — clones are cheap handles. Each thread has its own default stream,
+//! so threads build and evaluate graphs concurrently; the price (MLX's design since 0.31.2) is that a
+//! graph is evaluated on the thread that built it. Evaluate an array before sending it to another
+//! thread; an unevaluated one evaluated elsewhere returns `Err`. A [`Stream`] from
+//! [`Device::new_stream`] belongs to the thread that made it.
 //!
 //! ## Linking
 //! `rmlx-sys` finds or installs MLX when it builds and links it with a runpath, so tests and binaries

@@ -1,0 +1,210 @@
+//! Integration tests of arrays across threads, and of devices and streams.
+
+use rmlx::{ops, Array, Device, DeviceType, Dtype, Error};
+use std::sync::mpsc;
+use std::thread;
+
+/// Compiles only for `Send` types.
+fn assert_send<T: Send>() {}
+
+/// `Array` is `Send`: it may move to another thread.
+#[allow(dead_code)]
+const _: fn() = || assert_send::<Array>();
+
+/// `Array` is deliberately *not* `Sync`: evaluating an array mutates MLX's shared descriptor, so
+/// `&Array` must not be used from two threads at once (clone it instead; clones are cheap handles).
+///
+/// A negative bound cannot be written directly, so this uses the ambiguous-impl trick: for a
+/// `Sync` type both impls below apply and `<T as AmbiguousIfSync<_>>::some_item` fails to compile
+/// ("type annotations needed"); for a `!Sync` type only the blanket impl applies and it compiles.
+/// If `Array` ever became `Sync`, this file would stop compiling.
+trait AmbiguousIfSync<A> {
+    fn some_item() {}
+}
+impl<T: ?Sized> AmbiguousIfSync<()> for T {}
+impl<T: ?Sized + Sync> AmbiguousIfSync<u8> for T {}
+#[allow(dead_code)]
+const _: fn() = || {
+    let _ = <Array as AmbiguousIfSync<_>>::some_item;
+};
+
+#[test]
+fn array_moves_to_another_thread_and_back() {
+    // Arrays made from data are materialised at once, so they carry no pending work.
+    let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+    let b = Array::from_slice(&[10.0f32, 20.0], &[2]).unwrap();
+    // A graph built here is evaluated here before it moves (see `lazy_graph_must_be_evaluated_on_its_thread`).
+    let tripled = (&a * 3.0).unwrap();
+    tripled.eval().unwrap();
+    let (tx, rx) = mpsc::channel::<Array>();
+    let worker = thread::spawn(move || {
+        // New work on the moved arrays is built and computed there.
+        let c = (&tripled + &b).unwrap();
+        let d = c.matmul(&a.transpose().unwrap()).unwrap();
+        assert!(!d.is_evaluated());
+        d.eval().unwrap();
+        tx.send(c).unwrap();
+        tx.send(d).unwrap();
+    });
+    let c = rx.recv().unwrap();
+    let d = rx.recv().unwrap();
+    worker.join().unwrap();
+    assert!(d.is_evaluated());
+    assert_eq!(c.to_vec::<f32>().unwrap(), vec![13.0, 26.0, 19.0, 32.0]);
+    // d = c @ a^T: rows of c dotted with rows of a.
+    assert_eq!(d.to_vec::<f32>().unwrap(), vec![65.0, 143.0, 83.0, 185.0]);
+    // The results keep working on this thread.
+    assert_eq!((&d - 5.0).unwrap().to_vec::<f32>().unwrap(), vec![60.0, 138.0, 78.0, 180.0]);
+}
+
+/// The documented rule: a lazy graph must be evaluated on the thread that built it (MLX >= 0.31.2
+/// records ops on per-thread default streams). Evaluating it elsewhere is an `Err` naming the
+/// missing stream — never a crash — and evaluating first makes the same array safe to move.
+#[test]
+fn lazy_graph_must_be_evaluated_on_its_thread() {
+    let a = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
+    let lazy = (&a * 3.0).unwrap();
+    assert!(!lazy.is_evaluated());
+    let moved = lazy.clone();
+    let result = thread::spawn(move || moved.to_vec::<f32>()).join().unwrap();
+    match result {
+        Err(rmlx::Error::Mlx(msg)) => assert!(msg.contains("no Stream"), "unexpected message: {msg}"),
+        other => panic!("expected the missing-stream error, got {other:?}"),
+    }
+    // Evaluated on its own thread first, the array crosses threads and new work builds on it there.
+    lazy.eval().unwrap();
+    let result = thread::spawn(move || (&lazy + 1.0)?.to_vec::<f32>()).join().unwrap();
+    assert_eq!(result.unwrap(), vec![4.0, 7.0, 10.0, 13.0]);
+}
+
+#[test]
+fn independent_graphs_on_four_threads() {
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            thread::spawn(move || {
+                let n = 1000 + t * 100;
+                let mut results = Vec::new();
+                for round in 0..20 {
+                    let x = ops::arange(0.0, n as f64, 1.0, Dtype::Int64).unwrap();
+                    let y = ((&x * (t + 1)).unwrap() + round).unwrap();
+                    let s = y.sum(rmlx::Axes::All, false).unwrap();
+                    results.push(s.item::<i64>().unwrap());
+                    let m = Array::from_slice(&[t as f32, 1.0, 2.0, 3.0], &[2, 2]).unwrap();
+                    let mm = m.matmul(&m).unwrap();
+                    assert_eq!(mm.to_vec::<f32>().unwrap(), vec![(t * t + 2) as f32, t as f32 + 3.0, 2.0 * t as f32 + 6.0, 11.0]);
+                }
+                (t, n, results)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (t, n, results) = h.join().unwrap();
+        let n = n as i64;
+        let t = t as i64;
+        for (round, s) in results.into_iter().enumerate() {
+            // sum_{i<n} ((t+1) i + round) = (t+1) n(n-1)/2 + round n
+            assert_eq!(s, (t + 1) * n * (n - 1) / 2 + round as i64 * n, "thread {t} round {round}");
+        }
+    }
+}
+
+#[test]
+fn clone_used_on_another_thread_while_original_used_here() {
+    let base = ops::arange(0.0, 10_000.0, 1.0, Dtype::Int32).unwrap();
+    // Evaluated before the clone crosses threads (lazy arrays cannot, see above).
+    base.eval().unwrap();
+    let other = base.clone();
+    assert_eq!(other.id(), base.id());
+    let worker = thread::spawn(move || {
+        let mut sums = Vec::new();
+        for _ in 0..50 {
+            let s = (&other * 2).unwrap().sum(rmlx::Axes::All, false).unwrap();
+            sums.push(s.item::<i32>().unwrap());
+        }
+        sums
+    });
+    let mut here = Vec::new();
+    for _ in 0..50 {
+        let s = (&base + 1).unwrap().sum(rmlx::Axes::All, false).unwrap();
+        here.push(s.item::<i32>().unwrap());
+    }
+    let there = worker.join().unwrap();
+    // sum(0..10000) = 49_995_000, exact in int32.
+    assert_eq!(here, vec![49_995_000 + 10_000; 50]);
+    assert_eq!(there, vec![2 * 49_995_000; 50]);
+    assert_eq!(base.to_vec::<i32>().unwrap()[9999], 9999);
+}
+
+#[test]
+fn cpu_device_and_version() {
+    assert_eq!(rmlx::mlx_version(), "0.32.4");
+    // This is a CPU-only build of MLX.
+    assert_eq!(rmlx::default_device(), Device::cpu());
+    assert_eq!(rmlx::default_device().kind, DeviceType::Cpu);
+    assert!(Device::cpu().is_available());
+    assert!(Device::count(DeviceType::Cpu) >= 1);
+    // What this build reports: no GPU.
+    assert!(!Device::gpu().is_available());
+    assert_eq!(Device::count(DeviceType::Gpu), 0);
+
+    let y = rmlx::with_device(Device::cpu(), || {
+        (Array::from_slice(&[1.0f32, 4.0, 9.0], &[3]).unwrap().sqrt().unwrap() + 1.0).unwrap()
+    });
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![2.0, 3.0, 4.0]);
+
+    // Switching the default to a missing GPU fails and leaves the default alone.
+    assert!(matches!(rmlx::set_default_device(Device::gpu()), Err(Error::InvalidArgument(_))));
+    assert_eq!(rmlx::default_device(), Device::cpu());
+    rmlx::set_default_device(Device::cpu()).unwrap();
+    assert_eq!(rmlx::default_device(), Device::cpu());
+}
+
+#[test]
+fn new_stream_on_cpu() {
+    let s = Device::cpu().new_stream().unwrap();
+    assert_eq!(s.device(), Device::cpu());
+    let default = Device::cpu().default_stream().unwrap();
+    assert_eq!(default.device(), Device::cpu());
+    assert_ne!(s, default);
+    let s2 = Device::cpu().new_stream().unwrap();
+    assert_ne!(s, s2);
+
+    let z = rmlx::with_stream(s, || {
+        let x = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+        let y = x.matmul(&x).unwrap();
+        (&y * 0.5).unwrap()
+    });
+    rmlx::async_eval([&z]).unwrap();
+    s.synchronize().unwrap();
+    assert!(z.is_evaluated());
+    assert_eq!(z.to_vec::<f32>().unwrap(), vec![3.5, 5.0, 7.5, 11.0]);
+
+    // Work on two streams combined on the default one.
+    let a = rmlx::with_stream(s, || ops::arange(0.0, 100.0, 1.0, Dtype::Int32).unwrap().sum(rmlx::Axes::All, false).unwrap());
+    let b = rmlx::with_stream(s2, || ops::arange(0.0, 10.0, 1.0, Dtype::Int32).unwrap().sum(rmlx::Axes::All, false).unwrap());
+    let c = (&a + &b).unwrap();
+    assert_eq!(c.item::<i32>().unwrap(), 4950 + 45);
+    s2.synchronize().unwrap();
+    rmlx::synchronize().unwrap();
+}
+
+#[test]
+fn streams_per_thread() {
+    // Each thread can make and use its own stream.
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            thread::spawn(move || {
+                let s = Device::cpu().new_stream().unwrap();
+                let r = rmlx::with_stream(s, || {
+                    let x = ops::full(&[16], &Array::scalar(t as f32), Dtype::Float32).unwrap();
+                    x.sum(rmlx::Axes::All, false).unwrap()
+                });
+                r.eval().unwrap();
+                s.synchronize().unwrap();
+                r.item::<f32>().unwrap()
+            })
+        })
+        .collect();
+    let results: Vec<f32> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(results, vec![0.0, 16.0, 32.0, 48.0]);
+}
