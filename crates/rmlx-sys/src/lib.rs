@@ -180,6 +180,8 @@ pub mod ffi {
         fn array_copy_to(a: &Array, out: &mut [u8]) -> Result<()>;
         fn array_to_string(a: &Array) -> Result<String>;
         fn array_eval(a: &Array) -> Result<()>;
+        /// The dtype `a` and `b` promote to in a binary op.
+        fn result_type(a: &Array, b: &Array) -> u8;
 
         fn vec_new() -> UniquePtr<ArrayVec>;
         fn vec_push(v: Pin<&mut ArrayVec>, a: &Array);

@@ -207,6 +207,7 @@ rust::String array_to_string(const Array& a) {
 }
 
 void array_eval(const Array& a) { const_cast<Array&>(a).eval(); }
+uint8_t result_type(const Array& a, const Array& b) { return code_of(mx::result_type(a, b)); }
 
 VecPtr vec_new() { return std::make_unique<ArrayVec>(); }
 void vec_push(ArrayVec& v, const Array& a) { v.push_back(a); }

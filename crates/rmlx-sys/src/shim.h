@@ -54,6 +54,7 @@ bool array_row_contiguous(const Array& a);
 void array_copy_to(const Array& a, rust::Slice<uint8_t> out);
 rust::String array_to_string(const Array& a);
 void array_eval(const Array& a);
+uint8_t result_type(const Array& a, const Array& b);
 
 VecPtr vec_new();
 void vec_push(ArrayVec& v, const Array& a);

@@ -16,7 +16,9 @@ fn float_operand(a: &Array, v: f64) -> Result<Array> {
 
 fn int_operand(a: &Array, v: f64) -> Result<Array> {
     let dtype = if a.dtype() == Dtype::Bool { Dtype::Int32 } else { a.dtype() };
-    Array::scalar_as(v, dtype)
+    // Through i64, so a negative scalar wraps into an unsigned dtype (as in MLX's Python API)
+    // instead of an undefined float-to-unsigned conversion. `v` holds an exact i32.
+    crate::ops::wrap(rmlx_sys::ffi::array_from_i64(v as i64, dtype as u8))
 }
 
 macro_rules! binary_operator {

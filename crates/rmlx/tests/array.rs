@@ -578,3 +578,16 @@ fn integer_arithmetic_wraps() -> Result<()> {
     assert_eq!((&u - &v)?.to_vec::<u8>()?, vec![255, 100]);
     Ok(())
 }
+
+#[test]
+fn negative_int_scalar_with_unsigned_array_wraps() -> Result<()> {
+    // As in MLX's Python API, the scalar is converted to the array's dtype (wrapping), so the result
+    // is the modular sum: 5 + (-1) = 4 in uint8.
+    let u = Array::from_slice(&[5u8, 0], &[2])?;
+    let r = (&u + -1)?;
+    assert_eq!(r.dtype(), Dtype::Uint8);
+    assert_eq!(r.to_vec::<u8>()?, vec![4, 255]);
+    let w = Array::from_slice(&[10u32], &[1])?;
+    assert_eq!((&w * -1)?.to_vec::<u32>()?, vec![10u32.wrapping_neg()]);
+    Ok(())
+}

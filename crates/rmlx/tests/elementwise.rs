@@ -658,3 +658,19 @@ fn one_hot() -> Result<()> {
     assert_eq!(hb.to_vec::<bool>()?, vec![false, true, false]);
     Ok(())
 }
+
+/// Integer division by zero would trap (SIGFPE) and kill the process; rmlx returns 0 as NumPy does.
+#[test]
+fn integer_division_by_zero_gives_zero_not_a_crash() -> rmlx::Result<()> {
+    let a = rmlx::Array::from_slice(&[7i32, -7, 5, 0], &[4])?;
+    let b = rmlx::Array::from_slice(&[2i32, 0, 0, 3], &[4])?;
+    assert_eq!(rmlx::ops::floor_divide(&a, &b)?.to_vec::<i32>()?, vec![3, 0, 0, 0]);
+    assert_eq!(rmlx::ops::remainder(&a, &b)?.to_vec::<i32>()?, vec![1, 0, 0, 0]);
+    assert_eq!((&a % 0)?.to_vec::<i32>()?, vec![0, 0, 0, 0]);
+    // Floats keep IEEE semantics.
+    let f = rmlx::Array::from_slice(&[1.0f32, -1.0], &[2])?;
+    let z = rmlx::Array::from_slice(&[0.0f32, 0.0], &[2])?;
+    assert_eq!(rmlx::ops::floor_divide(&f, &z)?.to_vec::<f32>()?, vec![f32::INFINITY, f32::NEG_INFINITY]);
+    assert_eq!(rmlx::ops::result_type(&a, &f)?, rmlx::Dtype::Float32);
+    Ok(())
+}

@@ -5,6 +5,12 @@ use crate::device::current;
 use crate::{Array, Dtype, Result};
 use rmlx_sys::ffi;
 
+/// The dtype that `a` and `b` promote to in a binary op (NumPy-like promotion, e.g. int32 with
+/// float16 gives float16).
+pub fn result_type(a: &Array, b: &Array) -> Result<Dtype> {
+    Ok(Dtype::from_code(ffi::result_type(a.raw(), b.raw())))
+}
+
 /// An array of zeros.
 ///
 /// ```

@@ -92,8 +92,6 @@ binary_ops! {
     subtract => Subtract, "`a - b`, broadcasting.";
     multiply => Multiply, "`a * b`, broadcasting.";
     divide => Divide, "`a / b` (true division: integers give floats).";
-    floor_divide => FloorDivide, "`floor(a / b)`.";
-    remainder => Remainder, "Remainder with the sign of `b`, as in Python.";
     power => Power, "`a ^ b`.";
     maximum => Maximum, "Element-wise maximum (NaN propagates).";
     minimum => Minimum, "Element-wise minimum (NaN propagates).";
@@ -115,6 +113,30 @@ binary_ops! {
     matmul => Matmul, "Matrix product with NumPy's rules (batched, 1-D promotion).";
     outer => Outer, "Outer product of two vectors (inputs are flattened).";
     inner => Inner, "Inner product over the last axes.";
+}
+
+/// Runs an integer division-like op with zero divisors replaced by 1 and their results by 0 (as
+/// NumPy does), because an integer division by zero would trap and kill the process.
+fn guarded_int_division(op: BinaryOp, a: &Array, b: &Array) -> Result<Array> {
+    let raw = |x: &Array, y: &Array| wrap(ffi::binary(op, x.raw(), y.raw(), current()));
+    let dtype = crate::ops::result_type(a, b)?;
+    if !dtype.is_integer() {
+        return raw(a, b);
+    }
+    let zero = Array::scalar_as(0.0, b.dtype())?;
+    let is_zero = equal(b, &zero)?;
+    let safe_b = r#where(&is_zero, &Array::scalar_as(1.0, b.dtype())?, b)?;
+    r#where(&is_zero, &Array::scalar_as(0.0, dtype)?, &raw(a, &safe_b)?)
+}
+
+/// `floor(a / b)`. For integers, division by zero gives 0 (as in NumPy) instead of trapping.
+pub fn floor_divide(a: &Array, b: &Array) -> Result<Array> {
+    guarded_int_division(BinaryOp::FloorDivide, a, b)
+}
+
+/// Remainder with the sign of `b`, as in Python. For integers, `x % 0` gives 0 (as in NumPy).
+pub fn remainder(a: &Array, b: &Array) -> Result<Array> {
+    guarded_int_division(BinaryOp::Remainder, a, b)
 }
 
 /// Rounds to `decimals` decimal places (half to even).
@@ -205,6 +227,14 @@ pub fn one_hot(indices: &Array, num_classes: i32, dtype: Dtype) -> Result<Array>
 }
 
 impl Array {
+    /// `floor(self / other)`.
+    pub fn floor_divide(&self, other: &Array) -> Result<Array> {
+        floor_divide(self, other)
+    }
+    /// Python-style remainder.
+    pub fn remainder(&self, other: &Array) -> Result<Array> {
+        remainder(self, other)
+    }
     /// Rounds to `decimals` decimal places.
     pub fn round(&self, decimals: i32) -> Result<Array> {
         round(self, decimals)
