@@ -1,7 +1,7 @@
 //! Quantized weights: quantize, dequantize, quantized matmul and its gathered (MoE) form.
 //!
 //! Modes are MLX's: `affine` (scale and bias per group of `group_size` elements along the last axis,
-//! 2–8 bits) and the floating-point micro-scaled formats `mxfp4`, `mxfp8`, `nvfp4`.
+//! 1–8 bits) and the floating-point micro-scaled formats `mxfp4`, `mxfp8`, `nvfp4`.
 
 use crate::array::from_array_vec;
 use crate::device::current;
@@ -12,7 +12,7 @@ use rmlx_sys::ffi;
 /// A quantization format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantMode {
-    /// `w ≈ scale · q + bias` per group; bits 2, 3, 4, 5, 6 or 8; group size 32, 64 or 128.
+    /// `w ≈ scale · q + bias` per group; bits 1, 2, 3, 4, 5, 6 or 8; group size 32, 64 or 128.
     Affine,
     /// OCP MX FP4 (group 32, shared power-of-two scale).
     Mxfp4,
@@ -56,6 +56,11 @@ pub struct Quantized {
 /// # Ok::<(), rmlx::Error>(())
 /// ```
 pub fn quantize(w: &Array, group_size: i32, bits: i32, mode: QuantMode) -> Result<Quantized> {
+    if bits <= 0 || group_size <= 0 {
+        return Err(Error::InvalidArgument(format!(
+            "quantize: bits ({bits}) and group_size ({group_size}) must be positive"
+        )));
+    }
     // SAFETY: no global scale (null).
     let parts = from_array_vec(&unsafe { ffi::quantize(w.raw(), group_size, bits, mode.name(), std::ptr::null(), current()) }?);
     let mut it = parts.into_iter();

@@ -68,6 +68,16 @@ fn float_special_values_round_trip_bit_exactly() -> Result<()> {
 
 #[test]
 fn float64_computes_on_cpu() -> Result<()> {
+    // MLX computes float64 only on the CPU; on a GPU default device it is an error.
+    rmlx::with_device(rmlx::Device::cpu(), float64_sum)?;
+    if rmlx::Device::gpu().is_available() {
+        let on_gpu = rmlx::with_device(rmlx::Device::gpu(), float64_sum);
+        assert!(matches!(on_gpu, Err(rmlx::Error::Mlx(m)) if m.contains("float64 is not supported on the GPU")));
+    }
+    Ok(())
+}
+
+fn float64_sum() -> Result<()> {
     let a = Array::from_slice(&[0.1f64, 0.2], &[2])?;
     let s = (&a + 1e-12f32)?; // f32 scalar takes the float64 dtype of the array
     assert_eq!(s.dtype(), Dtype::Float64);

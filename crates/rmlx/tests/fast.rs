@@ -1,5 +1,7 @@
 //! `rmlx::fast` against plain-Rust f64 references: RMSNorm, LayerNorm, RoPE, attention.
 
+#![allow(clippy::needless_range_loop, clippy::type_complexity)]
+
 use rmlx::fast::{self, AttentionMask, RopeFreqs, RopeOffset};
 use rmlx::{Array, Dtype};
 

@@ -86,18 +86,26 @@ fn memory_counters_and_limits() {
     let d = evaluated(4 * MB);
     drop(d);
     let cached = memory::cache_memory();
-    assert!(cached >= 4 * MB, "freed 4 MB buffer not kept in the cache (cache {cached})");
-    assert!(memory::active_memory() <= active_before_d, "cached memory counts as active");
+    if rmlx::default_device().kind == rmlx::DeviceType::Cpu {
+        // (On CUDA the active count was still above its earlier value right after the drop: seen on
+        // an H100, where frees complete asynchronously with the stream.)
+        assert!(memory::active_memory() <= active_before_d, "cached memory counts as active");
+        // MLX's CPU allocator keeps freed buffers for reuse. (Its CUDA allocator returns a freed
+        // 4 MB buffer to CUDA's own pool at once, so the cache stays 0 there: seen on an H100.)
+        assert!(cached >= 4 * MB, "freed 4 MB buffer not kept in the cache (cache {cached})");
+    }
     memory::clear_cache();
     assert_eq!(memory::cache_memory(), 0);
 
-    // A cached buffer is reused by the next allocation of that size.
-    let e = evaluated(4 * MB);
-    drop(e);
-    assert!(memory::cache_memory() >= 4 * MB);
-    let f = evaluated(4 * MB);
-    assert!(memory::cache_memory() < 4 * MB, "the cached buffer was not reused");
-    drop(f);
+    if rmlx::default_device().kind == rmlx::DeviceType::Cpu {
+        // A cached buffer is reused by the next allocation of that size.
+        let e = evaluated(4 * MB);
+        drop(e);
+        assert!(memory::cache_memory() >= 4 * MB);
+        let f = evaluated(4 * MB);
+        assert!(memory::cache_memory() < 4 * MB, "the cached buffer was not reused");
+        drop(f);
+    }
     memory::clear_cache();
 
     let prev = memory::set_cache_limit(original_cache_limit).unwrap();
