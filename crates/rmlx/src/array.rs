@@ -1,6 +1,7 @@
 //! [`Array`]: a handle to a node of MLX's lazy computation graph.
 
 use crate::device::current;
+use crate::lock::locked;
 use crate::{Dtype, Element, Error, Result};
 use rmlx_sys::cxx::UniquePtr;
 use rmlx_sys::ffi;
@@ -60,19 +61,24 @@ impl Array {
         }
         // SAFETY: `Element` guarantees a plain, fully initialised layout of `size_of::<T>()` bytes.
         let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
-        Ok(Array::from_raw(ffi::array_from_data(bytes, shape, T::DTYPE as u8)?))
+        Ok(Array::from_raw(locked(|| ffi::array_from_data(bytes, shape, T::DTYPE as u8))?))
     }
 
     /// A zero-dimensional array holding `value`.
     pub fn scalar<T: Element>(value: T) -> Array {
         let bytes = unsafe { std::slice::from_raw_parts(&value as *const T as *const u8, std::mem::size_of::<T>()) };
         // Cannot fail short of memory exhaustion: the size always matches the empty shape.
-        Array::from_raw(ffi::array_from_data(bytes, &[], T::DTYPE as u8).expect("allocating a scalar"))
+        Array::from_raw(locked(|| ffi::array_from_data(bytes, &[], T::DTYPE as u8)).expect("allocating a scalar"))
     }
 
     /// A zero-dimensional array of `dtype` holding `value` converted to it.
     pub fn scalar_as(value: f64, dtype: Dtype) -> Result<Array> {
-        Ok(Array::from_raw(ffi::array_from_f64(value, dtype as u8)?))
+        Ok(Array::from_raw(locked(|| ffi::array_from_f64(value, dtype as u8))?))
+    }
+
+    /// A zero-dimensional array of `dtype` holding `value` converted to it (integers wrap).
+    pub(crate) fn scalar_from_i64(value: i64, dtype: Dtype) -> Result<Array> {
+        Ok(Array::from_raw(locked(|| ffi::array_from_i64(value, dtype as u8))?))
     }
 
     /// The dimensions.
@@ -132,7 +138,7 @@ impl Array {
 
     /// Computes the array (and what it depends on) and waits for the result.
     pub fn eval(&self) -> Result<()> {
-        Ok(ffi::array_eval(self.raw())?)
+        Ok(locked(|| ffi::array_eval(self.raw()))?)
     }
 
     /// The elements in row-major order, whatever the array's memory layout (transposed, broadcast and
@@ -147,7 +153,7 @@ impl Array {
         let bytes = unsafe {
             std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(out.as_slice()))
         };
-        ffi::array_copy_to(self.raw(), bytes)?;
+        locked(|| ffi::array_copy_to(self.raw(), bytes))?;
         Ok(out)
     }
 
@@ -172,12 +178,20 @@ impl Array {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
-        Ok(Array::from_raw(ffi::astype(self.raw(), dtype as u8, current())?))
+        crate::ops::wrap(|| ffi::astype(self.raw(), dtype as u8, current()))
     }
 
     /// Reinterprets the bytes as another dtype (the last dimension scales with the size ratio).
     pub fn view_as(&self, dtype: Dtype) -> Result<Array> {
-        Ok(Array::from_raw(ffi::view(self.raw(), dtype as u8, current())?))
+        crate::ops::wrap(|| ffi::view(self.raw(), dtype as u8, current()))
+    }
+}
+
+impl Drop for Array {
+    /// Releases the handle under the MLX lock: the last reference frees device memory.
+    fn drop(&mut self) {
+        let raw = std::mem::replace(&mut self.raw, UniquePtr::null());
+        locked(move || drop(raw));
     }
 }
 
@@ -190,7 +204,7 @@ impl Clone for Array {
 impl fmt::Display for Array {
     /// MLX's own rendering, e.g. `array([1, 2], dtype=int32)`. Evaluates the array.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match ffi::array_to_string(self.raw()) {
+        match locked(|| ffi::array_to_string(self.raw())) {
             Ok(s) => f.write_str(&s),
             Err(e) => write!(f, "<array {:?} {}: {}>", self.shape(), self.dtype(), e.what()),
         }
@@ -220,11 +234,13 @@ pub(crate) fn from_array_vec(v: &UniquePtr<ffi::ArrayVec>) -> Vec<Array> {
 
 /// Computes all `arrays` together (sharing common sub-graphs) and waits.
 pub fn eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
-    Ok(ffi::eval(&array_vec(arrays))?)
+    let v = array_vec(arrays);
+    Ok(locked(|| ffi::eval(&v))?)
 }
 
 /// Schedules the computation of `arrays` and returns at once; reading them later waits as needed.
 /// Lets the host build the next graph while the device computes this one.
 pub fn async_eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
-    Ok(ffi::async_eval(&array_vec(arrays))?)
+    let v = array_vec(arrays);
+    Ok(locked(|| ffi::async_eval(&v))?)
 }

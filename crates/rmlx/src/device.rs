@@ -11,6 +11,7 @@
 //! # Ok::<(), rmlx::Error>(())
 //! ```
 
+use crate::lock::locked;
 use crate::{Error, Result};
 use rmlx_sys::ffi::{self, StreamSpec};
 use std::cell::Cell;
@@ -54,17 +55,17 @@ impl Device {
     }
     /// Properties the backend reports (`device_name`, `architecture`, memory sizes, …).
     pub fn info(self) -> Result<Vec<(String, String)>> {
-        let flat = ffi::device_info(self.code(), self.index)?;
+        let flat = locked(|| ffi::device_info(self.code(), self.index))?;
         Ok(flat.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect())
     }
     /// The default stream of this device on the current thread.
     pub fn default_stream(self) -> Result<Stream> {
-        Ok(Stream(ffi::default_stream(self.code(), self.index)?))
+        Ok(Stream(locked(|| ffi::default_stream(self.code(), self.index))?))
     }
     /// A new stream on this device. Ops on different streams may run concurrently. The stream
     /// belongs to the current thread: use it only from here.
     pub fn new_stream(self) -> Result<Stream> {
-        Ok(Stream(ffi::new_stream(self.code(), self.index)?))
+        Ok(Stream(locked(|| ffi::new_stream(self.code(), self.index))?))
     }
     fn from_spec(s: StreamSpec) -> Device {
         Device { kind: if s.device_type == 0 { DeviceType::Cpu } else { DeviceType::Gpu }, index: s.device_index }
@@ -82,7 +83,7 @@ impl Stream {
     }
     /// Blocks until all work queued on this stream is done.
     pub fn synchronize(&self) -> Result<()> {
-        Ok(ffi::synchronize(self.0)?)
+        Ok(locked(|| ffi::synchronize(self.0))?)
     }
 }
 
@@ -128,12 +129,12 @@ pub fn set_default_device(device: Device) -> Result<()> {
     if !device.is_available() {
         return Err(Error::InvalidArgument(format!("{device:?} is not available")));
     }
-    Ok(ffi::set_default_device(device.code(), device.index)?)
+    Ok(locked(|| ffi::set_default_device(device.code(), device.index))?)
 }
 
 /// Blocks until all work queued on the default stream is done.
 pub fn synchronize() -> Result<()> {
-    Ok(ffi::synchronize(DEFAULT)?)
+    Ok(locked(|| ffi::synchronize(DEFAULT))?)
 }
 
 /// The version of the MLX library in use, e.g. `"0.32.4"`.

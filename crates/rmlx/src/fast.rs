@@ -8,12 +8,12 @@ use rmlx_sys::ffi;
 /// `x / sqrt(mean(x², -1) + eps) * weight` over the last axis.
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
     // SAFETY (all `unsafe` blocks here): optional arrays are passed as live pointers or null.
-    wrap(unsafe { ffi::rms_norm(x.raw(), Array::ptr(weight), eps, current()) })
+    wrap(|| unsafe { ffi::rms_norm(x.raw(), Array::ptr(weight), eps, current()) })
 }
 
 /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last axis.
 pub fn layer_norm(x: &Array, weight: Option<&Array>, bias: Option<&Array>, eps: f32) -> Result<Array> {
-    wrap(unsafe { ffi::layer_norm(x.raw(), Array::ptr(weight), Array::ptr(bias), eps, current()) })
+    wrap(|| unsafe { ffi::layer_norm(x.raw(), Array::ptr(weight), Array::ptr(bias), eps, current()) })
 }
 
 /// The position offset of [`rope`]: a constant, or an array (a scalar, or one offset per batch row)
@@ -65,7 +65,7 @@ pub fn rope<'a>(
         RopeOffset::Fixed(v) => (v, None),
         RopeOffset::Array(a) => (0, Some(a)),
     };
-    wrap(unsafe {
+    wrap(|| unsafe {
         ffi::rope(x.raw(), dims, traditional, base, has_base, scale, off, Array::ptr(off_arr), Array::ptr(freqs), current())
     })
 }
@@ -95,7 +95,7 @@ pub fn scaled_dot_product_attention(
         AttentionMask::Causal => ("causal", None),
         AttentionMask::Array(a) => ("array", Some(a)),
     };
-    wrap(unsafe {
+    wrap(|| unsafe {
         ffi::scaled_dot_product_attention(q.raw(), k.raw(), v.raw(), scale, mode, Array::ptr(arr), std::ptr::null(), current())
     })
 }

@@ -7,6 +7,7 @@
 
 use crate::array::{array_vec, from_array_vec};
 use crate::device::current;
+use crate::lock::locked;
 use crate::ops::wrap;
 use crate::{Array, Error, Result};
 use rmlx_sys::ffi;
@@ -53,7 +54,8 @@ fn arrays_of(names: Vec<String>, arrays: &rmlx_sys::cxx::UniquePtr<ffi::ArrayVec
 pub fn load_safetensors(path: impl AsRef<Path>) -> Result<Safetensors> {
     let path = path.as_ref();
     check_readable(path)?;
-    let loaded = ffi::load_safetensors(path_str(path)?, current())?;
+    let path_s = path_str(path)?;
+    let loaded = locked(|| ffi::load_safetensors(path_s, current()))?;
     Ok(Safetensors {
         arrays: arrays_of(loaded.names, &loaded.arrays),
         metadata: loaded.meta_keys.into_iter().zip(loaded.meta_values).collect(),
@@ -82,7 +84,8 @@ pub fn save_safetensors(
     let names: Vec<String> = arrays.keys().cloned().collect();
     let keys: Vec<String> = metadata.keys().cloned().collect();
     let values: Vec<String> = metadata.values().cloned().collect();
-    Ok(ffi::save_safetensors(path_str(path.as_ref())?, &names, &array_vec(arrays.values()), &keys, &values)?)
+    let (path_s, v) = (path_str(path.as_ref())?, array_vec(arrays.values()));
+    Ok(locked(|| ffi::save_safetensors(path_s, &names, &v, &keys, &values))?)
 }
 
 /// Opens a GGUF file. Tensors of types MLX maps natively (f32, f16, bf16, Q4_0, Q4_1, Q8_0) come
@@ -90,7 +93,8 @@ pub fn save_safetensors(
 pub fn load_gguf(path: impl AsRef<Path>) -> Result<Gguf> {
     let path = path.as_ref();
     check_readable(path)?;
-    let loaded = ffi::load_gguf(path_str(path)?, current())?;
+    let path_s = path_str(path)?;
+    let loaded = locked(|| ffi::load_gguf(path_s, current()))?;
     let meta_arrays = from_array_vec(&loaded.meta_arrays);
     let metadata = loaded
         .gguf_meta
@@ -127,17 +131,20 @@ pub fn save_gguf(path: impl AsRef<Path>, arrays: &BTreeMap<String, Array>, metad
             ffi::GgufMeta { key: key.clone(), kind, strings, array_index }
         })
         .collect();
-    Ok(ffi::save_gguf(path_str(path.as_ref())?, &names, &array_vec(arrays.values()), &meta, &array_vec(meta_arrays))?)
+    let (path_s, v, mv) = (path_str(path.as_ref())?, array_vec(arrays.values()), array_vec(meta_arrays));
+    Ok(locked(|| ffi::save_gguf(path_s, &names, &v, &meta, &mv))?)
 }
 
 /// Reads a NumPy `.npy` file.
 pub fn load_npy(path: impl AsRef<Path>) -> Result<Array> {
     let path = path.as_ref();
     check_readable(path)?;
-    wrap(ffi::load_npy(path_str(path)?, current()))
+    let path_s = path_str(path)?;
+    wrap(|| ffi::load_npy(path_s, current()))
 }
 
 /// Writes a NumPy `.npy` file.
 pub fn save_npy(path: impl AsRef<Path>, a: &Array) -> Result<()> {
-    Ok(ffi::save_npy(path_str(path.as_ref())?, a.raw())?)
+    let path_s = path_str(path.as_ref())?;
+    Ok(locked(|| ffi::save_npy(path_s, a.raw()))?)
 }

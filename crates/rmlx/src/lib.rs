@@ -35,6 +35,7 @@ mod dtype;
 mod error;
 pub mod fast;
 pub mod io;
+mod lock;
 pub mod memory;
 mod operators;
 pub mod ops;
@@ -59,11 +60,11 @@ pub mod bench {
 
     /// Seconds to build a chain of `n` lazy adds in C++ (no evaluation).
     pub fn cpp_build_add_chain(n: i32) -> Result<f64> {
-        Ok(rmlx_sys::ffi::bench_build_add_chain(n, current())?)
+        Ok(crate::lock::locked(|| rmlx_sys::ffi::bench_build_add_chain(n, current()))?)
     }
 
     /// Seconds to build and evaluate a chain of `n` adds in C++.
     pub fn cpp_eval_add_chain(n: i32) -> Result<f64> {
-        Ok(rmlx_sys::ffi::bench_eval_add_chain(n, current())?)
+        Ok(crate::lock::locked(|| rmlx_sys::ffi::bench_eval_add_chain(n, current()))?)
     }
 }

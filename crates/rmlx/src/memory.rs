@@ -3,6 +3,7 @@
 //! These numbers are process-wide (shared by all threads).
 
 use crate::Result;
+use crate::lock::locked;
 use rmlx_sys::ffi;
 
 /// Bytes held by live arrays (not counting the cache).
@@ -17,7 +18,7 @@ pub fn peak_memory() -> usize {
 
 /// Starts peak tracking afresh.
 pub fn reset_peak_memory() {
-    ffi::reset_peak_memory()
+    locked(ffi::reset_peak_memory)
 }
 
 /// Bytes kept in the allocator's cache for reuse.
@@ -27,7 +28,7 @@ pub fn cache_memory() -> usize {
 
 /// Sets the memory limit that evaluation tries to stay under; returns the previous one.
 pub fn set_memory_limit(bytes: usize) -> Result<usize> {
-    Ok(ffi::set_memory_limit(bytes)?)
+    Ok(locked(|| ffi::set_memory_limit(bytes))?)
 }
 
 /// The current memory limit.
@@ -37,16 +38,16 @@ pub fn memory_limit() -> usize {
 
 /// Sets how much freed memory the cache may keep (0 disables caching); returns the previous limit.
 pub fn set_cache_limit(bytes: usize) -> Result<usize> {
-    Ok(ffi::set_cache_limit(bytes)?)
+    Ok(locked(|| ffi::set_cache_limit(bytes))?)
 }
 
 /// Sets the wired (resident) memory limit; returns the previous one. Only Metal on macOS 15+ acts
 /// on it; elsewhere it is accepted and has no effect.
 pub fn set_wired_limit(bytes: usize) -> Result<usize> {
-    Ok(ffi::set_wired_limit(bytes)?)
+    Ok(locked(|| ffi::set_wired_limit(bytes))?)
 }
 
 /// Returns the cached memory to the system.
 pub fn clear_cache() {
-    ffi::clear_cache()
+    locked(ffi::clear_cache)
 }

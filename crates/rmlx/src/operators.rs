@@ -18,7 +18,7 @@ fn int_operand(a: &Array, v: f64) -> Result<Array> {
     let dtype = if a.dtype() == Dtype::Bool { Dtype::Int32 } else { a.dtype() };
     // Through i64, so a negative scalar wraps into an unsigned dtype (as in MLX's Python API)
     // instead of an undefined float-to-unsigned conversion. `v` holds an exact i32.
-    crate::ops::wrap(rmlx_sys::ffi::array_from_i64(v as i64, dtype as u8))
+    Array::scalar_from_i64(v as i64, dtype)
 }
 
 macro_rules! binary_operator {

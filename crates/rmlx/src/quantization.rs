@@ -62,7 +62,9 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32, mode: QuantMode) -> Resul
         )));
     }
     // SAFETY: no global scale (null).
-    let parts = from_array_vec(&unsafe { ffi::quantize(w.raw(), group_size, bits, mode.name(), std::ptr::null(), current()) }?);
+    let parts = from_array_vec(&crate::lock::locked(|| unsafe {
+        ffi::quantize(w.raw(), group_size, bits, mode.name(), std::ptr::null(), current())
+    })?);
     let mut it = parts.into_iter();
     let (Some(weight), Some(scales)) = (it.next(), it.next()) else {
         return Err(Error::Mlx("quantize returned fewer than two arrays".into()));
@@ -74,7 +76,7 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32, mode: QuantMode) -> Resul
 pub fn dequantize(q: &Quantized, dtype: Option<Dtype>) -> Result<Array> {
     let code = dtype.map_or(-1, |d| d as i32);
     // SAFETY: optional arrays are live pointers or null.
-    wrap(unsafe {
+    wrap(|| unsafe {
         ffi::dequantize(
             q.weight.raw(),
             q.scales.raw(),
@@ -91,7 +93,7 @@ pub fn dequantize(q: &Quantized, dtype: Option<Dtype>) -> Result<Array> {
 
 /// `x @ wᵀ` (`transpose = true`, the layout of linear layers) or `x @ w` with a quantized `w`.
 pub fn quantized_matmul(x: &Array, q: &Quantized, transpose: bool) -> Result<Array> {
-    wrap(unsafe {
+    wrap(|| unsafe {
         ffi::quantized_matmul(
             x.raw(),
             q.weight.raw(),
@@ -116,7 +118,7 @@ pub fn gather_qmm(
     transpose: bool,
     sorted_indices: bool,
 ) -> Result<Array> {
-    wrap(unsafe {
+    wrap(|| unsafe {
         ffi::gather_qmm(
             x.raw(),
             q.weight.raw(),

@@ -56,11 +56,11 @@ fn affine_model(g: &[f32], bits: i32) -> (f32, f32, Vec<f32>) {
 }
 
 /// Tolerance against MLX's own dense float32 matmul of `dense`: 1e-4 on the CPU; on a GPU the dense
-/// product runs on tensor cores at reduced (TF32) precision (seen on an H100: 5.9e-3 on outputs of
-/// magnitude ~10), so 2e-3 relative to the largest output there.
+/// product runs on tensor cores at reduced (TF32) precision (seen on an H100: up to 5.9e-3), so 1e-2
+/// relative to the largest output there. The comparison with the f64 reference stays at 1e-4.
 fn dense_tolerance(dense: &[f32]) -> f32 {
     if rmlx::default_device().kind == rmlx::DeviceType::Gpu {
-        2e-3 * dense.iter().fold(1.0f32, |m, x| m.max(x.abs()))
+        1e-2 * dense.iter().fold(1.0f32, |m, x| m.max(x.abs()))
     } else {
         1e-4
     }

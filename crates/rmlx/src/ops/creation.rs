@@ -19,17 +19,17 @@ pub fn result_type(a: &Array, b: &Array) -> Result<Dtype> {
 /// # Ok::<(), rmlx::Error>(())
 /// ```
 pub fn zeros(shape: &[i32], dtype: Dtype) -> Result<Array> {
-    wrap(ffi::zeros(shape, dtype as u8, current()))
+    wrap(|| ffi::zeros(shape, dtype as u8, current()))
 }
 
 /// An array of ones.
 pub fn ones(shape: &[i32], dtype: Dtype) -> Result<Array> {
-    wrap(ffi::ones(shape, dtype as u8, current()))
+    wrap(|| ffi::ones(shape, dtype as u8, current()))
 }
 
 /// An array filled with `value` (a scalar or any array broadcastable to `shape`), cast to `dtype`.
 pub fn full(shape: &[i32], value: &Array, dtype: Dtype) -> Result<Array> {
-    wrap(ffi::full(shape, value.raw(), dtype as u8, current()))
+    wrap(|| ffi::full(shape, value.raw(), dtype as u8, current()))
 }
 
 /// Zeros with the shape and dtype of `a`.
@@ -55,17 +55,17 @@ pub fn full_like(a: &Array, value: f64) -> Result<Array> {
 /// # Ok::<(), rmlx::Error>(())
 /// ```
 pub fn arange(start: f64, stop: f64, step: f64, dtype: Dtype) -> Result<Array> {
-    wrap(ffi::arange(start, stop, step, dtype as u8, current()))
+    wrap(|| ffi::arange(start, stop, step, dtype as u8, current()))
 }
 
 /// `num` evenly spaced values from `start` to `stop`, both included.
 pub fn linspace(start: f64, stop: f64, num: i32, dtype: Dtype) -> Result<Array> {
-    wrap(ffi::linspace(start, stop, num, dtype as u8, current()))
+    wrap(|| ffi::linspace(start, stop, num, dtype as u8, current()))
 }
 
 /// An `n × m` matrix with ones on diagonal `k` (0 main, > 0 above, < 0 below).
 pub fn eye(n: i32, m: i32, k: i32, dtype: Dtype) -> Result<Array> {
-    wrap(ffi::eye(n, m, k, dtype as u8, current()))
+    wrap(|| ffi::eye(n, m, k, dtype as u8, current()))
 }
 
 /// The `n × n` identity matrix.
@@ -75,5 +75,5 @@ pub fn identity(n: i32, dtype: Dtype) -> Result<Array> {
 
 /// An `n × m` matrix with ones at and below diagonal `k`.
 pub fn tri(n: i32, m: i32, k: i32, dtype: Dtype) -> Result<Array> {
-    wrap(ffi::tri(n, m, k, dtype as u8, current()))
+    wrap(|| ffi::tri(n, m, k, dtype as u8, current()))
 }

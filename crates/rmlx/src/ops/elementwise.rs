@@ -10,7 +10,7 @@ macro_rules! unary_ops {
         $(
             #[doc = $doc]
             pub fn $name(a: &Array) -> Result<Array> {
-                wrap(ffi::unary(UnaryOp::$op, a.raw(), current()))
+                wrap(|| ffi::unary(UnaryOp::$op, a.raw(), current()))
             }
         )*
         impl Array {
@@ -73,7 +73,7 @@ macro_rules! binary_ops {
         $(
             #[doc = $doc]
             pub fn $name(a: &Array, b: &Array) -> Result<Array> {
-                wrap(ffi::binary(BinaryOp::$op, a.raw(), b.raw(), current()))
+                wrap(|| ffi::binary(BinaryOp::$op, a.raw(), b.raw(), current()))
             }
         )*
         impl Array {
@@ -118,7 +118,7 @@ binary_ops! {
 /// Runs an integer division-like op with zero divisors replaced by 1 and their results by 0 (as
 /// NumPy does), because an integer division by zero would trap and kill the process.
 fn guarded_int_division(op: BinaryOp, a: &Array, b: &Array) -> Result<Array> {
-    let raw = |x: &Array, y: &Array| wrap(ffi::binary(op, x.raw(), y.raw(), current()));
+    let raw = |x: &Array, y: &Array| wrap(|| ffi::binary(op, x.raw(), y.raw(), current()));
     let dtype = crate::ops::result_type(a, b)?;
     if !dtype.is_integer() {
         return raw(a, b);
@@ -141,7 +141,7 @@ pub fn remainder(a: &Array, b: &Array) -> Result<Array> {
 
 /// Rounds to `decimals` decimal places (half to even).
 pub fn round(a: &Array, decimals: i32) -> Result<Array> {
-    wrap(ffi::round(a.raw(), decimals, current()))
+    wrap(|| ffi::round(a.raw(), decimals, current()))
 }
 
 /// Picks from `x` where `condition` is true and from `y` elsewhere, broadcasting all three.
@@ -155,23 +155,23 @@ pub fn round(a: &Array, decimals: i32) -> Result<Array> {
 /// # Ok::<(), rmlx::Error>(())
 /// ```
 pub fn r#where(condition: &Array, x: &Array, y: &Array) -> Result<Array> {
-    wrap(ffi::where_(condition.raw(), x.raw(), y.raw(), current()))
+    wrap(|| ffi::where_(condition.raw(), x.raw(), y.raw(), current()))
 }
 
 /// Limits values to `[min, max]`; either bound may be absent.
 pub fn clip(a: &Array, min: Option<&Array>, max: Option<&Array>) -> Result<Array> {
     // SAFETY: the pointers come from live arrays or are null, as the shim expects.
-    wrap(unsafe { ffi::clip(a.raw(), Array::ptr(min), Array::ptr(max), current()) })
+    wrap(|| unsafe { ffi::clip(a.raw(), Array::ptr(min), Array::ptr(max), current()) })
 }
 
 /// Whether `|a - b| <= atol + rtol * |b|` element-wise.
 pub fn isclose(a: &Array, b: &Array, rtol: f64, atol: f64, equal_nan: bool) -> Result<Array> {
-    wrap(ffi::isclose(a.raw(), b.raw(), rtol, atol, equal_nan, current()))
+    wrap(|| ffi::isclose(a.raw(), b.raw(), rtol, atol, equal_nan, current()))
 }
 
 /// Whether two arrays have the same shape and equal values (a bool scalar).
 pub fn array_equal(a: &Array, b: &Array, equal_nan: bool) -> Result<Array> {
-    wrap(ffi::array_equal(a.raw(), b.raw(), equal_nan, current()))
+    wrap(|| ffi::array_equal(a.raw(), b.raw(), equal_nan, current()))
 }
 
 /// A scalar of `a`'s dtype (or float32 if `a` is not floating) for mixing into float math.

@@ -155,13 +155,13 @@ pub fn index(a: &Array, spec: &[Idx]) -> Result<Array> {
 
 /// `a[start[i]:stop[i]:strides[i]]` on every axis (positive strides).
 pub fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
-    wrap(ffi::slice(a.raw(), start, stop, strides, current()))
+    wrap(|| ffi::slice(a.raw(), start, stop, strides, current()))
 }
 
 /// A slice whose start positions are an array (`start[i]` for `axes[i]`), so the same compiled graph
 /// can read different positions; `sizes` gives the extent on every axis.
 pub fn slice_dynamic(a: &Array, start: &Array, axes: &[i32], sizes: &[i32]) -> Result<Array> {
-    wrap(ffi::slice_dynamic(a.raw(), start.raw(), axes, sizes, current()))
+    wrap(|| ffi::slice_dynamic(a.raw(), start.raw(), axes, sizes, current()))
 }
 
 /// A copy of `src` with `src[start:stop:strides] = update`.
@@ -175,52 +175,52 @@ pub fn slice_dynamic(a: &Array, start: &Array, axes: &[i32], sizes: &[i32]) -> R
 /// # Ok::<(), rmlx::Error>(())
 /// ```
 pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
-    wrap(ffi::slice_update(src.raw(), update.raw(), start, stop, strides, current()))
+    wrap(|| ffi::slice_update(src.raw(), update.raw(), start, stop, strides, current()))
 }
 
 /// A copy of `src` with `update` written at positions `start` (an integer array) on `axes`; the
 /// extent comes from `update`'s shape. The KV-cache write of a compiled decode step.
 pub fn slice_update_dynamic(src: &Array, update: &Array, start: &Array, axes: &[i32]) -> Result<Array> {
-    wrap(ffi::slice_update_dynamic(src.raw(), update.raw(), start.raw(), axes, current()))
+    wrap(|| ffi::slice_update_dynamic(src.raw(), update.raw(), start.raw(), axes, current()))
 }
 
 /// Elements at `indices` along `axis` (`None`: of the flattened array).
 pub fn take(a: &Array, indices: &Array, axis: Option<i32>) -> Result<Array> {
     let (ax, all) = axis_parts(axis);
-    wrap(ffi::take(a.raw(), indices.raw(), ax, all, current()))
+    wrap(|| ffi::take(a.raw(), indices.raw(), ax, all, current()))
 }
 
 /// `out[.., i, ..] = a[.., indices[.., i, ..], ..]` along `axis`.
 pub fn take_along_axis(a: &Array, indices: &Array, axis: Option<i32>) -> Result<Array> {
     let (ax, all) = axis_parts(axis);
-    wrap(ffi::take_along_axis(a.raw(), indices.raw(), ax, all, current()))
+    wrap(|| ffi::take_along_axis(a.raw(), indices.raw(), ax, all, current()))
 }
 
 /// A copy of `a` with `values` written at `indices` along `axis`.
 pub fn put_along_axis(a: &Array, indices: &Array, values: &Array, axis: Option<i32>) -> Result<Array> {
     let (ax, all) = axis_parts(axis);
-    wrap(ffi::put_along_axis(a.raw(), indices.raw(), values.raw(), ax, all, current()))
+    wrap(|| ffi::put_along_axis(a.raw(), indices.raw(), values.raw(), ax, all, current()))
 }
 
 /// A copy of `a` with `values` added at `indices` along `axis`; repeated indices accumulate.
 pub fn scatter_add_axis(a: &Array, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
-    wrap(ffi::scatter_add_axis(a.raw(), indices.raw(), values.raw(), axis, current()))
+    wrap(|| ffi::scatter_add_axis(a.raw(), indices.raw(), values.raw(), axis, current()))
 }
 
 /// A copy of `a` with `updates` written at the positions given by one index array per axis in `axes`.
 /// `updates` has shape `indices.shape + slice shape` (the slice covers the remaining extents).
 pub fn scatter(a: &Array, indices: &[&Array], updates: &Array, axes: &[i32]) -> Result<Array> {
-    wrap(ffi::scatter(a.raw(), &array_vec(indices.iter().copied()), updates.raw(), axes, false, current()))
+    wrap(|| ffi::scatter(a.raw(), &array_vec(indices.iter().copied()), updates.raw(), axes, false, current()))
 }
 
 /// Like [`scatter`] but adds; repeated indices accumulate.
 pub fn scatter_add(a: &Array, indices: &[&Array], updates: &Array, axes: &[i32]) -> Result<Array> {
-    wrap(ffi::scatter(a.raw(), &array_vec(indices.iter().copied()), updates.raw(), axes, true, current()))
+    wrap(|| ffi::scatter(a.raw(), &array_vec(indices.iter().copied()), updates.raw(), axes, true, current()))
 }
 
 /// Slices of shape `slice_sizes` starting at the positions given by one index array per axis.
 pub fn gather(a: &Array, indices: &[&Array], axes: &[i32], slice_sizes: &[i32]) -> Result<Array> {
-    wrap(ffi::gather(a.raw(), &array_vec(indices.iter().copied()), axes, slice_sizes, current()))
+    wrap(|| ffi::gather(a.raw(), &array_vec(indices.iter().copied()), axes, slice_sizes, current()))
 }
 
 impl Array {

@@ -12,7 +12,7 @@ macro_rules! reductions {
             pub fn $name(a: &Array, axes: impl Into<Axes>, keepdims: bool) -> Result<Array> {
                 let axes = axes.into();
                 let (list, all) = axes.parts();
-                wrap(ffi::reduce(ReduceOp::$op, a.raw(), list, all, keepdims, current()))
+                wrap(|| ffi::reduce(ReduceOp::$op, a.raw(), list, all, keepdims, current()))
             }
         )*
         impl Array {
@@ -41,33 +41,33 @@ reductions! {
 pub fn var(a: &Array, axes: impl Into<Axes>, keepdims: bool, ddof: i32) -> Result<Array> {
     let axes = axes.into();
     let (list, all) = axes.parts();
-    wrap(ffi::var(a.raw(), list, all, keepdims, ddof, current()))
+    wrap(|| ffi::var(a.raw(), list, all, keepdims, ddof, current()))
 }
 
 /// Standard deviation over `axes` with `ddof` delta degrees of freedom.
 pub fn std(a: &Array, axes: impl Into<Axes>, keepdims: bool, ddof: i32) -> Result<Array> {
     let axes = axes.into();
     let (list, all) = axes.parts();
-    wrap(ffi::std(a.raw(), list, all, keepdims, ddof, current()))
+    wrap(|| ffi::std(a.raw(), list, all, keepdims, ddof, current()))
 }
 
 /// Softmax over `axes`. `precise` computes in float32 for half-precision inputs.
 pub fn softmax(a: &Array, axes: impl Into<Axes>, precise: bool) -> Result<Array> {
     let axes = axes.into();
     let (list, all) = axes.parts();
-    wrap(ffi::softmax(a.raw(), list, all, precise, current()))
+    wrap(|| ffi::softmax(a.raw(), list, all, precise, current()))
 }
 
 /// Index of the maximum along `axis` (`None`: of the flattened array). Ties give the first index.
 pub fn argmax(a: &Array, axis: Option<i32>, keepdims: bool) -> Result<Array> {
     let (ax, all) = axis_parts(axis);
-    wrap(ffi::argmax(a.raw(), ax, all, keepdims, current()))
+    wrap(|| ffi::argmax(a.raw(), ax, all, keepdims, current()))
 }
 
 /// Index of the minimum along `axis` (`None`: of the flattened array). Ties give the first index.
 pub fn argmin(a: &Array, axis: Option<i32>, keepdims: bool) -> Result<Array> {
     let (ax, all) = axis_parts(axis);
-    wrap(ffi::argmin(a.raw(), ax, all, keepdims, current()))
+    wrap(|| ffi::argmin(a.raw(), ax, all, keepdims, current()))
 }
 
 macro_rules! scans {
@@ -79,7 +79,7 @@ macro_rules! scans {
             /// shifts the result by one (the first output is the identity element).
             pub fn $name(a: &Array, axis: Option<i32>, reverse: bool, inclusive: bool) -> Result<Array> {
                 let (ax, all) = axis_parts(axis);
-                wrap(ffi::scan(ScanOp::$op, a.raw(), ax, all, reverse, inclusive, current()))
+                wrap(|| ffi::scan(ScanOp::$op, a.raw(), ax, all, reverse, inclusive, current()))
             }
         )*
     };
