@@ -2,8 +2,12 @@
 // MLX call and wraps the result; MLX's exceptions pass through to cxx untouched.
 #include "rmlx-sys/src/lib.rs.h"
 
+#include "mlx/primitives.h"
+
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 
@@ -30,11 +34,38 @@ mx::Device device_of(uint8_t type, int32_t index) {
   return mx::Device(type == 0 ? mx::Device::cpu : mx::Device::gpu, index);
 }
 
+// rmlx runs all of its work on one stream per device, shared by every thread (MLX's own default
+// streams are per thread). The safe layer serialises calls into MLX, which such a stream requires;
+// in exchange a graph built on one thread can be evaluated on any other, and MLX's CUDA backend
+// never sees two threads capturing CUDA graphs at once.
+mx::Stream shared_stream(mx::Device d) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, mx::Stream> streams;
+  std::lock_guard<std::mutex> guard(mutex);
+  auto key = std::make_pair(static_cast<int>(d.type), d.index);
+  auto it = streams.find(key);
+  if (it == streams.end()) it = streams.emplace(key, mx::new_thread_unsafe_stream(d)).first;
+  return it->second;
+}
+
+// Makes the shared streams this thread's defaults too, so that MLX's internal uses of the default
+// stream (the global random key, say) land on them as well. Once per thread.
+void bind_thread_defaults() {
+  static thread_local bool bound = false;
+  if (bound) return;
+  bound = true;
+  mx::set_default_stream(shared_stream(mx::Device(mx::Device::cpu)));
+  if (mx::is_available(mx::Device(mx::Device::gpu))) {
+    mx::set_default_stream(shared_stream(mx::Device(mx::Device::gpu)));
+  }
+}
+
 mx::StreamOrDevice sod(StreamSpec s) {
+  bind_thread_defaults();
   switch (s.kind) {
-    case 1: return device_of(s.device_type, s.device_index);
+    case 1: return shared_stream(device_of(s.device_type, s.device_index));
     case 2: return mx::Stream(s.stream_index, device_of(s.device_type, s.device_index));
-    default: return {};
+    default: return shared_stream(mx::default_device());
   }
 }
 
@@ -113,19 +144,16 @@ rust::Vec<rust::String> device_info(uint8_t device_type, int32_t index) {
 }
 
 StreamSpec default_stream(uint8_t device_type, int32_t index) {
-  return spec_of(mx::default_stream(device_of(device_type, index)));
+  return spec_of(shared_stream(device_of(device_type, index)));
 }
 
 StreamSpec new_stream(uint8_t device_type, int32_t index) {
-  return spec_of(mx::new_stream(device_of(device_type, index)));
+  return spec_of(mx::new_thread_unsafe_stream(device_of(device_type, index)));
 }
 
 void synchronize(StreamSpec s) {
-  switch (s.kind) {
-    case 0: mx::synchronize(); break;
-    case 1: mx::synchronize(mx::default_stream(device_of(s.device_type, s.device_index))); break;
-    default: mx::synchronize(mx::Stream(s.stream_index, device_of(s.device_type, s.device_index)));
-  }
+  bind_thread_defaults();
+  mx::synchronize(std::get<mx::Stream>(sod(s)));
 }
 
 // ---- array basics -----------------------------------------------------------------------------------
@@ -191,30 +219,44 @@ void array_copy_to(const Array& a, rust::Slice<uint8_t> out) {
     throw std::invalid_argument("[rmlx] output buffer has " + std::to_string(out.size()) +
                                 " bytes, the array " + std::to_string(a.nbytes()));
   }
+  bind_thread_defaults();
+  // A copy, if one is needed, runs where the array was computed (taken before evaluation, which
+  // detaches the array from its graph).
+  mx::Stream stream = a.has_primitive() ? a.primitive().stream() : shared_stream(mx::default_device());
   mx::array c = a;
   c.eval();
   if (!c.flags().row_contiguous) {
-    c = mx::contiguous(c);
+    c = mx::contiguous(c, false, stream);
     c.eval();
   }
   if (c.nbytes() > 0) std::memcpy(out.data(), c.data<uint8_t>(), c.nbytes());
 }
 
 rust::String array_to_string(const Array& a) {
+  bind_thread_defaults();
   std::ostringstream os;
   os << a;
   return rust::String(os.str());
 }
 
-void array_eval(const Array& a) { const_cast<Array&>(a).eval(); }
+void array_eval(const Array& a) {
+  bind_thread_defaults();
+  const_cast<Array&>(a).eval();
+}
 uint8_t result_type(const Array& a, const Array& b) { return code_of(mx::result_type(a, b)); }
 
 VecPtr vec_new() { return std::make_unique<ArrayVec>(); }
 void vec_push(ArrayVec& v, const Array& a) { v.push_back(a); }
 size_t vec_len(const ArrayVec& v) { return v.size(); }
 ArrayPtr vec_get(const ArrayVec& v, size_t i) { return wrap(v.at(i)); }
-void eval(const ArrayVec& v) { mx::eval(v); }
-void async_eval(const ArrayVec& v) { mx::async_eval(v); }
+void eval(const ArrayVec& v) {
+  bind_thread_defaults();
+  mx::eval(v);
+}
+void async_eval(const ArrayVec& v) {
+  bind_thread_defaults();
+  mx::async_eval(v);
+}
 
 // ---- creation -----------------------------------------------------------------------------------------
 
@@ -533,8 +575,14 @@ ArrayPtr gather_qmm(const Array& x, const Array& w, const Array& scales, const A
 
 // ---- random -------------------------------------------------------------------------------------------
 
-void random_seed(uint64_t seed) { mx::random::seed(seed); }
-ArrayPtr random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }
+void random_seed(uint64_t seed) {
+  bind_thread_defaults();
+  mx::random::seed(seed);
+}
+ArrayPtr random_key(uint64_t seed) {
+  bind_thread_defaults();
+  return wrap(mx::random::key(seed));
+}
 ArrayPtr random_split(const Array& key, int32_t num, StreamSpec s) { return wrap(mx::random::split(key, num, sod(s))); }
 ArrayPtr random_uniform(const Array& low, const Array& high, Shape shape, uint8_t dtype, const Array* key, StreamSpec s) {
   return wrap(mx::random::uniform(low, high, shape_of(shape), dt(dtype), opt(key), sod(s)));

@@ -18,10 +18,8 @@ use std::fmt;
 ///
 /// `Array` is `Send` (it may move to another thread) but not `Sync`: evaluating an array mutates it,
 /// so one array must not be used from two threads at the same time. Clone it for each thread instead.
-/// MLX records ops on the building thread's own default stream, so a graph must be evaluated on the
-/// thread that built it: evaluate before sending (arrays made from data, loaded, or evaluated cross
-/// freely). Evaluating a foreign lazy graph is an `Err` ("There is no Stream(...) in current
-/// thread"), never a crash.
+/// Lazy arrays may cross threads too: rmlx records all work on one stream per device shared by every
+/// thread, and serialises its calls into MLX (see the crate docs, "Threads").
 ///
 /// ```
 /// use rmlx::Array;

@@ -1,7 +1,7 @@
 //! Devices and streams: where operations run.
 //!
-//! Every op runs on a stream. By default that is the default stream of MLX's default device (the GPU
-//! when one is present, else the CPU). [`with_device`] and [`with_stream`] redirect the ops that the
+//! Every op runs on a stream. By default that is rmlx's stream for MLX's default device (the GPU when
+//! one is present, else the CPU): one stream per device, shared by all threads. [`with_device`] and [`with_stream`] redirect the ops that the
 //! current thread builds inside a closure; [`set_default_device`] changes the process-wide default.
 //!
 //! ```
@@ -58,12 +58,12 @@ impl Device {
         let flat = locked(|| ffi::device_info(self.code(), self.index))?;
         Ok(flat.chunks(2).map(|kv| (kv[0].clone(), kv[1].clone())).collect())
     }
-    /// The default stream of this device on the current thread.
+    /// The stream rmlx uses for this device by default (one per device, shared by all threads).
     pub fn default_stream(self) -> Result<Stream> {
         Ok(Stream(locked(|| ffi::default_stream(self.code(), self.index))?))
     }
-    /// A new stream on this device. Ops on different streams may run concurrently. The stream
-    /// belongs to the current thread: use it only from here.
+    /// A new stream on this device, usable from any thread. Ops on different streams may run
+    /// concurrently on the device.
     pub fn new_stream(self) -> Result<Stream> {
         Ok(Stream(locked(|| ffi::new_stream(self.code(), self.index))?))
     }

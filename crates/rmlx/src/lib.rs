@@ -17,12 +17,13 @@
 //! failures found during evaluation) become [`Error::Mlx`] with MLX's message; nothing aborts.
 //!
 //! ## Threads
-//! [`Array`] is `Send` but not `Sync`: do not use one array from two threads at once (evaluation
-//! mutates it); clone it instead — clones are cheap handles. Each thread has its own default stream,
-//! so threads build and evaluate graphs concurrently; the price (MLX's design since 0.31.2) is that a
-//! graph is evaluated on the thread that built it. Evaluate an array before sending it to another
-//! thread; an unevaluated one evaluated elsewhere returns `Err`. A [`Stream`] from
-//! [`Device::new_stream`] belongs to the thread that made it.
+//! [`Array`] is `Send` but not `Sync`: move arrays (evaluated or not) to any thread, but do not use
+//! one array from two threads at once (evaluation mutates it); clone it instead — clones are cheap
+//! handles. All of rmlx's work goes to one stream per device shared by every thread (MLX's own
+//! default streams are per thread, and a graph recorded on one cannot be evaluated from another), and
+//! every call into MLX holds one process-wide lock: MLX's CUDA backend terminates the process when two
+//! threads drive it at once. Threads therefore take turns inside MLX; the device still overlaps work
+//! queued by [`async_eval`].
 //!
 //! ## Linking
 //! `rmlx-sys` finds or installs MLX when it builds and links it with a runpath, so tests and binaries
