@@ -39,12 +39,16 @@ mx::Device device_of(uint8_t type, int32_t index) {
 // in exchange a graph built on one thread can be evaluated on any other, and MLX's CUDA backend
 // never sees two threads capturing CUDA graphs at once.
 mx::Stream shared_stream(mx::Device d) {
+  auto key = std::make_pair(static_cast<int>(d.type), d.index);
+  // Each thread keeps a copy of the few (device -> stream) entries it has used: no lock per op.
+  thread_local std::map<std::pair<int, int>, mx::Stream> seen;
+  if (auto hit = seen.find(key); hit != seen.end()) return hit->second;
   static std::mutex mutex;
   static std::map<std::pair<int, int>, mx::Stream> streams;
   std::lock_guard<std::mutex> guard(mutex);
-  auto key = std::make_pair(static_cast<int>(d.type), d.index);
   auto it = streams.find(key);
   if (it == streams.end()) it = streams.emplace(key, mx::new_thread_unsafe_stream(d)).first;
+  seen.emplace(key, it->second);
   return it->second;
 }
 
