@@ -137,11 +137,11 @@ pub fn index(a: &Array, spec: &[Idx]) -> Result<Array> {
             }
         }
     }
-    for ax in axis..shape.len() {
+    for &n in &shape[axis..] {
         start.push(0);
-        stop.push(shape[ax]);
+        stop.push(n);
         strides.push(1);
-        out_shape.push(shape[ax]);
+        out_shape.push(n);
     }
     let mut out = slice(a, &start, &stop, &strides)?;
     if !reverse.is_empty() {
