@@ -156,7 +156,6 @@ StreamSpec new_stream(uint8_t device_type, int32_t index) {
 }
 
 void synchronize(StreamSpec s) {
-  bind_thread_defaults();
   mx::synchronize(std::get<mx::Stream>(sod(s)));
 }
 

@@ -59,24 +59,24 @@ impl Array {
         }
         // SAFETY: `Element` guarantees a plain, fully initialised layout of `size_of::<T>()` bytes.
         let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
-        Ok(Array::from_raw(locked(|| ffi::array_from_data(bytes, shape, T::DTYPE as u8))?))
+        crate::ops::wrap(|| ffi::array_from_data(bytes, shape, T::DTYPE as u8))
     }
 
     /// A zero-dimensional array holding `value`.
     pub fn scalar<T: Element>(value: T) -> Array {
         let bytes = unsafe { std::slice::from_raw_parts(&value as *const T as *const u8, std::mem::size_of::<T>()) };
         // Cannot fail short of memory exhaustion: the size always matches the empty shape.
-        Array::from_raw(locked(|| ffi::array_from_data(bytes, &[], T::DTYPE as u8)).expect("allocating a scalar"))
+        crate::ops::wrap(|| ffi::array_from_data(bytes, &[], T::DTYPE as u8)).expect("allocating a scalar")
     }
 
     /// A zero-dimensional array of `dtype` holding `value` converted to it.
     pub fn scalar_as(value: f64, dtype: Dtype) -> Result<Array> {
-        Ok(Array::from_raw(locked(|| ffi::array_from_f64(value, dtype as u8))?))
+        crate::ops::wrap(|| ffi::array_from_f64(value, dtype as u8))
     }
 
     /// A zero-dimensional array of `dtype` holding `value` converted to it (integers wrap).
     pub(crate) fn scalar_from_i64(value: i64, dtype: Dtype) -> Result<Array> {
-        Ok(Array::from_raw(locked(|| ffi::array_from_i64(value, dtype as u8))?))
+        crate::ops::wrap(|| ffi::array_from_i64(value, dtype as u8))
     }
 
     /// The dimensions.

@@ -5,14 +5,9 @@
 //! scalars take a floating array's dtype and make integer arrays float32; integer scalars take any
 //! non-bool array's dtype.
 
-use crate::ops;
+use crate::ops::{self, elementwise::float_scalar};
 use crate::{Array, Dtype, Result};
 use std::ops::{Add, Div, Mul, Neg, Rem, Sub};
-
-fn float_operand(a: &Array, v: f64) -> Result<Array> {
-    let dtype = if a.dtype().is_floating() { a.dtype() } else { Dtype::Float32 };
-    Array::scalar_as(v, dtype)
-}
 
 fn int_operand(a: &Array, v: f64) -> Result<Array> {
     let dtype = if a.dtype() == Dtype::Bool { Dtype::Int32 } else { a.dtype() };
@@ -47,7 +42,7 @@ macro_rules! binary_operator {
                 $op(self, &rhs)
             }
         }
-        binary_operator!(@scalar $trait, $method, $op, f32, float_operand);
+        binary_operator!(@scalar $trait, $method, $op, f32, float_scalar);
         binary_operator!(@scalar $trait, $method, $op, i32, int_operand);
     };
     (@scalar $trait:ident, $method:ident, $op:path, $t:ty, $conv:ident) => {

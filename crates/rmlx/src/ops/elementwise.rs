@@ -175,7 +175,7 @@ pub fn array_equal(a: &Array, b: &Array, equal_nan: bool) -> Result<Array> {
 }
 
 /// A scalar of `a`'s dtype (or float32 if `a` is not floating) for mixing into float math.
-fn float_scalar(a: &Array, v: f64) -> Result<Array> {
+pub(crate) fn float_scalar(a: &Array, v: f64) -> Result<Array> {
     let dtype = if a.dtype().is_floating() { a.dtype() } else { Dtype::Float32 };
     Array::scalar_as(v, dtype)
 }

@@ -4,7 +4,7 @@
 //! found while building the graph and come back as `Err` from the op that caused them.
 
 mod creation;
-mod elementwise;
+pub(crate) mod elementwise;
 mod index;
 mod linalg;
 mod reduce;
