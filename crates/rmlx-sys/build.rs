@@ -25,6 +25,9 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.h");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/lib.rs");
+    for file in ["src/transforms.h", "src/transforms.cc", "src/transforms.rs"] {
+        println!("cargo:rerun-if-changed={file}");
+    }
 
     let mlx = match locate_mlx() {
         Ok(dir) => dir,
@@ -37,9 +40,10 @@ fn main() {
     let lib = mlx.join("lib");
     println!("cargo:warning=rmlx-sys: using MLX from {}", mlx.display());
 
-    let mut build = cxx_build::bridge("src/lib.rs");
+    let mut build = cxx_build::bridges(["src/lib.rs", "src/transforms.rs"]);
     build
         .file("src/shim.cc")
+        .file("src/transforms.cc")
         .include(&include)
         .include("src")
         .std("c++20")

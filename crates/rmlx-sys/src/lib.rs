@@ -13,6 +13,9 @@
 
 pub use cxx;
 
+pub mod transforms;
+pub use transforms::tffi;
+
 #[cxx::bridge(namespace = "rmlx_shim")]
 pub mod ffi {
     /// Where an op runs. `kind`: 0 = default stream of the default device, 1 = default stream of

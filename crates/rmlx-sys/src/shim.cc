@@ -113,6 +113,12 @@ NamedArrays named(std::unordered_map<std::string, mx::array> arrays) {
 
 }  // namespace
 
+namespace detail {
+mx::Dtype dtype_of_code(uint8_t code) { return dt(code); }
+uint8_t code_of_dtype(mx::Dtype d) { return code_of(d); }
+mx::StreamOrDevice stream_of(const StreamSpec& s) { return sod(s); }
+}  // namespace detail
+
 // ---- version, devices, streams --------------------------------------------------------------------
 
 rust::String mlx_version() { return rust::String(mx::version()); }

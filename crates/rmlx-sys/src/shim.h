@@ -26,6 +26,13 @@ using ArrayPtr = std::unique_ptr<Array>;
 using VecPtr = std::unique_ptr<ArrayVec>;
 using Shape = rust::Slice<const int32_t>;
 
+// Helpers shared with the other shim files (transforms.cc).
+namespace detail {
+mlx::core::Dtype dtype_of_code(uint8_t code);
+uint8_t code_of_dtype(mlx::core::Dtype d);
+mlx::core::StreamOrDevice stream_of(const StreamSpec& s);
+}  // namespace detail
+
 rust::String mlx_version();
 StreamSpec default_device();
 void set_default_device(uint8_t device_type, int32_t index);

@@ -1,0 +1,298 @@
+// Implementations of transforms.h. Rust callbacks are wrapped into std::functions; a callback that
+// fails throws (cxx turns the Rust `Err` into `rust::Error`), and MLX lets the exception through to
+// the shim call, where cxx hands it back to Rust.
+#include "rmlx-sys/src/transforms.rs.h"
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cuda/cuda.h"
+#include "mlx/backend/metal/metal.h"
+#include "mlx/compile_impl.h"
+#include "mlx/primitives.h"
+#include "mlx/transforms_impl.h"
+
+#include <stdexcept>
+
+namespace mx = mlx::core;
+
+namespace rmlx_shim {
+namespace {
+
+using Arrays = std::vector<mx::array>;
+using Function = std::function<Arrays(const Arrays&)>;
+
+VecPtr to_vec(Arrays v) { return std::make_unique<ArrayVec>(std::move(v)); }
+
+rust::Slice<const int32_t> int_slice(const std::vector<int>& v) {
+  return rust::Slice<const int32_t>(reinterpret_cast<const int32_t*>(v.data()), v.size());
+}
+
+// A borrowed callback: valid only during the transform call that receives it.
+Function borrowed(const ArrayFn& f) {
+  return [&f](const Arrays& args) { return std::move(*call_array_fn(f, args)); };
+}
+
+// An owned callback: the std::function (and every copy MLX makes of it) keeps the Rust box alive.
+Function owned(rust::Box<ArrayFn> f) {
+  auto shared = std::make_shared<rust::Box<ArrayFn>>(std::move(f));
+  return [shared](const Arrays& args) { return std::move(*call_array_fn(**shared, args)); };
+}
+
+ShapeDtype spec_of(const mx::array& a) {
+  ShapeDtype s{};
+  for (auto d : a.shape()) s.shape.push_back(d);
+  s.dtype = detail::code_of_dtype(a.dtype());
+  return s;
+}
+
+rust::Vec<ShapeDtype> specs_of(const Arrays& arrays) {
+  rust::Vec<ShapeDtype> out;
+  for (auto& a : arrays) out.push_back(spec_of(a));
+  return out;
+}
+
+std::vector<mx::Shape> shapes_of(rust::Slice<const ShapeDtype> specs) {
+  std::vector<mx::Shape> out;
+  for (auto& s : specs) out.emplace_back(s.shape.begin(), s.shape.end());
+  return out;
+}
+
+std::vector<mx::Dtype> dtypes_of(rust::Slice<const ShapeDtype> specs) {
+  std::vector<mx::Dtype> out;
+  for (auto& s : specs) out.push_back(detail::dtype_of_code(s.dtype));
+  return out;
+}
+
+std::vector<std::string> strings(const rust::Vec<rust::String>& v) {
+  std::vector<std::string> out;
+  for (auto& s : v) out.emplace_back(std::string(s));
+  return out;
+}
+
+mx::fast::CustomKernelFunction make_kernel(const KernelSpec& spec) {
+  auto in = strings(spec.input_names);
+  auto out = strings(spec.output_names);
+  if (spec.backend == 1) {
+    return mx::fast::cuda_kernel(std::string(spec.name), in, out, std::string(spec.source),
+                                 std::string(spec.header), spec.ensure_row_contiguous, spec.shared_memory);
+  }
+  if (spec.backend == 2) {
+    return mx::fast::metal_kernel(std::string(spec.name), in, out, std::string(spec.source),
+                                  std::string(spec.header), spec.ensure_row_contiguous, spec.atomic_outputs);
+  }
+  throw std::invalid_argument("[rmlx] unknown kernel backend code " + std::to_string(spec.backend));
+}
+
+Arrays launch(const KernelSpec& spec, const Arrays& inputs, const std::vector<mx::Shape>& shapes,
+              const std::vector<mx::Dtype>& dtypes, mx::StreamOrDevice s) {
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> tmpl;
+  for (size_t i = 0; i < spec.template_names.size(); ++i) {
+    std::string name(spec.template_names[i]);
+    int value = spec.template_values[i];
+    switch (spec.template_kinds[i]) {
+      case 0: tmpl.emplace_back(name, value); break;
+      case 1: tmpl.emplace_back(name, value != 0); break;
+      default: tmpl.emplace_back(name, detail::dtype_of_code(static_cast<uint8_t>(value))); break;
+    }
+  }
+  std::optional<float> init = spec.has_init_value ? std::optional<float>(spec.init_value) : std::nullopt;
+  auto kernel = make_kernel(spec);
+  return kernel(inputs, shapes, dtypes, {spec.grid[0], spec.grid[1], spec.grid[2]},
+                {spec.threadgroup[0], spec.threadgroup[1], spec.threadgroup[2]}, tmpl, init, false, s);
+}
+
+CpuBuffer buffer_of(const mx::array& a) {
+  CpuBuffer b{};
+  b.ptr = reinterpret_cast<size_t>(a.data<char>());
+  b.nbytes = a.nbytes();
+  b.dtype = detail::code_of_dtype(a.dtype());
+  for (auto d : a.shape()) b.shape.push_back(d);
+  return b;
+}
+
+// A primitive whose evaluation and transforms are implemented in Rust (rmlx's CustomPrimitive).
+class RustPrimitive : public mx::Primitive {
+ public:
+  RustPrimitive(mx::Stream stream, rust::Box<OpBox> op)
+      : mx::Primitive(stream),
+        op_(std::make_shared<rust::Box<OpBox>>(std::move(op))),
+        name_(std::string(op_name(**op_))) {}
+
+  void eval_cpu(const Arrays& inputs, Arrays& outputs) override {
+    for (auto& in : inputs) {
+      if (!in.flags().row_contiguous) {
+        throw std::runtime_error("[" + name_ + "] internal error: an input is not row-contiguous");
+      }
+    }
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    for (auto& o : outputs) encoder.set_output_array(o);
+    // The task runs on MLX's CPU worker; the copies keep the buffers (and the Rust op) alive.
+    encoder.dispatch([op = op_, ins = inputs, outs = outputs]() {
+      rust::Vec<CpuBuffer> in_buffers, out_buffers;
+      for (auto& a : ins) in_buffers.push_back(buffer_of(a));
+      for (auto& a : outs) out_buffers.push_back(buffer_of(a));
+      op_eval_cpu(**op, rust::Slice<const CpuBuffer>(in_buffers.data(), in_buffers.size()),
+                  rust::Slice<const CpuBuffer>(out_buffers.data(), out_buffers.size()));
+    });
+  }
+
+  void eval_gpu(const Arrays& inputs, Arrays& outputs) override {
+    auto in_specs = specs_of(inputs);
+    auto out_specs = specs_of(outputs);
+    KernelSpec spec{};
+    bool found = op_gpu_kernel(**op_, gpu_backend(), rust::Slice<const ShapeDtype>(in_specs.data(), in_specs.size()),
+                               rust::Slice<const ShapeDtype>(out_specs.data(), out_specs.size()), spec);
+    if (!found) {
+      throw std::runtime_error("[" + name_ + "] has no GPU kernel for this backend");
+    }
+    std::vector<mx::Shape> shapes;
+    std::vector<mx::Dtype> dtypes;
+    for (auto& o : outputs) {
+      shapes.push_back(o.shape());
+      dtypes.push_back(o.dtype());
+    }
+    // Build the kernel's own primitive and let it evaluate into our outputs.
+    auto staged = launch(spec, inputs, shapes, dtypes, stream());
+    kernels_.push_back(staged[0].primitive_ptr());
+    staged[0].primitive().eval_gpu(inputs, outputs);
+  }
+
+  std::vector<mx::array> vjp(const Arrays& primals, const Arrays& cotangents, const std::vector<int>& argnums,
+                             const Arrays& outputs) override {
+    return std::move(*op_vjp(**op_, primals, cotangents, int_slice(argnums), outputs));
+  }
+
+  std::vector<mx::array> jvp(const Arrays& primals, const Arrays& tangents, const std::vector<int>& argnums) override {
+    return std::move(*op_jvp(**op_, primals, tangents, int_slice(argnums)));
+  }
+
+  std::pair<Arrays, std::vector<int>> vmap(const Arrays& inputs, const std::vector<int>& axes) override {
+    rust::Vec<int32_t> out_axes;
+    auto outs = op_vmap(**op_, inputs, int_slice(axes), out_axes);
+    return {std::move(*outs), std::vector<int>(out_axes.begin(), out_axes.end())};
+  }
+
+  const char* name() const override { return name_.c_str(); }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const RustPrimitive*>(&other);
+    return o != nullptr && op_equivalent(**op_, **o->op_);
+  }
+
+  std::vector<mx::Shape> output_shapes(const Arrays& inputs) override {
+    auto in_specs = specs_of(inputs);
+    auto outs = op_output_specs(**op_, rust::Slice<const ShapeDtype>(in_specs.data(), in_specs.size()));
+    std::vector<mx::Shape> shapes;
+    for (auto& s : outs) shapes.emplace_back(s.shape.begin(), s.shape.end());
+    return shapes;
+  }
+
+ private:
+  std::shared_ptr<rust::Box<OpBox>> op_;
+  std::string name_;
+  std::vector<std::shared_ptr<mx::Primitive>> kernels_;
+};
+
+}  // namespace
+
+TransformOut vjp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& cotangents) {
+  auto [outs, vjps] = mx::vjp(borrowed(f), primals, cotangents);
+  return TransformOut{to_vec(std::move(outs)), to_vec(std::move(vjps))};
+}
+
+TransformOut jvp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& tangents) {
+  auto [outs, jvps] = mx::jvp(borrowed(f), primals, tangents);
+  return TransformOut{to_vec(std::move(outs)), to_vec(std::move(jvps))};
+}
+
+TransformOut value_and_grad(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> argnums) {
+  auto fun = mx::value_and_grad(borrowed(f), std::vector<int>(argnums.begin(), argnums.end()));
+  auto [values, grads] = fun(inputs);
+  return TransformOut{to_vec(std::move(values)), to_vec(std::move(grads))};
+}
+
+VecPtr vmap(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> in_axes,
+            rust::Slice<const int32_t> out_axes) {
+  auto fun = mx::vmap(borrowed(f), std::vector<int>(in_axes.begin(), in_axes.end()),
+                      std::vector<int>(out_axes.begin(), out_axes.end()));
+  return to_vec(fun(inputs));
+}
+
+std::unique_ptr<ArrayFunction> checkpoint(rust::Box<ArrayFn> f) {
+  return std::make_unique<ArrayFunction>(ArrayFunction{mx::checkpoint(owned(std::move(f)))});
+}
+
+std::unique_ptr<ArrayFunction> custom_function(rust::Box<ArrayFn> f, rust::Box<VjpFn> vjp, bool has_vjp,
+                                               rust::Box<JvpFn> jvp, bool has_jvp, rust::Box<VmapFn> vmap,
+                                               bool has_vmap) {
+  std::optional<std::function<Arrays(const Arrays&, const Arrays&, const Arrays&)>> fun_vjp;
+  std::optional<std::function<Arrays(const Arrays&, const Arrays&, const std::vector<int>&)>> fun_jvp;
+  std::optional<std::function<std::pair<Arrays, std::vector<int>>(const Arrays&, const std::vector<int>&)>> fun_vmap;
+  if (has_vjp) {
+    auto g = std::make_shared<rust::Box<VjpFn>>(std::move(vjp));
+    fun_vjp = [g](const Arrays& primals, const Arrays& cotangents, const Arrays& outputs) {
+      return std::move(*call_vjp_fn(**g, primals, cotangents, outputs));
+    };
+  }
+  if (has_jvp) {
+    auto g = std::make_shared<rust::Box<JvpFn>>(std::move(jvp));
+    fun_jvp = [g](const Arrays& primals, const Arrays& tangents, const std::vector<int>& argnums) {
+      return std::move(*call_jvp_fn(**g, primals, tangents, int_slice(argnums)));
+    };
+  }
+  if (has_vmap) {
+    auto g = std::make_shared<rust::Box<VmapFn>>(std::move(vmap));
+    fun_vmap = [g](const Arrays& inputs, const std::vector<int>& axes) {
+      rust::Vec<int32_t> out_axes;
+      auto outs = call_vmap_fn(**g, inputs, int_slice(axes), out_axes);
+      return std::make_pair(std::move(*outs), std::vector<int>(out_axes.begin(), out_axes.end()));
+    };
+  }
+  return std::make_unique<ArrayFunction>(
+      ArrayFunction{mx::custom_function(owned(std::move(f)), fun_vjp, fun_jvp, fun_vmap)});
+}
+
+std::unique_ptr<ArrayFunction> compile(rust::Box<ArrayFn> f, size_t fun_id, bool shapeless) {
+  return std::make_unique<ArrayFunction>(ArrayFunction{mx::detail::compile(owned(std::move(f)), fun_id, shapeless)});
+}
+
+VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs) { return to_vec(f.fun(inputs)); }
+
+void compile_erase(size_t fun_id) { mx::detail::compile_erase(mx::detail::compile_cache(), fun_id); }
+
+void compile_clear_cache() { mx::detail::compile_clear_cache(mx::detail::compile_cache()); }
+
+void set_compile_enabled(bool enabled) {
+  if (enabled) {
+    mx::enable_compile();
+  } else {
+    mx::disable_compile();
+  }
+}
+
+bool in_tracing() { return mx::detail::in_tracing(); }
+
+uint8_t gpu_backend() {
+  if (mx::cu::is_available()) return 1;
+  if (mx::metal::is_available()) return 2;
+  return 0;
+}
+
+VecPtr custom_kernel(const KernelSpec& spec, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,
+                     StreamSpec s) {
+  return to_vec(launch(spec, inputs, shapes_of(outputs), dtypes_of(outputs), detail::stream_of(s)));
+}
+
+VecPtr custom_primitive(rust::Box<OpBox> op, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,
+                        StreamSpec s) {
+  auto stream = mx::to_stream(detail::stream_of(s));
+  auto primitive = std::make_shared<RustPrimitive>(stream, std::move(op));
+  return to_vec(mx::array::make_arrays(shapes_of(outputs), dtypes_of(outputs), primitive, inputs));
+}
+
+rust::String array_primitive_name(const Array& a) {
+  return a.has_primitive() ? rust::String(a.primitive().name()) : rust::String();
+}
+
+}  // namespace rmlx_shim
