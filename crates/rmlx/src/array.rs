@@ -30,15 +30,18 @@ use std::fmt;
 /// ```
 pub struct Array {
     raw: UniquePtr<ffi::Array>,
+    /// When this handle was made (see `compile::capture_guard`).
+    stamp: u64,
 }
 
 impl Array {
     pub(crate) fn from_raw(raw: UniquePtr<ffi::Array>) -> Array {
         debug_assert!(!raw.is_null());
-        Array { raw }
+        Array { raw, stamp: crate::compile::next_stamp() }
     }
 
     pub(crate) fn raw(&self) -> &ffi::Array {
+        crate::compile::note_use(self.stamp);
         // The pointer is never null: every constructor receives a fresh array from the shim.
         self.raw.as_ref().expect("non-null array handle")
     }
@@ -136,7 +139,8 @@ impl Array {
 
     /// Computes the array (and what it depends on) and waits for the result.
     pub fn eval(&self) -> Result<()> {
-        Ok(locked(|| ffi::array_eval(self.raw()))?)
+        locked(|| ffi::array_eval(self.raw()))?;
+        crate::custom::check_eval_errors()
     }
 
     /// The elements in row-major order, whatever the array's memory layout (transposed, broadcast and
@@ -152,6 +156,7 @@ impl Array {
             std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(out.as_slice()))
         };
         locked(|| ffi::array_copy_to(self.raw(), bytes))?;
+        crate::custom::check_eval_errors()?;
         Ok(out)
     }
 
@@ -203,7 +208,8 @@ impl fmt::Display for Array {
     /// MLX's own rendering, e.g. `array([1, 2], dtype=int32)`. Evaluates the array.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match locked(|| ffi::array_to_string(self.raw())) {
-            Ok(s) => f.write_str(&s),
+            Ok(s) if crate::custom::check_eval_errors().is_ok() => f.write_str(&s),
+            Ok(_) => write!(f, "<array {:?} {}: a primitive's evaluation failed>", self.shape(), self.dtype()),
             Err(e) => write!(f, "<array {:?} {}: {}>", self.shape(), self.dtype(), e.what()),
         }
     }
@@ -226,14 +232,19 @@ pub(crate) fn array_vec<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Uniq
 }
 
 pub(crate) fn from_array_vec(v: &UniquePtr<ffi::ArrayVec>) -> Vec<Array> {
-    let Some(v) = v.as_ref() else { return Vec::new() };
+    v.as_ref().map_or_else(Vec::new, arrays_of)
+}
+
+/// Rust handles to the arrays of a `std::vector<array>`.
+pub(crate) fn arrays_of(v: &ffi::ArrayVec) -> Vec<Array> {
     (0..ffi::vec_len(v)).map(|i| Array::from_raw(ffi::vec_get(v, i))).collect()
 }
 
 /// Computes all `arrays` together (sharing common sub-graphs) and waits.
 pub fn eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
     let v = array_vec(arrays);
-    Ok(locked(|| ffi::eval(&v))?)
+    locked(|| ffi::eval(&v))?;
+    crate::custom::check_eval_errors()
 }
 
 /// Schedules the computation of `arrays` and returns at once; reading them later waits as needed.

@@ -98,7 +98,22 @@ pub(crate) fn current() -> StreamSpec {
     CURRENT.with(|c| c.get())
 }
 
-fn scoped<T>(spec: StreamSpec, f: impl FnOnce() -> T) -> T {
+/// The device the next op built on this thread runs on.
+pub(crate) fn current_device() -> Device {
+    let spec = current();
+    if spec.kind == 0 {
+        default_device()
+    } else {
+        Device::from_spec(spec)
+    }
+}
+
+/// The spec of `device`'s default (shared) stream.
+pub(crate) fn device_spec(device: Device) -> StreamSpec {
+    StreamSpec { kind: 1, device_type: device.code(), device_index: device.index, stream_index: 0 }
+}
+
+pub(crate) fn with_stream_spec<T>(spec: StreamSpec, f: impl FnOnce() -> T) -> T {
     struct Restore(StreamSpec);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -111,12 +126,12 @@ fn scoped<T>(spec: StreamSpec, f: impl FnOnce() -> T) -> T {
 
 /// Runs `f` with every op built on this thread placed on `device`'s default stream.
 pub fn with_device<T>(device: Device, f: impl FnOnce() -> T) -> T {
-    scoped(StreamSpec { kind: 1, device_type: device.code(), device_index: device.index, stream_index: 0 }, f)
+    with_stream_spec(device_spec(device), f)
 }
 
 /// Runs `f` with every op built on this thread placed on `stream`.
 pub fn with_stream<T>(stream: Stream, f: impl FnOnce() -> T) -> T {
-    scoped(stream.0, f)
+    with_stream_spec(stream.0, f)
 }
 
 /// MLX's default device for this process.

@@ -18,6 +18,26 @@ pub enum Error {
     /// Data length and shape disagree, or an argument is out of range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A closure given to a transform (or a custom primitive's method) panicked; the message is the
+    /// panic's. The panic never crosses into MLX.
+    #[error("panic in a callback: {0}")]
+    Callback(String),
+    /// A function given to [`compile`](crate::compile::compile) used an array it did not receive as
+    /// an input; compiling would have frozen that array's current value into the compiled graph.
+    #[error("compiled function `{0}` uses an array it did not receive as an input (pass it as an input)")]
+    CapturedArray(String),
+    /// In eager mode ([`ExecutionMode::Eager`](crate::ExecutionMode)), evaluating the result of the
+    /// named primitive failed.
+    #[error("eager evaluation failed at {op}: {message}")]
+    Eager { op: String, message: String },
+    /// A custom primitive's CPU evaluation returned an error (it runs on MLX's worker thread; the
+    /// error is reported by the evaluation that ran it).
+    #[error("primitive evaluation failed: {0}")]
+    PrimitiveEval(String),
+    /// The operation is not available here: a transform a custom primitive does not implement, a
+    /// kernel for a GPU backend this MLX lacks.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// A file could not be read or written.
     #[error("{path}: {source}")]
     Io { path: String, source: std::io::Error },

@@ -1,9 +1,14 @@
-//! MLX's fused kernels: RMSNorm, LayerNorm, RoPE and scaled dot-product attention.
+//! MLX's fused kernels: RMSNorm, LayerNorm, RoPE and scaled dot-product attention; and GPU
+//! kernels of your own from source ([`cuda_kernel`], [`metal_kernel`]).
 
 use crate::device::current;
 use crate::ops::wrap;
 use crate::{Array, Result};
 use rmlx_sys::ffi;
+
+pub use crate::kernel::{
+    cuda_kernel, gpu_backend, metal_kernel, CustomKernel, GpuBackend, KernelLaunch, TemplateArg, TensorSpec,
+};
 
 /// `x / sqrt(mean(x², -1) + eps) * weight` over the last axis.
 pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {

@@ -31,17 +31,23 @@
 //! the same runpath from its build script with `DEP_RMLX_LIB_DIR` (see `build.rs` of this crate).
 
 mod array;
+mod callback;
+pub mod compile;
+pub mod custom;
 mod device;
 mod dtype;
 mod error;
 pub mod fast;
 pub mod io;
+mod kernel;
 mod lock;
 pub mod memory;
+mod mode;
 mod operators;
 pub mod ops;
 pub mod quantization;
 pub mod random;
+pub mod transforms;
 
 pub use array::{async_eval, eval, Array};
 pub use device::{
@@ -49,6 +55,7 @@ pub use device::{
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
+pub use mode::{execution_mode, set_execution_mode, with_execution_mode, Executable, ExecutionMode};
 pub use half::{bf16, f16};
 pub use num_complex::Complex32;
 pub use ops::Axes;

@@ -78,5 +78,5 @@ pub(crate) fn axis_parts(axis: Option<i32>) -> (i32, bool) {
 
 /// Makes one shim call under the MLX lock and wraps the new array.
 pub(crate) fn wrap(call: impl FnOnce() -> std::result::Result<UniquePtr<ffi::Array>, Exception>) -> Result<Array> {
-    Ok(Array::from_raw(crate::lock::locked(call)?))
+    crate::mode::after_op(Array::from_raw(crate::lock::locked(call)?))
 }
