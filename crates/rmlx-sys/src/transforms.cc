@@ -8,7 +8,6 @@
 #include "mlx/backend/metal/metal.h"
 #include "mlx/compile_impl.h"
 #include "mlx/primitives.h"
-#include "mlx/transforms_impl.h"
 
 #include <stdexcept>
 
@@ -271,7 +270,7 @@ void set_compile_enabled(bool enabled) {
   }
 }
 
-bool in_tracing() { return mx::detail::in_tracing(); }
+bool array_is_tracer(const Array& a) { return a.is_tracer(); }
 
 uint8_t gpu_backend() {
   if (mx::cu::is_available()) return 1;

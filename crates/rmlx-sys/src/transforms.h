@@ -38,7 +38,7 @@ VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs);
 void compile_erase(size_t fun_id);
 void compile_clear_cache();
 void set_compile_enabled(bool enabled);
-bool in_tracing();
+bool array_is_tracer(const Array& a);
 
 uint8_t gpu_backend();
 VecPtr custom_kernel(const KernelSpec& spec, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,

@@ -112,7 +112,8 @@ pub mod tffi {
         fn compile_erase(fun_id: usize);
         fn compile_clear_cache();
         fn set_compile_enabled(enabled: bool);
-        fn in_tracing() -> bool;
+        /// Whether `a` is a tracer of a transform being traced (MLX cannot evaluate those).
+        fn array_is_tracer(a: &Array) -> bool;
 
         /// 0 = no GPU backend, 1 = CUDA, 2 = Metal.
         fn gpu_backend() -> u8;
@@ -122,6 +123,8 @@ pub mod tffi {
     }
 
     impl UniquePtr<ArrayFunction> {}
+    impl Vec<CpuBuffer> {}
+    impl Vec<ShapeDtype> {}
 }
 
 use tffi::{ArrayVec, CpuBuffer, KernelSpec, ShapeDtype};

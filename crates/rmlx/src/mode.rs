@@ -123,16 +123,17 @@ pub fn set_execution_mode(mode: ExecutionMode) {
 
 /// Eager mode's hook, run on the result of every op: evaluate it now unless it is being traced.
 pub(crate) fn after_op(a: Array) -> Result<Array> {
-    if execution_mode() != ExecutionMode::Eager || crate::lock::locked(tffi::in_tracing) {
+    if execution_mode() != ExecutionMode::Eager || crate::lock::locked(|| tffi::array_is_tracer(a.raw())) {
         return Ok(a);
     }
+    // Evaluation detaches the array from its primitive: take the name first.
+    let op = crate::lock::locked(|| tffi::array_primitive_name(a.raw()));
     let evaluated = crate::lock::locked(|| rmlx_sys::ffi::array_eval(a.raw()))
         .map_err(Error::from)
         .and_then(|_| crate::custom::check_eval_errors());
     match evaluated {
         Ok(()) => Ok(a),
         Err(e) => {
-            let op = crate::lock::locked(|| tffi::array_primitive_name(a.raw()));
             let message = match e {
                 Error::Mlx(m) | Error::PrimitiveEval(m) => m,
                 other => other.to_string(),
