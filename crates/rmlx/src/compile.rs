@@ -43,7 +43,7 @@ use rmlx_sys::tffi;
 use std::cell::Cell;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::rc::Rc;
 
 /// Options of [`compile_with`].
 #[derive(Clone, Debug, Default)]
@@ -66,7 +66,7 @@ struct Inner {
 /// A compiled function (see the module docs). Not `Send`: MLX keeps compiled traces per thread.
 pub struct Compiled {
     raw: UniquePtr<tffi::ArrayFunction>,
-    inner: Arc<Inner>,
+    inner: Rc<Inner>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -77,14 +77,14 @@ pub fn compile(f: impl Fn(&[Array]) -> Result<Vec<Array>> + Sync + 'static) -> C
 
 /// Compiles `f` with `options`.
 pub fn compile_with(f: impl Fn(&[Array]) -> Result<Vec<Array>> + Sync + 'static, options: CompileOptions) -> Compiled {
-    let inner = Arc::new(Inner {
+    let inner = Rc::new(Inner {
         f: Box::new(f),
         name: options.name.unwrap_or_else(|| "<closure>".into()),
         traces: AtomicUsize::new(0),
     });
     let traced = inner.clone();
     let cb = callback::owned_fn(move |args: &[Array]| trace(&traced, args));
-    let id = Arc::as_ptr(&inner) as usize;
+    let id = Rc::as_ptr(&inner) as usize;
     let raw = crate::lock::locked(|| tffi::compile(cb, id, options.shapeless)).expect("compile never fails to wrap");
     Compiled { raw, inner, _not_send: PhantomData }
 }
@@ -118,7 +118,7 @@ impl Compiled {
     }
 
     fn id(&self) -> usize {
-        Arc::as_ptr(&self.inner) as usize
+        Rc::as_ptr(&self.inner) as usize
     }
 }
 

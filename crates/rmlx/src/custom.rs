@@ -13,7 +13,35 @@
 //! thread; it is reported by the evaluation that ran the node (`eval`, `to_vec`, ...) as
 //! [`Error::PrimitiveEval`], and the outputs' contents are unspecified.
 //!
-//! `examples/axpby.rs` walks through a complete primitive, MLX's `axpby` guide in Rust.
+//! ```
+//! use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
+//! use rmlx::fast::TensorSpec;
+//! use rmlx::{transforms, Array, Axes, Result};
+//!
+//! /// y = 3x, on f32.
+//! struct Triple;
+//! impl CustomPrimitive for Triple {
+//!     fn name(&self) -> String { "Triple".into() }
+//!     fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> { Ok(vec![inputs[0].clone()]) }
+//!     fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
+//!         let x = inputs[0].as_slice::<f32>()?;
+//!         for (y, x) in outputs[0].as_mut_slice::<f32>()?.iter_mut().zip(x) { *y = 3.0 * x; }
+//!         Ok(())
+//!     }
+//!     fn vjp(&self, _p: &[Array], cotangents: &[Array], _argnums: &[usize], _o: &[Array]) -> Result<Vec<Array>> {
+//!         Ok(vec![(&cotangents[0] * 3.0)?])
+//!     }
+//! }
+//!
+//! let x = Array::from_slice(&[1.0f32, 2.0], &[2])?;
+//! assert_eq!(apply(Triple, &[x.clone()])?[0].to_vec::<f32>()?, vec![3.0, 6.0]);
+//! let g = transforms::grad(|a: &[Array]| apply(Triple, a)?[0].sum(Axes::All, false), &[0]);
+//! assert_eq!(g(&[x])?[0].to_vec::<f32>()?, vec![3.0, 3.0]);
+//! # Ok::<(), rmlx::Error>(())
+//! ```
+//!
+//! `examples/axpby` (the `rmlx-axpby` crate) walks through a complete primitive: MLX's `axpby` guide
+//! in Rust, with a GPU kernel and all transforms.
 
 use crate::array::array_vec;
 use crate::callback::{self, returned};

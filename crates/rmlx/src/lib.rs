@@ -16,6 +16,14 @@
 //! Every operation returns [`Result`]. MLX's C++ exceptions (shape mismatches, bad dtypes, I/O
 //! failures found during evaluation) become [`Error::Mlx`] with MLX's message; nothing aborts.
 //!
+//! ## Transforms, compilation and extensions
+//! [`transforms`] differentiates and vectorises Rust closures ([`transforms::grad`],
+//! [`transforms::vjp`], [`transforms::jvp`], [`transforms::vmap`], ...); [`compile`] traces a function
+//! into a fused graph; [`ExecutionMode`] switches between lazy, eager (debugging) and compiled
+//! evaluation; [`fast::cuda_kernel`] / [`fast::metal_kernel`] run GPU kernels from source; and
+//! [`custom::CustomPrimitive`] adds operations written in Rust as real MLX primitives. An `Err` or a
+//! panic inside any closure comes back as the `Err` of the outer call.
+//!
 //! ## Threads
 //! [`Array`] is `Send` but not `Sync`: move arrays (evaluated or not) to any thread, but do not use
 //! one array from two threads at once (evaluation mutates it); clone it instead — clones are cheap
