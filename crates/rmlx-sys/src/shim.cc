@@ -117,6 +117,7 @@ namespace detail {
 mx::Dtype dtype_of_code(uint8_t code) { return dt(code); }
 uint8_t code_of_dtype(mx::Dtype d) { return code_of(d); }
 mx::StreamOrDevice stream_of(const StreamSpec& s) { return sod(s); }
+void bind_thread() { bind_thread_defaults(); }
 }  // namespace detail
 
 // ---- version, devices, streams --------------------------------------------------------------------

@@ -31,6 +31,8 @@ namespace detail {
 mlx::core::Dtype dtype_of_code(uint8_t code);
 uint8_t code_of_dtype(mlx::core::Dtype d);
 mlx::core::StreamOrDevice stream_of(const StreamSpec& s);
+// Binds rmlx's shared streams as this thread's MLX defaults (once per thread).
+void bind_thread();
 }  // namespace detail
 
 rust::String mlx_version();

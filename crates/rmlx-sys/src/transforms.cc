@@ -10,6 +10,7 @@
 #include "mlx/primitives.h"
 
 #include <stdexcept>
+#include <thread>
 
 namespace mx = mlx::core;
 
@@ -127,12 +128,13 @@ class RustPrimitive : public mx::Primitive {
     for (auto& in : inputs) encoder.set_input_array(in);
     for (auto& o : outputs) encoder.set_output_array(o);
     // The task runs on MLX's CPU worker; the copies keep the buffers (and the Rust op) alive.
-    encoder.dispatch([op = op_, ins = inputs, outs = outputs]() {
+    // Failures are reported to the thread that asked for this evaluation.
+    encoder.dispatch([op = op_, ins = inputs, outs = outputs, token = eval_thread_token()]() {
       rust::Vec<CpuBuffer> in_buffers, out_buffers;
       for (auto& a : ins) in_buffers.push_back(buffer_of(a));
       for (auto& a : outs) out_buffers.push_back(buffer_of(a));
       op_eval_cpu(**op, rust::Slice<const CpuBuffer>(in_buffers.data(), in_buffers.size()),
-                  rust::Slice<const CpuBuffer>(out_buffers.data(), out_buffers.size()));
+                  rust::Slice<const CpuBuffer>(out_buffers.data(), out_buffers.size()), token);
     });
   }
 
@@ -253,10 +255,17 @@ std::unique_ptr<ArrayFunction> custom_function(rust::Box<ArrayFn> f, rust::Box<V
 }
 
 std::unique_ptr<ArrayFunction> compile(rust::Box<ArrayFn> f, size_t fun_id, bool shapeless) {
+  // MLX keys compiled traces by the thread's default stream: bind rmlx's before the first trace.
+  detail::bind_thread();
   return std::make_unique<ArrayFunction>(ArrayFunction{mx::detail::compile(owned(std::move(f)), fun_id, shapeless)});
 }
 
-VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs) { return to_vec(f.fun(inputs)); }
+VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs) {
+  detail::bind_thread();
+  return to_vec(f.fun(inputs));
+}
+
+size_t eval_thread_token() { return std::hash<std::thread::id>{}(std::this_thread::get_id()); }
 
 void compile_erase(size_t fun_id) { mx::detail::compile_erase(mx::detail::compile_cache(), fun_id); }
 

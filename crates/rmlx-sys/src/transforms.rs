@@ -11,6 +11,7 @@
 use crate::cxx::UniquePtr;
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 #[cxx::bridge(namespace = "rmlx_shim")]
@@ -73,7 +74,7 @@ pub mod tffi {
 
         fn op_name(op: &OpBox) -> String;
         fn op_output_specs(op: &OpBox, inputs: &[ShapeDtype]) -> Result<Vec<ShapeDtype>>;
-        fn op_eval_cpu(op: &OpBox, inputs: &[CpuBuffer], outputs: &[CpuBuffer]);
+        fn op_eval_cpu(op: &OpBox, inputs: &[CpuBuffer], outputs: &[CpuBuffer], token: usize);
         fn op_gpu_kernel(op: &OpBox, backend: u8, inputs: &[ShapeDtype], outputs: &[ShapeDtype], spec: &mut KernelSpec) -> Result<bool>;
         fn op_vjp(op: &OpBox, primals: &ArrayVec, cotangents: &ArrayVec, argnums: &[i32], outputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
         fn op_jvp(op: &OpBox, primals: &ArrayVec, tangents: &ArrayVec, argnums: &[i32]) -> Result<UniquePtr<ArrayVec>>;
@@ -114,6 +115,8 @@ pub mod tffi {
         fn set_compile_enabled(enabled: bool);
         /// Whether `a` is a tracer of a transform being traced (MLX cannot evaluate those).
         fn array_is_tracer(a: &Array) -> bool;
+        /// Identifies the calling thread (primitives' CPU failures are kept per evaluating thread).
+        fn eval_thread_token() -> usize;
 
         /// 0 = no GPU backend, 1 = CUDA, 2 = Metal.
         fn gpu_backend() -> u8;
@@ -216,18 +219,31 @@ fn op_output_specs(op: &OpBox, inputs: &[ShapeDtype]) -> Result<Vec<ShapeDtype>,
 }
 
 /// Errors from primitives' CPU evaluation, which runs on MLX's worker thread where nothing can be
-/// thrown. The safe layer checks this after every evaluation.
-static PENDING_EVAL_ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// thrown, with the token of the thread whose evaluation ran the primitive. The safe layer checks
+/// this after every evaluation.
+static PENDING_EVAL_ERRORS: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+static PENDING_COUNT: AtomicUsize = AtomicUsize::new(0);
 
-/// Takes the errors recorded by primitives' CPU evaluation since the last call.
+/// Takes the errors recorded by primitives' CPU evaluation for evaluations the calling thread asked
+/// for. One atomic load when there are none.
 pub fn take_eval_errors() -> Vec<String> {
-    std::mem::take(&mut *PENDING_EVAL_ERRORS.lock().unwrap_or_else(|p| p.into_inner()))
+    if PENDING_COUNT.load(Ordering::Acquire) == 0 {
+        return Vec::new();
+    }
+    let token = tffi::eval_thread_token();
+    let mut pending = PENDING_EVAL_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
+    let (mine, others): (Vec<_>, Vec<_>) = pending.drain(..).partition(|(t, _)| *t == token);
+    *pending = others;
+    PENDING_COUNT.store(pending.len(), Ordering::Release);
+    mine.into_iter().map(|(_, e)| e).collect()
 }
 
-fn op_eval_cpu(op: &OpBox, inputs: &[CpuBuffer], outputs: &[CpuBuffer]) {
+fn op_eval_cpu(op: &OpBox, inputs: &[CpuBuffer], outputs: &[CpuBuffer], token: usize) {
     if let Err(e) = guarded("a primitive's eval_cpu", || op.0.eval_cpu(inputs, outputs)) {
         let name = op_name(op);
-        PENDING_EVAL_ERRORS.lock().unwrap_or_else(|p| p.into_inner()).push(format!("[{name}] {e}"));
+        let mut pending = PENDING_EVAL_ERRORS.lock().unwrap_or_else(|p| p.into_inner());
+        pending.push((token, format!("[{name}] {e}")));
+        PENDING_COUNT.store(pending.len(), Ordering::Release);
     }
 }
 

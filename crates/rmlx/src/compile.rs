@@ -24,7 +24,7 @@
 //! use rmlx::{compile::compile, Array};
 //! let gelu_ish = compile(|x: &[Array]| {
 //!     let x = &x[0];
-//!     Ok(vec![(x * &(&(x * 1.702)?.sigmoid()?))?])
+//!     Ok(vec![(x * &(x * 1.702)?.sigmoid()?)?])
 //! });
 //! let x = Array::from_slice(&[-1.0f32, 0.0, 1.0], &[3])?;
 //! let y = gelu_ish.call(&[x.clone()])?;

@@ -10,8 +10,8 @@
 //! returns a kernel for MLX's GPU backend; on the CPU otherwise (MLX moves the data as needed).
 //! The CPU evaluation runs on MLX's CPU worker thread while the caller waits for the result: it gets
 //! plain slices and must not call into rmlx. An `Err` (or panic) there cannot be thrown on that
-//! thread; it is reported by the evaluation that ran the node (`eval`, `to_vec`, ...) as
-//! [`Error::PrimitiveEval`], and the outputs' contents are unspecified.
+//! thread; it is reported as [`Error::PrimitiveEval`] by the next evaluation (`eval`, `to_vec`, ...)
+//! on the thread that scheduled the failed one, and the outputs' contents are unspecified.
 //!
 //! ```
 //! use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};

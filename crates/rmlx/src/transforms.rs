@@ -32,16 +32,15 @@ fn argnums_i32(argnums: &[usize], n_inputs: usize) -> Result<Vec<i32>> {
     if argnums.is_empty() {
         return Err(Error::InvalidArgument("argnums must name at least one input".into()));
     }
-    argnums
-        .iter()
-        .map(|&a| {
-            if a >= n_inputs {
-                Err(Error::InvalidArgument(format!("argnum {a} is out of range for {n_inputs} inputs")))
-            } else {
-                Ok(a as i32)
-            }
-        })
-        .collect()
+    for (i, &a) in argnums.iter().enumerate() {
+        if a >= n_inputs {
+            return Err(Error::InvalidArgument(format!("argnum {a} is out of range for {n_inputs} inputs")));
+        }
+        if argnums[..i].contains(&a) {
+            return Err(Error::InvalidArgument(format!("argnum {a} is listed twice")));
+        }
+    }
+    Ok(argnums.iter().map(|&a| a as i32).collect())
 }
 
 /// The outputs of `f` at `primals` and the vector-Jacobian products of `cotangents` (one per output)
@@ -76,8 +75,8 @@ where
 }
 
 /// A function returning `f`'s outputs and the gradient of its first output (a scalar, the loss)
-/// with respect to the inputs listed in `argnums`. Further outputs of `f` are auxiliary: returned
-/// as they are, not differentiated.
+/// with respect to the inputs listed in `argnums`, in that order. Further outputs of `f` are
+/// auxiliary: returned as they are, not differentiated.
 ///
 /// ```
 /// use rmlx::{transforms, Array, Axes};
@@ -99,11 +98,23 @@ where
     F: Fn(&[Array]) -> Result<Vec<Array>>,
 {
     let argnums = argnums.to_vec();
+    let checked = move |x: &[Array]| {
+        let outs = f(x)?;
+        if outs.is_empty() {
+            return Err(Error::InvalidArgument("the function being differentiated returned no outputs".into()));
+        }
+        Ok(outs)
+    };
     move |inputs: &[Array]| {
         let nums = argnums_i32(&argnums, inputs.len())?;
+        // MLX returns the gradients in ascending argnum order.
+        let mut sorted = nums.clone();
+        sorted.sort_unstable();
         let v = array_vec(inputs);
-        let out = with_borrowed_fn(&f, |cb| callback::call(|| tffi::value_and_grad(cb, &v, &nums)))?;
-        Ok((arrays(&out.outputs), arrays(&out.products)))
+        let out = with_borrowed_fn(&checked, |cb| callback::call(|| tffi::value_and_grad(cb, &v, &sorted)))?;
+        let grads = arrays(&out.products);
+        let grads = nums.iter().map(|n| grads[sorted.binary_search(n).expect("sorted argnum")].clone()).collect();
+        Ok((arrays(&out.outputs), grads))
     }
 }
 

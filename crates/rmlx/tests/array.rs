@@ -1,3 +1,4 @@
+#![allow(clippy::excessive_precision, clippy::approx_constant, clippy::bool_assert_comparison)]
 //! Integration tests of `Array`: creation, metadata, reading values back (also from non-contiguous
 //! views), dtype conversions, errors, formatting, operators and evaluation.
 

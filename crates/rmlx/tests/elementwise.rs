@@ -1,3 +1,4 @@
+#![allow(clippy::excessive_precision, clippy::approx_constant, clippy::bool_assert_comparison)]
 //! Integration tests of the element-wise ops: unary math, binary arithmetic, comparisons, logic,
 //! bitwise ops, products, rounding, `where`, `clip`, `isclose`, `array_equal` and activations.
 //!

@@ -12,23 +12,10 @@ use rmlx::transforms::{self, checkpoint, custom_vjp, CustomFunction};
 use rmlx::{idx, ops, with_execution_mode, Array, Axes, Device, Dtype, Error, Executable, ExecutionMode, Result};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex};
 
 // -------------------------------------------------------------------------------------------------
 // helpers
-
-/// Errors of custom primitives' CPU evaluation are collected process-wide and handed to whichever
-/// evaluation checks next, on any thread. Tests that make a primitive fail take this lock
-/// exclusively, every other test shares it, so no test is handed another test's failure.
-static EVAL_ERRORS: RwLock<()> = RwLock::new(());
-
-fn shared() -> RwLockReadGuard<'static, ()> {
-    EVAL_ERRORS.read().unwrap_or_else(|e| e.into_inner())
-}
-
-fn exclusive() -> RwLockWriteGuard<'static, ()> {
-    EVAL_ERRORS.write().unwrap_or_else(|e| e.into_inner())
-}
 
 fn arr(v: &[f32], shape: &[i32]) -> Array {
     Array::from_slice(v, shape).unwrap()
@@ -101,7 +88,6 @@ fn sum_of(a: Result<Vec<Array>>) -> Result<Array> {
 
 #[test]
 fn vmap_in_axes_match_loop() {
-    let _g = shared();
     let x = ramp(&[3, 4], 0.0, 1.0); // mapped over axis 0: 3 slices of [4]
     let y = ramp(&[4, 3], 1.0, 0.5); // mapped over axis 1: 3 slices of [4]
     let z = arr(&[1.0, 2.0, 3.0], &[3]); // not mapped
@@ -122,7 +108,6 @@ fn vmap_in_axes_match_loop() {
 
 #[test]
 fn vmap_two_outputs_with_their_own_out_axes() {
-    let _g = shared();
     let x = ramp(&[3, 4], -1.0, 0.25);
     let w = ramp(&[3, 2], 0.5, 0.5);
     let f = |a: &[Array]| Ok(vec![(&a[0] * 2.0)?, ops::outer(&a[0], &a[1])?]);
@@ -140,7 +125,6 @@ fn vmap_two_outputs_with_their_own_out_axes() {
 
 #[test]
 fn vmap_argument_errors() {
-    let _g = shared();
     let x = ramp(&[3, 4], 0.0, 1.0);
     let f = |a: &[Array]| Ok(vec![(&a[0] + &a[1])?]);
     match transforms::vmap(f, &[Some(0)], &[])(&[x.clone(), x.clone()]) {
@@ -167,7 +151,6 @@ fn ckpt_body(a: &[Array]) -> Result<Vec<Array>> {
 
 #[test]
 fn checkpoint_same_value_and_gradient() {
-    let _g = shared();
     let calls = Rc::new(Cell::new(0usize));
     let counter = calls.clone();
     let ck = checkpoint(move |a: &[Array]| {
@@ -204,7 +187,6 @@ fn three_x2(x: &Array, scale: f32) -> Result<Array> {
 
 #[test]
 fn custom_vjp_rule_is_used_and_others_are_derived() {
-    let _g = shared();
     let seen_outputs = Rc::new(RefCell::new(Vec::new()));
     let seen = seen_outputs.clone();
     // A deliberately wrong (10×) vjp.
@@ -233,7 +215,6 @@ fn custom_vjp_rule_is_used_and_others_are_derived() {
 
 #[test]
 fn custom_function_jvp_and_vmap_overrides() {
-    let _g = shared();
     // jvp 7·t instead of 3x²·t; vmap returns 100·x³; no vjp.
     let f = CustomFunction::new(cube)
         .jvp(|_p: &[Array], t: &[Array], argnums: &[usize]| {
@@ -262,7 +243,6 @@ fn custom_function_jvp_and_vmap_overrides() {
 /// A custom primitive's transforms, where the primitive does not implement them: `Unsupported`.
 #[test]
 fn custom_primitive_without_vjp_is_unsupported() {
-    let _g = shared();
     let x = arr(&[1.0, 2.0], &[2]);
     let r = transforms::grad(|a: &[Array]| apply(Doubles, a)?[0].sum(Axes::All, false), &[0])(&[x.clone()]);
     assert!(matches!(r, Err(Error::Unsupported(ref m)) if m.contains("Doubles")), "{r:?}");
@@ -293,7 +273,6 @@ impl CustomPrimitive for Doubles {
 
 #[test]
 fn closure_errors_come_back_unchanged() {
-    let _g = shared();
     let x = arr(&[1.0, 2.0, 3.0], &[3]);
     let xs = [x.clone()];
     is_x(transforms::grad(|a: &[Array]| sum_of(fails(a)), &[0])(&xs), "grad");
@@ -317,7 +296,6 @@ fn closure_errors_come_back_unchanged() {
 
 #[test]
 fn closure_panics_become_callback_errors() {
-    let _g = shared();
     let x = arr(&[1.0, 2.0, 3.0], &[3]);
     let xs = [x.clone()];
     is_kaboom(transforms::grad(|a: &[Array]| sum_of(panics(a)), &[0])(&xs), "grad");
@@ -340,7 +318,6 @@ fn closure_panics_become_callback_errors() {
 
 #[test]
 fn argnums_and_loss_shape_errors() {
-    let _g = shared();
     let x = arr(&[1.0, 2.0, 3.0], &[3]);
     let loss = |a: &[Array]| sum_of(cube(a));
     let invalid = |r: Result<Vec<Array>>, what: &str| match r {
@@ -363,12 +340,10 @@ fn argnums_and_loss_shape_errors() {
     assert!(matches!(r, Err(Error::Mlx(_))), "non-scalar loss in value_and_grad: {r:?}");
 }
 
-/// `value_and_grad` differentiates "its first output (a scalar, the loss)"; a function with no
-/// outputs has no loss, yet the call succeeds with all-zero gradients.
+/// `value_and_grad` differentiates the first output (the loss); a function with no outputs has no
+/// loss and is an error (MLX alone would return zero gradients).
 #[test]
-#[ignore = "rmlx bug: value_and_grad of a function with no outputs returns Ok with zero gradients"]
 fn value_and_grad_without_outputs_is_an_error() {
-    let _g = shared();
     let r = transforms::value_and_grad(|_: &[Array]| Ok(vec![]), &[0])(&[arr(&[1.0, 2.0], &[2])]);
     assert!(r.is_err(), "no outputs: {r:?}");
 }
@@ -382,14 +357,11 @@ fn bind_thread() {
     ops::zeros(&[1], Dtype::Float32).unwrap().eval().unwrap();
 }
 
-/// MLX keys compiled traces by the thread's default stream. rmlx binds its shared streams as the
-/// thread's defaults lazily, at the first op that takes a stream, so when the first such op on a
-/// thread happens inside the first trace, the second call finds a different default stream and
-/// traces again.
+/// MLX keys compiled traces by the thread's default stream; rmlx binds its shared streams as the
+/// thread's defaults before compiling or calling a compiled function, so even when a thread's first
+/// op runs inside the first trace, the second call replays it.
 #[test]
-#[ignore = "rmlx bug: a thread's default stream is bound during its first trace, so the next call retraces"]
 fn compile_first_call_on_a_fresh_thread_traces_once() {
-    let _g = shared();
     std::thread::spawn(|| {
         let c = compile(chain);
         let x = arr(&[1.0, 2.0, 3.0], &[3]); // no stream involved yet
@@ -403,7 +375,6 @@ fn compile_first_call_on_a_fresh_thread_traces_once() {
 
 #[test]
 fn compiled_matches_uncompiled() {
-    let _g = shared();
     bind_thread();
     let x = ramp(&[4, 8], -2.0, 0.13);
     let c = compile(chain);
@@ -421,7 +392,6 @@ fn compiled_matches_uncompiled() {
 
 #[test]
 fn compile_traces_once_per_shape() {
-    let _g = shared();
     bind_thread();
     let c = compile(chain);
     assert_eq!(c.trace_count(), 0);
@@ -444,7 +414,6 @@ fn compile_traces_once_per_shape() {
 
 #[test]
 fn shapeless_compile_traces_once_per_rank() {
-    let _g = shared();
     bind_thread();
     let c = compile_with(chain, CompileOptions { shapeless: true, ..Default::default() });
     for n in [4, 7, 100, 1] {
@@ -462,7 +431,6 @@ fn shapeless_compile_traces_once_per_rank() {
 
 #[test]
 fn clearing_the_cache_retraces() {
-    let _g = shared();
     bind_thread();
     let c = compile(chain);
     let x = ramp(&[8], 0.0, 0.3);
@@ -482,7 +450,6 @@ fn clearing_the_cache_retraces() {
 
 #[test]
 fn dropping_and_recreating_compiled_functions() {
-    let _g = shared();
     bind_thread();
     let x = ramp(&[5], 1.0, 1.0);
     for k in 1..=4 {
@@ -509,7 +476,6 @@ fn dropping_and_recreating_compiled_functions() {
 
 #[test]
 fn compiled_function_capturing_an_array_fails() {
-    let _g = shared();
     bind_thread();
     let w = Arc::new(Mutex::new(arr(&[2.0, 2.0], &[2])));
     let inner = w.clone();
@@ -541,7 +507,6 @@ fn compiled_function_capturing_an_array_fails() {
 
 #[test]
 fn arrays_made_inside_a_compiled_function_are_fine() {
-    let _g = shared();
     bind_thread();
     let c = compile(|a: &[Array]| {
         let scale = Array::from_slice(&[1.0f32, 2.0, 3.0], &[3])?;
@@ -557,7 +522,6 @@ fn arrays_made_inside_a_compiled_function_are_fine() {
 /// The gradient of a compiled function: MLX differentiates through the compiled graph.
 #[test]
 fn grad_of_compiled_function() {
-    let _g = shared();
     bind_thread();
     let c = compile(chain);
     let x = ramp(&[6], -1.5, 0.5);
@@ -579,7 +543,6 @@ fn grad_of_compiled_function() {
 /// Compiling a function that takes a gradient.
 #[test]
 fn compiled_gradient() {
-    let _g = shared();
     bind_thread();
     let c = compile(|a: &[Array]| transforms::grad(|b: &[Array]| sum_of(reduce_matmul(b)), &[0, 1])(a));
     let (x, w) = (ramp(&[3, 5], -1.0, 0.15), ramp(&[5, 4], 0.7, -0.09));
@@ -619,7 +582,6 @@ fn is_eval_failure<T: std::fmt::Debug>(r: Result<T>, what: &str) {
 
 #[test]
 fn lazy_mode_reports_primitive_failure_at_evaluation() {
-    let _g = exclusive();
     with_execution_mode(ExecutionMode::Lazy, || {
         let a = arr(&[1.0, 2.0, 3.0], &[3]);
         let b = (&a * 2.0).unwrap();
@@ -638,14 +600,11 @@ fn lazy_mode_reports_primitive_failure_at_evaluation() {
     });
 }
 
-/// The docs say a primitive's CPU failure "is reported by the evaluation that ran the node". The
-/// failures are kept in one process-wide list that the next evaluation to finish takes, on any
-/// thread: after an `async_eval`, an unrelated evaluation on another thread receives this failure,
-/// and reading the failed array afterwards succeeds with unspecified contents.
+/// A primitive's CPU failure is reported to the thread that scheduled the evaluation: after an
+/// `async_eval`, an unrelated evaluation on another thread is not affected, and reading the failed
+/// array on this thread reports the failure.
 #[test]
-#[ignore = "rmlx bug: a primitive's eval failure goes to whichever evaluation checks next, on any thread"]
 fn primitive_failure_goes_to_the_evaluation_that_ran_it() {
-    let _g = exclusive();
     let bad = apply(FailingPrimitive, &[arr(&[1.0, 2.0], &[2])]).unwrap().remove(0);
     rmlx::async_eval([&bad]).unwrap();
     rmlx::synchronize().unwrap(); // the primitive has run (and failed)
@@ -656,7 +615,6 @@ fn primitive_failure_goes_to_the_evaluation_that_ran_it() {
 
 #[test]
 fn eager_mode_reports_primitive_failure_at_the_op() {
-    let _g = exclusive();
     with_execution_mode(ExecutionMode::Eager, || {
         assert_eq!(rmlx::execution_mode(), ExecutionMode::Eager);
         let a = arr(&[1.0, 2.0, 3.0], &[3]);
@@ -681,7 +639,6 @@ fn eager_mode_reports_primitive_failure_at_the_op() {
 
 #[test]
 fn eager_mode_evaluates_every_op() {
-    let _g = shared();
     let (lazy, lazy_eval) = with_execution_mode(ExecutionMode::Lazy, || {
         let y = chain(&[ramp(&[2, 3], -1.0, 0.4)]).unwrap().remove(0);
         (y.is_evaluated(), vals(&y))
@@ -723,7 +680,6 @@ fn eager_mode_evaluates_every_op() {
 
 #[test]
 fn executable_in_every_mode() {
-    let _g = shared();
     bind_thread();
     let exe = Executable::new(reduce_matmul);
     let inputs = [ramp(&[3, 5], -1.0, 0.15), ramp(&[5, 4], 0.7, -0.09)];
@@ -823,7 +779,6 @@ fn rmlx_mode_environment_variable() {
 
 #[test]
 fn gpu_kernels_without_their_backend_are_unsupported() {
-    let _g = shared();
     let backend = fast::gpu_backend();
     if !Device::gpu().is_available() {
         assert_eq!(backend, None, "no GPU device, so no GPU backend");
@@ -855,7 +810,6 @@ fn gpu_kernels_without_their_backend_are_unsupported() {
 
 #[test]
 fn cuda_kernel_argument_errors() {
-    let _g = shared();
     if fast::gpu_backend() != Some(GpuBackend::Cuda) {
         eprintln!("skipped: MLX has no CUDA backend here");
         return;
@@ -878,7 +832,6 @@ fn cuda_kernel_argument_errors() {
 /// `(const float* x, Shape x_shape, Strides x_strides, int x_ndim, const float* b, float* y, float* z, float* s)`.
 #[test]
 fn cuda_kernel_runs_on_cuda() {
-    let _g = shared();
     if fast::gpu_backend() != Some(GpuBackend::Cuda) {
         eprintln!("skipped: MLX has no CUDA backend here");
         return;
