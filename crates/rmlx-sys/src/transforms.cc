@@ -195,26 +195,57 @@ class RustPrimitive : public mx::Primitive {
   std::vector<std::shared_ptr<mx::Primitive>> kernels_;
 };
 
+// MLX's transforms build some arrays of their own (cotangents of ones, zeros for missing tangents)
+// on the default device. While a transform runs, that is the device rmlx's caller selected
+// (`with_device`), not the process default: so a float64 gradient asked for on the CPU of a GPU
+// machine stays on the CPU. Safe because rmlx serialises all calls into MLX.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const StreamSpec& s) : previous_(mx::default_device()) {
+    detail::bind_thread();
+    if (s.kind == 0) return;
+    auto wanted = mx::to_stream(detail::stream_of(s)).device;
+    if (wanted != previous_) {
+      mx::set_default_device(wanted);
+      changed_ = true;
+    }
+  }
+  ~DeviceScope() {
+    if (changed_) mx::set_default_device(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  mx::Device previous_;
+  bool changed_ = false;
+};
+
 }  // namespace
 
-TransformOut vjp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& cotangents) {
+TransformOut vjp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& cotangents, StreamSpec s) {
+  DeviceScope scope(s);
   auto [outs, vjps] = mx::vjp(borrowed(f), primals, cotangents);
   return TransformOut{to_vec(std::move(outs)), to_vec(std::move(vjps))};
 }
 
-TransformOut jvp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& tangents) {
+TransformOut jvp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& tangents, StreamSpec s) {
+  DeviceScope scope(s);
   auto [outs, jvps] = mx::jvp(borrowed(f), primals, tangents);
   return TransformOut{to_vec(std::move(outs)), to_vec(std::move(jvps))};
 }
 
-TransformOut value_and_grad(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> argnums) {
+TransformOut value_and_grad(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> argnums,
+                            StreamSpec s) {
+  DeviceScope scope(s);
   auto fun = mx::value_and_grad(borrowed(f), std::vector<int>(argnums.begin(), argnums.end()));
   auto [values, grads] = fun(inputs);
   return TransformOut{to_vec(std::move(values)), to_vec(std::move(grads))};
 }
 
 VecPtr vmap(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> in_axes,
-            rust::Slice<const int32_t> out_axes) {
+            rust::Slice<const int32_t> out_axes, StreamSpec s) {
+  DeviceScope scope(s);
   auto fun = mx::vmap(borrowed(f), std::vector<int>(in_axes.begin(), in_axes.end()),
                       std::vector<int>(out_axes.begin(), out_axes.end()));
   return to_vec(fun(inputs));
@@ -260,8 +291,8 @@ std::unique_ptr<ArrayFunction> compile(rust::Box<ArrayFn> f, size_t fun_id, bool
   return std::make_unique<ArrayFunction>(ArrayFunction{mx::detail::compile(owned(std::move(f)), fun_id, shapeless)});
 }
 
-VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs) {
-  detail::bind_thread();
+VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs, StreamSpec s) {
+  DeviceScope scope(s);
   return to_vec(f.fun(inputs));
 }
 

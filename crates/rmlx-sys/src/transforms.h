@@ -24,17 +24,18 @@ struct ArrayFunction {
   std::function<std::vector<mlx::core::array>(const std::vector<mlx::core::array>&)> fun;
 };
 
-TransformOut vjp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& cotangents);
-TransformOut jvp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& tangents);
-TransformOut value_and_grad(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> argnums);
+TransformOut vjp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& cotangents, StreamSpec s);
+TransformOut jvp(const ArrayFn& f, const ArrayVec& primals, const ArrayVec& tangents, StreamSpec s);
+TransformOut value_and_grad(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> argnums,
+                            StreamSpec s);
 VecPtr vmap(const ArrayFn& f, const ArrayVec& inputs, rust::Slice<const int32_t> in_axes,
-            rust::Slice<const int32_t> out_axes);
+            rust::Slice<const int32_t> out_axes, StreamSpec s);
 std::unique_ptr<ArrayFunction> checkpoint(rust::Box<ArrayFn> f);
 std::unique_ptr<ArrayFunction> custom_function(rust::Box<ArrayFn> f, rust::Box<VjpFn> vjp, bool has_vjp,
                                                rust::Box<JvpFn> jvp, bool has_jvp, rust::Box<VmapFn> vmap,
                                                bool has_vmap);
 std::unique_ptr<ArrayFunction> compile(rust::Box<ArrayFn> f, size_t fun_id, bool shapeless);
-VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs);
+VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs, StreamSpec s);
 void compile_erase(size_t fun_id);
 void compile_clear_cache();
 void set_compile_enabled(bool enabled);

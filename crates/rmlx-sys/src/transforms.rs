@@ -94,10 +94,11 @@ pub mod tffi {
         /// compile).
         type ArrayFunction;
 
-        fn vjp(f: &ArrayFn, primals: &ArrayVec, cotangents: &ArrayVec) -> Result<TransformOut>;
-        fn jvp(f: &ArrayFn, primals: &ArrayVec, tangents: &ArrayVec) -> Result<TransformOut>;
-        fn value_and_grad(f: &ArrayFn, inputs: &ArrayVec, argnums: &[i32]) -> Result<TransformOut>;
-        fn vmap(f: &ArrayFn, inputs: &ArrayVec, in_axes: &[i32], out_axes: &[i32]) -> Result<UniquePtr<ArrayVec>>;
+        // `s`: the device whose default stream MLX's own ops inside the transform use.
+        fn vjp(f: &ArrayFn, primals: &ArrayVec, cotangents: &ArrayVec, s: StreamSpec) -> Result<TransformOut>;
+        fn jvp(f: &ArrayFn, primals: &ArrayVec, tangents: &ArrayVec, s: StreamSpec) -> Result<TransformOut>;
+        fn value_and_grad(f: &ArrayFn, inputs: &ArrayVec, argnums: &[i32], s: StreamSpec) -> Result<TransformOut>;
+        fn vmap(f: &ArrayFn, inputs: &ArrayVec, in_axes: &[i32], out_axes: &[i32], s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
         fn checkpoint(f: Box<ArrayFn>) -> UniquePtr<ArrayFunction>;
         fn custom_function(
             f: Box<ArrayFn>,
@@ -109,7 +110,7 @@ pub mod tffi {
             has_vmap: bool,
         ) -> UniquePtr<ArrayFunction>;
         fn compile(f: Box<ArrayFn>, fun_id: usize, shapeless: bool) -> Result<UniquePtr<ArrayFunction>>;
-        fn call_function(f: &ArrayFunction, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
+        fn call_function(f: &ArrayFunction, inputs: &ArrayVec, s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
         fn compile_erase(fun_id: usize);
         fn compile_clear_cache();
         fn set_compile_enabled(enabled: bool);

@@ -98,7 +98,7 @@ impl Compiled {
         }
         let v = array_vec(inputs);
         let raw = self.raw.as_ref().expect("compiled function handle");
-        let out = callback::call(|| tffi::call_function(raw, &v))?;
+        let out = callback::call(|| tffi::call_function(raw, &v, crate::device::current()))?;
         Ok(arrays(&out))
     }
 

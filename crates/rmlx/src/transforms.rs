@@ -22,6 +22,7 @@
 
 use crate::array::array_vec;
 use crate::callback::{self, arrays, returned, with_borrowed_fn, DynFn};
+use crate::device::current;
 use crate::{Array, Error, Result};
 use rmlx_sys::cxx::UniquePtr;
 use rmlx_sys::tffi;
@@ -59,7 +60,7 @@ where
     F: Fn(&[Array]) -> Result<Vec<Array>>,
 {
     let (p, c) = (array_vec(primals), array_vec(cotangents));
-    let out = with_borrowed_fn(&f, |cb| callback::call(|| tffi::vjp(cb, &p, &c)))?;
+    let out = with_borrowed_fn(&f, |cb| callback::call(|| tffi::vjp(cb, &p, &c, current())))?;
     Ok((arrays(&out.outputs), arrays(&out.products)))
 }
 
@@ -70,7 +71,7 @@ where
     F: Fn(&[Array]) -> Result<Vec<Array>>,
 {
     let (p, t) = (array_vec(primals), array_vec(tangents));
-    let out = with_borrowed_fn(&f, |cb| callback::call(|| tffi::jvp(cb, &p, &t)))?;
+    let out = with_borrowed_fn(&f, |cb| callback::call(|| tffi::jvp(cb, &p, &t, current())))?;
     Ok((arrays(&out.outputs), arrays(&out.products)))
 }
 
@@ -111,7 +112,7 @@ where
         let mut sorted = nums.clone();
         sorted.sort_unstable();
         let v = array_vec(inputs);
-        let out = with_borrowed_fn(&checked, |cb| callback::call(|| tffi::value_and_grad(cb, &v, &sorted)))?;
+        let out = with_borrowed_fn(&checked, |cb| callback::call(|| tffi::value_and_grad(cb, &v, &sorted, current())))?;
         let grads = arrays(&out.products);
         let grads = nums.iter().map(|n| grads[sorted.binary_search(n).expect("sorted argnum")].clone()).collect();
         Ok((arrays(&out.outputs), grads))
@@ -156,7 +157,7 @@ where
             )));
         }
         let v = array_vec(inputs);
-        let out = with_borrowed_fn(&f, |cb| callback::call(|| tffi::vmap(cb, &v, &ins, &outs)))?;
+        let out = with_borrowed_fn(&f, |cb| callback::call(|| tffi::vmap(cb, &v, &ins, &outs, current())))?;
         Ok(arrays(&out))
     }
 }
@@ -178,7 +179,7 @@ impl Function {
     pub fn call(&self, inputs: &[Array]) -> Result<Vec<Array>> {
         let v = array_vec(inputs);
         let raw = self.raw.as_ref().expect("function handle");
-        let out = callback::call(|| tffi::call_function(raw, &v))?;
+        let out = callback::call(|| tffi::call_function(raw, &v, current()))?;
         Ok(arrays(&out))
     }
 }

@@ -16,6 +16,10 @@
 //!   errors), so these cases use `h = 1e-2`, `tol = 1e-3` (the worst error seen is ~4e-5).
 //! - float32: `h = 1e-2`, `tol = 1e-2`.
 //!
+//! The finite-difference checks run on the CPU. On a machine with a GPU,
+//! `gpu_float32_gradients_agree_with_cpu_float64` compares float32 gradients computed on the GPU with
+//! the float64 ones from the CPU (tolerance 5e-2: CUDA matmuls run in TF32).
+//!
 //! The finite differences divide by the step actually taken after rounding the moved input to its
 //! dtype, not by the nominal `2h`.
 
@@ -82,14 +86,11 @@ fn array_like(v: &[f64], like: &Array) -> Array {
     }
 }
 
-/// Runs `f` where `dtype` can be computed: float64 only on the CPU (MLX's GPU backends have no
-/// float64), float32 on the default device.
-fn in_dtype<T>(dtype: Dtype, f: impl FnOnce() -> T) -> T {
-    if dtype == Dtype::Float64 {
-        rmlx::with_device(Device::cpu(), f)
-    } else {
-        f()
-    }
+/// Runs the finite-difference checks of `dtype` on the CPU, in both dtypes: MLX's GPU backends
+/// have no float64, and compute float32 matmuls in TF32 on CUDA, which a float32 difference
+/// quotient cannot resolve. `gpu_float32_gradients_agree_with_cpu_float64` covers the GPU.
+fn in_dtype<T>(_dtype: Dtype, f: impl FnOnce() -> T) -> T {
+    rmlx::with_device(Device::cpu(), f)
 }
 
 /// Runs `f` on the CPU (for tests in float64 only).
@@ -619,4 +620,34 @@ fn value_and_grad_follows_argnums_order() {
         assert_close(&values(&g20[0]), &values(&g02[1]), 0.0, "first gradient is by input 2");
         assert_close(&values(&g20[1]), &values(&g02[0]), 0.0, "second gradient is by input 0");
     });
+}
+
+/// The gradients of `case` with respect to every input, as f64 values.
+fn all_grads(case: &Case) -> Vec<Vec<f64>> {
+    let argnums: Vec<usize> = (0..case.inputs.len()).collect();
+    let f = &case.f;
+    transforms::grad(|x: &[Array]| f(x), &argnums)(&case.inputs).unwrap().iter().map(values).collect()
+}
+
+/// Where a GPU is present: every case's float32 gradients computed on the GPU agree with its
+/// float64 gradients computed on the CPU, within 5e-2 relative (CUDA runs float32 matmuls in TF32).
+#[test]
+fn gpu_float32_gradients_agree_with_cpu_float64() {
+    if !Device::gpu().is_available() {
+        eprintln!("skipped: no GPU");
+        return;
+    }
+    let cases: [fn(Dtype) -> Case; 7] = [matmul_chain, softmax_xent, linear_xent, layer_norm, rms_norm, rope_sdpa, custom_cube];
+    for build in cases {
+        let (name, want) = on_cpu(|| {
+            let case = build(Dtype::Float64);
+            (case.name, all_grads(&case))
+        });
+        let got = rmlx::with_device(Device::gpu(), || all_grads(&build(Dtype::Float32)));
+        for (arg, (g, w)) in got.iter().zip(&want).enumerate() {
+            let what = format!("{name}: GPU float32 vs CPU float64, d/d input {arg}");
+            let worst = assert_close(g, w, 5e-2, &what);
+            eprintln!("{what}: worst relative error {worst:.1e}");
+        }
+    }
 }
