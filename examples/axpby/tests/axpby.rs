@@ -448,7 +448,12 @@ fn compiled_equals_uncompiled() {
         let got = compiled.call(&inputs).unwrap();
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.shape(), w.shape());
-            assert_eq!(g.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+            if rmlx::default_device() == rmlx::Device::cpu() {
+                assert_eq!(g.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+            } else {
+                // MLX's fused GPU kernels contract `p * q + r` into an FMA: one rounding less.
+                assert_close(&values(g), &values(w), 1e-6, "compiled vs uncompiled on the GPU");
+            }
         }
         // The stacked slices really are the three different results.
         let (x, y) = (values(&inputs[0]), values(&inputs[1]));
