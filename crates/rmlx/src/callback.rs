@@ -72,7 +72,22 @@ pub(crate) fn with_borrowed_fn<R>(f: &DynFn<'_>, body: impl FnOnce(&ArrayFn) -> 
     body(&callback)
 }
 
-/// Converts the arrays a shim call returned.
-pub(crate) fn arrays(v: &UniquePtr<ffi::ArrayVec>) -> Vec<Array> {
-    crate::array::from_array_vec(v)
+/// Converts a vmap callback's result for C++ (or raises its error).
+#[allow(clippy::type_complexity)]
+pub(crate) fn returned_mapped(
+    r: Result<(Vec<Array>, Vec<Option<usize>>)>,
+) -> std::result::Result<(UniquePtr<ffi::ArrayVec>, Vec<i32>), String> {
+    match r {
+        Ok((outs, out_axes)) => Ok((array_vec(&outs), axes_to_i32(&out_axes))),
+        Err(e) => Err(raise(e)),
+    }
+}
+
+/// MLX marks an unmapped array with axis -1.
+pub(crate) fn axes_from_i32(axes: &[i32]) -> Vec<Option<usize>> {
+    axes.iter().map(|&a| if a < 0 { None } else { Some(a as usize) }).collect()
+}
+
+pub(crate) fn axes_to_i32(axes: &[Option<usize>]) -> Vec<i32> {
+    axes.iter().map(|a| a.map_or(-1, |a| a as i32)).collect()
 }

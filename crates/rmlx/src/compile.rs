@@ -36,7 +36,8 @@
 //! ```
 
 use crate::array::array_vec;
-use crate::callback::{self, arrays};
+use crate::array::from_array_vec as arrays;
+use crate::callback;
 use crate::{Array, Error, Result};
 use rmlx_sys::cxx::UniquePtr;
 use rmlx_sys::tffi;

@@ -44,10 +44,10 @@
 //! in Rust, with a GPU kernel and all transforms.
 
 use crate::array::array_vec;
-use crate::callback::{self, returned};
+use crate::array::arrays_of as arrays;
+use crate::callback::{self, axes_from_i32, returned, returned_mapped};
 use crate::device::{current, current_device, device_spec};
 use crate::kernel::{CustomKernel, GpuBackend, KernelLaunch, TensorSpec};
-use crate::transforms::{axes_from_i32, axes_to_i32};
 use crate::{Array, Device, DeviceType, Dtype, Element, Error, Result};
 use rmlx_sys::ffi;
 use rmlx_sys::tffi::{self, CpuBuffer, KernelSpec, ShapeDtype};
@@ -192,10 +192,6 @@ pub(crate) fn check_eval_errors() -> Result<()> {
 /// Bridges a [`CustomPrimitive`] to the shim's callbacks.
 struct Adapter<P>(P);
 
-fn arrays(v: &ffi::ArrayVec) -> Vec<Array> {
-    crate::array::arrays_of(v)
-}
-
 fn usizes(v: &[i32]) -> Vec<usize> {
     v.iter().map(|&a| a as usize).collect()
 }
@@ -267,10 +263,7 @@ impl<P: CustomPrimitive> PrimitiveCallbacks for Adapter<P> {
         axes: &[i32],
     ) -> std::result::Result<(rmlx_sys::cxx::UniquePtr<ffi::ArrayVec>, Vec<i32>), String> {
         let x = arrays(inputs);
-        match callback::guard(|| self.0.vmap(&x, &axes_from_i32(axes))) {
-            Ok((outs, out_axes)) => Ok((array_vec(&outs), axes_to_i32(&out_axes))),
-            Err(e) => Err(callback::raise(e)),
-        }
+        returned_mapped(callback::guard(|| self.0.vmap(&x, &axes_from_i32(axes))))
     }
 
     fn equivalent(&self, other: &dyn PrimitiveCallbacks) -> bool {

@@ -128,10 +128,7 @@ pub(crate) fn after_op(a: Array) -> Result<Array> {
     }
     // Evaluation detaches the array from its primitive: take the name first.
     let op = crate::lock::locked(|| tffi::array_primitive_name(a.raw()));
-    let evaluated = crate::lock::locked(|| rmlx_sys::ffi::array_eval(a.raw()))
-        .map_err(Error::from)
-        .and_then(|_| crate::custom::check_eval_errors());
-    match evaluated {
+    match a.eval() {
         Ok(()) => Ok(a),
         Err(e) => {
             let message = match e {

@@ -20,8 +20,8 @@
 //! they build (a later `vjp` calls them), so those closures must be `'static`: they own what they
 //! use, and nothing they reference can be freed under them.
 
-use crate::array::array_vec;
-use crate::callback::{self, arrays, returned, with_borrowed_fn, DynFn};
+use crate::array::{array_vec, arrays_of, from_array_vec as arrays};
+use crate::callback::{self, axes_to_i32, returned, returned_mapped, with_borrowed_fn, DynFn};
 use crate::device::current;
 use crate::{Array, Error, Result};
 use rmlx_sys::cxx::UniquePtr;
@@ -146,7 +146,7 @@ pub fn vmap<F>(f: F, in_axes: &[Option<usize>], out_axes: &[usize]) -> impl Fn(&
 where
     F: Fn(&[Array]) -> Result<Vec<Array>>,
 {
-    let ins: Vec<i32> = in_axes.iter().map(|a| a.map_or(-1, |a| a as i32)).collect();
+    let ins = axes_to_i32(in_axes);
     let outs: Vec<i32> = out_axes.iter().map(|&a| a as i32).collect();
     move |inputs: &[Array]| {
         if !ins.is_empty() && ins.len() != inputs.len() {
@@ -282,12 +282,8 @@ impl CustomFunction {
         }));
         let vmap = VmapFn(self.vmap.map(|g| {
             Box::new(move |x: &_, axes: &[i32]| {
-                let x = arrays_of(x);
-                let axes = axes_from_i32(axes);
-                match callback::guard(|| g(&x, &axes)) {
-                    Ok((outs, out_axes)) => Ok((array_vec(&outs), axes_to_i32(&out_axes))),
-                    Err(e) => Err(callback::raise(e)),
-                }
+                let (x, axes) = (arrays_of(x), callback::axes_from_i32(axes));
+                returned_mapped(callback::guard(|| g(&x, &axes)))
             }) as _
         }));
         let cb = callback::owned_fn(f);
@@ -297,15 +293,3 @@ impl CustomFunction {
     }
 }
 
-fn arrays_of(v: &rmlx_sys::ffi::ArrayVec) -> Vec<Array> {
-    crate::array::arrays_of(v)
-}
-
-/// MLX marks an unmapped array with axis -1.
-pub(crate) fn axes_from_i32(axes: &[i32]) -> Vec<Option<usize>> {
-    axes.iter().map(|&a| if a < 0 { None } else { Some(a as usize) }).collect()
-}
-
-pub(crate) fn axes_to_i32(axes: &[Option<usize>]) -> Vec<i32> {
-    axes.iter().map(|a| a.map_or(-1, |a| a as i32)).collect()
-}
