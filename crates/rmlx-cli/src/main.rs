@@ -1,0 +1,46 @@
+//! `rmlx`: generate, chat, perplexity and bench with large language models on MLX.
+//!
+//! Text goes to stdout, progress, statistics and errors to stderr; `--json` prints one
+//! machine-readable object to stdout instead of the text.
+
+mod bench;
+mod chat;
+mod common;
+mod generate;
+mod perplexity;
+
+use clap::{Parser, Subcommand};
+
+/// Large language models on MLX (CUDA, CPU, Metal).
+#[derive(Parser)]
+#[command(name = "rmlx", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt (streamed to stdout).
+    Generate(generate::Args),
+    /// Chat interactively (/reset, /stats, /exit).
+    Chat(chat::Args),
+    /// Perplexity of a text file under the model.
+    Perplexity(perplexity::Args),
+    /// Prefill and decode speed with the protocol of mlx-lm's peer benchmark.
+    Bench(bench::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
+        Command::Bench(a) => bench::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,298 @@
+//! Key/value caches for autoregressive decoding.
+//!
+//! [`KvCache::Standard`] preallocates `[batch, kv_heads, capacity, head_dim]` buffers grown in steps
+//! of 256 positions and writes each step's keys and values into them in place (`slice_update` on a
+//! buffer nothing else references). [`KvCache::Rotating`] keeps at most `max_size` positions (a
+//! sliding window; Gemma 3's local layers, or every layer when the user sets a context limit), the
+//! first `keep` of them never evicted.
+//!
+//! Each update also returns the attention mask the new queries need, so that the model code never
+//! reasons about positions. The buffers and the offset are plain fields a compiled, static-shape
+//! decode step can take over: the write position is `offset`, the valid length `offset + 1`.
+
+use crate::Result;
+use rmlx::fast::AttentionMask;
+use rmlx::{ops, Array};
+
+/// Growth step of the preallocated buffers, in positions.
+pub const STEP: i32 = 256;
+
+/// The mask for one attention call, owned (see [`Mask::as_attention`]).
+#[derive(Clone)]
+pub enum Mask {
+    /// Every key is visible (a single query over a cache that holds only visible keys).
+    None,
+    /// Causal, bottom-right aligned (query `i` of `L` sees keys `0..=K-L+i`).
+    Causal,
+    /// Explicit visibility `[L, K]` (bool): sliding windows.
+    Array(Array),
+}
+
+impl Mask {
+    /// The form [`rmlx::fast::scaled_dot_product_attention`] takes.
+    pub fn as_attention(&self) -> AttentionMask<'_> {
+        match self {
+            Mask::None => AttentionMask::None,
+            Mask::Causal => AttentionMask::Causal,
+            Mask::Array(a) => AttentionMask::Array(a),
+        }
+    }
+}
+
+/// One layer's cache.
+pub enum KvCache {
+    /// Unbounded, preallocated.
+    Standard(StandardCache),
+    /// Bounded to a window of positions.
+    Rotating(RotatingCache),
+}
+
+impl KvCache {
+    /// An unbounded cache.
+    pub fn standard() -> Self {
+        KvCache::Standard(StandardCache::default())
+    }
+
+    /// A cache of at most `max_size` positions whose first `keep` are never evicted.
+    pub fn rotating(max_size: usize, keep: usize) -> Self {
+        KvCache::Rotating(RotatingCache::new(max_size, keep))
+    }
+
+    /// Positions seen so far (the RoPE offset of the next token).
+    pub fn offset(&self) -> usize {
+        match self {
+            KvCache::Standard(c) => c.offset,
+            KvCache::Rotating(c) => c.offset,
+        }
+    }
+
+    /// Appends `k, v: [B, H, L, D]`; returns all visible keys and values and the mask for the `L`
+    /// new queries.
+    pub fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+        match self {
+            KvCache::Standard(c) => c.update(k, v),
+            KvCache::Rotating(c) => c.update(k, v),
+        }
+    }
+
+    /// Forgets everything (buffers are kept for reuse).
+    pub fn reset(&mut self) {
+        match self {
+            KvCache::Standard(c) => c.offset = 0,
+            KvCache::Rotating(c) => {
+                *c = RotatingCache::new(c.max_size, c.keep);
+            }
+        }
+    }
+
+    /// The arrays held (to evaluate them together with a step's output).
+    pub fn state(&self) -> Vec<&Array> {
+        let (k, v) = match self {
+            KvCache::Standard(c) => (&c.keys, &c.values),
+            KvCache::Rotating(c) => (&c.keys, &c.values),
+        };
+        k.iter().chain(v.iter()).collect()
+    }
+}
+
+fn dim(a: &Array, i: usize) -> i32 {
+    a.shape()[i]
+}
+
+/// Along axis 2 (positions) of a `[B, H, S, D]` buffer.
+fn positions(a: &Array, start: i32, stop: i32) -> Result<Array> {
+    Ok(a.slice_axis(2, start, stop, 1)?)
+}
+
+fn grow(buffer: Option<Array>, like: &Array, used: i32, extra: i32) -> Result<Array> {
+    let shape = [dim(like, 0), dim(like, 1), extra, dim(like, 3)];
+    let fresh = ops::zeros(&shape, like.dtype())?;
+    Ok(match buffer {
+        Some(b) => ops::concatenate(&[&positions(&b, 0, used)?, &fresh], 2)?,
+        None => fresh,
+    })
+}
+
+/// The unbounded cache: buffers of `capacity` positions, the first `offset` valid.
+#[derive(Default)]
+pub struct StandardCache {
+    pub keys: Option<Array>,
+    pub values: Option<Array>,
+    pub offset: usize,
+}
+
+impl StandardCache {
+    /// Positions the buffers can hold before growing.
+    pub fn capacity(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| dim(k, 2) as usize)
+    }
+
+    fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+        let prev = self.offset as i32;
+        let len = dim(k, 2);
+        if prev + len > self.capacity() as i32 {
+            let extra = (len + STEP - 1) / STEP * STEP;
+            self.keys = Some(grow(self.keys.take(), k, prev, extra)?);
+            self.values = Some(grow(self.values.take(), v, prev, extra)?);
+        }
+        let end = prev + len;
+        let write = |buf: &mut Option<Array>, new: &Array| -> Result<Array> {
+            let b = buf.take().expect("allocated above");
+            let s = b.shape().to_vec();
+            let b = ops::slice_update(&b, new, &[0, 0, prev, 0], &[s[0], s[1], end, s[3]], &[1, 1, 1, 1])?;
+            let visible = positions(&b, 0, end)?;
+            *buf = Some(b);
+            Ok(visible)
+        };
+        let keys = write(&mut self.keys, k)?;
+        let values = write(&mut self.values, v)?;
+        self.offset = end as usize;
+        Ok((keys, values, if len == 1 { Mask::None } else { Mask::Causal }))
+    }
+}
+
+/// The bounded cache. Single-token updates write into a ring buffer of `max_size` positions (slots
+/// `keep..max_size` rotate); multi-token updates (prefill) put the buffer in temporal order, drop what
+/// falls out of the window and append, returning an explicit sliding-window mask.
+pub struct RotatingCache {
+    pub keys: Option<Array>,
+    pub values: Option<Array>,
+    /// Positions seen so far.
+    pub offset: usize,
+    /// Window size.
+    pub max_size: usize,
+    /// Leading positions never evicted.
+    pub keep: usize,
+    /// Next write slot.
+    idx: usize,
+}
+
+impl RotatingCache {
+    fn new(max_size: usize, keep: usize) -> Self {
+        Self { keys: None, values: None, offset: 0, max_size: max_size.max(1), keep: keep.min(max_size.saturating_sub(1)), idx: 0 }
+    }
+
+    fn buffer_len(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| dim(k, 2) as usize)
+    }
+
+    /// The valid entries in temporal order, and the absolute position of each.
+    fn temporal(&self, buf: &Array) -> Result<Array> {
+        let valid = self.offset.min(self.buffer_len());
+        if self.idx == valid {
+            return positions(buf, 0, valid as i32);
+        }
+        let (keep, idx, len) = (self.keep as i32, self.idx as i32, valid as i32);
+        Ok(ops::concatenate(&[&positions(buf, 0, keep)?, &positions(buf, idx, len)?, &positions(buf, keep, idx)?], 2)?)
+    }
+
+    fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+        if dim(k, 2) == 1 {
+            self.update_in_place(k, v)
+        } else {
+            self.update_concat(k, v)
+        }
+    }
+
+    fn update_concat(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+        let len = dim(k, 2) as usize;
+        // Absolute positions of the old entries kept, in temporal order.
+        let (old_k, old_v, mut key_pos) = match (&self.keys, &self.values) {
+            (Some(kb), Some(vb)) => {
+                let (kt, vt) = (self.temporal(kb)?, self.temporal(vb)?);
+                let n = dim(&kt, 2) as usize;
+                // Each new query may see up to `max_size - 1` earlier positions.
+                let target = (self.max_size - 1).max(self.keep);
+                let (kt, vt, pos) = if n > target {
+                    let (keep, start) = (self.keep as i32, (n - (target - self.keep)) as i32);
+                    let cut = |a: &Array| -> Result<Array> {
+                        Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, n as i32)?], 2)?)
+                    };
+                    let pos: Vec<i32> = (0..keep).chain(self.offset as i32 - (n as i32 - start)..self.offset as i32).collect();
+                    (cut(&kt)?, cut(&vt)?, pos)
+                } else {
+                    let pos = if self.offset > n && self.keep > 0 {
+                        (0..self.keep as i32).chain((self.offset - (n - self.keep)) as i32..self.offset as i32).collect()
+                    } else {
+                        ((self.offset - n) as i32..self.offset as i32).collect()
+                    };
+                    (kt, vt, pos)
+                };
+                (Some(kt), Some(vt), pos)
+            }
+            _ => (None, None, Vec::new()),
+        };
+        let start = self.offset as i32;
+        key_pos.extend(start..start + len as i32);
+        let keys = match &old_k {
+            Some(o) => ops::concatenate(&[o, k], 2)?,
+            None => k.clone(),
+        };
+        let values = match &old_v {
+            Some(o) => ops::concatenate(&[o, v], 2)?,
+            None => v.clone(),
+        };
+        let mask = self.window_mask(&key_pos, start, len)?;
+        self.offset += len;
+        self.idx = dim(&keys, 2) as usize;
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        Ok((keys, values, mask))
+    }
+
+    fn window_mask(&self, key_pos: &[i32], q_start: i32, len: usize) -> Result<Mask> {
+        let window = self.max_size as i32;
+        let contiguous = key_pos.windows(2).all(|w| w[1] == w[0] + 1);
+        let q_last = q_start + len as i32 - 1;
+        if contiguous && q_last - key_pos[0] < window {
+            return Ok(Mask::Causal);
+        }
+        let keep = self.keep as i32;
+        let mut visible = Vec::with_capacity(len * key_pos.len());
+        for q in q_start..=q_last {
+            visible.extend(key_pos.iter().map(|&p| p <= q && (q - p < window || p < keep)));
+        }
+        let m = Array::from_slice(&visible, &[len as i32, key_pos.len() as i32])?;
+        Ok(Mask::Array(m))
+    }
+
+    fn update_in_place(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+        let cap = self.buffer_len();
+        if cap > self.max_size {
+            // A prefill left more than the window: back to `max_size` positions in temporal order.
+            let n = self.idx.min(cap);
+            let cut = |a: &Array| -> Result<Array> {
+                let (keep, start) = (self.keep as i32, (n - (self.max_size - self.keep)) as i32);
+                Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, n as i32)?], 2)?)
+            };
+            self.keys = Some(cut(self.keys.as_ref().expect("cap > 0"))?);
+            self.values = Some(cut(self.values.as_ref().expect("cap > 0"))?);
+            self.idx = self.max_size;
+        } else if self.idx >= cap && cap < self.max_size {
+            let extra = (STEP as usize).min(self.max_size - cap) as i32;
+            let used = self.idx as i32;
+            self.keys = Some(grow(self.keys.take(), k, used, extra)?);
+            self.values = Some(grow(self.values.take(), v, used, extra)?);
+        }
+        if self.idx == self.max_size {
+            self.idx = self.keep;
+        }
+        let at = self.idx as i32;
+        let write = |buf: &mut Option<Array>, new: &Array| -> Result<Array> {
+            let b = buf.take().expect("allocated above");
+            let s = b.shape().to_vec();
+            let b = ops::slice_update(&b, new, &[0, 0, at, 0], &[s[0], s[1], at + 1, s[3]], &[1, 1, 1, 1])?;
+            *buf = Some(b.clone());
+            Ok(b)
+        };
+        let keys = write(&mut self.keys, k)?;
+        let values = write(&mut self.values, v)?;
+        self.offset += 1;
+        self.idx += 1;
+        let valid = self.offset.min(self.buffer_len()) as i32;
+        if valid < self.buffer_len() as i32 {
+            return Ok((positions(&keys, 0, valid)?, positions(&values, 0, valid)?, Mask::None));
+        }
+        Ok((keys, values, Mask::None))
+    }
+}

@@ -1,0 +1,353 @@
+//! A model's configuration: Hugging Face `config.json` (or GGUF metadata, see [`crate::loader`])
+//! parsed into one struct, with each family's defaults and the derived quantities (head_dim,
+//! RoPE frequencies, which layers slide).
+
+use crate::{Error, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The architectures rmlx implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 2/3 and Mistral-style llama checkpoints.
+    Llama,
+    /// Qwen 2 / 2.5: biased q/k/v projections.
+    Qwen2,
+    /// Qwen 3: RMSNorm on queries and keys.
+    Qwen3,
+    /// Gemma 3 (text): sliding/global layers, `(1 + w)` norms, GELU-tanh.
+    Gemma3,
+}
+
+/// `model_type` values accepted, and what they map to.
+pub const SUPPORTED: &[(&str, Architecture)] = &[
+    ("llama", Architecture::Llama),
+    ("mistral", Architecture::Llama),
+    ("qwen2", Architecture::Qwen2),
+    ("qwen3", Architecture::Qwen3),
+    ("gemma3_text", Architecture::Gemma3),
+    ("gemma3", Architecture::Gemma3),
+];
+
+impl Architecture {
+    /// The architecture of a `model_type`, or [`Error::UnsupportedArchitecture`] listing the
+    /// supported ones.
+    pub fn from_model_type(model_type: &str) -> Result<Self> {
+        SUPPORTED.iter().find(|(n, _)| *n == model_type).map(|(_, a)| *a).ok_or_else(|| Error::UnsupportedArchitecture {
+            model_type: model_type.to_string(),
+            supported: SUPPORTED.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+        })
+    }
+}
+
+/// `rope_scaling`, the variants rmlx implements.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor`.
+    Linear { factor: f32 },
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: f32 },
+}
+
+/// Everything the model files need, in one place.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ModelConfig {
+    #[serde(default)]
+    pub model_type: String,
+    pub hidden_size: i32,
+    pub num_hidden_layers: usize,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    #[serde(default)]
+    pub num_key_value_heads: Option<i32>,
+    #[serde(default)]
+    pub head_dim: Option<i32>,
+    pub vocab_size: i32,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f32,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f32,
+    #[serde(default)]
+    pub rope_scaling: Option<Value>,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    /// Gemma 3: window of the local layers.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
+    pub sliding_window_pattern: Option<usize>,
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f32>,
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f32>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f32>,
+    #[serde(default)]
+    pub eos_token_id: Option<Value>,
+    #[serde(default)]
+    pub bos_token_id: Option<Value>,
+    #[serde(default, alias = "dtype")]
+    pub torch_dtype: Option<String>,
+    /// MLX quantisation block (`quantization`, or `quantization_config`).
+    #[serde(default)]
+    pub quantization: Option<Value>,
+    #[serde(default)]
+    pub quantization_config: Option<Value>,
+    /// GGUF `rope_freqs`: per-frequency factors multiplying the RoPE divisors (Llama 3.1 in GGUF).
+    #[serde(default)]
+    pub rope_freq_factors: Option<Vec<f32>>,
+}
+
+fn default_eps() -> f32 {
+    1e-6
+}
+fn default_theta() -> f32 {
+    10000.0
+}
+
+/// Gemma 3 text defaults (transformers' `Gemma3TextConfig`), for the fields real checkpoints omit.
+const GEMMA3_DEFAULTS: &str = r#"{"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+ "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+ "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+ "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+ "tie_word_embeddings": true, "max_position_embeddings": 131072}"#;
+
+impl ModelConfig {
+    /// Parses a `config.json` text. A `gemma3` (multimodal) config contributes its `text_config`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let raw: Value = serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
+        Self::from_value(raw)
+    }
+
+    /// Parses a configuration already read as JSON.
+    pub fn from_value(raw: Value) -> Result<Self> {
+        let Value::Object(mut top) = raw else {
+            return Err(Error::Config("config.json must be a JSON object".into()));
+        };
+        let mut model_type = top.get("model_type").and_then(Value::as_str).map(str::to_string).unwrap_or_default();
+        if model_type.is_empty() {
+            model_type = guess_model_type(&top).unwrap_or_default();
+        }
+        if !model_type.is_empty() {
+            Architecture::from_model_type(&model_type)?;
+        }
+        if let Some(Value::Object(text)) = top.remove("text_config") {
+            // The text model's fields win; the wrapper's quantisation and special ids fill gaps.
+            let mut merged = text;
+            for key in ["quantization", "quantization_config", "eos_token_id", "bos_token_id", "torch_dtype", "dtype"] {
+                if let (false, Some(v)) = (merged.contains_key(key), top.get(key)) {
+                    merged.insert(key.to_string(), v.clone());
+                }
+            }
+            top = merged;
+            model_type = "gemma3_text".into();
+        }
+        normalize_rope_parameters(&mut top);
+        if let (false, Some(p)) = (top.contains_key("sliding_window_pattern"), top.get("_sliding_window_pattern").cloned()) {
+            top.insert("sliding_window_pattern".into(), p);
+        }
+        if model_type == "gemma3_text" || model_type == "gemma3" {
+            let defaults: serde_json::Map<String, Value> = serde_json::from_str(GEMMA3_DEFAULTS).expect("valid defaults");
+            for (k, v) in defaults {
+                top.entry(k).or_insert(v);
+            }
+            // An explicit `null` pattern or head_dim means "default" as well.
+            for key in ["sliding_window_pattern", "head_dim", "query_pre_attn_scalar"] {
+                if top.get(key).is_some_and(Value::is_null) {
+                    top.remove(key);
+                }
+            }
+        }
+        top.insert("model_type".into(), Value::String(model_type));
+        let cfg: ModelConfig =
+            serde_json::from_value(Value::Object(top)).map_err(|e| Error::Config(format!("config.json: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("vocab_size", self.vocab_size),
+            ("num_key_value_heads", self.kv_heads()),
+            ("head_dim", self.head_dim()),
+        ];
+        for (name, v) in positive {
+            if v <= 0 {
+                return Err(Error::Config(format!("`{name}` must be positive, got {v}")));
+            }
+        }
+        if self.num_hidden_layers == 0 {
+            return Err(Error::Config("`num_hidden_layers` must be positive".into()));
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return Err(Error::Config(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.kv_heads()
+            )));
+        }
+        if let Some(types) = &self.layer_types {
+            if types.len() != self.num_hidden_layers {
+                return Err(Error::Config(format!(
+                    "`layer_types` has {} entries for {} layers",
+                    types.len(),
+                    self.num_hidden_layers
+                )));
+            }
+        }
+        self.rope_scaling()?;
+        Ok(())
+    }
+
+    /// The architecture (`model_type` may still be empty for Qwen 2/3 configs without one: the
+    /// loader decides from the weights).
+    pub fn architecture(&self) -> Result<Architecture> {
+        Architecture::from_model_type(&self.model_type)
+    }
+
+    /// Key/value heads (defaults to the query heads).
+    pub fn kv_heads(&self) -> i32 {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Per-head dimension: `head_dim` when given, else `hidden_size / num_attention_heads`. (The
+    /// loader replaces a missing `head_dim` with the one q_proj's shape implies.)
+    pub fn head_dim(&self) -> i32 {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Whether the output head is the embedding (per-family default when unspecified).
+    pub fn tied(&self) -> bool {
+        self.tie_word_embeddings.unwrap_or(self.model_type.starts_with("gemma"))
+    }
+
+    /// The parsed `rope_scaling`.
+    pub fn rope_scaling(&self) -> Result<Option<RopeScaling>> {
+        let Some(Value::Object(s)) = &self.rope_scaling else { return Ok(None) };
+        let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+        let num = |k: &str| -> Result<f32> {
+            s.get(k)
+                .and_then(Value::as_f64)
+                .map(|v| v as f32)
+                .ok_or_else(|| Error::Config(format!("rope_scaling ({kind}) lacks numeric `{k}`")))
+        };
+        match kind {
+            "default" => Ok(None),
+            "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor")? })),
+            "llama3" => Ok(Some(RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+            })),
+            other => Err(Error::Config(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)"))),
+        }
+    }
+
+    /// Gemma 3: whether layer `i` attends through a sliding window.
+    pub fn is_sliding(&self, i: usize) -> bool {
+        if let Some(types) = &self.layer_types {
+            return types.get(i).is_some_and(|t| t == "sliding_attention");
+        }
+        match self.sliding_window_pattern {
+            Some(p) if p > 0 => (i + 1) % p != 0,
+            _ => false,
+        }
+    }
+
+    /// End-of-sequence ids from `eos_token_id` (a number or a list).
+    pub fn eos_ids(&self) -> Vec<u32> {
+        ids_of(self.eos_token_id.as_ref())
+    }
+
+    /// The checkpoint's dtype name (`torch_dtype` / `dtype`).
+    pub fn dtype_name(&self) -> Option<&str> {
+        self.torch_dtype.as_deref()
+    }
+
+    /// The MLX quantisation block, if any.
+    pub fn quantization_block(&self) -> Option<&Value> {
+        self.quantization.as_ref().or(self.quantization_config.as_ref()).filter(|q| q.get("bits").is_some())
+    }
+}
+
+/// A token id or list of ids in a config.
+pub fn ids_of(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// transformers ≥ 5 writes `rope_parameters` (`{rope_theta, rope_type, factor, ...}`, or one such
+/// object per layer type for Gemma 3) instead of `rope_theta` + `rope_scaling`: map it back.
+fn normalize_rope_parameters(top: &mut serde_json::Map<String, Value>) {
+    let Some(Value::Object(params)) = top.remove("rope_parameters") else { return };
+    let mut apply = |p: &serde_json::Map<String, Value>, theta_key: &str, scaling: bool| {
+        if let Some(theta) = p.get("rope_theta") {
+            top.entry(theta_key.to_string()).or_insert(theta.clone());
+        }
+        let kind = p.get("rope_type").and_then(Value::as_str).unwrap_or("default");
+        if scaling && kind != "default" && !top.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+            let mut sc = p.clone();
+            sc.remove("rope_theta");
+            top.insert("rope_scaling".into(), Value::Object(sc));
+        }
+    };
+    if let Some(Value::Object(full)) = params.get("full_attention") {
+        apply(full, "rope_theta", true);
+        if let Some(Value::Object(local)) = params.get("sliding_attention") {
+            apply(local, "rope_local_base_freq", false);
+        }
+    } else {
+        apply(&params, "rope_theta", true);
+    }
+}
+
+fn guess_model_type(top: &serde_json::Map<String, Value>) -> Option<String> {
+    let arch = top.get("architectures")?.as_array()?.first()?.as_str()?;
+    let table = [
+        ("LlamaForCausalLM", "llama"),
+        ("MistralForCausalLM", "mistral"),
+        ("Qwen2ForCausalLM", "qwen2"),
+        ("Qwen3ForCausalLM", "qwen3"),
+        ("Gemma3ForCausalLM", "gemma3_text"),
+        ("Gemma3ForConditionalGeneration", "gemma3"),
+    ];
+    table.iter().find(|(a, _)| *a == arch).map(|(_, t)| t.to_string())
+}
+
+/// RoPE divisors `base^(2i/dims)` for `i < dims/2`, with Llama 3 scaling applied (the form
+/// [`rmlx::fast::RopeFreqs::Explicit`] takes).
+pub fn llama3_rope_divisors(dims: i32, base: f32, s: &RopeScaling) -> Vec<f32> {
+    let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } = *s else {
+        return (0..dims / 2).map(|i| (base as f64).powf(2.0 * i as f64 / dims as f64) as f32).collect();
+    };
+    let (factor, low, high, old) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64, old as f64);
+    let (low_wavelen, high_wavelen) = (old / low, old / high);
+    (0..dims / 2)
+        .map(|i| {
+            let d = (base as f64).powf(2.0 * i as f64 / dims as f64);
+            let wavelen = 2.0 * std::f64::consts::PI * d;
+            let out = if wavelen > low_wavelen {
+                d * factor
+            } else if wavelen < high_wavelen {
+                d
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                d / ((1.0 - smooth) / factor + smooth)
+            };
+            out as f32
+        })
+        .collect()
+}

@@ -1,0 +1,57 @@
+//! The error type of `rmlx-lm`: every way loading, tokenising or generating can fail, each naming
+//! what was wrong (the field, the tensor, the file) so that a user can act on it.
+
+/// Everything that can go wrong in `rmlx-lm`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An MLX operation failed (shape errors, truncated data found while evaluating, ...).
+    #[error(transparent)]
+    Mlx(#[from] rmlx::Error),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    /// A configuration (config.json, GGUF metadata, generation_config.json) is missing a field or
+    /// holds an invalid value.
+    #[error("invalid config: {0}")]
+    Config(String),
+    /// `model_type` (or GGUF `general.architecture`) names an architecture rmlx does not implement.
+    #[error("unsupported architecture `{model_type}`; supported: {supported}")]
+    UnsupportedArchitecture { model_type: String, supported: String },
+    /// A weight the model needs is not in the checkpoint.
+    #[error("missing tensor `{0}` in the checkpoint")]
+    MissingTensor(String),
+    /// A shard named by the index file (or a file the loader needs) does not exist.
+    #[error("missing file: {0}")]
+    MissingFile(String),
+    /// A tensor's shape differs from the one the config implies.
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    ShapeMismatch { name: String, expected: Vec<i32>, found: Vec<i32> },
+    /// A weight file is shorter than its header says, or its header cannot be parsed.
+    #[error("corrupt or truncated file {path}: {reason}")]
+    Corrupt { path: String, reason: String },
+    /// The tokenizer could not be built, or it does not fit the model.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A chat template failed to parse or render (including the template's own `raise_exception`).
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The prompt is unusable: empty, or longer than the context limit.
+    #[error("prompt: {0}")]
+    Prompt(String),
+    /// A generation or sampling parameter is out of range.
+    #[error("invalid parameter: {0}")]
+    InvalidParameter(String),
+    /// Downloading a registry package (the default model, tokenizer files) failed.
+    #[error("download {url}: {reason}")]
+    Download { url: String, reason: String },
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// Wraps an I/O error with the path it concerns.
+    pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
+        Error::Io { path: path.as_ref().display().to_string(), source }
+    }
+}

@@ -1,0 +1,358 @@
+//! Streaming generation: prompt prefill in chunks, then one token per step, sampled by a
+//! [`Sampler`], detokenised incrementally, stopped by EOS ids, stop strings, a token budget or a
+//! [`CancelHandle`]. Each step's graph is built while the previous one runs (`async_eval`), as
+//! mlx-lm does. [`Metrics`] carry the prompt size, time to first token and speeds.
+
+use crate::cache::KvCache;
+use crate::chat::Message;
+use crate::loader::LoadedModel;
+use crate::sample::{Sampler, SamplerConfig};
+use crate::tokenizer::StreamDecoder;
+use crate::{Error, Result};
+use rmlx::{Array, Dtype};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// The sampling chain.
+    pub sampler: SamplerConfig,
+    /// Strings that end generation (not included in the output).
+    pub stop_strings: Vec<String>,
+    /// Prompt tokens per prefill forward pass.
+    pub prefill_chunk: usize,
+    /// Bound on the positions every cache keeps (rotating caches); the prompt must fit in it.
+    pub context_limit: Option<usize>,
+    /// Keep going past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self { max_tokens: 256, sampler: SamplerConfig::default(), stop_strings: Vec::new(), prefill_chunk: 2048, context_limit: None, ignore_eos: false }
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Token {
+    pub id: u32,
+    /// The text this token completes (may be empty while a multi-byte character or a possible
+    /// stop string is pending).
+    pub text: String,
+    /// Log-probability of the token under the processed distribution.
+    pub logprob: f32,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token.
+    Eos,
+    /// A stop string.
+    StopString,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled through a [`CancelHandle`].
+    Cancelled,
+}
+
+/// Counters and timings of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct Metrics {
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Prefill plus the first sampled token.
+    pub time_to_first_token: Duration,
+    /// Time from the first token to the last.
+    pub decode_time: Duration,
+    /// MLX's peak memory so far, in bytes.
+    pub peak_memory: usize,
+}
+
+impl Metrics {
+    /// Prompt tokens per second (over the time to first token).
+    pub fn prompt_tps(&self) -> f64 {
+        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64().max(1e-9)
+    }
+
+    /// Generated tokens per second after the first.
+    pub fn generation_tps(&self) -> f64 {
+        let n = self.generated_tokens.saturating_sub(1);
+        if n == 0 {
+            return 0.0;
+        }
+        n as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Stops a running generation from anywhere (another thread, a signal handler).
+#[derive(Clone, Debug, Default)]
+pub struct CancelHandle(Arc<AtomicBool>);
+
+impl CancelHandle {
+    /// Asks the generation to stop before its next token.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether cancellation was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl LoadedModel {
+    /// Token ids of a prompt: `raw` encodes the text as `tokenizer(text)` would (default special
+    /// tokens); otherwise the text becomes the user message of the chat template, after `system`.
+    pub fn encode_prompt(&self, text: &str, raw: bool, system: Option<&str>) -> Result<Vec<u32>> {
+        if raw {
+            return self.tokenizer.encode(text, true);
+        }
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(Message::system(s));
+        }
+        messages.push(Message::user(text));
+        self.chat_prompt(&messages)
+    }
+
+    /// The chat template applied to `messages` (with the generation prompt), tokenised without
+    /// adding special tokens again (the template writes them).
+    pub fn chat_prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let text = self.chat_template.render(messages, true, None, None)?;
+        self.tokenizer.encode(&text, false)
+    }
+
+    /// Starts generating after `prompt`; iterate to get tokens.
+    pub fn generate(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Generation<'_>> {
+        Generation::new(self, prompt, opts)
+    }
+}
+
+/// A generation in progress: an iterator of [`Token`]s. Dropping it stops generation.
+pub struct Generation<'m> {
+    lm: &'m LoadedModel,
+    opts: GenerateOptions,
+    caches: Vec<KvCache>,
+    sampler: Sampler,
+    history: Vec<u32>,
+    /// The sampled token and its log-probabilities, possibly still being computed.
+    pending: Option<(Array, Array)>,
+    decoder: StreamDecoder<'m>,
+    /// Decoded text not yet handed out because it may begin a stop string.
+    held: String,
+    cancel: CancelHandle,
+    finish: Option<FinishReason>,
+    metrics: Metrics,
+    started: Instant,
+    first_token_at: Option<Instant>,
+    pipelined: bool,
+}
+
+impl<'m> Generation<'m> {
+    fn new(lm: &'m LoadedModel, prompt: &[u32], opts: &GenerateOptions) -> Result<Self> {
+        if prompt.is_empty() {
+            return Err(Error::Prompt("the prompt is empty".into()));
+        }
+        opts.sampler.validate()?;
+        if opts.prefill_chunk == 0 {
+            return Err(Error::InvalidParameter("prefill_chunk must be positive".into()));
+        }
+        let cfg = lm.model.config();
+        let limit = opts.context_limit.or(cfg.max_position_embeddings);
+        if let Some(limit) = limit {
+            if prompt.len() > limit {
+                return Err(Error::Prompt(format!("the prompt has {} tokens, more than the context limit of {limit}", prompt.len())));
+            }
+        }
+        let vocab = cfg.vocab_size as u32;
+        if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
+            return Err(Error::Prompt(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
+        }
+        let pipelined = opts.sampler.repetition_penalty == 1.0;
+        let mut g = Self {
+            lm,
+            opts: opts.clone(),
+            caches: lm.model.new_caches(opts.context_limit),
+            sampler: Sampler::new(opts.sampler.clone())?,
+            history: prompt.to_vec(),
+            pending: None,
+            decoder: lm.tokenizer.stream(),
+            held: String::new(),
+            cancel: CancelHandle::default(),
+            finish: None,
+            metrics: Metrics { prompt_tokens: prompt.len(), ..Metrics::default() },
+            started: Instant::now(),
+            first_token_at: None,
+            pipelined,
+        };
+        g.prefill(prompt)?;
+        Ok(g)
+    }
+
+    /// A handle that cancels this generation.
+    pub fn cancel_handle(&self) -> CancelHandle {
+        self.cancel.clone()
+    }
+
+    /// Counters so far (complete once the iterator is exhausted).
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Why generation ended, once it has.
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// Runs the prompt through the model in chunks; leaves the first token pending.
+    fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
+        let chunk = self.opts.prefill_chunk;
+        let (body, last) = prompt.split_at(prompt.len() - (prompt.len() - 1) % chunk - 1);
+        for part in body.chunks(chunk) {
+            self.lm.model.forward_hidden(&ids_array(part)?, &mut self.caches)?;
+            let state: Vec<&Array> = self.caches.iter().flat_map(KvCache::state).collect();
+            rmlx::eval(state)?;
+        }
+        let next = self.step(&ids_array(last)?)?;
+        rmlx::async_eval([&next.0, &next.1])?;
+        self.pending = Some(next);
+        Ok(())
+    }
+
+    /// The model on `ids: [1, L]`, the last position sampled: (token `[1]`, logprobs `[1, V]`).
+    fn step(&mut self, ids: &Array) -> Result<(Array, Array)> {
+        let h = self.lm.model.forward_hidden(ids, &mut self.caches)?;
+        let len = h.shape()[1];
+        let logits = self.lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?;
+        let logits = logits.reshape(&[1, -1])?;
+        let (token, logprobs) = self.sampler.sample(&logits, &self.history)?;
+        Ok((token, logprobs))
+    }
+
+    fn next_token(&mut self) -> Result<Option<Token>> {
+        if self.finish.is_some() {
+            return Ok(None);
+        }
+        if self.cancel.is_cancelled() {
+            self.finish = Some(FinishReason::Cancelled);
+            return Ok(None);
+        }
+        let Some((token, logprobs)) = self.pending.take() else { return Ok(None) };
+        let budget_left = self.metrics.generated_tokens + 1 < self.opts.max_tokens;
+        // Queue the next step before waiting for this one (its input is the lazy token).
+        if self.pipelined && budget_left {
+            let next = self.step(&token.reshape(&[1, 1])?)?;
+            rmlx::async_eval([&next.0, &next.1])?;
+            self.pending = Some(next);
+        }
+        let id = token.astype(Dtype::Int32)?.item::<i32>()? as u32;
+        let logprob = logprobs.reshape(&[-1])?.slice_axis(0, id as i32, id as i32 + 1, 1)?.astype(Dtype::Float32)?.item::<f32>()?;
+        let now = Instant::now();
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(now);
+            self.metrics.time_to_first_token = now - self.started;
+        }
+        self.metrics.decode_time = now - self.first_token_at.expect("set above");
+        self.metrics.peak_memory = rmlx::memory::peak_memory();
+        if !self.opts.ignore_eos && self.lm.eos_ids.contains(&id) {
+            self.finish = Some(FinishReason::Eos);
+            self.pending = None;
+            return Ok(None);
+        }
+        self.metrics.generated_tokens += 1;
+        self.history.push(id);
+        if !self.pipelined && budget_left {
+            let next = self.step(&ids_array(&[id])?)?;
+            rmlx::async_eval([&next.0, &next.1])?;
+            self.pending = Some(next);
+        }
+        self.held.push_str(&self.decoder.push(id)?);
+        if !budget_left {
+            self.finish = Some(FinishReason::Length);
+            self.held.push_str(&self.decoder.finish()?);
+        }
+        let text = self.release_text();
+        Ok(Some(Token { id, text, logprob }))
+    }
+
+    /// The decoded text that can be handed out: up to a stop string (which ends generation), else
+    /// all but a tail that could still grow into one.
+    fn release_text(&mut self) -> String {
+        for s in &self.opts.stop_strings {
+            if let Some(at) = self.held.find(s.as_str()) {
+                self.finish = Some(FinishReason::StopString);
+                self.pending = None;
+                let out = self.held[..at].to_string();
+                self.held.clear();
+                return out;
+            }
+        }
+        if self.finish.is_some() {
+            return std::mem::take(&mut self.held);
+        }
+        let keep = self
+            .opts
+            .stop_strings
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&n| s.is_char_boundary(n)).map(move |n| &s[..n]))
+            .filter(|prefix| self.held.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        out
+    }
+}
+
+impl Iterator for Generation<'_> {
+    type Item = Result<Token>;
+
+    fn next(&mut self) -> Option<Result<Token>> {
+        match self.next_token() {
+            Ok(Some(t)) => Some(Ok(t)),
+            Ok(None) => None,
+            Err(e) => {
+                self.finish = Some(FinishReason::Cancelled);
+                self.pending = None;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+fn ids_array(ids: &[u32]) -> Result<Array> {
+    let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    Ok(Array::from_slice(&v, &[1, v.len() as i32])?)
+}
+
+/// Negative log-likelihood of `ids` under the model (positions 1..N, each predicted from the ones
+/// before), computed in chunks of `chunk` positions with a KV cache: (mean NLL, positions scored).
+pub fn negative_log_likelihood(lm: &LoadedModel, ids: &[u32], chunk: usize) -> Result<(f64, usize)> {
+    if ids.len() < 2 {
+        return Err(Error::Prompt(format!("perplexity needs at least 2 tokens, the text has {}", ids.len())));
+    }
+    let mut caches = lm.model.new_caches(None);
+    let (mut total, mut count) = (0.0f64, 0usize);
+    let inputs = &ids[..ids.len() - 1];
+    for (i, part) in inputs.chunks(chunk.max(1)).enumerate() {
+        let start = i * chunk.max(1);
+        let targets = &ids[start + 1..start + 1 + part.len()];
+        let logits = lm.model.forward(&ids_array(part)?, &mut caches)?.astype(Dtype::Float32)?;
+        let lse = logits.logsumexp(-1, false)?;
+        let t: Vec<i32> = targets.iter().map(|&x| x as i32).collect();
+        let t = Array::from_slice(&t, &[1, t.len() as i32, 1])?;
+        let picked = rmlx::ops::take_along_axis(&logits, &t, Some(-1))?.squeeze(-1)?;
+        let nll = (lse - picked)?.sum(rmlx::Axes::All, false)?;
+        total += nll.item::<f32>()? as f64;
+        count += part.len();
+    }
+    Ok((total / count as f64, count))
+}

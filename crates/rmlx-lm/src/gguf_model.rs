@@ -1,0 +1,173 @@
+//! Building a model from a GGUF file: the configuration from `<arch>.*` metadata, llama.cpp tensor
+//! names mapped to Hugging Face ones (with llama.cpp's Q/K row permutation and Gemma's `+1` norms
+//! undone), and the tokenizer and chat template from `tokenizer.*` metadata.
+
+use crate::chat::ChatTemplate;
+use crate::gguf::{unpermute_llama_rows, GgufFile, MetaValue};
+use crate::loader::{finish, LoadOptions, LoadedModel};
+use crate::progress::Progress;
+use crate::tokenizer::Tokenizer;
+use crate::weights::{Weight, Weights};
+use crate::{Error, Result};
+use rmlx::Dtype;
+use serde_json::{json, Map, Value};
+use std::path::Path;
+
+/// GGUF architectures and the `model_type` each becomes.
+const ARCHITECTURES: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3_text")];
+
+/// Loads a `.gguf` file.
+pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let file = GgufFile::open(path)?;
+    let arch = file
+        .get("general.architecture")
+        .and_then(MetaValue::as_str)
+        .ok_or_else(|| Error::Config(format!("{}: no `general.architecture`", path.display())))?
+        .to_string();
+    let Some(&(_, model_type)) = ARCHITECTURES.iter().find(|(a, _)| *a == arch) else {
+        return Err(Error::UnsupportedArchitecture {
+            model_type: format!("{arch} (GGUF)"),
+            supported: ARCHITECTURES.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", "),
+        });
+    };
+    let mut raw = config_from_metadata(&file, &arch, model_type)?;
+    let (heads, kv_heads) = (raw["num_attention_heads"].as_u64().unwrap_or(1) as usize, raw["num_key_value_heads"].as_u64().unwrap_or(1) as usize);
+
+    let bar = Progress::new(opts.progress, "reading GGUF tensors", file.tensors().len() as u64);
+    let mut weights = Weights::new();
+    for info in file.tensors() {
+        bar.inc(1);
+        if info.name == "rope_freqs.weight" {
+            // Llama 3.1's scaled RoPE, stored as per-frequency divisors of the frequencies.
+            let Weight::Dense(f) = file.load(info)? else { return Err(Error::Config("rope_freqs is quantised".into())) };
+            raw["rope_freq_factors"] = json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?);
+            continue;
+        }
+        let Some(name) = hf_name(&info.name, &arch) else {
+            return Err(Error::Config(format!("{}: unexpected tensor `{}` for a {arch} model", path.display(), info.name)));
+        };
+        let mut w = file.load(info)?;
+        if arch == "llama" && name.ends_with("q_proj.weight") {
+            w = unpermute_llama_rows(w, heads)?;
+        } else if arch == "llama" && name.ends_with("k_proj.weight") {
+            w = unpermute_llama_rows(w, kv_heads)?;
+        } else if arch == "gemma3" && name.ends_with("norm.weight") {
+            // llama.cpp stores Gemma's norm weights as `1 + w`.
+            if let Weight::Dense(a) = w {
+                w = Weight::Dense((a.astype(Dtype::Float32)? - 1.0)?);
+            }
+        }
+        weights.insert(name, w);
+    }
+    bar.finish();
+    if raw.get("vocab_size").is_none_or(Value::is_null) {
+        let rows = weights.get("model.embed_tokens.weight").map(|w| w.shape()[0]).unwrap_or(0);
+        raw["vocab_size"] = json!(rows);
+    }
+    raw["tie_word_embeddings"] = json!(!weights.contains("lm_head.weight"));
+    let cfg = crate::config::ModelConfig::from_value(raw)?;
+
+    let vocab = crate::tokenizer::gguf_vocab(&file)?;
+    let mut tokenizer = Tokenizer::from_gguf_vocab(&vocab)?;
+    let (bos, eos) = (tokenizer.bos_token().map(str::to_string), tokenizer.eos_token().map(str::to_string));
+    let template = match file.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
+        Some(src) => ChatTemplate::new(src, bos.as_deref(), eos.as_deref())?,
+        None => ChatTemplate::fallback(family(&arch), bos.as_deref(), eos.as_deref())?,
+    };
+    // End-of-turn markers the family's generation_config would list.
+    for marker in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"] {
+        if let Some(id) = tokenizer.token_to_id(marker) {
+            tokenizer.add_eos_id(id);
+        }
+    }
+    let dtype = opts.dtype.unwrap_or(Dtype::Bfloat16);
+    finish(cfg, weights, tokenizer, template, dtype, opts, path)
+}
+
+fn family(arch: &str) -> &'static str {
+    match arch {
+        "llama" => "llama3",
+        "gemma3" => "gemma",
+        _ => "chatml",
+    }
+}
+
+/// The Hugging Face config a GGUF's metadata describes.
+fn config_from_metadata(file: &GgufFile, arch: &str, model_type: &str) -> Result<Value> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let num = |k: &str| file.get(&key(k)).and_then(MetaValue::as_f64);
+    let need = |k: &str| num(k).ok_or_else(|| Error::Config(format!("GGUF metadata lacks `{}`", key(k))));
+    let heads = need("attention.head_count")?;
+    let mut c = Map::new();
+    c.insert("model_type".into(), json!(model_type));
+    c.insert("hidden_size".into(), json!(need("embedding_length")? as i64));
+    c.insert("num_hidden_layers".into(), json!(need("block_count")? as i64));
+    c.insert("intermediate_size".into(), json!(need("feed_forward_length")? as i64));
+    c.insert("num_attention_heads".into(), json!(heads as i64));
+    c.insert("num_key_value_heads".into(), json!(num("attention.head_count_kv").unwrap_or(heads) as i64));
+    if let Some(d) = num("attention.key_length") {
+        c.insert("head_dim".into(), json!(d as i64));
+    }
+    c.insert("rms_norm_eps".into(), json!(num("attention.layer_norm_rms_epsilon").unwrap_or(1e-6)));
+    c.insert("rope_theta".into(), json!(num("rope.freq_base").unwrap_or(10000.0)));
+    if let Some(n) = num("context_length") {
+        c.insert("max_position_embeddings".into(), json!(n as i64));
+    }
+    if let Some(t) = file.get("tokenizer.ggml.tokens").and_then(MetaValue::as_array) {
+        c.insert("vocab_size".into(), json!(t.len()));
+    }
+    let scaling = file.get(&key("rope.scaling.type")).and_then(MetaValue::as_str);
+    if let (Some("linear"), Some(f)) = (scaling, num("rope.scaling.factor")) {
+        c.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": f}));
+    }
+    if arch == "gemma3" {
+        if let Some(w) = num("attention.sliding_window") {
+            c.insert("sliding_window".into(), json!(w as i64));
+        }
+        // llama.cpp hard-codes Gemma 3's layout: every sixth layer global, local RoPE base 10⁴.
+        c.insert("sliding_window_pattern".into(), json!(6));
+        c.insert("rope_local_base_freq".into(), json!(10000.0));
+        if let Some(d) = num("attention.key_length") {
+            c.insert("query_pre_attn_scalar".into(), json!(d));
+        }
+    }
+    if let Some(id) = file.get("tokenizer.ggml.eos_token_id").and_then(MetaValue::as_u64) {
+        c.insert("eos_token_id".into(), json!(id));
+    }
+    Ok(Value::Object(c))
+}
+
+/// llama.cpp's tensor name → the Hugging Face name the model files take.
+fn hf_name(gguf: &str, arch: &str) -> Option<String> {
+    let global = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(g) = global {
+        return Some(g.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, tensor) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (base, suffix) = tensor.rsplit_once('.')?;
+    let ffn_norm = if arch == "gemma3" { "pre_feedforward_layernorm" } else { "post_attention_layernorm" };
+    let module = match base {
+        "attn_norm" => "input_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_norm" => ffn_norm,
+        "post_attention_norm" => "post_attention_layernorm",
+        "post_ffw_norm" => "post_feedforward_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{module}.{suffix}"))
+}

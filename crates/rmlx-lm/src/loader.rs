@@ -1,0 +1,339 @@
+//! Loading a model from a Hugging Face folder (config.json, safetensors shards, tokenizer files,
+//! generation_config.json; plain or MLX-quantised) or a GGUF file (see [`crate::gguf_model`]),
+//! into a [`LoadedModel`]: the model, its tokenizer, chat template and stop ids.
+
+use crate::chat::ChatTemplate;
+use crate::config::{Architecture, ModelConfig};
+use crate::models::{self, Model};
+use crate::nn::Builder;
+use crate::tokenizer::Tokenizer;
+use crate::weights::{Weight, Weights};
+use crate::{Error, Result};
+use rmlx::quantization::{QuantMode, Quantized};
+use rmlx::{Array, Dtype};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// How to load.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Compute dtype; default: the checkpoint's (bfloat16 for GGUF files).
+    pub dtype: Option<Dtype>,
+    /// Dequantise quantised weights at load; default: when the default device is the CPU, where
+    /// MLX's quantised matmul is slow.
+    pub dequantize: Option<bool>,
+    /// Show progress and a summary on stderr.
+    pub progress: bool,
+}
+
+/// A model ready to generate with.
+pub struct LoadedModel {
+    pub model: Box<dyn Model>,
+    pub tokenizer: Tokenizer,
+    /// The checkpoint's chat template, else the family's built-in one.
+    pub chat_template: ChatTemplate,
+    /// Token ids that end generation (config, generation_config and tokenizer EOS).
+    pub eos_ids: Vec<u32>,
+    /// The compute dtype.
+    pub dtype: Dtype,
+    /// Parameters (quantised matrices counted unpacked).
+    pub parameters: u64,
+    /// Bytes of weights held.
+    pub weight_bytes: u64,
+    /// Where it came from.
+    pub source: PathBuf,
+}
+
+/// Loads a Hugging Face folder or a `.gguf` file.
+pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
+    let path = path.as_ref();
+    if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
+        return crate::gguf_model::load(path, opts);
+    }
+    if !path.is_dir() {
+        return Err(Error::MissingFile(format!("{} is neither a model folder nor a .gguf file", path.display())));
+    }
+    load_dir(path, opts)
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+}
+
+fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let config_path = dir.join("config.json");
+    if !config_path.is_file() {
+        return Err(Error::MissingFile(format!("{} (a model folder needs config.json)", config_path.display())));
+    }
+    let mut cfg = ModelConfig::from_value(read_json(&config_path)?)?;
+    let mut weights = read_weights(dir, opts.progress)?;
+    normalize_names(&mut weights);
+    if cfg.model_type.is_empty() {
+        cfg.model_type = guess_from_weights(&weights).into();
+    }
+    group_quantized(&mut weights, &cfg)?;
+    infer_head_dim(&mut cfg, &weights);
+    let dtype = opts.dtype.unwrap_or_else(|| checkpoint_dtype(&cfg, &weights));
+
+    let mut tokenizer = Tokenizer::from_dir(dir)?;
+    let mut eos = cfg.eos_ids();
+    let gen_config = dir.join("generation_config.json");
+    if gen_config.is_file() {
+        eos.extend(crate::config::ids_of(read_json(&gen_config)?.get("eos_token_id")));
+    }
+    let template = match ChatTemplate::from_dir(dir, tokenizer.bos_token(), tokenizer.eos_token())? {
+        Some(t) => t,
+        None => ChatTemplate::fallback(family(&cfg)?, tokenizer.bos_token(), tokenizer.eos_token())?,
+    };
+    for &id in &eos {
+        tokenizer.add_eos_id(id);
+    }
+    finish(cfg, weights, tokenizer, template, dtype, opts, dir)
+}
+
+/// Builds the model, evaluates its weights (with progress) and checks the tokenizer fits.
+pub(crate) fn finish(
+    cfg: ModelConfig,
+    weights: Weights,
+    tokenizer: Tokenizer,
+    chat_template: ChatTemplate,
+    dtype: Dtype,
+    opts: &LoadOptions,
+    source: &Path,
+) -> Result<LoadedModel> {
+    let started = Instant::now();
+    let dequantize = opts.dequantize.unwrap_or_else(|| rmlx::default_device().kind == rmlx::DeviceType::Cpu);
+    let mut b = Builder::new(weights, dtype, dequantize);
+    let model = models::build(&cfg, &mut b)?;
+    let arrays = b.take_built();
+    let bar = crate::progress::Progress::new(opts.progress, "loading weights", arrays.len() as u64);
+    let mut weight_bytes = 0u64;
+    for chunk in arrays.chunks(16) {
+        rmlx::eval(chunk.iter())?;
+        weight_bytes += chunk.iter().map(|a| a.nbytes() as u64).sum::<u64>();
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish();
+    let parameters = b.parameters();
+    if tokenizer.vocab_size() > cfg.vocab_size as usize {
+        return Err(Error::Tokenizer(format!(
+            "the tokenizer has {} tokens but the model's vocabulary is {}",
+            tokenizer.vocab_size(),
+            cfg.vocab_size
+        )));
+    }
+    let mut eos_ids: Vec<u32> = tokenizer.eos_ids().to_vec();
+    eos_ids.sort_unstable();
+    eos_ids.dedup();
+    if opts.progress {
+        eprintln!(
+            "loaded {} ({}, {:.1}M parameters, {:.2} GB of weights as {}{}) in {:.1}s",
+            source.display(),
+            cfg.model_type,
+            parameters as f64 / 1e6,
+            weight_bytes as f64 / 1e9,
+            dtype.name(),
+            if dequantize { ", dequantised" } else { "" },
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(LoadedModel { model, tokenizer, chat_template, eos_ids, dtype, parameters, weight_bytes, source: source.to_path_buf() })
+}
+
+fn family(cfg: &ModelConfig) -> Result<&'static str> {
+    Ok(match cfg.architecture()? {
+        Architecture::Llama => "llama3",
+        Architecture::Qwen2 | Architecture::Qwen3 => "chatml",
+        Architecture::Gemma3 => "gemma",
+    })
+}
+
+/// The safetensors files: those the index names (all must exist), else every `*.safetensors`.
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let map = read_json(&index)?;
+        let Some(Value::Object(m)) = map.get("weight_map") else {
+            return Err(Error::Config(format!("{}: no `weight_map`", index.display())));
+        };
+        let mut files: Vec<String> = m.values().filter_map(Value::as_str).map(str::to_string).collect();
+        files.sort();
+        files.dedup();
+        return files
+            .into_iter()
+            .map(|f| {
+                let p = dir.join(&f);
+                if p.is_file() {
+                    Ok(p)
+                } else {
+                    Err(Error::MissingFile(format!("shard {f} (named by model.safetensors.index.json) is not in {}", dir.display())))
+                }
+            })
+            .collect();
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::MissingFile(format!("no *.safetensors weights in {}", dir.display())));
+    }
+    Ok(files)
+}
+
+/// Reads the header of a safetensors file and checks that every tensor lies inside the file.
+fn check_safetensors(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let corrupt = |reason: String| Error::Corrupt { path: path.display().to_string(), reason };
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let size = f.metadata().map_err(|e| Error::io(path, e))?.len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|_| corrupt("shorter than a safetensors header".into()))?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > size.saturating_sub(8) || header_len > 100 << 20 {
+        return Err(corrupt(format!("header length {header_len} exceeds the file size {size}")));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    f.read_exact(&mut header).map_err(|e| corrupt(e.to_string()))?;
+    let header: Value = serde_json::from_slice(&header).map_err(|e| corrupt(format!("header is not JSON: {e}")))?;
+    let data = size - 8 - header_len;
+    for (name, info) in header.as_object().into_iter().flatten() {
+        let Some(end) = info.get("data_offsets").and_then(|o| o.get(1)).and_then(Value::as_u64) else { continue };
+        if end > data {
+            return Err(corrupt(format!("tensor `{name}` ends at byte {end} of a {data}-byte data section (truncated file?)")));
+        }
+    }
+    Ok(())
+}
+
+fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
+    let files = shard_files(dir)?;
+    let mut weights = Weights::new();
+    for f in &files {
+        check_safetensors(f)?;
+        let st = rmlx::io::load_safetensors(f)?;
+        for (name, a) in st.arrays {
+            weights.insert(name, Weight::Dense(a));
+        }
+    }
+    if progress {
+        eprintln!("reading {} ({} file{}, {} tensors)", dir.display(), files.len(), if files.len() == 1 { "" } else { "s" }, weights.len());
+    }
+    Ok(weights)
+}
+
+/// Multimodal and wrapped checkpoints keep the text model under `language_model.`: bring those
+/// names back to `model.*` / `lm_head.*` and drop the other towers.
+fn normalize_names(w: &mut Weights) {
+    let names: Vec<String> = w.names().map(str::to_string).collect();
+    let wrapped = !names.iter().any(|n| n.starts_with("model.layers.") || n.starts_with("model.embed_tokens."));
+    for name in names {
+        let renamed = if let Some(rest) = name.strip_prefix("model.language_model.") {
+            Some(format!("model.{rest}"))
+        } else if let Some(rest) = name.strip_prefix("language_model.") {
+            Some(if rest.starts_with("model.") || rest.starts_with("lm_head.") { rest.to_string() } else { format!("model.{rest}") })
+        } else if wrapped && !name.starts_with("lm_head.") {
+            None
+        } else {
+            continue;
+        };
+        let t = w.take_opt(&name).expect("listed");
+        if let Some(new) = renamed {
+            w.insert(new, t);
+        } else if !(name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.") || name.starts_with("model.vision")) {
+            w.insert(name, t);
+        }
+    }
+    for name in w.names().filter(|n| n.contains("rotary_emb.inv_freq")).map(str::to_string).collect::<Vec<_>>() {
+        w.take_opt(&name);
+    }
+}
+
+fn guess_from_weights(w: &Weights) -> &'static str {
+    if w.contains("model.layers.0.self_attn.q_norm.weight") {
+        "qwen3"
+    } else if w.contains("model.layers.0.self_attn.q_proj.bias") {
+        "qwen2"
+    } else {
+        "llama"
+    }
+}
+
+/// `X.weight` + `X.scales` (+ `X.biases`) → one quantised weight, with the bits and group size of
+/// the config's `quantization` block (per-layer entries override), checked against the shapes.
+fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
+    let prefixes: Vec<String> = w.names().filter_map(|n| n.strip_suffix(".scales")).map(str::to_string).collect();
+    if prefixes.is_empty() {
+        return Ok(());
+    }
+    let block = cfg.quantization_block().ok_or_else(|| {
+        Error::Config(format!("tensor `{}.scales` is quantised but config.json has no `quantization` block", prefixes[0]))
+    })?;
+    let get = |v: &Value, k: &str| v.get(k).and_then(Value::as_i64).map(|x| x as i32);
+    let (default_gs, default_bits) = (get(block, "group_size").unwrap_or(64), get(block, "bits").unwrap_or(4));
+    if let Some(mode) = block.get("mode").and_then(Value::as_str) {
+        if mode != "affine" {
+            return Err(Error::Config(format!("quantization mode `{mode}` is not supported (affine only)")));
+        }
+    }
+    for p in prefixes {
+        let (gs, bits) = match block.get(&p) {
+            Some(o @ Value::Object(_)) => (get(o, "group_size").unwrap_or(default_gs), get(o, "bits").unwrap_or(default_bits)),
+            _ => (default_gs, default_bits),
+        };
+        let Weight::Dense(weight) = w.take(&format!("{p}.weight"))? else { unreachable!("safetensors are dense") };
+        let Weight::Dense(scales) = w.take(&format!("{p}.scales"))? else { unreachable!() };
+        let biases = match w.take_opt(&format!("{p}.biases")) {
+            Some(Weight::Dense(b)) => Some(b),
+            _ => None,
+        };
+        check_quantized_shapes(&p, &weight, &scales, gs, bits)?;
+        let q = Quantized { weight, scales, biases, group_size: gs, bits, mode: QuantMode::Affine };
+        w.insert(format!("{p}.weight"), Weight::Quantized(q));
+    }
+    Ok(())
+}
+
+fn check_quantized_shapes(p: &str, weight: &Array, scales: &Array, gs: i32, bits: i32) -> Result<()> {
+    if weight.dtype() != Dtype::Uint32 {
+        return Err(Error::Config(format!("`{p}.weight` has dtype {} but quantised weights are uint32", weight.dtype().name())));
+    }
+    let (ws, ss) = (weight.shape(), scales.shape());
+    let cols = ws.last().copied().unwrap_or(0) * 32 / bits.max(1);
+    let expected = [&ws[..ws.len() - 1], &[cols / gs.max(1)]].concat();
+    if ss != expected.as_slice() {
+        return Err(Error::ShapeMismatch { name: format!("{p}.scales"), expected, found: ss.to_vec() });
+    }
+    Ok(())
+}
+
+/// A missing `head_dim` is read off q_proj (`out = heads · head_dim`).
+fn infer_head_dim(cfg: &mut ModelConfig, w: &Weights) {
+    if cfg.head_dim.is_some() {
+        return;
+    }
+    if let Some(q) = w.get("model.layers.0.self_attn.q_proj.weight") {
+        let rows = q.shape()[0];
+        if rows % cfg.num_attention_heads == 0 {
+            cfg.head_dim = Some(rows / cfg.num_attention_heads);
+        }
+    }
+}
+
+fn checkpoint_dtype(cfg: &ModelConfig, w: &Weights) -> Dtype {
+    match cfg.dtype_name() {
+        Some("float32") => return Dtype::Float32,
+        Some("float16") => return Dtype::Float16,
+        Some("bfloat16") => return Dtype::Bfloat16,
+        _ => {}
+    }
+    match w.get("model.embed_tokens.weight") {
+        Some(Weight::Dense(a)) if a.dtype().is_floating() => a.dtype(),
+        Some(Weight::Quantized(q)) => q.scales.dtype(),
+        _ => Dtype::Float32,
+    }
+}

