@@ -44,7 +44,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!(a.trials > 0 && a.gen_tokens > 1 && a.prompt_tokens > 0, "need -n ≥ 1, -g ≥ 2, -p ≥ 1");
-    let lm = a.model.load()?;
+    let lm = a.model.load_with(true)?;
     let vocab = lm.model.config().vocab_size as usize;
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|i| (((i * 7919) % 50000 + 10) % vocab) as u32).collect();
     run_once(&lm, &prompt, 8)?;

@@ -35,6 +35,11 @@ pub fn parse_dtype(name: &str) -> Result<Dtype> {
 impl ModelArgs {
     /// Loads the model (with progress on stderr).
     pub fn load(&self) -> Result<LoadedModel> {
+        self.load_with(false)
+    }
+
+    /// Loads the model; `allow_missing_tokenizer` accepts folders without tokenizer.json.
+    pub fn load_with(&self, allow_missing_tokenizer: bool) -> Result<LoadedModel> {
         let path = match &self.model {
             Some(p) => p.clone(),
             None => {
@@ -46,6 +51,7 @@ impl ModelArgs {
             dtype: self.dtype.as_deref().map(parse_dtype).transpose()?,
             dequantize: if self.keep_quantized { Some(false) } else { None },
             progress: true,
+            allow_missing_tokenizer,
         };
         rmlx_lm::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
     }

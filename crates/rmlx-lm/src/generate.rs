@@ -143,7 +143,7 @@ pub struct Generation<'m> {
     history: Vec<u32>,
     /// The sampled token and its log-probabilities, possibly still being computed.
     pending: Option<(Array, Array)>,
-    decoder: StreamDecoder<'m>,
+    decoder: StreamDecoder,
     /// Decoded text not yet handed out because it may begin a stop string.
     held: String,
     cancel: CancelHandle,

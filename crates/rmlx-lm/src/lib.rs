@@ -16,11 +16,11 @@ pub mod config;
 pub mod models;
 pub mod nn;
 pub mod progress;
-// (enabled once tokenizer/chat/gguf land)
-// pub mod loader;
-// pub mod gguf_model;
-// pub mod generate;
-// pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
-// pub use loader::{load, LoadOptions, LoadedModel};
+pub mod loader;
+pub mod gguf_model;
+pub mod generate;
+
+pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
+pub use loader::{load, LoadOptions, LoadedModel};
 
 pub use error::{Error, Result};

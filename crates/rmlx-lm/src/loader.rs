@@ -25,6 +25,9 @@ pub struct LoadOptions {
     pub dequantize: Option<bool>,
     /// Show progress and a summary on stderr.
     pub progress: bool,
+    /// Load a folder without tokenizer.json, with a placeholder tokenizer whose tokens are `<id>`
+    /// (benchmarks of random-weight checkpoints).
+    pub allow_missing_tokenizer: bool,
 }
 
 /// A model ready to generate with.
@@ -59,7 +62,7 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
 
 fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    serde_json::from_str(&text).map_err(|e| Error::Config(format!("{} is not valid JSON: {e}", path.display())))
 }
 
 fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
@@ -77,7 +80,11 @@ fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     infer_head_dim(&mut cfg, &weights);
     let dtype = opts.dtype.unwrap_or_else(|| checkpoint_dtype(&cfg, &weights));
 
-    let mut tokenizer = Tokenizer::from_dir(dir)?;
+    let mut tokenizer = if opts.allow_missing_tokenizer && !dir.join("tokenizer.json").is_file() {
+        placeholder_tokenizer(cfg.vocab_size as usize)?
+    } else {
+        Tokenizer::from_dir(dir)?
+    };
     let mut eos = cfg.eos_ids();
     let gen_config = dir.join("generation_config.json");
     if gen_config.is_file() {
@@ -140,6 +147,18 @@ pub(crate) fn finish(
         );
     }
     Ok(LoadedModel { model, tokenizer, chat_template, eos_ids, dtype, parameters, weight_bytes, source: source.to_path_buf() })
+}
+
+/// A word-level tokenizer whose tokens are `<0>`, `<1>`, … (decoding shows the ids).
+fn placeholder_tokenizer(vocab: usize) -> Result<Tokenizer> {
+    let map: serde_json::Map<String, Value> = (0..vocab).map(|i| (format!("<{i}>"), Value::from(i))).collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": map, "unk_token": "<0>"}
+    });
+    let inner: tokenizers::Tokenizer = json.to_string().parse().map_err(|e| Error::Tokenizer(format!("placeholder: {e}")))?;
+    Ok(Tokenizer::from_parts(inner, None, None))
 }
 
 fn family(cfg: &ModelConfig) -> Result<&'static str> {

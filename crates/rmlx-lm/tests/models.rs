@@ -12,7 +12,7 @@ use rmlx::{Array, Dtype};
 use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
 
 fn load(dir: &std::path::Path, dtype: Dtype) -> LoadedModel {
-    let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), progress: false };
+    let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), ..LoadOptions::default() };
     rmlx_lm::load(dir, &opts).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
 
