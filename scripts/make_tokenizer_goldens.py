@@ -23,11 +23,17 @@ WHAT IT WRITES (one JSON object)
       bos_token, eos_token     as AutoTokenizer reports them
       cases[i]                 for texts[i]: ids (tokenizer(text)), ids_plain (add_special_tokens=False),
                                decoded (decode(ids)), decoded_skip (decode(ids, skip_special_tokens=True))
-  chat[k]                      {family, template (name of a source in templates), messages, tools,
+  chat[k]                      {name, family, template (name of a source in templates), messages, tools,
                                extra (kwargs such as enable_thinking), add_generation_prompt,
                                bos_token, eos_token, expected (apply_chat_template(tokenize=False)) or
                                error (the raise_exception message)}
   templates.<name>             the template sources used above
+
+KEY ORDER
+  Cases named `*/tools` pass the tool schema in its usual key order (type, function{name, description,
+  parameters}); `*_sorted` pass the same schema with every object's keys sorted, which is what a
+  build without serde_json's and minijinja's `preserve_order` features can reproduce (the Rust
+  tests run the `*/tools` cases only where object key order is preserved).
 
 SMOLLM2 REFERENCE
   No registry ships SmolLM2's tokenizer.json, so the reference is the Hugging Face tokenizer rebuilt

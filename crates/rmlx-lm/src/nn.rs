@@ -154,12 +154,19 @@ impl Builder {
     fn convert(&mut self, w: Weight) -> Result<Weight> {
         let w = match w {
             Weight::Dense(a) => Weight::Dense(a.astype(self.dtype)?),
-            Weight::Quantized(q) if self.dequantize => Weight::Dense(dequantize(&q, Some(self.dtype))?),
-            Weight::Quantized(q) => Weight::Quantized(Quantized {
-                scales: q.scales.astype(self.dtype)?,
-                biases: q.biases.map(|b| b.astype(self.dtype)).transpose()?,
-                ..q
-            }),
+            Weight::Quantized(q) => {
+                // Scales and biases first (MLX dequantises in their dtype).
+                let q = Quantized {
+                    scales: q.scales.astype(self.dtype)?,
+                    biases: q.biases.map(|b| b.astype(self.dtype)).transpose()?,
+                    ..q
+                };
+                if self.dequantize {
+                    Weight::Dense(dequantize(&q, Some(self.dtype))?)
+                } else {
+                    Weight::Quantized(q)
+                }
+            }
         };
         Ok(self.record(w))
     }

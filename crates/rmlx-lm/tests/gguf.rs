@@ -161,7 +161,10 @@ fn every_type_matches_gguf_py() {
         assert_eq!(w.shape(), info.shape.iter().map(|&d| d as i32).collect::<Vec<_>>(), "{name}");
         match (&w, ty) {
             (Weight::Quantized(q), GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) => {
-                assert_eq!((q.group_size, q.bits, q.mode), (32, if ty == GgmlType::Q8_0 { 8 } else { 4 }, QuantMode::Affine));
+                assert_eq!(
+                    (q.group_size, q.bits, q.mode),
+                    (32, if ty == GgmlType::Q8_0 { 8 } else { 4 }, QuantMode::Affine)
+                );
                 assert_eq!(q.weight.dtype(), Dtype::Uint32);
                 assert_eq!(q.scales.dtype(), Dtype::Float16);
                 assert_eq!(q.biases.as_ref().unwrap().dtype(), Dtype::Float16);
@@ -260,9 +263,8 @@ fn q4_0_maps_losslessly_to_affine() {
     assert_eq!(words[2], expect_word2);
     let biases = q.biases.as_ref().unwrap().to_vec::<f16>().unwrap();
     assert_eq!(biases, ds.map(|d| f16::from_f32(-8.0 * f16::from_f32(d).to_f32())));
-    let want: Vec<f32> = (0..128)
-        .map(|e| (nib(e / 32, e % 32) as i32 - 8) as f32 * f16::from_f32(ds[e / 32]).to_f32())
-        .collect();
+    let want: Vec<f32> =
+        (0..128).map(|e| (nib(e / 32, e % 32) as i32 - 8) as f32 * f16::from_f32(ds[e / 32]).to_f32()).collect();
     assert_exact(&w, &want);
 }
 
@@ -381,7 +383,8 @@ fn row_ids(rows: usize, cols: usize) -> Vec<f32> {
 #[test]
 fn unpermute_llama_rows_dense() {
     // llama.cpp stores row h·hd + 2i + t for Hugging Face row h·hd + t·hd/2 + i.
-    for (n_head, order) in [(2, [0, 2, 1, 3, 4, 6, 5, 7]), (1, [0, 2, 4, 6, 1, 3, 5, 7]), (4, [0, 1, 2, 3, 4, 5, 6, 7])] {
+    for (n_head, order) in [(2, [0, 2, 1, 3, 4, 6, 5, 7]), (1, [0, 2, 4, 6, 1, 3, 5, 7]), (4, [0, 1, 2, 3, 4, 5, 6, 7])]
+    {
         let a = Array::from_slice(&row_ids(8, 3), &[8, 3]).unwrap();
         let w = unpermute_llama_rows(Weight::Dense(a), n_head).unwrap();
         assert_eq!(w.shape(), [8, 3]);

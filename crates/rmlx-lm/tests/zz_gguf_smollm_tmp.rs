@@ -40,14 +40,40 @@ fn smollm2() {
         let w = &ws.iter().find(|(n, _)| n == name).unwrap().1;
         let got = match w {
             Weight::Dense(a) => a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap(),
-            Weight::Quantized(q) => dequantize(q, Some(Dtype::Float32)).unwrap().to_vec::<f32>().unwrap(),
+            Weight::Quantized(q) => {
+                let wide = rmlx::quantization::Quantized { scales: q.scales.astype(Dtype::Float32).unwrap(), biases: Some(q.biases.as_ref().unwrap().astype(Dtype::Float32).unwrap()), ..q.clone() };
+                let f16d = dequantize(q, None).unwrap().astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                let bytes = std::fs::read(format!("/tmp/ref_{name}.f32")).unwrap();
+                let want: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+                let rel = f16d.iter().zip(&want).map(|(a, b)| (a - b).abs() / b.abs().max(1e-3)).fold(0f32, f32::max);
+                println!("  (default f16 dequantize: max rel diff {rel})");
+                dequantize(&wide, None).unwrap().to_vec::<f32>().unwrap()
+            }
         };
         let bytes = std::fs::read(format!("/tmp/ref_{name}.f32")).unwrap();
         let want: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
         assert_eq!(got.len(), want.len());
-        let mism = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        let mism = got.iter().zip(&want).filter(|(a, b)| a != b).count();
         let maxd = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         println!("{name}: {:?} shape {:?}: {} elements, {mism} not bit-identical, max abs diff {maxd}",
             matches!(w, Weight::Quantized(_)), w.shape(), got.len());
+    }
+}
+
+#[test]
+#[ignore]
+fn big() {
+    let f = GgufFile::open("/tmp/big.gguf").unwrap();
+    for t in f.tensors() {
+        for _ in 0..2 {
+            let tt = Instant::now();
+            let w = f.load(t).unwrap();
+            let el = tt.elapsed();
+            match &w {
+                Weight::Dense(a) => a.eval().unwrap(),
+                Weight::Quantized(q) => rmlx::eval([&q.weight, &q.scales]).unwrap(),
+            }
+            println!("{} {:?}: load {:?}, +eval {:?}", t.name, t.shape, el, tt.elapsed());
+        }
     }
 }

@@ -390,7 +390,9 @@ pub(super) fn to_affine(t: GgmlType, data: &[u8], n_elems: usize) -> Option<Affi
             .map(|(((w, sc), bi), src)| {
                 s.spawn(move || {
                     for (i, b) in src.chunks_exact(block_bytes).enumerate() {
-                        let Some((scale, bias)) = affine_block(t, b, &mut w[i * wpb..(i + 1) * wpb]) else { return false };
+                        let Some((scale, bias)) = affine_block(t, b, &mut w[i * wpb..(i + 1) * wpb]) else {
+                            return false;
+                        };
                         sc[i] = scale;
                         bi[i] = bias;
                     }

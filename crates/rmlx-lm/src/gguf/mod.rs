@@ -261,7 +261,9 @@ impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
         let left = (self.buf.len() - self.pos) as u64;
         if n > left {
-            return Err(self.corrupt(format!("header truncated at byte {} reading {what} ({n} bytes, {left} left)", self.pos)));
+            return Err(
+                self.corrupt(format!("header truncated at byte {} reading {what} ({n} bytes, {left} left)", self.pos))
+            );
         }
         let s = &self.buf[self.pos..self.pos + n as usize];
         self.pos += n as usize;
@@ -393,7 +395,10 @@ impl GgufFile {
             let nbytes = match ggml_type.block_layout() {
                 Some((be, bb)) => {
                     if dims.first().is_some_and(|&ne0| ne0 % be as u64 != 0) {
-                        return Err(bad(format!("row length {} is not a multiple of the {ggml_type} block size {be}", dims[0])));
+                        return Err(bad(format!(
+                            "row length {} is not a multiple of the {ggml_type} block size {be}",
+                            dims[0]
+                        )));
                     }
                     (numel / be as u64).checked_mul(bb as u64).ok_or_else(|| bad("size overflows".into()))?
                 }
@@ -474,12 +479,10 @@ impl GgufFile {
         };
         let Some((block_elems, block_bytes)) = info.ggml_type.block_layout() else { return Err(unsupported()) };
         let bytes = self.raw_bytes(info)?;
-        let shape: Vec<i32> = info
-            .shape
-            .iter()
-            .map(|&d| i32::try_from(d))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|_| Error::Config(format!("tensor `{}`: dimension of {:?} exceeds i32", info.name, info.shape)))?;
+        let shape: Vec<i32> =
+            info.shape.iter().map(|&d| i32::try_from(d)).collect::<std::result::Result<_, _>>().map_err(|_| {
+                Error::Config(format!("tensor `{}`: dimension of {:?} exceeds i32", info.name, info.shape))
+            })?;
         let n = info.numel();
         match info.ggml_type {
             GgmlType::F32 => return Ok(Weight::Dense(dense(bytes, &shape, f32::from_le_bytes)?)),
@@ -533,7 +536,9 @@ pub fn unpermute_llama_rows(w: Weight, n_head: usize) -> Result<Weight> {
     let shape = w.shape();
     let rows = *shape.first().ok_or_else(|| Error::Config("unpermute_llama_rows: a 0-d tensor".into()))? as usize;
     if n_head == 0 || rows % (2 * n_head) != 0 {
-        return Err(Error::Config(format!("unpermute_llama_rows: {rows} rows cannot be split into {n_head} heads of pairs")));
+        return Err(Error::Config(format!(
+            "unpermute_llama_rows: {rows} rows cannot be split into {n_head} heads of pairs"
+        )));
     }
     let perm = |a: &Array| -> Result<Array> {
         let orig = a.shape().to_vec();
