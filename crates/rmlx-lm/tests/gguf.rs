@@ -14,12 +14,27 @@ fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf").join(name)
 }
 
-/// A fresh scratch directory for one test.
-fn scratch(test: &str) -> PathBuf {
+/// A fresh scratch directory for one test, removed when dropped.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(test: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("rmlx-gguf-{}-{test}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
 }
 
 /// The float32 values of a weight. A quantised one is dequantised by MLX with its float16 scales
@@ -464,6 +479,12 @@ fn malformed_directory_entries() {
     // Row of 48 elements is not a whole number of Q4_0 blocks.
     let p = Builder::new().tensor("w", &[48, 1], 2, vec![0; 36]).write(&dir, "rows.gguf");
     assert!(corrupt_reason(GgufFile::open(p)).contains("`w`"));
+    let p = Builder::new().tensor("scalar", &[], 8, vec![0; 34]).write(&dir, "scalar.gguf");
+    assert!(corrupt_reason(GgufFile::open(p)).contains("`scalar`"));
+    let p = Builder::new().tensor("one", &[], 0, 2.5f32.to_le_bytes().to_vec()).write(&dir, "one.gguf");
+    let file = GgufFile::open(p).unwrap();
+    let one = file.load(&file.tensors()[0]).unwrap();
+    assert_eq!((one.shape(), values(&one)), (vec![], vec![2.5]));
     let p = Builder::new().alignment(24).write(&dir, "align.gguf");
     assert!(matches!(GgufFile::open(p), Err(Error::Config(m)) if m.contains("alignment")));
     let p = Builder::new().tensor("w", &[1], 0, vec![0; 4]).tensor("w", &[1], 0, vec![0; 4]).write(&dir, "dup.gguf");

@@ -394,10 +394,10 @@ impl GgufFile {
             let numel = numel.ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
             let nbytes = match ggml_type.block_layout() {
                 Some((be, bb)) => {
-                    if dims.first().is_some_and(|&ne0| ne0 % be as u64 != 0) {
+                    if dims.first().map_or(be > 1, |&ne0| ne0 % be as u64 != 0) {
                         return Err(bad(format!(
                             "row length {} is not a multiple of the {ggml_type} block size {be}",
-                            dims[0]
+                            dims.first().unwrap_or(&1)
                         )));
                     }
                     (numel / be as u64).checked_mul(bb as u64).ok_or_else(|| bad("size overflows".into()))?
