@@ -141,7 +141,7 @@ pub struct Generation<'m> {
     caches: Vec<KvCache>,
     sampler: Sampler,
     history: Vec<u32>,
-    /// The sampled token and its log-probabilities, possibly still being computed.
+    /// The sampled token `[1]` (uint32) and its log-probability `[1]`, possibly still being computed.
     pending: Option<(Array, Array)>,
     decoder: StreamDecoder,
     /// Decoded text not yet handed out because it may begin a stop string.
@@ -225,14 +225,16 @@ impl<'m> Generation<'m> {
         Ok(())
     }
 
-    /// The model on `ids: [1, L]`, the last position sampled: (token `[1]`, logprobs `[1, V]`).
+    /// The model on `ids: [1, L]`, the last position sampled: (token `[1]`, its log-probability
+    /// `[1]`), both lazy, so that one evaluation computes them together.
     fn step(&mut self, ids: &Array) -> Result<(Array, Array)> {
         let h = self.lm.model.forward_hidden(ids, &mut self.caches)?;
         let len = h.shape()[1];
         let logits = self.lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?;
         let logits = logits.reshape(&[1, -1])?;
         let (token, logprobs) = self.sampler.sample(&logits, &self.history)?;
-        Ok((token, logprobs))
+        let logprob = rmlx::ops::take_along_axis(&logprobs, &token.reshape(&[1, 1])?, Some(-1))?.reshape(&[1])?;
+        Ok((token, logprob))
     }
 
     fn next_token(&mut self) -> Result<Option<Token>> {
@@ -243,7 +245,7 @@ impl<'m> Generation<'m> {
             self.finish = Some(FinishReason::Cancelled);
             return Ok(None);
         }
-        let Some((token, logprobs)) = self.pending.take() else { return Ok(None) };
+        let Some((token, logprob)) = self.pending.take() else { return Ok(None) };
         let budget_left = self.metrics.generated_tokens + 1 < self.opts.max_tokens;
         // Queue the next step before waiting for this one (its input is the lazy token).
         if self.pipelined && budget_left {
@@ -251,8 +253,9 @@ impl<'m> Generation<'m> {
             rmlx::async_eval([&next.0, &next.1])?;
             self.pending = Some(next);
         }
-        let id = token.astype(Dtype::Int32)?.item::<i32>()? as u32;
-        let logprob = logprobs.reshape(&[-1])?.slice_axis(0, id as i32, id as i32 + 1, 1)?.astype(Dtype::Float32)?.item::<f32>()?;
+        // Both were evaluated together: reading them waits for this step only.
+        let id = token.item::<u32>()?;
+        let logprob = logprob.item::<f32>()?;
         let now = Instant::now();
         if self.first_token_at.is_none() {
             self.first_token_at = Some(now);
