@@ -68,7 +68,12 @@ pub fn run(a: Args) -> Result<()> {
         );
     } else {
         println!("model       {name} ({}, {device})", lm.dtype.name());
-        println!("prompt      {} tokens, TTFT {:.2} ms, prefill {:.1} tok/s", a.prompt_tokens, ttft * 1e3, a.prompt_tokens as f64 / ttft);
+        println!(
+            "prompt      {} tokens, TTFT {:.2} ms, prefill {:.1} tok/s",
+            a.prompt_tokens,
+            ttft * 1e3,
+            a.prompt_tokens as f64 / ttft
+        );
         println!("generation  {} tokens, decode {:.1} tok/s (median of {})", a.gen_tokens, decode, a.trials);
         println!("peak memory {peak:.3} GB");
     }

@@ -169,7 +169,14 @@ pub struct RotatingCache {
 
 impl RotatingCache {
     fn new(max_size: usize, keep: usize) -> Self {
-        Self { keys: None, values: None, offset: 0, max_size: max_size.max(1), keep: keep.min(max_size.saturating_sub(1)), idx: 0 }
+        Self {
+            keys: None,
+            values: None,
+            offset: 0,
+            max_size: max_size.max(1),
+            keep: keep.min(max_size.saturating_sub(1)),
+            idx: 0,
+        }
     }
 
     fn buffer_len(&self) -> usize {
@@ -208,11 +215,14 @@ impl RotatingCache {
                     let cut = |a: &Array| -> Result<Array> {
                         Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, n as i32)?], 2)?)
                     };
-                    let pos: Vec<i32> = (0..keep).chain(self.offset as i32 - (n as i32 - start)..self.offset as i32).collect();
+                    let pos: Vec<i32> =
+                        (0..keep).chain(self.offset as i32 - (n as i32 - start)..self.offset as i32).collect();
                     (cut(&kt)?, cut(&vt)?, pos)
                 } else {
                     let pos = if self.offset > n && self.keep > 0 {
-                        (0..self.keep as i32).chain((self.offset - (n - self.keep)) as i32..self.offset as i32).collect()
+                        (0..self.keep as i32)
+                            .chain((self.offset - (n - self.keep)) as i32..self.offset as i32)
+                            .collect()
                     } else {
                         ((self.offset - n) as i32..self.offset as i32).collect()
                     };

@@ -33,9 +33,11 @@ impl Architecture {
     /// The architecture of a `model_type`, or [`Error::UnsupportedArchitecture`] listing the
     /// supported ones.
     pub fn from_model_type(model_type: &str) -> Result<Self> {
-        SUPPORTED.iter().find(|(n, _)| *n == model_type).map(|(_, a)| *a).ok_or_else(|| Error::UnsupportedArchitecture {
-            model_type: model_type.to_string(),
-            supported: SUPPORTED.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+        SUPPORTED.iter().find(|(n, _)| *n == model_type).map(|(_, a)| *a).ok_or_else(|| {
+            Error::UnsupportedArchitecture {
+                model_type: model_type.to_string(),
+                supported: SUPPORTED.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+            }
         })
     }
 }
@@ -121,7 +123,8 @@ const GEMMA3_DEFAULTS: &str = r#"{"vocab_size": 262208, "hidden_size": 2304, "in
 impl ModelConfig {
     /// Parses a `config.json` text. A `gemma3` (multimodal) config contributes its `text_config`.
     pub fn from_json(text: &str) -> Result<Self> {
-        let raw: Value = serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
+        let raw: Value =
+            serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
         Self::from_value(raw)
     }
 
@@ -149,11 +152,14 @@ impl ModelConfig {
             model_type = "gemma3_text".into();
         }
         normalize_rope_parameters(&mut top);
-        if let (false, Some(p)) = (top.contains_key("sliding_window_pattern"), top.get("_sliding_window_pattern").cloned()) {
+        if let (false, Some(p)) =
+            (top.contains_key("sliding_window_pattern"), top.get("_sliding_window_pattern").cloned())
+        {
             top.insert("sliding_window_pattern".into(), p);
         }
         if model_type == "gemma3_text" || model_type == "gemma3" {
-            let defaults: serde_json::Map<String, Value> = serde_json::from_str(GEMMA3_DEFAULTS).expect("valid defaults");
+            let defaults: serde_json::Map<String, Value> =
+                serde_json::from_str(GEMMA3_DEFAULTS).expect("valid defaults");
             for (k, v) in defaults {
                 top.entry(k).or_insert(v);
             }
@@ -249,7 +255,9 @@ impl ModelConfig {
                 high_freq_factor: num("high_freq_factor")?,
                 original_max_position_embeddings: num("original_max_position_embeddings")?,
             })),
-            other => Err(Error::Config(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)"))),
+            other => {
+                Err(Error::Config(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)")))
+            }
         }
     }
 
@@ -298,7 +306,7 @@ fn normalize_rope_parameters(top: &mut serde_json::Map<String, Value>) {
             top.entry(theta_key.to_string()).or_insert(theta.clone());
         }
         let kind = p.get("rope_type").and_then(Value::as_str).unwrap_or("default");
-        if scaling && kind != "default" && !top.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        if scaling && kind != "default" && top.get("rope_scaling").is_none_or(|v| v.is_null()) {
             let mut sc = p.clone();
             sc.remove("rope_theta");
             top.insert("rope_scaling".into(), Value::Object(sc));
@@ -330,7 +338,8 @@ fn guess_model_type(top: &serde_json::Map<String, Value>) -> Option<String> {
 /// RoPE divisors `base^(2i/dims)` for `i < dims/2`, with Llama 3 scaling applied (the form
 /// [`rmlx::fast::RopeFreqs::Explicit`] takes).
 pub fn llama3_rope_divisors(dims: i32, base: f32, s: &RopeScaling) -> Vec<f32> {
-    let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } = *s else {
+    let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } = *s
+    else {
         return (0..dims / 2).map(|i| (base as f64).powf(2.0 * i as f64 / dims as f64) as f32).collect();
     };
     let (factor, low, high, old) = (factor as f64, low_freq_factor as f64, high_freq_factor as f64, old as f64);

@@ -33,7 +33,14 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        Self { max_tokens: 256, sampler: SamplerConfig::default(), stop_strings: Vec::new(), prefill_chunk: 2048, context_limit: None, ignore_eos: false }
+        Self {
+            max_tokens: 256,
+            sampler: SamplerConfig::default(),
+            stop_strings: Vec::new(),
+            prefill_chunk: 2048,
+            context_limit: None,
+            ignore_eos: false,
+        }
     }
 }
 
@@ -167,7 +174,10 @@ impl<'m> Generation<'m> {
         let limit = opts.context_limit.or(cfg.max_position_embeddings);
         if let Some(limit) = limit {
             if prompt.len() > limit {
-                return Err(Error::Prompt(format!("the prompt has {} tokens, more than the context limit of {limit}", prompt.len())));
+                return Err(Error::Prompt(format!(
+                    "the prompt has {} tokens, more than the context limit of {limit}",
+                    prompt.len()
+                )));
             }
         }
         let vocab = cfg.vocab_size as u32;

@@ -14,7 +14,8 @@ use serde_json::{json, Map, Value};
 use std::path::Path;
 
 /// GGUF architectures and the `model_type` each becomes.
-const ARCHITECTURES: &[(&str, &str)] = &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3_text")];
+const ARCHITECTURES: &[(&str, &str)] =
+    &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3_text")];
 
 /// Loads a `.gguf` file.
 pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
@@ -31,7 +32,10 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         });
     };
     let mut raw = config_from_metadata(&file, &arch, model_type)?;
-    let (heads, kv_heads) = (raw["num_attention_heads"].as_u64().unwrap_or(1) as usize, raw["num_key_value_heads"].as_u64().unwrap_or(1) as usize);
+    let (heads, kv_heads) = (
+        raw["num_attention_heads"].as_u64().unwrap_or(1) as usize,
+        raw["num_key_value_heads"].as_u64().unwrap_or(1) as usize,
+    );
 
     let bar = Progress::new(opts.progress, "reading GGUF tensors", file.tensors().len() as u64);
     let mut weights = Weights::new();
@@ -39,12 +43,18 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         bar.inc(1);
         if info.name == "rope_freqs.weight" {
             // Llama 3.1's scaled RoPE, stored as per-frequency divisors of the frequencies.
-            let Weight::Dense(f) = file.load(info)? else { return Err(Error::Config("rope_freqs is quantised".into())) };
+            let Weight::Dense(f) = file.load(info)? else {
+                return Err(Error::Config("rope_freqs is quantised".into()));
+            };
             raw["rope_freq_factors"] = json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?);
             continue;
         }
         let Some(name) = hf_name(&info.name, &arch) else {
-            return Err(Error::Config(format!("{}: unexpected tensor `{}` for a {arch} model", path.display(), info.name)));
+            return Err(Error::Config(format!(
+                "{}: unexpected tensor `{}` for a {arch} model",
+                path.display(),
+                info.name
+            )));
         };
         let mut w = file.load(info)?;
         if arch == "llama" && name.ends_with("q_proj.weight") {

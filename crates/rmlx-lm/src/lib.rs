@@ -1,26 +1,45 @@
 //! Large language models on MLX.
 //!
-//! `rmlx-lm` loads Hugging Face checkpoints (safetensors, MLX-quantised) and GGUF files, builds the
-//! tokenizer and chat template that come with them, and generates text with KV caches and a sampling
-//! chain. Architectures: Llama 3 (and Mistral-style llama checkpoints), Qwen 2, Qwen 3, Gemma 3.
+//! `rmlx-lm` loads Hugging Face checkpoints (safetensors, plain or MLX-quantised) and GGUF files,
+//! builds the tokenizer and chat template that come with them, and generates text with KV caches
+//! and a sampling chain. Architectures: Llama 3 (and Mistral-style llama checkpoints), Qwen 2,
+//! Qwen 3, Gemma 3.
+//!
+//! ```no_run
+//! use rmlx_lm::{chat::Message, GenerateOptions, LoadOptions};
+//!
+//! # fn main() -> rmlx_lm::Result<()> {
+//! // A folder with config.json + safetensors + tokenizer.json, or a .gguf file.
+//! let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &LoadOptions::default())?;
+//! let prompt = lm.chat_prompt(&[Message::user("Name three colours.")])?;
+//! let mut opts = GenerateOptions { max_tokens: 64, ..GenerateOptions::default() };
+//! opts.sampler.temperature = 0.7;
+//! opts.sampler.seed = Some(1);
+//! let mut generation = lm.generate(&prompt, &opts)?;
+//! for token in generation.by_ref() {
+//!     print!("{}", token?.text);
+//! }
+//! eprintln!("\n{:.1} tokens/s", generation.metrics().generation_tps());
+//! # Ok(())
+//! # }
+//! ```
 
-pub mod error;
-pub mod gguf;
-pub mod registry;
-pub mod sample;
-pub mod tokenizer;
-pub mod chat;
-pub mod weights;
 pub mod cache;
+pub mod chat;
 pub mod config;
+pub mod error;
+pub mod generate;
+pub mod gguf;
+pub mod gguf_model;
+pub mod loader;
 pub mod models;
 pub mod nn;
 pub mod progress;
-pub mod loader;
-pub mod gguf_model;
-pub mod generate;
-
-pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
-pub use loader::{load, LoadOptions, LoadedModel};
+pub mod registry;
+pub mod sample;
+pub mod tokenizer;
+pub mod weights;
 
 pub use error::{Error, Result};
+pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
+pub use loader::{load, LoadOptions, LoadedModel};

@@ -146,7 +146,16 @@ pub(crate) fn finish(
             started.elapsed().as_secs_f64()
         );
     }
-    Ok(LoadedModel { model, tokenizer, chat_template, eos_ids, dtype, parameters, weight_bytes, source: source.to_path_buf() })
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        eos_ids,
+        dtype,
+        parameters,
+        weight_bytes,
+        source: source.to_path_buf(),
+    })
 }
 
 /// A word-level tokenizer whose tokens are `<0>`, `<1>`, … (decoding shows the ids).
@@ -157,7 +166,8 @@ fn placeholder_tokenizer(vocab: usize) -> Result<Tokenizer> {
         "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
         "model": {"type": "WordLevel", "vocab": map, "unk_token": "<0>"}
     });
-    let inner: tokenizers::Tokenizer = json.to_string().parse().map_err(|e| Error::Tokenizer(format!("placeholder: {e}")))?;
+    let inner: tokenizers::Tokenizer =
+        json.to_string().parse().map_err(|e| Error::Tokenizer(format!("placeholder: {e}")))?;
     Ok(Tokenizer::from_parts(inner, None, None))
 }
 
@@ -187,7 +197,10 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 if p.is_file() {
                     Ok(p)
                 } else {
-                    Err(Error::MissingFile(format!("shard {f} (named by model.safetensors.index.json) is not in {}", dir.display())))
+                    Err(Error::MissingFile(format!(
+                        "shard {f} (named by model.safetensors.index.json) is not in {}",
+                        dir.display()
+                    )))
                 }
             })
             .collect();
@@ -223,7 +236,9 @@ fn check_safetensors(path: &Path) -> Result<()> {
     for (name, info) in header.as_object().into_iter().flatten() {
         let Some(end) = info.get("data_offsets").and_then(|o| o.get(1)).and_then(Value::as_u64) else { continue };
         if end > data {
-            return Err(corrupt(format!("tensor `{name}` ends at byte {end} of a {data}-byte data section (truncated file?)")));
+            return Err(corrupt(format!(
+                "tensor `{name}` ends at byte {end} of a {data}-byte data section (truncated file?)"
+            )));
         }
     }
     Ok(())
@@ -240,7 +255,13 @@ fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
         }
     }
     if progress {
-        eprintln!("reading {} ({} file{}, {} tensors)", dir.display(), files.len(), if files.len() == 1 { "" } else { "s" }, weights.len());
+        eprintln!(
+            "reading {} ({} file{}, {} tensors)",
+            dir.display(),
+            files.len(),
+            if files.len() == 1 { "" } else { "s" },
+            weights.len()
+        );
     }
     Ok(weights)
 }
@@ -254,7 +275,11 @@ fn normalize_names(w: &mut Weights) {
         let renamed = if let Some(rest) = name.strip_prefix("model.language_model.") {
             Some(format!("model.{rest}"))
         } else if let Some(rest) = name.strip_prefix("language_model.") {
-            Some(if rest.starts_with("model.") || rest.starts_with("lm_head.") { rest.to_string() } else { format!("model.{rest}") })
+            Some(if rest.starts_with("model.") || rest.starts_with("lm_head.") {
+                rest.to_string()
+            } else {
+                format!("model.{rest}")
+            })
         } else if wrapped && !name.starts_with("lm_head.") {
             None
         } else {
@@ -263,7 +288,10 @@ fn normalize_names(w: &mut Weights) {
         let t = w.take_opt(&name).expect("listed");
         if let Some(new) = renamed {
             w.insert(new, t);
-        } else if !(name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.") || name.starts_with("model.vision")) {
+        } else if !(name.starts_with("vision_tower.")
+            || name.starts_with("multi_modal_projector.")
+            || name.starts_with("model.vision"))
+        {
             w.insert(name, t);
         }
     }
@@ -290,7 +318,10 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
         return Ok(());
     }
     let block = cfg.quantization_block().ok_or_else(|| {
-        Error::Config(format!("tensor `{}.scales` is quantised but config.json has no `quantization` block", prefixes[0]))
+        Error::Config(format!(
+            "tensor `{}.scales` is quantised but config.json has no `quantization` block",
+            prefixes[0]
+        ))
     })?;
     let get = |v: &Value, k: &str| v.get(k).and_then(Value::as_i64).map(|x| x as i32);
     let (default_gs, default_bits) = (get(block, "group_size").unwrap_or(64), get(block, "bits").unwrap_or(4));
@@ -301,7 +332,9 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
     }
     for p in prefixes {
         let (gs, bits) = match block.get(&p) {
-            Some(o @ Value::Object(_)) => (get(o, "group_size").unwrap_or(default_gs), get(o, "bits").unwrap_or(default_bits)),
+            Some(o @ Value::Object(_)) => {
+                (get(o, "group_size").unwrap_or(default_gs), get(o, "bits").unwrap_or(default_bits))
+            }
             _ => (default_gs, default_bits),
         };
         let Weight::Dense(weight) = w.take(&format!("{p}.weight"))? else { unreachable!("safetensors are dense") };
@@ -319,7 +352,10 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
 
 fn check_quantized_shapes(p: &str, weight: &Array, scales: &Array, gs: i32, bits: i32) -> Result<()> {
     if weight.dtype() != Dtype::Uint32 {
-        return Err(Error::Config(format!("`{p}.weight` has dtype {} but quantised weights are uint32", weight.dtype().name())));
+        return Err(Error::Config(format!(
+            "`{p}.weight` has dtype {} but quantised weights are uint32",
+            weight.dtype().name()
+        )));
     }
     let (ws, ss) = (weight.shape(), scales.shape());
     let cols = ws.last().copied().unwrap_or(0) * 32 / bits.max(1);

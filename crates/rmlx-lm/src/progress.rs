@@ -19,7 +19,9 @@ impl Progress {
         if std::io::stderr().is_terminal() {
             let bar = ProgressBar::new(total);
             bar.set_style(
-                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} ({elapsed})").expect("valid template").progress_chars("=> "),
+                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} ({elapsed})")
+                    .expect("valid template")
+                    .progress_chars("=> "),
             );
             bar.set_message(what.to_string());
             Self { bar: Some(bar), plain: None }

@@ -83,7 +83,8 @@ fn unsupported_rope_scaling() {
 #[test]
 fn missing_shard_named_by_index() {
     let d = fixture_with_tokenizer("llama_mqa_untied");
-    let index: Value = serde_json::from_str(&std::fs::read_to_string(d.path().join("model.safetensors.index.json")).unwrap()).unwrap();
+    let index: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path().join("model.safetensors.index.json")).unwrap()).unwrap();
     let shard = index["weight_map"].as_object().unwrap().values().next().unwrap().as_str().unwrap().to_string();
     std::fs::remove_file(d.path().join(&shard)).unwrap();
     let e = load(d.path()).err().unwrap();

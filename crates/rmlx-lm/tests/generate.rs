@@ -50,7 +50,12 @@ fn stops_at_eos_without_emitting_it() {
 fn stops_at_a_stop_string_which_is_not_emitted() {
     let (_d, lm, prompt, expected) = setup();
     let stop = format!("t{}", expected[2]);
-    let opts = GenerateOptions { max_tokens: 12, ignore_eos: true, stop_strings: vec![stop.clone()], ..GenerateOptions::default() };
+    let opts = GenerateOptions {
+        max_tokens: 12,
+        ignore_eos: true,
+        stop_strings: vec![stop.clone()],
+        ..GenerateOptions::default()
+    };
     let mut g = lm.generate(&prompt, &opts).unwrap();
     let text: String = g.by_ref().map(|t| t.unwrap().text).collect();
     assert_eq!(g.finish_reason(), Some(FinishReason::StopString));

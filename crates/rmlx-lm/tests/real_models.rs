@@ -25,7 +25,10 @@ fn check(lm: &LoadedModel, r: &Value) {
             "raw" => lm.tokenizer.encode(p["prompt_text"].as_str().unwrap(), true).unwrap(),
             _ => {
                 let messages: Vec<Message> = serde_json::from_value(p["messages"].clone()).unwrap();
-                assert_eq!(lm.chat_template.render(&messages, true, None, None).unwrap(), p["prompt_text"].as_str().unwrap());
+                assert_eq!(
+                    lm.chat_template.render(&messages, true, None, None).unwrap(),
+                    p["prompt_text"].as_str().unwrap()
+                );
                 lm.chat_prompt(&messages).unwrap()
             }
         };
@@ -34,8 +37,11 @@ fn check(lm: &LoadedModel, r: &Value) {
 
         // Top-20 logits of the last prompt position.
         let mut caches = lm.model.new_caches(None);
-        let input = rmlx::Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32]).unwrap();
-        let logits = lm.model.forward(&input, &mut caches).unwrap().astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+        let input =
+            rmlx::Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32])
+                .unwrap();
+        let logits =
+            lm.model.forward(&input, &mut caches).unwrap().astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
         let vocab = logits.len() / prompt.len();
         let last = &logits[logits.len() - vocab..];
         let mut worst = 0.0f32;

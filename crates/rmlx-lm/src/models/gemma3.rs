@@ -28,13 +28,11 @@ pub struct Attention {
 
 impl Attention {
     fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, sliding: bool) -> Result<Self> {
-        let (h, heads, kv, d, eps) = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.rms_norm_eps);
+        let (h, heads, kv, d, eps) =
+            (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.rms_norm_eps);
         let bias = cfg.attention_bias.unwrap_or(false);
-        let rope = if sliding {
-            Rope::new(d, cfg.rope_local_base_freq.unwrap_or(10000.0), None)?
-        } else {
-            Rope::global(cfg)?
-        };
+        let rope =
+            if sliding { Rope::new(d, cfg.rope_local_base_freq.unwrap_or(10000.0), None)? } else { Rope::global(cfg)? };
         let scalar = cfg.query_pre_attn_scalar.unwrap_or(d as f32);
         Ok(Self {
             q_proj: b.linear(&format!("{p}.q_proj"), h, heads * d, bias)?,

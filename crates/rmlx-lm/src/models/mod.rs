@@ -88,7 +88,10 @@ impl Rope {
             return Rope::new(d, cfg.rope_theta, cfg.rope_scaling()?.as_ref());
         };
         let divisors: Vec<f32> = (0..d / 2)
-            .map(|i| (cfg.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32 * factors.get(i as usize).copied().unwrap_or(1.0))
+            .map(|i| {
+                (cfg.rope_theta as f64).powf(2.0 * i as f64 / d as f64) as f32
+                    * factors.get(i as usize).copied().unwrap_or(1.0)
+            })
             .collect();
         Ok(Rope { dims: d, base: cfg.rope_theta, divisors: Some(Array::from_slice(&divisors, &[d / 2])?), scale: 1.0 })
     }

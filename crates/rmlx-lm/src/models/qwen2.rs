@@ -86,7 +86,9 @@ pub struct Model {
 impl Model {
     /// Builds the model from `model.*` / `lm_head.*` tensors.
     pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<Self> {
-        let layers = (0..cfg.num_hidden_layers).map(|i| Block::load(cfg, b, &format!("model.layers.{i}"))).collect::<Result<_>>()?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Block::load(cfg, b, &format!("model.layers.{i}")))
+            .collect::<Result<_>>()?;
         Ok(Self {
             embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
             layers,

@@ -18,7 +18,11 @@ impl TempDir {
     pub fn new(tag: &str) -> Self {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static N: AtomicUsize = AtomicUsize::new(0);
-        let p = std::env::temp_dir().join(format!("rmlx-test-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        let p = std::env::temp_dir().join(format!(
+            "rmlx-test-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).unwrap();
         TempDir(p)
@@ -54,7 +58,11 @@ pub fn fixture_with_tokenizer(name: &str) -> TempDir {
         std::fs::copy(e.path(), dst.path().join(e.file_name())).unwrap();
     }
     let cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let vocab = cfg.get("vocab_size").or_else(|| cfg.get("text_config").and_then(|t| t.get("vocab_size"))).and_then(Value::as_u64).unwrap();
+    let vocab = cfg
+        .get("vocab_size")
+        .or_else(|| cfg.get("text_config").and_then(|t| t.get("vocab_size")))
+        .and_then(Value::as_u64)
+        .unwrap();
     std::fs::write(dst.path().join("tokenizer.json"), word_tokenizer(vocab as usize)).unwrap();
     dst
 }
@@ -72,5 +80,9 @@ pub fn ids(v: &Value) -> Vec<u32> {
 
 /// A JSON matrix of floats, flattened.
 pub fn floats(v: &Value) -> Vec<f32> {
-    v.as_array().expect("a list").iter().flat_map(|r| r.as_array().expect("rows").iter().map(|x| x.as_f64().unwrap() as f32)).collect()
+    v.as_array()
+        .expect("a list")
+        .iter()
+        .flat_map(|r| r.as_array().expect("rows").iter().map(|x| x.as_f64().unwrap() as f32))
+        .collect()
 }
