@@ -35,10 +35,7 @@ pub struct Message {
 
 impl Message {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Message {
-        Message {
-            role: role.into(),
-            content: content.into(),
-        }
+        Message { role: role.into(), content: content.into() }
     }
     pub fn system(content: impl Into<String>) -> Message {
         Message::new("system", content)
@@ -94,14 +91,8 @@ fn strip_generation_tags(source: &str) -> String {
         out.push_str(&rest[..start]);
         match word {
             // the same tag as a no-op block, whitespace control (`{%-`, `-%}`) kept
-            "generation" => out.push_str(&format!(
-                "{{%{}%}}",
-                tag.replacen("generation", "if true", 1)
-            )),
-            "endgeneration" => out.push_str(&format!(
-                "{{%{}%}}",
-                tag.replacen("endgeneration", "endif", 1)
-            )),
+            "generation" => out.push_str(&format!("{{%{}%}}", tag.replacen("generation", "if true", 1))),
+            "endgeneration" => out.push_str(&format!("{{%{}%}}", tag.replacen("endgeneration", "endif", 1))),
             _ => out.push_str(&rest[start..start + len + 2]),
         }
         rest = &rest[start + len + 2..];
@@ -117,11 +108,7 @@ fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> 
 
 impl ChatTemplate {
     /// Compiles `source`; a syntax error is an [`Error::Template`].
-    pub fn new(
-        source: &str,
-        bos_token: Option<&str>,
-        eos_token: Option<&str>,
-    ) -> Result<ChatTemplate> {
+    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -130,8 +117,7 @@ impl ChatTemplate {
         env.add_filter("tojson", pyjson::tojson_filter);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", pyjson::strftime_now);
-        env.add_template_owned(NAME, strip_generation_tags(source))
-            .map_err(template_error)?;
+        env.add_template_owned(NAME, strip_generation_tags(source)).map_err(template_error)?;
         Ok(ChatTemplate {
             env,
             source: source.to_owned(),
@@ -143,11 +129,7 @@ impl ChatTemplate {
     /// The template of a Hugging Face folder: `chat_template.jinja`, else `chat_template.json`'s
     /// `chat_template`, else `tokenizer_config.json`'s `chat_template` (a string, or a list of
     /// `{name, template}` of which the one named `default` is taken); `None` when there is none.
-    pub fn from_dir(
-        dir: &Path,
-        bos: Option<&str>,
-        eos: Option<&str>,
-    ) -> Result<Option<ChatTemplate>> {
+    pub fn from_dir(dir: &Path, bos: Option<&str>, eos: Option<&str>) -> Result<Option<ChatTemplate>> {
         let read = |p: &Path| std::fs::read_to_string(p).map_err(|e| Error::io(p, e));
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
@@ -158,8 +140,8 @@ impl ChatTemplate {
             if !path.is_file() {
                 continue;
             }
-            let cfg: Json = serde_json::from_str(&read(&path)?)
-                .map_err(|e| Error::Template(format!("{}: {e}", path.display())))?;
+            let cfg: Json =
+                serde_json::from_str(&read(&path)?).map_err(|e| Error::Template(format!("{}: {e}", path.display())))?;
             if let Some(source) = template_of(cfg.get("chat_template")) {
                 return ChatTemplate::new(&source, bos, eos).map(Some);
             }
@@ -174,9 +156,11 @@ impl ChatTemplate {
             "llama3" | "llama" => FALLBACK_LLAMA3,
             "qwen" | "qwen2" | "qwen3" | "chatml" | "smollm" => FALLBACK_CHATML,
             "gemma" | "gemma3" => FALLBACK_GEMMA,
-            _ => return Err(Error::Template(format!(
-                "no built-in chat template for `{family}` (built in: llama3, qwen, chatml, gemma)"
-            ))),
+            _ => {
+                return Err(Error::Template(format!(
+                    "no built-in chat template for `{family}` (built in: llama3, qwen, chatml, gemma)"
+                )))
+            }
         };
         ChatTemplate::new(source, bos, eos)
     }
@@ -196,8 +180,7 @@ impl ChatTemplate {
         tools: Option<&Json>,
         extra: Option<&Json>,
     ) -> Result<String> {
-        let messages =
-            serde_json::to_value(messages).map_err(|e| Error::Template(e.to_string()))?;
+        let messages = serde_json::to_value(messages).map_err(|e| Error::Template(e.to_string()))?;
         self.render_json(&messages, add_generation_prompt, tools, extra)
     }
 
@@ -211,9 +194,7 @@ impl ChatTemplate {
         extra: Option<&Json>,
     ) -> Result<String> {
         let Json::Array(list) = messages else {
-            return Err(Error::Template(
-                "messages must be an array of objects".into(),
-            ));
+            return Err(Error::Template("messages must be an array of objects".into()));
         };
         let list: Vec<Json> = list.iter().map(alias_reasoning).collect();
         let mut ctx = std::collections::BTreeMap::<String, Value>::new();
@@ -224,15 +205,9 @@ impl ChatTemplate {
             ctx.insert("eos_token".into(), Value::from(e.as_str()));
         }
         ctx.insert("messages".into(), Value::from_serialize(&list));
-        ctx.insert(
-            "tools".into(),
-            tools.map_or(Value::from(()), Value::from_serialize),
-        );
+        ctx.insert("tools".into(), tools.map_or(Value::from(()), Value::from_serialize));
         ctx.insert("documents".into(), Value::from(()));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::from(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         match extra {
             None | Some(Json::Null) => {}
             Some(Json::Object(map)) => {
@@ -240,19 +215,14 @@ impl ChatTemplate {
                     ctx.insert(k.clone(), Value::from_serialize(v));
                 }
             }
-            Some(_) => {
-                return Err(Error::Template(
-                    "extra template variables must be a JSON object".into(),
-                ))
-            }
+            Some(_) => return Err(Error::Template("extra template variables must be a JSON object".into())),
         }
         let tmpl = self.env.get_template(NAME).map_err(template_error)?;
         RAISED.with(|r| r.borrow_mut().take());
-        tmpl.render(Value::from(ctx))
-            .map_err(|e| match RAISED.with(|r| r.borrow_mut().take()) {
-                Some(msg) => Error::Template(msg),
-                None => template_error(e),
-            })
+        tmpl.render(Value::from(ctx)).map_err(|e| match RAISED.with(|r| r.borrow_mut().take()) {
+            Some(msg) => Error::Template(msg),
+            None => template_error(e),
+        })
     }
 }
 
@@ -274,9 +244,7 @@ fn template_of(v: Option<&Json>) -> Option<String> {
 /// `thinking` or `reasoning` gets it under `thinking` (if absent) and `reasoning_content`.
 fn alias_reasoning(m: &Json) -> Json {
     let Json::Object(o) = m else { return m.clone() };
-    let found = ["reasoning_content", "thinking", "reasoning"]
-        .iter()
-        .find_map(|k| o.get(*k).filter(|v| !v.is_null()));
+    let found = ["reasoning_content", "thinking", "reasoning"].iter().find_map(|k| o.get(*k).filter(|v| !v.is_null()));
     let Some(r) = found.cloned() else {
         return m.clone();
     };

@@ -24,10 +24,7 @@ pub(super) fn tojson_filter(
     indent: Option<Value>,
     kwargs: Kwargs,
 ) -> Result<String, Error> {
-    let ensure_ascii = match kwargs
-        .get::<Option<Value>>("ensure_ascii")?
-        .or(ensure_ascii)
-    {
+    let ensure_ascii = match kwargs.get::<Option<Value>>("ensure_ascii")?.or(ensure_ascii) {
         Some(v) => v.is_true(),
         None => false,
     };
@@ -36,35 +33,18 @@ pub(super) fn tojson_filter(
         Some(v) if v.is_none() || v.is_undefined() => None,
         Some(v) => match v.as_str() {
             Some(s) => Some(s.to_owned()),
-            None => Some(
-                " ".repeat(
-                    i64::try_from(v)
-                        .map_err(|_| invalid("tojson: indent must be an integer or a string"))?
-                        .max(0) as usize,
-                ),
-            ),
+            None => Some(" ".repeat(
+                i64::try_from(v).map_err(|_| invalid("tojson: indent must be an integer or a string"))?.max(0) as usize,
+            )),
         },
     };
-    let (mut item_sep, mut key_sep) = if indent.is_some() {
-        (",", ": ")
-    } else {
-        (", ", ": ")
-    };
+    let (mut item_sep, mut key_sep) = if indent.is_some() { (",", ": ") } else { (", ", ": ") };
     let seps = kwargs.get::<Option<Value>>("separators")?;
     let seps_owned: Option<(String, String)> = match seps {
         Some(s) if !s.is_none() && !s.is_undefined() => {
-            let a = s
-                .get_item_by_index(0)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned));
-            let b = s
-                .get_item_by_index(1)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned));
-            Some(
-                a.zip(b)
-                    .ok_or_else(|| invalid("tojson: separators must be two strings"))?,
-            )
+            let a = s.get_item_by_index(0).ok().and_then(|v| v.as_str().map(str::to_owned));
+            let b = s.get_item_by_index(1).ok().and_then(|v| v.as_str().map(str::to_owned));
+            Some(a.zip(b).ok_or_else(|| invalid("tojson: separators must be two strings"))?)
         }
         _ => None,
     };
@@ -74,13 +54,7 @@ pub(super) fn tojson_filter(
     }
     let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
     kwargs.assert_all_used()?;
-    let style = JsonStyle {
-        ensure_ascii,
-        indent,
-        item_sep: item_sep.into(),
-        key_sep: key_sep.into(),
-        sort_keys,
-    };
+    let style = JsonStyle { ensure_ascii, indent, item_sep: item_sep.into(), key_sep: key_sep.into(), sort_keys };
     let mut out = String::new();
     write_value(&mut out, value, &style, 0)?;
     Ok(out)
@@ -128,11 +102,7 @@ pub(super) fn py_float(f: f64) -> String {
             format!("{s}.0")
         }
     } else {
-        format!(
-            "{mantissa}e{}{:02}",
-            if exp < 0 { '-' } else { '+' },
-            exp.abs()
-        )
+        format!("{mantissa}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs())
     }
 }
 
@@ -169,11 +139,9 @@ fn write_value(out: &mut String, v: &Value, style: &JsonStyle, level: usize) -> 
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => out.push_str(&number(v)),
         ValueKind::String => write_str(out, v.as_str().unwrap_or_default(), style.ensure_ascii),
-        ValueKind::Bytes => write_str(
-            out,
-            &String::from_utf8_lossy(v.as_bytes().unwrap_or_default()),
-            style.ensure_ascii,
-        ),
+        ValueKind::Bytes => {
+            write_str(out, &String::from_utf8_lossy(v.as_bytes().unwrap_or_default()), style.ensure_ascii)
+        }
         ValueKind::Map => {
             let mut keys: Vec<Value> = v.try_iter()?.collect();
             if keys.is_empty() {
@@ -267,15 +235,7 @@ const MONTHS: [&str; 12] = [
     "November",
     "December",
 ];
-const DAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
+const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
 
 /// `strftime` of the UTC time `secs` seconds after the epoch: `%Y %y %m %d %e %j %H %I %M %S %p
 /// %b %B %h %a %A %w %u %F %T %D %%`, with glibc's `%-d`-style no-padding flag.
@@ -366,10 +326,7 @@ mod tests {
         // 2024-07-26 13:05:09 UTC was a Friday, day 208 of a leap year.
         let t = 1_721_999_109;
         assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
-        assert_eq!(
-            strftime("%A %B %-d, %H:%M:%S %p %j %y %I %%", t),
-            "Friday July 26, 13:05:09 PM 208 24 01 %"
-        );
+        assert_eq!(strftime("%A %B %-d, %H:%M:%S %p %j %y %I %%", t), "Friday July 26, 13:05:09 PM 208 24 01 %");
         assert_eq!(strftime("%F %T %a %w %u", 0), "1970-01-01 00:00:00 Thu 4 4");
         assert_eq!(strftime("%Y-%m-%d %j", 951_782_400), "2000-02-29 060");
     }

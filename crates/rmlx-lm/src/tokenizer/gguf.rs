@@ -48,10 +48,7 @@ pub struct GgufVocab {
 
 impl GgufVocab {
     fn token_type(&self, id: usize) -> i32 {
-        self.token_types
-            .as_ref()
-            .and_then(|t| t.get(id).copied())
-            .unwrap_or(NORMAL)
+        self.token_types.as_ref().and_then(|t| t.get(id).copied()).unwrap_or(NORMAL)
     }
 }
 
@@ -61,21 +58,14 @@ pub fn gguf_vocab(file: &crate::gguf::GgufFile) -> Result<GgufVocab> {
     let missing = |k: &str| Error::Tokenizer(format!("GGUF metadata has no tokenizer.ggml.{k}"));
     let id = |k: &str| get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
     let flag = |k: &str| get(k).and_then(|v| v.as_bool());
-    let model = get("model")
-        .and_then(|v| v.as_str())
-        .ok_or_else(|| missing("model"))?
-        .to_owned();
-    let tokens = get("tokens")
-        .and_then(|v| v.to_string_vec())
-        .ok_or_else(|| missing("tokens"))?;
+    let model = get("model").and_then(|v| v.as_str()).ok_or_else(|| missing("model"))?.to_owned();
+    let tokens = get("tokens").and_then(|v| v.to_string_vec()).ok_or_else(|| missing("tokens"))?;
     Ok(GgufVocab {
         model,
         pre: get("pre").and_then(|v| v.as_str()).map(str::to_owned),
         tokens,
         scores: get("scores").and_then(|v| v.to_f32_vec()),
-        token_types: get("token_type")
-            .and_then(|v| v.to_i64_vec())
-            .map(|v| v.into_iter().map(|t| t as i32).collect()),
+        token_types: get("token_type").and_then(|v| v.to_i64_vec()).map(|v| v.into_iter().map(|t| t as i32).collect()),
         merges: get("merges").and_then(|v| v.to_string_vec()),
         bos_id: id("bos_token_id"),
         eos_id: id("eos_token_id"),
@@ -90,7 +80,8 @@ pub fn gguf_vocab(file: &crate::gguf::GgufFile) -> Result<GgufVocab> {
 // Split regexes of the original tokenizer.json files (llama.cpp rewrites the `(?i:...)` groups for
 // its own engine; Oniguruma takes them as they are).
 const RE_LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const RE_QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_QWEN2: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const RE_QWEN35: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const RE_GPT4O: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const RE_TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -109,13 +100,7 @@ const RE_DEEPSEEK_LLM: [&str; 6] = [
     "[\u{4e00}-\u{9fa5}\u{800}-\u{4e00}\u{ac00}-\u{d7ff}]+",
     "\\p{N}+",
 ];
-const RE_DEEPSEEK_CODER: [&str; 5] = [
-    "[\r\n]",
-    r"\s?\p{L}+",
-    r"\s?\p{P}+",
-    "[一-龥ࠀ-一가-퟿]+",
-    r"\p{N}",
-];
+const RE_DEEPSEEK_CODER: [&str; 5] = ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"];
 const RE_FALCON: [&str; 3] = [
     r"[\p{P}\$\+<=>\^~\|`]+",
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
@@ -138,13 +123,12 @@ fn bpe_pre(pre: &str) -> (Value, bool, bool) {
         json!({"type": "Sequence", "pretokenizers": v})
     };
     match pre {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-        | "lfm2" => (regexes(&[RE_LLAMA3]), false, true),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2" => {
+            (regexes(&[RE_LLAMA3]), false, true)
+        }
         "dbrx" | "smaug-bpe" | "chatglm-bpe" => (regexes(&[RE_LLAMA3]), false, false),
         "glm4" | "glm5" => (regexes(&[RE_LLAMA3]), false, true),
-        "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "hunyuan" | "kormo" => {
-            (regexes(&[RE_QWEN2]), true, false)
-        }
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "hunyuan" | "kormo" => (regexes(&[RE_QWEN2]), true, false),
         "qwen35" => (regexes(&[RE_QWEN35]), false, false),
         "gpt-4o" | "llama4" | "minimax-m2" | "kanana2" => (regexes(&[RE_GPT4O]), false, false),
         "tekken" => (regexes(&[RE_TEKKEN]), false, true),
@@ -152,14 +136,12 @@ fn bpe_pre(pre: &str) -> (Value, bool, bool) {
         "deepseek-llm" => (regexes(&RE_DEEPSEEK_LLM), false, false),
         "deepseek-coder" => (regexes(&RE_DEEPSEEK_CODER), false, false),
         "falcon" => (regexes(&RE_FALCON), false, false),
-        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
-            (
-                json!({"type": "Sequence", "pretokenizers": [
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => (
+            json!({"type": "Sequence", "pretokenizers": [
                 {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
-                false,
-                false,
-            )
-        }
+            false,
+            false,
+        ),
         // "gpt-2", "default" and the rest: GPT-2's own regex inside ByteLevel.
         _ => (byte_level(true), false, false),
     }
@@ -170,11 +152,7 @@ fn wrap<T: serde::de::DeserializeOwned>(v: Value) -> Result<T> {
 }
 
 fn vocab_map(tokens: &[String]) -> Vocab {
-    tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect()
+    tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect()
 }
 
 /// Builds the `tokenizers` pipeline for `v`.
@@ -184,11 +162,7 @@ pub(crate) fn build(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
     }
     if let Some(t) = &v.token_types {
         if t.len() != v.tokens.len() {
-            return Err(Error::Tokenizer(format!(
-                "GGUF has {} tokens but {} token types",
-                v.tokens.len(),
-                t.len()
-            )));
+            return Err(Error::Tokenizer(format!("GGUF has {} tokens but {} token types", v.tokens.len(), t.len())));
         }
     }
     let (mut tok, tokens, add_bos_default) = match v.model.as_str() {
@@ -220,10 +194,7 @@ pub(crate) fn build(v: &GgufVocab) -> Result<tokenizers::Tokenizer> {
 type Built = (tokenizers::Tokenizer, Vec<String>, bool);
 
 fn build_bpe(v: &GgufVocab) -> Result<Built> {
-    let merges = v
-        .merges
-        .as_ref()
-        .ok_or_else(|| Error::Tokenizer("GGUF gpt2 tokenizer has no merges".into()))?;
+    let merges = v.merges.as_ref().ok_or_else(|| Error::Tokenizer("GGUF gpt2 tokenizer has no merges".into()))?;
     let merges = merges
         .iter()
         .map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
@@ -244,10 +215,7 @@ fn build_bpe(v: &GgufVocab) -> Result<Built> {
     tok.with_decoder(Some(wrap::<DecoderWrapper>(
         json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
     )?));
-    let llama3 = matches!(
-        pre,
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "tekken"
-    );
+    let llama3 = matches!(pre, "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "tekken");
     Ok((tok, v.tokens.clone(), llama3))
 }
 
@@ -255,11 +223,8 @@ fn build_bpe(v: &GgufVocab) -> Result<Built> {
 /// piece's score (descending), then by the halves' lengths in characters (descending), ties kept
 /// in (piece id, left id, right id) order.
 fn spm_merges(tokens: &[String], scores: &[f32]) -> Vec<(String, String)> {
-    let ids: std::collections::HashMap<&str, u32> = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.as_str(), i as u32))
-        .collect();
+    let ids: std::collections::HashMap<&str, u32> =
+        tokens.iter().enumerate().map(|(i, t)| (t.as_str(), i as u32)).collect();
     // (score, left chars, right chars, left, right)
     let mut merges: Vec<(f32, usize, usize, u32, u32)> = Vec::new();
     let mut local = Vec::new();
@@ -278,15 +243,9 @@ fn spm_merges(tokens: &[String], scores: &[f32]) -> Vec<(String, String)> {
         merges.extend_from_slice(&local);
     }
     merges.sort_by(|a, b| {
-        b.0.partial_cmp(&a.0)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(b.1.cmp(&a.1))
-            .then(b.2.cmp(&a.2))
+        b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2))
     });
-    merges
-        .into_iter()
-        .map(|m| (tokens[m.3 as usize].clone(), tokens[m.4 as usize].clone()))
-        .collect()
+    merges.into_iter().map(|m| (tokens[m.3 as usize].clone(), tokens[m.4 as usize].clone())).collect()
 }
 
 fn build_spm(v: &GgufVocab) -> Result<Built> {
@@ -300,21 +259,9 @@ fn build_spm(v: &GgufVocab) -> Result<Built> {
         .collect();
     let scores: Vec<f32> = match &v.scores {
         Some(s) if s.len() == tokens.len() => (0..tokens.len())
-            .map(|i| {
-                if matches!(v.token_type(i), CONTROL | USER_DEFINED) {
-                    0.0
-                } else {
-                    s[i]
-                }
-            })
+            .map(|i| if matches!(v.token_type(i), CONTROL | USER_DEFINED) { 0.0 } else { s[i] })
             .collect(),
-        Some(s) => {
-            return Err(Error::Tokenizer(format!(
-                "GGUF has {} tokens but {} scores",
-                tokens.len(),
-                s.len()
-            )))
-        }
+        Some(s) => return Err(Error::Tokenizer(format!("GGUF has {} tokens but {} scores", tokens.len(), s.len()))),
         None => (0..tokens.len()).map(|i| -(i as f32)).collect(),
     };
     let merges = spm_merges(&tokens, &scores);
@@ -322,15 +269,8 @@ fn build_spm(v: &GgufVocab) -> Result<Built> {
         .unk_id
         .and_then(|i| tokens.get(i as usize))
         .cloned()
-        .or_else(|| {
-            (0..tokens.len())
-                .find(|&i| v.token_type(i) == UNKNOWN)
-                .map(|i| tokens[i].clone())
-        });
-    let mut builder = BPE::builder()
-        .vocab_and_merges(vocab_map(&tokens), merges)
-        .byte_fallback(true)
-        .fuse_unk(true);
+        .or_else(|| (0..tokens.len()).find(|&i| v.token_type(i) == UNKNOWN).map(|i| tokens[i].clone()));
+    let mut builder = BPE::builder().vocab_and_merges(vocab_map(&tokens), merges).byte_fallback(true).fuse_unk(true);
     if let Some(unk) = unk {
         builder = builder.unk_token(unk);
     }
@@ -352,8 +292,6 @@ fn build_spm(v: &GgufVocab) -> Result<Built> {
     if prefix {
         decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
     }
-    tok.with_decoder(Some(wrap::<DecoderWrapper>(
-        json!({"type": "Sequence", "decoders": decoders}),
-    )?));
+    tok.with_decoder(Some(wrap::<DecoderWrapper>(json!({"type": "Sequence", "decoders": decoders}))?));
     Ok((tok, tokens, true))
 }

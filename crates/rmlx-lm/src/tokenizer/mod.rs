@@ -66,11 +66,7 @@ impl Tokenizer {
             return Err(Error::MissingFile(file.display().to_string()));
         }
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg = if cfg_path.is_file() {
-            Some(read_json(&cfg_path)?)
-        } else {
-            None
-        };
+        let cfg = if cfg_path.is_file() { Some(read_json(&cfg_path)?) } else { None };
         let inner = load_tokenizer_json(&file)?;
         Self::assemble(inner, cfg.as_ref())
     }
@@ -95,20 +91,10 @@ impl Tokenizer {
     }
 
     /// Wraps an already built `tokenizers::Tokenizer`, with its special tokens.
-    pub fn from_parts(
-        inner: tokenizers::Tokenizer,
-        bos: Option<&str>,
-        eos: Option<&str>,
-    ) -> Tokenizer {
+    pub fn from_parts(inner: tokenizers::Tokenizer, bos: Option<&str>, eos: Option<&str>) -> Tokenizer {
         let bos_id = bos.and_then(|b| inner.token_to_id(b));
         let eos_ids = eos.and_then(|e| inner.token_to_id(e)).into_iter().collect();
-        Tokenizer {
-            inner: Arc::new(inner),
-            bos: bos.map(str::to_owned),
-            bos_id,
-            eos: eos.map(str::to_owned),
-            eos_ids,
-        }
+        Tokenizer { inner: Arc::new(inner), bos: bos.map(str::to_owned), bos_id, eos: eos.map(str::to_owned), eos_ids }
     }
 
     fn assemble(mut inner: tokenizers::Tokenizer, cfg: Option<&Value>) -> Result<Tokenizer> {
@@ -120,9 +106,7 @@ impl Tokenizer {
             // No config: the BOS the post-processor adds, if any.
             let with = inner.encode("a", true).map_err(tk_err)?;
             let without = inner.encode("a", false).map_err(tk_err)?;
-            if with.get_ids().len() > without.get_ids().len()
-                && with.get_ids()[0] != without.get_ids()[0]
-            {
+            if with.get_ids().len() > without.get_ids().len() && with.get_ids()[0] != without.get_ids()[0] {
                 bos = inner.id_to_token(with.get_ids()[0]);
             }
         }
@@ -132,34 +116,17 @@ impl Tokenizer {
             let flag = |k: &str| cfg.get(k).and_then(Value::as_bool);
             let (add_bos, add_eos) = (flag("add_bos_token"), flag("add_eos_token"));
             if add_bos.is_some() || add_eos.is_some() {
-                apply_bos_eos(
-                    &mut inner,
-                    bos.as_deref().zip(bos_id),
-                    eos.as_deref().zip(eos_id),
-                    add_bos,
-                    add_eos,
-                )?;
+                apply_bos_eos(&mut inner, bos.as_deref().zip(bos_id), eos.as_deref().zip(eos_id), add_bos, add_eos)?;
             }
         }
-        Ok(Tokenizer {
-            inner: Arc::new(inner),
-            bos,
-            bos_id,
-            eos,
-            eos_ids: eos_id.into_iter().collect(),
-        })
+        Ok(Tokenizer { inner: Arc::new(inner), bos, bos_id, eos, eos_ids: eos_id.into_iter().collect() })
     }
 
     /// Token ids of `text`; `add_special_tokens = true` is `tokenizer(text)` (BOS etc. added by the
     /// post-processor), `false` is `tokenizer(text, add_special_tokens=False)`. Special tokens written
     /// in the text (`<|im_start|>`) are recognised in both cases.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        Ok(self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(tk_err)?
-            .get_ids()
-            .to_vec())
+        Ok(self.inner.encode(text, add_special_tokens).map_err(tk_err)?.get_ids().to_vec())
     }
 
     /// The text of `ids` (`tokenizer.decode(ids, skip_special_tokens=...)`).
@@ -239,8 +206,7 @@ impl Tokenizer {
 
 fn load_tokenizer_json(path: &Path) -> Result<tokenizers::Tokenizer> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    tokenizers::Tokenizer::from_bytes(&bytes)
-        .map_err(|e| tk_err(format!("{}: {e}", path.display())))
+    tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| tk_err(format!("{}: {e}", path.display())))
 }
 
 /// The post-processor transformers 5 builds from explicit `add_bos_token` / `add_eos_token`:
@@ -254,15 +220,11 @@ fn apply_bos_eos(
 ) -> Result<()> {
     let with = inner.encode("a", true).map_err(tk_err)?.get_ids().to_vec();
     let plain = inner.encode("a", false).map_err(tk_err)?.get_ids().to_vec();
-    let has_bos =
-        bos.is_some_and(|(_, id)| with.first() == Some(&id) && plain.first() != Some(&id));
+    let has_bos = bos.is_some_and(|(_, id)| with.first() == Some(&id) && plain.first() != Some(&id));
     let has_eos = eos.is_some_and(|(_, id)| with.last() == Some(&id) && plain.last() != Some(&id));
     let want_bos = add_bos.unwrap_or(has_bos) && bos.is_some();
     let want_eos = add_eos.unwrap_or(has_eos) && eos.is_some();
-    if want_bos == has_bos
-        && want_eos == has_eos
-        && with.len() == plain.len() + has_bos as usize + has_eos as usize
-    {
+    if want_bos == has_bos && want_eos == has_eos && with.len() == plain.len() + has_bos as usize + has_eos as usize {
         return Ok(());
     }
     let pp = template_processing(bos.filter(|_| want_bos), eos.filter(|_| want_eos));
@@ -297,12 +259,10 @@ pub(crate) fn template_processing(
     }
     let pair: Vec<Value> = single.iter().cloned().chain(pair).collect();
     for (t, id) in bos.into_iter().chain(eos) {
-        specials.insert(
-            t.to_owned(),
-            serde_json::json!({"id": t, "ids": [id], "tokens": [t]}),
-        );
+        specials.insert(t.to_owned(), serde_json::json!({"id": t, "ids": [id], "tokens": [t]}));
     }
-    let v = serde_json::json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials});
+    let v =
+        serde_json::json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials});
     Some(serde_json::from_value(v).expect("valid TemplateProcessing"))
 }
 
@@ -365,8 +325,5 @@ impl StreamDecoder {
 
 /// Length in bytes of the longest common prefix of `a` and `b`, on a character boundary.
 fn common_prefix(a: &str, b: &str) -> usize {
-    a.char_indices()
-        .zip(b.chars())
-        .find(|((_, x), y)| x != y)
-        .map_or(a.len().min(b.len()), |((i, _), _)| i)
+    a.char_indices().zip(b.chars()).find(|((_, x), y)| x != y).map_or(a.len().min(b.len()), |((i, _), _)| i)
 }
