@@ -90,7 +90,10 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             tokenizer.add_eos_id(id);
         }
     }
-    let dtype = opts.dtype.unwrap_or(Dtype::Bfloat16);
+    // GGUF has no compute dtype. On the CPU float32 is fastest (BLAS; MLX's bf16 matmul there is
+    // plain SIMD code); elsewhere bfloat16.
+    let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
+    let dtype = opts.dtype.unwrap_or(if on_cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
     finish(cfg, weights, tokenizer, template, dtype, opts, path)
 }
 

@@ -18,7 +18,7 @@ use std::time::Instant;
 /// How to load.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
-    /// Compute dtype; default: the checkpoint's (bfloat16 for GGUF files).
+    /// Compute dtype; default: the checkpoint's (for GGUF files: float32 on the CPU, else bfloat16).
     pub dtype: Option<Dtype>,
     /// Dequantise quantised weights at load; default: when the default device is the CPU, where
     /// MLX's quantised matmul is slow.
