@@ -139,3 +139,19 @@ fn llama_mlx_quantized_with_overrides() {
 fn qwen3_mlx_quantized_bf16() {
     check("qwen3_q4");
 }
+
+#[test]
+fn head_dim_inferred_from_q_proj_when_absent() {
+    // llama_mqa_untied has head_dim 32 ≠ hidden/heads = 16: without the field, q_proj's shape decides.
+    let r = reference("llama_mqa_untied");
+    let dir = fixture_with_tokenizer("llama_mqa_untied");
+    let p = dir.path().join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    assert_eq!(cfg.as_object_mut().unwrap().remove("head_dim"), Some(serde_json::json!(32)));
+    std::fs::write(&p, cfg.to_string()).unwrap();
+    let lm = load(dir.path(), Dtype::Float32);
+    assert_eq!(lm.model.config().head_dim(), 32);
+    let prompt = ids(&r["prompt_ids"]);
+    let d = max_abs_diff(&prompt_logits(&lm, &prompt), &floats(&r["logits"]));
+    assert!(d <= 1e-3, "max |Δlogit| {d}");
+}
