@@ -124,9 +124,11 @@ fn perplexity_matches_reference_logits() {
         total += lse - row[prompt[i] as usize] as f64;
     }
     let expected = total / (prompt.len() - 1) as f64;
+    // float32 matmuls run as TF32 on NVIDIA GPUs (logits off by up to ~0.03 here).
+    let tol = if rmlx::default_device().kind == rmlx::DeviceType::Gpu { 2e-2 } else { 1e-4 };
     for chunk in [512, 5] {
         let (nll, n) = rmlx_lm::generate::negative_log_likelihood(&lm, &prompt, chunk).unwrap();
         assert_eq!(n, 23);
-        assert!((nll - expected).abs() < 1e-4, "chunk {chunk}: {nll} vs {expected}");
+        assert!((nll - expected).abs() < tol, "chunk {chunk}: {nll} vs {expected}");
     }
 }
