@@ -3,61 +3,30 @@
 //! base, `(1 + w)` RMSNorms (four per block: before and after attention and feed-forward), a GELU-tanh
 //! gated feed-forward, and embeddings scaled by `√hidden`.
 
+use super::attention::{Attention, AttentionSpec};
 use super::llama::output_head;
-use super::{cached_attention, merge_heads, softcap, split_heads, Rope};
+use super::{softcap, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
 use crate::nn::{Builder, Embedding, GatedMlp, Linear, RmsNorm};
 use crate::{Error, Result};
 use rmlx::Array;
 
-/// Attention with q/k norms; `sliding` layers use the local RoPE base (and a rotating cache).
-pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
-    heads: i32,
-    kv_heads: i32,
-    head_dim: i32,
-    scale: f32,
-    rope: Rope,
-}
-
-impl Attention {
-    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, sliding: bool) -> Result<Self> {
-        let (h, heads, kv, d, eps) =
-            (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.rms_norm_eps);
-        let bias = cfg.attention_bias.unwrap_or(false);
-        let rope =
-            if sliding { Rope::new(d, cfg.rope_local_base_freq.unwrap_or(10000.0), None)? } else { Rope::global(cfg)? };
-        let scalar = cfg.query_pre_attn_scalar.unwrap_or(d as f32);
-        Ok(Self {
-            q_proj: b.linear(&format!("{p}.q_proj"), h, heads * d, bias)?,
-            k_proj: b.linear(&format!("{p}.k_proj"), h, kv * d, bias)?,
-            v_proj: b.linear(&format!("{p}.v_proj"), h, kv * d, bias)?,
-            o_proj: b.linear(&format!("{p}.o_proj"), heads * d, h, false)?,
-            q_norm: b.rms_norm(&format!("{p}.q_norm"), d, eps, true)?,
-            k_norm: b.rms_norm(&format!("{p}.k_norm"), d, eps, true)?,
-            heads,
-            kv_heads: kv,
-            head_dim: d,
-            scale: scalar.powf(-0.5),
-            rope,
-        })
-    }
-
-    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
-        let q = self.q_norm.forward(&split_heads(&self.q_proj.forward(x)?, self.heads, self.head_dim)?)?;
-        let k = self.k_norm.forward(&split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.head_dim)?)?;
-        let v = split_heads(&self.v_proj.forward(x)?, self.kv_heads, self.head_dim)?;
-        let offset = cache.offset();
-        let (q, k) = (self.rope.apply(&q, offset)?, self.rope.apply(&k, offset)?);
-        let o = cached_attention(&q, &k, &v, cache, self.scale)?;
-        self.o_proj.forward(&merge_heads(&o)?)
-    }
+/// Gemma's attention: q/k norms with `(1 + w)` weights, `query_pre_attn_scalar^-½` scale;
+/// `sliding` layers use the local RoPE base (and a rotating cache), global ones `rope_theta` with
+/// the configured scaling.
+fn attention_spec(cfg: &ModelConfig, sliding: bool) -> Result<AttentionSpec> {
+    let rope = if sliding {
+        Rope::new(cfg.head_dim(), cfg.rope_local_base_freq.unwrap_or(10000.0), None)?
+    } else {
+        Rope::global(cfg)?
+    };
+    Ok(AttentionSpec {
+        qkv_bias: cfg.attention_bias.unwrap_or(false),
+        qk_norm: Some(true),
+        scale: cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim() as f32).powf(-0.5),
+        rope,
+    })
 }
 
 /// `h = x + norm(attn(norm(x)))`, then `h + norm(mlp(norm(h)))`.
@@ -80,7 +49,7 @@ impl Block {
             (norm("pre_feedforward_layernorm")?, norm("post_feedforward_layernorm")?);
         Ok(Self {
             input_layernorm,
-            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"), sliding)?,
+            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"), attention_spec(cfg, sliding)?)?,
             post_attention_layernorm,
             pre_feedforward_layernorm,
             mlp: GatedMlp::load(b, &format!("{p}.mlp"), h, cfg.intermediate_size, true)?,

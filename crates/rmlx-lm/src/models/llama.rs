@@ -1,51 +1,23 @@
 //! Llama 2/3 (and Mistral-style llama checkpoints): pre-norm decoder blocks of grouped-query
 //! attention with rotary embeddings (plain, linear or Llama 3 scaled) and a SwiGLU feed-forward.
+//! Qwen 2 and Qwen 3 are this model with a different [`AttentionSpec`].
 
-use super::{cached_attention, merge_heads, split_heads, uniform_caches, Rope};
+use super::attention::{Attention, AttentionSpec};
+use super::{uniform_caches, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
 use crate::nn::{Builder, Embedding, GatedMlp, Linear, RmsNorm};
 use crate::Result;
 use rmlx::Array;
 
-/// Multi-head attention with `kv_heads` key/value heads shared by groups of query heads.
-pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    heads: i32,
-    kv_heads: i32,
-    head_dim: i32,
-    rope: Rope,
-}
-
-impl Attention {
-    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str) -> Result<Self> {
-        let (h, heads, kv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
-        let bias = cfg.attention_bias.unwrap_or(false);
-        Ok(Self {
-            q_proj: b.linear(&format!("{p}.q_proj"), h, heads * d, bias)?,
-            k_proj: b.linear(&format!("{p}.k_proj"), h, kv * d, bias)?,
-            v_proj: b.linear(&format!("{p}.v_proj"), h, kv * d, bias)?,
-            o_proj: b.linear(&format!("{p}.o_proj"), heads * d, h, false)?,
-            heads,
-            kv_heads: kv,
-            head_dim: d,
-            rope: Rope::global(cfg)?,
-        })
-    }
-
-    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
-        let q = split_heads(&self.q_proj.forward(x)?, self.heads, self.head_dim)?;
-        let k = split_heads(&self.k_proj.forward(x)?, self.kv_heads, self.head_dim)?;
-        let v = split_heads(&self.v_proj.forward(x)?, self.kv_heads, self.head_dim)?;
-        let offset = cache.offset();
-        let (q, k) = (self.rope.apply(&q, offset)?, self.rope.apply(&k, offset)?);
-        let scale = (self.head_dim as f32).powf(-0.5);
-        let o = cached_attention(&q, &k, &v, cache, scale)?;
-        self.o_proj.forward(&merge_heads(&o)?)
-    }
+/// Llama's attention: biases only when `attention_bias`, no q/k norms, `1/√head_dim` scale.
+pub fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
+    Ok(AttentionSpec {
+        qkv_bias: cfg.attention_bias.unwrap_or(false),
+        qk_norm: None,
+        scale: (cfg.head_dim() as f32).powf(-0.5),
+        rope: Rope::global(cfg)?,
+    })
 }
 
 /// `x + attn(norm(x))`, then `h + mlp(norm(h))`.
@@ -57,11 +29,11 @@ pub struct Block {
 }
 
 impl Block {
-    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str) -> Result<Self> {
+    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, attention: AttentionSpec) -> Result<Self> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         Ok(Self {
             input_layernorm: b.rms_norm(&format!("{p}.input_layernorm"), h, eps, false)?,
-            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"))?,
+            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"), attention)?,
             post_attention_layernorm: b.rms_norm(&format!("{p}.post_attention_layernorm"), h, eps, false)?,
             mlp: GatedMlp::load(b, &format!("{p}.mlp"), h, cfg.intermediate_size, false)?,
         })
@@ -83,10 +55,19 @@ pub struct Model {
 }
 
 impl Model {
-    /// Builds the model from `model.*` / `lm_head.*` tensors.
+    /// Builds a Llama model from `model.*` / `lm_head.*` tensors.
     pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<Self> {
+        Self::load_with(cfg, b, attention_spec)
+    }
+
+    /// Builds the model with the attention layers `spec` describes (the Llama-family variants).
+    pub fn load_with(
+        cfg: &ModelConfig,
+        b: &mut Builder,
+        spec: fn(&ModelConfig) -> Result<AttentionSpec>,
+    ) -> Result<Self> {
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Block::load(cfg, b, &format!("model.layers.{i}")))
+            .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), spec(cfg)?))
             .collect::<Result<_>>()?;
         Ok(Self {
             embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,

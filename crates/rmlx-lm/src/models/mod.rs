@@ -1,6 +1,7 @@
 //! The architectures, one file each, and what they share: the [`Model`] trait, rotary embeddings
 //! and the cached attention call.
 
+pub mod attention;
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
@@ -40,8 +41,8 @@ pub trait Model: Send {
 pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
     Ok(match cfg.architecture()? {
         Architecture::Llama => Box::new(llama::Model::load(cfg, b)?),
-        Architecture::Qwen2 => Box::new(qwen2::Model::load(cfg, b)?),
-        Architecture::Qwen3 => Box::new(qwen3::Model::load(cfg, b)?),
+        Architecture::Qwen2 => Box::new(qwen2::load(cfg, b)?),
+        Architecture::Qwen3 => Box::new(qwen3::load(cfg, b)?),
         Architecture::Gemma3 => Box::new(gemma3::Model::load(cfg, b)?),
     })
 }
