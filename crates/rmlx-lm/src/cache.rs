@@ -104,6 +104,20 @@ fn positions(a: &Array, start: i32, stop: i32) -> Result<Array> {
     Ok(a.slice_axis(2, start, stop, 1)?)
 }
 
+/// Writes `new` (`[B, H, L, D]`) into the buffer at positions `at..at + L`; returns the buffer.
+fn write_at(buf: &mut Option<Array>, new: &Array, at: i32) -> Result<Array> {
+    let b = buf.take().expect("allocated before writing");
+    let s = b.shape().to_vec();
+    let b = ops::slice_update(&b, new, &[0, 0, at, 0], &[s[0], s[1], at + dim(new, 2), s[3]], &[1, 1, 1, 1])?;
+    *buf = Some(b.clone());
+    Ok(b)
+}
+
+/// The first `keep` positions followed by positions `start..end`.
+fn keep_and_tail(a: &Array, keep: i32, start: i32, end: i32) -> Result<Array> {
+    Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, end)?], 2)?)
+}
+
 fn grow(buffer: Option<Array>, like: &Array, used: i32, extra: i32) -> Result<Array> {
     let shape = [dim(like, 0), dim(like, 1), extra, dim(like, 3)];
     let fresh = ops::zeros(&shape, like.dtype())?;
@@ -136,16 +150,8 @@ impl StandardCache {
             self.values = Some(grow(self.values.take(), v, prev, extra)?);
         }
         let end = prev + len;
-        let write = |buf: &mut Option<Array>, new: &Array| -> Result<Array> {
-            let b = buf.take().expect("allocated above");
-            let s = b.shape().to_vec();
-            let b = ops::slice_update(&b, new, &[0, 0, prev, 0], &[s[0], s[1], end, s[3]], &[1, 1, 1, 1])?;
-            let visible = positions(&b, 0, end)?;
-            *buf = Some(b);
-            Ok(visible)
-        };
-        let keys = write(&mut self.keys, k)?;
-        let values = write(&mut self.values, v)?;
+        let keys = positions(&write_at(&mut self.keys, k, prev)?, 0, end)?;
+        let values = positions(&write_at(&mut self.values, v, prev)?, 0, end)?;
         self.offset = end as usize;
         Ok((keys, values, if len == 1 { Mask::None } else { Mask::Causal }))
     }
@@ -212,9 +218,7 @@ impl RotatingCache {
                 let target = (self.max_size - 1).max(self.keep);
                 let (kt, vt, pos) = if n > target {
                     let (keep, start) = (self.keep as i32, (n - (target - self.keep)) as i32);
-                    let cut = |a: &Array| -> Result<Array> {
-                        Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, n as i32)?], 2)?)
-                    };
+                    let cut = |a: &Array| keep_and_tail(a, keep, start, n as i32);
                     let pos: Vec<i32> =
                         (0..keep).chain(self.offset as i32 - (n as i32 - start)..self.offset as i32).collect();
                     (cut(&kt)?, cut(&vt)?, pos)
@@ -271,10 +275,8 @@ impl RotatingCache {
         if cap > self.max_size {
             // A prefill left more than the window: back to `max_size` positions in temporal order.
             let n = self.idx.min(cap);
-            let cut = |a: &Array| -> Result<Array> {
-                let (keep, start) = (self.keep as i32, (n - (self.max_size - self.keep)) as i32);
-                Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, n as i32)?], 2)?)
-            };
+            let (keep, start) = (self.keep as i32, (n - (self.max_size - self.keep)) as i32);
+            let cut = |a: &Array| keep_and_tail(a, keep, start, n as i32);
             self.keys = Some(cut(self.keys.as_ref().expect("cap > 0"))?);
             self.values = Some(cut(self.values.as_ref().expect("cap > 0"))?);
             self.idx = self.max_size;
@@ -288,15 +290,8 @@ impl RotatingCache {
             self.idx = self.keep;
         }
         let at = self.idx as i32;
-        let write = |buf: &mut Option<Array>, new: &Array| -> Result<Array> {
-            let b = buf.take().expect("allocated above");
-            let s = b.shape().to_vec();
-            let b = ops::slice_update(&b, new, &[0, 0, at, 0], &[s[0], s[1], at + 1, s[3]], &[1, 1, 1, 1])?;
-            *buf = Some(b.clone());
-            Ok(b)
-        };
-        let keys = write(&mut self.keys, k)?;
-        let values = write(&mut self.values, v)?;
+        let keys = write_at(&mut self.keys, k, at)?;
+        let values = write_at(&mut self.values, v, at)?;
         self.offset += 1;
         self.idx += 1;
         let valid = self.offset.min(self.buffer_len()) as i32;
