@@ -142,12 +142,19 @@ impl Builder {
         v
     }
 
-    fn checked(&mut self, name: &str, shape: &[i32]) -> Result<Weight> {
+    /// Takes a tensor, checking its (logical) shape.
+    fn take_shaped(&mut self, name: &str, shape: &[i32]) -> Result<Weight> {
         let w = self.weights.take(name)?;
         let found = w.shape();
         if found != shape {
             return Err(Error::ShapeMismatch { name: name.to_string(), expected: shape.to_vec(), found });
         }
+        Ok(w)
+    }
+
+    /// Takes a tensor, checks its shape and converts it to the compute dtype.
+    fn checked(&mut self, name: &str, shape: &[i32]) -> Result<Weight> {
+        let w = self.take_shaped(name, shape)?;
         self.convert(w)
     }
 
@@ -199,16 +206,14 @@ impl Builder {
     /// computed in float32 before the conversion to the compute dtype.
     pub fn rms_norm(&mut self, prefix: &str, dim: i32, eps: f32, plus_one: bool) -> Result<RmsNorm> {
         let name = format!("{prefix}.weight");
-        let w = match self.weights.take(&name)? {
-            Weight::Dense(a) => a,
-            Weight::Quantized(_) => return Err(Error::Config(format!("norm `{name}` is quantised"))),
+        let Weight::Dense(w) = self.take_shaped(&name, &[dim])? else {
+            return Err(Error::Config(format!("norm `{name}` is quantised")));
         };
-        if w.shape() != [dim] {
-            return Err(Error::ShapeMismatch { name, expected: vec![dim], found: w.shape().to_vec() });
-        }
         let w = if plus_one { (w.astype(Dtype::Float32)? + 1.0)? } else { w };
-        let Weight::Dense(w) = self.record(Weight::Dense(w.astype(self.dtype)?)) else { unreachable!() };
-        Ok(RmsNorm::new(w, eps))
+        match self.convert(Weight::Dense(w))? {
+            Weight::Dense(w) => Ok(RmsNorm::new(w, eps)),
+            Weight::Quantized(_) => unreachable!("dense weights stay dense"),
+        }
     }
 }
 
