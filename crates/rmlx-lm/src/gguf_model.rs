@@ -82,7 +82,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let (bos, eos) = (tokenizer.bos_token().map(str::to_string), tokenizer.eos_token().map(str::to_string));
     let template = match file.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
         Some(src) => ChatTemplate::new(src, bos.as_deref(), eos.as_deref())?,
-        None => ChatTemplate::fallback(family(&arch), bos.as_deref(), eos.as_deref())?,
+        None => ChatTemplate::fallback(crate::loader::family(&cfg)?, bos.as_deref(), eos.as_deref())?,
     };
     // End-of-turn markers the family's generation_config would list.
     for marker in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"] {
@@ -95,14 +95,6 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
     let dtype = opts.dtype.unwrap_or(if on_cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
     finish(cfg, weights, tokenizer, template, dtype, opts, path)
-}
-
-fn family(arch: &str) -> &'static str {
-    match arch {
-        "llama" => "llama3",
-        "gemma3" => "gemma",
-        _ => "chatml",
-    }
 }
 
 /// The Hugging Face config a GGUF's metadata describes.

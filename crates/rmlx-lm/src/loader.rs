@@ -171,7 +171,8 @@ fn placeholder_tokenizer(vocab: usize) -> Result<Tokenizer> {
     Ok(Tokenizer::from_parts(inner, None, None))
 }
 
-fn family(cfg: &ModelConfig) -> Result<&'static str> {
+/// The built-in chat template family of an architecture.
+pub(crate) fn family(cfg: &ModelConfig) -> Result<&'static str> {
     Ok(match cfg.architecture()? {
         Architecture::Llama => "llama3",
         Architecture::Qwen2 | Architecture::Qwen3 => "chatml",
