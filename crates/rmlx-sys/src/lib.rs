@@ -163,6 +163,12 @@ pub mod ffi {
         fn default_stream(device_type: u8, index: i32) -> Result<StreamSpec>;
         fn new_stream(device_type: u8, index: i32) -> Result<StreamSpec>;
         fn synchronize(s: StreamSpec) -> Result<()>;
+        /// Starts MLX on the calling thread (its scheduler, and with it MLX's notion of the main
+        /// thread and the CUDA backend's per-thread state) and binds rmlx's streams there.
+        fn init_runtime() -> Result<()>;
+        /// OpenBLAS's thread count, where libmlx runs on OpenBLAS: sets it when `threads > 0`, and
+        /// returns the count in force (0 when the process has no OpenBLAS).
+        fn blas_threads(threads: i32) -> i32;
 
         // ---- array basics -----------------------------------------------------------------------
         fn array_from_data(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
@@ -181,6 +187,12 @@ pub mod ffi {
         fn array_is_evaluated(a: &Array) -> bool;
         fn array_row_contiguous(a: &Array) -> bool;
         fn array_copy_to(a: &Array, out: &mut [u8]) -> Result<()>;
+        /// The copy of `array_copy_to` when it needs no evaluation (the array was scheduled and is
+        /// row-contiguous): waits for the array and copies; returns false, copying nothing, else.
+        fn array_copy_ready(a: &Array, out: &mut [u8]) -> Result<bool>;
+        /// Waits for an array that has been scheduled; returns false, doing nothing, for one that
+        /// has not.
+        fn array_wait(a: &Array) -> Result<bool>;
         fn array_to_string(a: &Array) -> Result<String>;
         fn array_eval(a: &Array) -> Result<()>;
         /// The dtype `a` and `b` promote to in a binary op.
@@ -317,6 +329,7 @@ pub mod ffi {
         // ---- benchmarks: the same loops as the Rust benchmarks, in C++ --------------------------
         fn bench_build_add_chain(n: i32, s: StreamSpec) -> Result<f64>;
         fn bench_eval_add_chain(n: i32, s: StreamSpec) -> Result<f64>;
+        fn bench_eval_each_add(n: i32, s: StreamSpec) -> Result<f64>;
     }
 
     impl UniquePtr<Array> {}

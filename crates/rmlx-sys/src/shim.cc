@@ -3,13 +3,20 @@
 #include "rmlx-sys/src/lib.rs.h"
 
 #include "mlx/primitives.h"
+#include "mlx/scheduler.h"
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <dlfcn.h>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
+#include <vector>
 
 namespace mx = mlx::core;
 
@@ -34,6 +41,86 @@ mx::Device device_of(uint8_t type, int32_t index) {
   return mx::Device(type == 0 ? mx::Device::cpu : mx::Device::gpu, index);
 }
 
+// ---- draining the streams at exit ----------------------------------------------------------------
+//
+// MLX deliberately leaks its scheduler, so its stream threads keep running while the process exits.
+// Work still queued or running on them then (a decode step queued by `async_eval` that nobody waits
+// for) races with the destructors of the libraries it calls: OpenBLAS's `gotoblas_quit` frees its
+// buffers and shuts down its thread pool under a running sgemm, which shows up as heap corruption
+// ("corrupted double-linked list"), SIGSEGV, or a hang in `blas_thread_shutdown_` when its worker
+// overwrites the shutdown request after finishing the job. So every CPU stream rmlx hands out is
+// recorded, and an `atexit` handler (which runs before any library destructor) waits, for at most
+// ten seconds, until these and every other CPU stream MLX knows of are idle. The records are leaked
+// on purpose: they must outlive static destruction. GPU
+// streams are left alone: the CUDA runtime tears itself down from its own `atexit` handler, which
+// may run before this one, and synchronising a stream after that hangs.
+std::mutex& live_streams_mutex() {
+  static auto* m = new std::mutex;
+  return *m;
+}
+
+std::vector<mx::Stream>& live_streams() {
+  static auto* v = new std::vector<mx::Stream>;
+  return *v;
+}
+
+void drain_streams_at_exit() {
+  std::vector<mx::Stream> streams;
+  {
+    std::lock_guard<std::mutex> guard(live_streams_mutex());
+    streams = live_streams();
+  }
+  // Also the streams MLX made by itself (a thread's default stream, created before rmlx bound its
+  // own): work may be queued there too.
+  for (auto& s : mx::get_streams()) {
+    if (s.device.type == mx::Device::cpu &&
+        std::find(streams.begin(), streams.end(), s) == streams.end()) {
+      streams.push_back(s);
+    }
+  }
+  // Waited for on a helper thread, for a bounded time: a CPU task waiting on a GPU event that the
+  // GPU runtime's own exit handler orphaned must not turn exit into a hang.
+  struct Done {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  std::thread([streams = std::move(streams), done] {
+    for (auto& s : streams) {
+      try {
+        mx::synchronize(s);
+      } catch (...) {
+        // An error stored on the stream is of no use any more; the point is that it is idle.
+      }
+    }
+    std::lock_guard<std::mutex> guard(done->m);
+    done->done = true;
+    done->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(done->m);
+  done->cv.wait_for(lock, std::chrono::seconds(10), [&] { return done->done; });
+}
+
+// Registers the exit handler. `atexit` handlers and the destructors of function-local statics run
+// in the reverse order of their registration, so MLX's statics that queued work uses are created
+// first: its allocator (the CPU build's buffer cache is such a static, and was torn down under
+// running ops when the handler came first).
+void register_drain() {
+  mx::allocator::allocator();
+  std::atexit(drain_streams_at_exit);
+}
+
+// Records a CPU stream so that the process waits for it at exit; returns it.
+mx::Stream track(mx::Stream s) {
+  if (s.device.type != mx::Device::cpu) return s;
+  std::lock_guard<std::mutex> guard(live_streams_mutex());
+  static bool registered = (register_drain(), true);
+  (void)registered;
+  live_streams().push_back(s);
+  return s;
+}
+
 // rmlx runs all of its work on one stream per device, shared by every thread (MLX's own default
 // streams are per thread). The safe layer serialises calls into MLX, which such a stream requires;
 // in exchange a graph built on one thread can be evaluated on any other, and MLX's CUDA backend
@@ -47,7 +134,7 @@ mx::Stream shared_stream(mx::Device d) {
   static std::map<std::pair<int, int>, mx::Stream> streams;
   std::lock_guard<std::mutex> guard(mutex);
   auto it = streams.find(key);
-  if (it == streams.end()) it = streams.emplace(key, mx::new_thread_unsafe_stream(d)).first;
+  if (it == streams.end()) it = streams.emplace(key, track(mx::new_thread_unsafe_stream(d))).first;
   seen.emplace(key, it->second);
   return it->second;
 }
@@ -78,9 +165,30 @@ StreamSpec spec_of(const mx::Stream& st) {
                     st.device.index, st.index};
 }
 
-ArrayPtr wrap(mx::array a) { return std::make_unique<mx::array>(std::move(a)); }
+// MLX's GPU backends have no float64 kernels; the CUDA backend only finds out while it evaluates,
+// inside CUDA-graph capture, and the failed capture can bring down a later evaluation
+// (`std::terminate`). So an op recorded on a GPU stream that takes or makes float64 is refused here,
+// when it is built, before anything reaches the device.
+void check_gpu_dtypes(const mx::array& a) {
+  if (!a.has_primitive() || a.primitive().stream().device.type != mx::Device::gpu) return;
+  bool f64 = a.dtype() == mx::float64;
+  for (auto& in : a.inputs()) f64 = f64 || in.dtype() == mx::float64;
+  if (f64) {
+    throw std::invalid_argument(
+        "[rmlx] float64 is not supported on the GPU (" + std::string(a.primitive().name()) +
+        "): use float32, or run the op on the CPU (rmlx::with_device(Device::cpu(), ...))");
+  }
+}
 
-VecPtr wrap_vec(std::vector<mx::array> v) { return std::make_unique<ArrayVec>(std::move(v)); }
+ArrayPtr wrap(mx::array a) {
+  check_gpu_dtypes(a);
+  return std::make_unique<mx::array>(std::move(a));
+}
+
+VecPtr wrap_vec(std::vector<mx::array> v) {
+  for (auto& a : v) check_gpu_dtypes(a);
+  return std::make_unique<ArrayVec>(std::move(v));
+}
 
 mx::Shape shape_of(Shape s) { return mx::Shape(s.begin(), s.end()); }
 
@@ -159,11 +267,36 @@ StreamSpec default_stream(uint8_t device_type, int32_t index) {
 }
 
 StreamSpec new_stream(uint8_t device_type, int32_t index) {
-  return spec_of(mx::new_thread_unsafe_stream(device_of(device_type, index)));
+  return spec_of(track(mx::new_thread_unsafe_stream(device_of(device_type, index))));
 }
 
 void synchronize(StreamSpec s) {
   mx::synchronize(std::get<mx::Stream>(sod(s)));
+}
+
+void init_runtime() {
+  // The scheduler records the thread that creates it as MLX's main thread, and creates the GPU
+  // backend's per-thread state (event pool, cuBLAS and cuDNN handle caches) on it.
+  mx::scheduler::scheduler();
+  bind_thread_defaults();
+}
+
+// rmlx-sys's `mlx-cpu` install forwards BLAS to OpenBLAS built with the `scipy_` symbol prefix;
+// another OpenBLAS may be the plain one. Looked up at run time: a libmlx without OpenBLAS is fine.
+int32_t blas_threads(int32_t threads) {
+  using Set = void (*)(int);
+  using Get = int (*)();
+  static const auto set = [] {
+    void* f = dlsym(RTLD_DEFAULT, "scipy_openblas_set_num_threads");
+    return reinterpret_cast<Set>(f ? f : dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  }();
+  static const auto get = [] {
+    void* f = dlsym(RTLD_DEFAULT, "scipy_openblas_get_num_threads");
+    return reinterpret_cast<Get>(f ? f : dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  }();
+  if (!set || !get) return 0;
+  if (threads > 0) set(threads);
+  return get();
 }
 
 // ---- array basics -----------------------------------------------------------------------------------
@@ -242,6 +375,22 @@ void array_copy_to(const Array& a, rust::Slice<uint8_t> out) {
   if (c.nbytes() > 0) std::memcpy(out.data(), c.data<uint8_t>(), c.nbytes());
 }
 
+bool array_wait(const Array& a) {
+  if (a.status() == mx::array::Status::unscheduled) return false;
+  const_cast<Array&>(a).wait();
+  return true;
+}
+
+bool array_copy_ready(const Array& a, rust::Slice<uint8_t> out) {
+  if (out.size() != a.nbytes()) {
+    throw std::invalid_argument("[rmlx] output buffer has " + std::to_string(out.size()) +
+                                " bytes, the array " + std::to_string(a.nbytes()));
+  }
+  if (!array_wait(a) || !a.flags().row_contiguous) return false;
+  if (a.nbytes() > 0) std::memcpy(out.data(), a.data<uint8_t>(), a.nbytes());
+  return true;
+}
+
 rust::String array_to_string(const Array& a) {
   bind_thread_defaults();
   std::ostringstream os;
@@ -266,6 +415,10 @@ void eval(const ArrayVec& v) {
 void async_eval(const ArrayVec& v) {
   bind_thread_defaults();
   mx::async_eval(v);
+  // Work may now outlive the caller's interest in it: register the exit handler once more, after
+  // every static that evaluation creates lazily exists (draining twice is harmless).
+  static bool registered = (std::atexit(drain_streams_at_exit), true);
+  (void)registered;
 }
 
 // ---- creation -----------------------------------------------------------------------------------------
@@ -728,6 +881,20 @@ double bench_eval_add_chain(int32_t n, StreamSpec st) {
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < n; ++i) x = mx::add(x, one, s);
   mx::eval(x);
+  auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+double bench_eval_each_add(int32_t n, StreamSpec st) {
+  auto s = sod(st);
+  mx::array x = mx::ones({4}, mx::float32, s);
+  mx::array one = mx::array(1.0f);
+  mx::eval(x, one);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) {
+    x = mx::add(x, one, s);
+    mx::eval(x);
+  }
   auto t1 = std::chrono::steady_clock::now();
   return std::chrono::duration<double>(t1 - t0).count();
 }

@@ -44,6 +44,8 @@ rust::Vec<rust::String> device_info(uint8_t device_type, int32_t index);
 StreamSpec default_stream(uint8_t device_type, int32_t index);
 StreamSpec new_stream(uint8_t device_type, int32_t index);
 void synchronize(StreamSpec s);
+void init_runtime();
+int32_t blas_threads(int32_t threads);
 
 ArrayPtr array_from_data(rust::Slice<const uint8_t> data, Shape shape, uint8_t dtype);
 ArrayPtr array_from_f64(double value, uint8_t dtype);
@@ -61,6 +63,8 @@ size_t array_id(const Array& a);
 bool array_is_evaluated(const Array& a);
 bool array_row_contiguous(const Array& a);
 void array_copy_to(const Array& a, rust::Slice<uint8_t> out);
+bool array_copy_ready(const Array& a, rust::Slice<uint8_t> out);
+bool array_wait(const Array& a);
 rust::String array_to_string(const Array& a);
 void array_eval(const Array& a);
 uint8_t result_type(const Array& a, const Array& b);
@@ -183,5 +187,6 @@ void clear_cache();
 
 double bench_build_add_chain(int32_t n, StreamSpec s);
 double bench_eval_add_chain(int32_t n, StreamSpec s);
+double bench_eval_each_add(int32_t n, StreamSpec s);
 
 }  // namespace rmlx_shim

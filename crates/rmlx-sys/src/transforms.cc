@@ -296,7 +296,16 @@ VecPtr call_function(const ArrayFunction& f, const ArrayVec& inputs, StreamSpec 
   return to_vec(f.fun(inputs));
 }
 
-size_t eval_thread_token() { return std::hash<std::thread::id>{}(std::this_thread::get_id()); }
+namespace {
+// The thread an evaluation is done for, when this thread evaluates on another's behalf (0: itself).
+thread_local size_t eval_caller = 0;
+}  // namespace
+
+size_t eval_thread_token() {
+  return eval_caller != 0 ? eval_caller : std::hash<std::thread::id>{}(std::this_thread::get_id());
+}
+
+void set_eval_caller(size_t token) { eval_caller = token; }
 
 void compile_erase(size_t fun_id) { mx::detail::compile_erase(mx::detail::compile_cache(), fun_id); }
 

@@ -41,6 +41,7 @@ void compile_clear_cache();
 void set_compile_enabled(bool enabled);
 bool array_is_tracer(const Array& a);
 size_t eval_thread_token();
+void set_eval_caller(size_t token);
 
 uint8_t gpu_backend();
 VecPtr custom_kernel(const KernelSpec& spec, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,

@@ -118,6 +118,9 @@ pub mod tffi {
         fn array_is_tracer(a: &Array) -> bool;
         /// Identifies the calling thread (primitives' CPU failures are kept per evaluating thread).
         fn eval_thread_token() -> usize;
+        /// Makes this thread's evaluations report primitives' failures to the thread whose token
+        /// this is (0: to this thread again). rmlx's evaluation thread works on behalf of others.
+        fn set_eval_caller(token: usize);
 
         /// 0 = no GPU backend, 1 = CUDA, 2 = Metal.
         fn gpu_backend() -> u8;

@@ -3,11 +3,25 @@
 //! Two loops over a chain of `N` element-wise adds on a 4-element array:
 //! - build: record the `N` lazy ops (no evaluation) — the binding's cost per op is the difference
 //!   between the Rust and the C++ figure;
-//! - eval: record them and evaluate the chain once — the end-to-end cost per op on the device.
+//! - eval: record them and evaluate the chain once — the end-to-end cost per op on the device;
+//! - step: evaluate after every add, as a decoding loop does once per token. The C++ loop runs on
+//!   rmlx's evaluation thread, so the difference includes the hand-off to that thread.
 //!
 //! Run: `cargo run --release -p rmlx --example op_overhead -- [--device cpu|gpu] [-n 1000] [-r 20]`
 use rmlx::{ops, Array, Device, Dtype};
 use std::time::Instant;
+
+fn rust_steps(n: i32) -> rmlx::Result<f64> {
+    let mut x = ops::ones(&[4], Dtype::Float32)?;
+    let one = Array::scalar(1.0f32);
+    rmlx::eval([&x, &one])?;
+    let t0 = Instant::now();
+    for _ in 0..n {
+        x = ops::add(&x, &one)?;
+        x.eval()?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
 
 fn rust_chain(n: i32, eval: bool) -> rmlx::Result<f64> {
     let mut x = ops::ones(&[4], Dtype::Float32)?;
@@ -48,12 +62,24 @@ fn main() -> rmlx::Result<()> {
         }
         let per_op = |secs: f64| secs / n as f64 * 1e9;
         let mut rows = Vec::new();
-        for (name, eval) in [("build", false), ("eval", true)] {
+        for name in ["build", "eval", "step"] {
             let (mut rust, mut cpp) = (Vec::new(), Vec::new());
             for _ in 0..reps {
                 // Alternate so drift affects both equally.
-                rust.push(rust_chain(n, eval)?);
-                cpp.push(if eval { rmlx::bench::cpp_eval_add_chain(n)? } else { rmlx::bench::cpp_build_add_chain(n)? });
+                match name {
+                    "build" => {
+                        rust.push(rust_chain(n, false)?);
+                        cpp.push(rmlx::bench::cpp_build_add_chain(n)?);
+                    }
+                    "eval" => {
+                        rust.push(rust_chain(n, true)?);
+                        cpp.push(rmlx::bench::cpp_eval_add_chain(n)?);
+                    }
+                    _ => {
+                        rust.push(rust_steps(n)?);
+                        cpp.push(rmlx::bench::cpp_eval_each_add(n)?);
+                    }
+                }
             }
             let (r, c) = (per_op(median(rust)), per_op(median(cpp)));
             rows.push((name, r, c));

@@ -1,7 +1,8 @@
 //! [`Array`]: a handle to a node of MLX's lazy computation graph.
 
 use crate::device::current;
-use crate::lock::locked;
+use crate::evaluator;
+use crate::lock::{evaluating, locked};
 use crate::{Dtype, Element, Error, Result};
 use rmlx_sys::cxx::UniquePtr;
 use rmlx_sys::ffi;
@@ -139,7 +140,11 @@ impl Array {
 
     /// Computes the array (and what it depends on) and waits for the result.
     pub fn eval(&self) -> Result<()> {
-        locked(|| ffi::array_eval(self.raw()))?;
+        // An array already scheduled (by `async_eval`) is only waited for, here.
+        locked(|| match ffi::array_wait(self.raw()) {
+            Ok(true) => Ok(()),
+            _ => evaluator::run(|| ffi::array_eval(self.raw())),
+        })?;
         crate::custom::check_eval_errors()
     }
 
@@ -155,7 +160,10 @@ impl Array {
         let bytes = unsafe {
             std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, std::mem::size_of_val(out.as_slice()))
         };
-        locked(|| ffi::array_copy_to(self.raw(), bytes))?;
+        locked(|| match ffi::array_copy_ready(self.raw(), bytes) {
+            Ok(true) => Ok(()),
+            _ => evaluator::run(|| ffi::array_copy_to(self.raw(), bytes)),
+        })?;
         crate::custom::check_eval_errors()?;
         Ok(out)
     }
@@ -207,7 +215,7 @@ impl Clone for Array {
 impl fmt::Display for Array {
     /// MLX's own rendering, e.g. `array([1, 2], dtype=int32)`. Evaluates the array.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match locked(|| ffi::array_to_string(self.raw())) {
+        match evaluating(|| ffi::array_to_string(self.raw())) {
             Ok(s) if crate::custom::check_eval_errors().is_ok() => f.write_str(&s),
             Ok(_) => write!(f, "<array {:?} {}: a primitive's evaluation failed>", self.shape(), self.dtype()),
             Err(e) => write!(f, "<array {:?} {}: {}>", self.shape(), self.dtype(), e.what()),
@@ -243,7 +251,7 @@ pub(crate) fn arrays_of(v: &ffi::ArrayVec) -> Vec<Array> {
 /// Computes all `arrays` together (sharing common sub-graphs) and waits.
 pub fn eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
     let v = array_vec(arrays);
-    locked(|| ffi::eval(&v))?;
+    evaluating(|| ffi::eval(&v))?;
     crate::custom::check_eval_errors()
 }
 
@@ -251,5 +259,5 @@ pub fn eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
 /// Lets the host build the next graph while the device computes this one.
 pub fn async_eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
     let v = array_vec(arrays);
-    Ok(locked(|| ffi::async_eval(&v))?)
+    Ok(evaluating(|| ffi::async_eval(&v))?)
 }

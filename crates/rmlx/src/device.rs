@@ -11,7 +11,7 @@
 //! # Ok::<(), rmlx::Error>(())
 //! ```
 
-use crate::lock::locked;
+use crate::lock::{evaluating, locked};
 use crate::{Error, Result};
 use rmlx_sys::ffi::{self, StreamSpec};
 use std::cell::Cell;
@@ -83,7 +83,7 @@ impl Stream {
     }
     /// Blocks until all work queued on this stream is done.
     pub fn synchronize(&self) -> Result<()> {
-        Ok(locked(|| ffi::synchronize(self.0))?)
+        Ok(evaluating(|| ffi::synchronize(self.0))?)
     }
 }
 
@@ -149,7 +149,7 @@ pub fn set_default_device(device: Device) -> Result<()> {
 
 /// Blocks until all work queued on the default stream is done.
 pub fn synchronize() -> Result<()> {
-    Ok(locked(|| ffi::synchronize(DEFAULT))?)
+    Ok(evaluating(|| ffi::synchronize(DEFAULT))?)
 }
 
 /// The version of the MLX library in use, e.g. `"0.32.4"`.

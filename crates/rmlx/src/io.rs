@@ -7,7 +7,7 @@
 
 use crate::array::{array_vec, from_array_vec};
 use crate::device::current;
-use crate::lock::locked;
+use crate::lock::{evaluating, locked};
 use crate::ops::wrap;
 use crate::{Array, Error, Result};
 use rmlx_sys::ffi;
@@ -85,7 +85,7 @@ pub fn save_safetensors(
     let keys: Vec<String> = metadata.keys().cloned().collect();
     let values: Vec<String> = metadata.values().cloned().collect();
     let (path_s, v) = (path_str(path.as_ref())?, array_vec(arrays.values()));
-    Ok(locked(|| ffi::save_safetensors(path_s, &names, &v, &keys, &values))?)
+    Ok(evaluating(|| ffi::save_safetensors(path_s, &names, &v, &keys, &values))?)
 }
 
 /// Opens a GGUF file. Tensors of types MLX maps natively (f32, f16, bf16, Q4_0, Q4_1, Q8_0) come
@@ -132,7 +132,7 @@ pub fn save_gguf(path: impl AsRef<Path>, arrays: &BTreeMap<String, Array>, metad
         })
         .collect();
     let (path_s, v, mv) = (path_str(path.as_ref())?, array_vec(arrays.values()), array_vec(meta_arrays));
-    Ok(locked(|| ffi::save_gguf(path_s, &names, &v, &meta, &mv))?)
+    Ok(evaluating(|| ffi::save_gguf(path_s, &names, &v, &meta, &mv))?)
 }
 
 /// Reads a NumPy `.npy` file.
@@ -146,5 +146,5 @@ pub fn load_npy(path: impl AsRef<Path>) -> Result<Array> {
 /// Writes a NumPy `.npy` file.
 pub fn save_npy(path: impl AsRef<Path>, a: &Array) -> Result<()> {
     let path_s = path_str(path.as_ref())?;
-    Ok(locked(|| ffi::save_npy(path_s, a.raw()))?)
+    Ok(evaluating(|| ffi::save_npy(path_s, a.raw()))?)
 }

@@ -31,7 +31,9 @@
 //! default streams are per thread, and a graph recorded on one cannot be evaluated from another), and
 //! every call into MLX holds one process-wide lock: MLX's CUDA backend terminates the process when two
 //! threads drive it at once. Threads therefore take turns inside MLX; the device still overlaps work
-//! queued by [`async_eval`].
+//! queued by [`async_eval`]. Every evaluation runs on one thread that rmlx owns, because MLX
+//! 0.32.4's CUDA backend aborts when several threads evaluate, even one at a time; a loop that
+//! evaluates often runs fastest inside [`on_evaluation_thread`], where nothing is handed over.
 //!
 //! ## Linking
 //! `rmlx-sys` finds or installs MLX when it builds and links it with a runpath, so tests and binaries
@@ -39,12 +41,14 @@
 //! the same runpath from its build script with `DEP_RMLX_LIB_DIR` (see `build.rs` of this crate).
 
 mod array;
+mod blas;
 mod callback;
 pub mod compile;
 pub mod custom;
 mod device;
 mod dtype;
 mod error;
+mod evaluator;
 pub mod fast;
 pub mod io;
 mod kernel;
@@ -58,11 +62,13 @@ pub mod random;
 pub mod transforms;
 
 pub use array::{async_eval, eval, Array};
+pub use blas::{blas_threads, set_blas_threads};
 pub use device::{
     default_device, mlx_version, set_default_device, synchronize, with_device, with_stream, Device, DeviceType, Stream,
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
+pub use evaluator::{evaluation_thread, on_evaluation_thread};
 pub use mode::{execution_mode, set_execution_mode, with_execution_mode, Executable, ExecutionMode};
 pub use half::{bf16, f16};
 pub use num_complex::Complex32;
@@ -81,6 +87,14 @@ pub mod bench {
 
     /// Seconds to build and evaluate a chain of `n` adds in C++.
     pub fn cpp_eval_add_chain(n: i32) -> Result<f64> {
-        Ok(crate::lock::locked(|| rmlx_sys::ffi::bench_eval_add_chain(n, current()))?)
+        let stream = current();
+        Ok(crate::lock::evaluating(|| rmlx_sys::ffi::bench_eval_add_chain(n, stream))?)
+    }
+
+    /// Seconds to build and evaluate `n` adds in C++, evaluating after each one. Runs entirely on
+    /// the evaluation thread: the single-threaded C++ baseline for rmlx's per-evaluation hand-off.
+    pub fn cpp_eval_each_add(n: i32) -> Result<f64> {
+        let stream = current();
+        Ok(crate::lock::evaluating(|| rmlx_sys::ffi::bench_eval_each_add(n, stream))?)
     }
 }

@@ -104,6 +104,25 @@ pub fn with_execution_mode<T>(mode: ExecutionMode, f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// This thread's override of the process-wide mode, if any.
+pub(crate) fn override_mode() -> Option<ExecutionMode> {
+    OVERRIDE.with(|o| o.get())
+}
+
+/// Runs `f` with this thread's override set to `mode` (carries a caller's override to the
+/// evaluation thread).
+pub(crate) fn with_override<T>(mode: Option<ExecutionMode>, f: impl FnOnce() -> T) -> T {
+    match mode {
+        Some(m) => with_execution_mode(m, f),
+        None => {
+            let saved = OVERRIDE.with(|o| o.replace(None));
+            let out = f();
+            OVERRIDE.with(|o| o.set(saved));
+            out
+        }
+    }
+}
+
 fn global_mode() -> ExecutionMode {
     match MODE.load(Ordering::Relaxed) {
         UNSET => {

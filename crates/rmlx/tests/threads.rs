@@ -212,3 +212,104 @@ fn streams_per_thread() {
     let results: Vec<f32> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert_eq!(results, vec![0.0, 16.0, 32.0, 48.0]);
 }
+
+#[test]
+fn float64_is_refused_on_the_gpu_before_it_runs_and_the_gpu_keeps_working() {
+    let x = Array::from_slice(&[1.0f64, 2.0, 3.0], &[3]).unwrap();
+    // The CPU computes in float64.
+    let on_cpu = rmlx::with_device(Device::cpu(), || (&x / 3.0)).unwrap();
+    assert_eq!(on_cpu.dtype(), Dtype::Float64);
+    assert_eq!(on_cpu.to_vec::<f64>().unwrap(), vec![1.0 / 3.0, 2.0 / 3.0, 1.0]);
+    if !Device::gpu().is_available() {
+        eprintln!("no GPU in this process: the GPU half of this test did not run");
+        return;
+    }
+    let f32s = Array::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap();
+    for round in 0..20 {
+        // Refused when the op is built: float64 input, or a cast that makes float64.
+        for err in [
+            rmlx::with_device(Device::gpu(), || x.exp()).unwrap_err(),
+            rmlx::with_device(Device::gpu(), || f32s.astype(Dtype::Float64)).unwrap_err(),
+        ] {
+            assert!(matches!(err, Error::Mlx(_)), "round {round}: {err:?}");
+            assert!(err.to_string().contains("float64 is not supported on the GPU"), "round {round}: {err}");
+        }
+        // The GPU still evaluates float32 work afterwards.
+        let y = rmlx::with_device(Device::gpu(), || (f32s.matmul(&f32s.reshape(&[3, 1])?)? + round as f32)).unwrap();
+        assert_eq!(y.to_vec::<f32>().unwrap(), vec![14.0 + round as f32], "round {round}");
+    }
+}
+
+/// Evaluating inside a transform's closure, while the calling thread holds the MLX lock: the
+/// evaluation thread works for it (no deadlock) and the value is right.
+#[test]
+fn evaluation_inside_a_transform_closure() {
+    let f = |a: &[Array]| {
+        let c = (Array::scalar(3.0f32) * 2.0)?.item::<f32>()?; // evaluated here, mid-trace
+        (&a[0] * c)?.sum(rmlx::Axes::All, false)
+    };
+    let g = rmlx::transforms::grad(f, &[0]);
+    let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+    assert_eq!(g(&[x]).unwrap()[0].to_vec::<f32>().unwrap(), vec![6.0, 6.0]);
+}
+
+/// Eight threads evaluate at once, mixing `async_eval`, `eval` and reads, as a server's request
+/// threads would; every result is exact.
+#[test]
+fn eight_threads_mix_async_eval_eval_and_reads() {
+    let handles: Vec<_> = (0..8i64)
+        .map(|t| {
+            thread::spawn(move || {
+                for round in 0..25i64 {
+                    let x = ops::arange(0.0, 64.0, 1.0, Dtype::Float32).unwrap();
+                    let y = ((&x * (t + 1) as f32).unwrap() + round as f32).unwrap();
+                    let s = y.sum(rmlx::Axes::All, false).unwrap();
+                    let m = y.max(rmlx::Axes::All, false).unwrap();
+                    rmlx::async_eval([&s, &m]).unwrap();
+                    let z = (&y - 1.0).unwrap();
+                    rmlx::eval([&z]).unwrap();
+                    let want = ((t + 1) * 63 * 64 / 2 + round * 64) as f32;
+                    assert_eq!(s.item::<f32>().unwrap(), want, "thread {t} round {round}");
+                    assert_eq!(m.item::<f32>().unwrap(), ((t + 1) * 63 + round) as f32);
+                    assert_eq!(z.to_vec::<f32>().unwrap()[1], (t + 1 + round - 1) as f32);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+const EVAL_CHILD_ENV: &str = "RMLX_EVAL_THREAD_TEST_CHILD";
+
+#[test]
+fn eval_thread_child_entry() {
+    if std::env::var_os(EVAL_CHILD_ENV).is_some() {
+        let x = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+        assert_eq!(x.matmul(&x).unwrap().to_vec::<f32>().unwrap(), vec![7.0, 10.0, 15.0, 22.0]);
+        println!("EVALUATION_THREAD={}", rmlx::evaluation_thread());
+    }
+}
+
+/// Evaluations go to the evaluation thread unless `RMLX_EVAL_THREAD=0` says otherwise; both ways
+/// compute the same (each case is a child process: the choice is made once per process).
+#[test]
+fn evaluation_thread_is_on_unless_turned_off() {
+    let report = |value: Option<&str>| {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "eval_thread_child_entry", "--nocapture", "--test-threads", "1"]).env(EVAL_CHILD_ENV, "1");
+        match value {
+            Some(v) => cmd.env("RMLX_EVAL_THREAD", v),
+            None => cmd.env_remove("RMLX_EVAL_THREAD"),
+        };
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        stdout.lines().find_map(|l| l.split("EVALUATION_THREAD=").nth(1).map(|v| v.trim().to_owned())).expect("the child's report")
+    };
+    assert_eq!(report(None), "true");
+    assert_eq!(report(Some("1")), "true");
+    assert_eq!(report(Some("0")), "false");
+    assert_eq!(report(Some("off")), "false");
+}
