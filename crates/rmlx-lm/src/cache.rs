@@ -17,6 +17,9 @@ use rmlx::{ops, Array};
 /// Growth step of the preallocated buffers, in positions.
 pub const STEP: i32 = 256;
 
+/// Positions are 32-bit in MLX: a window this large or larger bounds nothing.
+pub const MAX_POSITIONS: usize = i32::MAX as usize;
+
 /// The mask for one attention call, owned (see [`Mask::as_attention`]).
 #[derive(Clone)]
 pub enum Mask {
@@ -56,6 +59,17 @@ impl KvCache {
     /// A cache of at most `max_size` positions whose first `keep` are never evicted.
     pub fn rotating(max_size: usize, keep: usize) -> Self {
         KvCache::Rotating(RotatingCache::new(max_size, keep))
+    }
+
+    /// A cache bounded to `max_size` positions (see [`KvCache::rotating`]), or an unbounded one when
+    /// the bound is at least [`MAX_POSITIONS`]: MLX indexes positions with 32-bit integers, so no
+    /// sequence can reach such a window, and the bound must never be cast down to 32 bits.
+    pub fn bounded(max_size: usize, keep: usize) -> Self {
+        if max_size >= MAX_POSITIONS {
+            KvCache::standard()
+        } else {
+            KvCache::rotating(max_size, keep)
+        }
     }
 
     /// Positions seen so far (the RoPE offset of the next token).
@@ -255,16 +269,17 @@ impl RotatingCache {
     }
 
     fn window_mask(&self, key_pos: &[i32], q_start: i32, len: usize) -> Result<Mask> {
-        let window = self.max_size as i32;
+        // In 64 bits: a window of 2^31 or more must not wrap negative.
+        let window = self.max_size as i64;
         let contiguous = key_pos.windows(2).all(|w| w[1] == w[0] + 1);
         let q_last = q_start + len as i32 - 1;
-        if contiguous && q_last - key_pos[0] < window {
+        if contiguous && i64::from(q_last - key_pos[0]) < window {
             return Ok(Mask::Causal);
         }
-        let keep = self.keep as i32;
+        let keep = self.keep as i64;
         let mut visible = Vec::with_capacity(len * key_pos.len());
         for q in q_start..=q_last {
-            visible.extend(key_pos.iter().map(|&p| p <= q && (q - p < window || p < keep)));
+            visible.extend(key_pos.iter().map(|&p| p <= q && (i64::from(q - p) < window || i64::from(p) < keep)));
         }
         let m = Array::from_slice(&visible, &[len as i32, key_pos.len() as i32])?;
         Ok(Mask::Array(m))

@@ -2,6 +2,8 @@
 //! parsed into one struct, with each family's defaults and the derived quantities (head_dim,
 //! RoPE frequencies, which layers slide).
 
+mod limits;
+
 use crate::{Error, Result};
 use serde::Deserialize;
 use serde_json::Value;
@@ -171,10 +173,20 @@ impl ModelConfig {
             }
         }
         top.insert("model_type".into(), Value::String(model_type));
+        limits::check_fields(&top)?;
         let cfg: ModelConfig =
             serde_json::from_value(Value::Object(top)).map_err(|e| Error::Config(format!("config.json: {e}")))?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Checks the types and ranges of a raw configuration's fields (what [`ModelConfig::from_value`]
+    /// checks first), for loaders that want to refuse a bad configuration before reading weights.
+    pub fn check_fields(raw: &Value) -> Result<()> {
+        match raw {
+            Value::Object(top) => limits::check_fields(top),
+            _ => Err(Error::Config("config.json must be a JSON object".into())),
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -210,6 +222,10 @@ impl ModelConfig {
                 )));
             }
         }
+        let hd = self.head_dim();
+        if hd % 2 != 0 {
+            return Err(Error::Config(format!("`head_dim` ({hd}) must be even: RoPE rotates pairs of dimensions")));
+        }
         self.rope_scaling()?;
         Ok(())
     }
@@ -240,21 +256,30 @@ impl ModelConfig {
     pub fn rope_scaling(&self) -> Result<Option<RopeScaling>> {
         let Some(Value::Object(s)) = &self.rope_scaling else { return Ok(None) };
         let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+        // `factor` stretches positions: below 1 it would shrink them (transformers refuses it too).
         let num = |k: &str| -> Result<f32> {
-            s.get(k)
-                .and_then(Value::as_f64)
-                .map(|v| v as f32)
-                .ok_or_else(|| Error::Config(format!("rope_scaling ({kind}) lacks numeric `{k}`")))
+            let v = s.get(k).ok_or_else(|| Error::Config(format!("rope_scaling ({kind}) lacks numeric `{k}`")))?;
+            let check = if k == "factor" { limits::at_least_one } else { limits::positive };
+            check(v).map_err(|why| Error::Config(format!("rope_scaling ({kind}): `{k}` {why}")))?;
+            Ok(v.as_f64().expect("a number") as f32)
         };
         match kind {
             "default" => Ok(None),
             "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor")? })),
-            "llama3" => Ok(Some(RopeScaling::Llama3 {
-                factor: num("factor")?,
-                low_freq_factor: num("low_freq_factor")?,
-                high_freq_factor: num("high_freq_factor")?,
-                original_max_position_embeddings: num("original_max_position_embeddings")?,
-            })),
+            "llama3" => {
+                let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+                if high <= low {
+                    return Err(Error::Config(format!(
+                        "rope_scaling (llama3): `high_freq_factor` ({high}) must exceed `low_freq_factor` ({low})"
+                    )));
+                }
+                Ok(Some(RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?,
+                }))
+            }
             other => {
                 Err(Error::Config(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)")))
             }

@@ -41,6 +41,10 @@ pub enum Error {
     /// A generation or sampling parameter is out of range.
     #[error("invalid parameter: {0}")]
     InvalidParameter(String),
+    /// The model produced NaN or infinite logits (or loss): overflowing weights or activations.
+    /// Raised on the generation step (or perplexity chunk) where they appear.
+    #[error("non-finite values: {0}")]
+    NonFinite(String),
     /// Downloading a registry package (the default model, tokenizer files) failed.
     #[error("download {url}: {reason}")]
     Download { url: String, reason: String },

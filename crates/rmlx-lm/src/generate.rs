@@ -118,7 +118,9 @@ impl LoadedModel {
     /// tokens); otherwise the text becomes the user message of the chat template, after `system`.
     pub fn encode_prompt(&self, text: &str, raw: bool, system: Option<&str>) -> Result<Vec<u32>> {
         if raw {
-            return self.tokenizer.encode(text, true);
+            let ids = self.tokenizer.encode(text, true)?;
+            self.vocab.check(&ids)?;
+            return Ok(ids);
         }
         let mut messages = Vec::new();
         if let Some(s) = system {
@@ -130,9 +132,14 @@ impl LoadedModel {
 
     /// The chat template applied to `messages` (with the generation prompt), tokenised without
     /// adding special tokens again (the template writes them).
+    ///
+    /// Errors: [`Error::Prompt`] when the text holds a token without an embedding row (Gemma 3's
+    /// `<image_soft_token>` in a text-only model), naming the id.
     pub fn chat_prompt(&self, messages: &[Message]) -> Result<Vec<u32>> {
         let text = self.chat_template.render(messages, true, None, None)?;
-        self.tokenizer.encode(&text, false)
+        let ids = self.tokenizer.encode(&text, false)?;
+        self.vocab.check(&ids)?;
+        Ok(ids)
     }
 
     /// Starts generating after `prompt`; iterate to get tokens.
@@ -148,8 +155,8 @@ pub struct Generation<'m> {
     caches: Vec<KvCache>,
     sampler: Sampler,
     history: Vec<u32>,
-    /// The sampled token `[1]` (uint32) and its log-probability `[1]`, possibly still being computed.
-    pending: Option<(Array, Array)>,
+    /// The sampled token, possibly still being computed (see [`Step`]).
+    pending: Option<Step>,
     decoder: StreamDecoder,
     /// Decoded text not yet handed out because it may begin a stop string.
     held: String,
@@ -180,10 +187,7 @@ impl<'m> Generation<'m> {
                 )));
             }
         }
-        let vocab = cfg.vocab_size as u32;
-        if let Some(bad) = prompt.iter().find(|&&t| t >= vocab) {
-            return Err(Error::Prompt(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
-        }
+        lm.vocab.check(prompt)?;
         let pipelined = opts.sampler.repetition_penalty == 1.0;
         let mut g = Self {
             lm,
@@ -201,7 +205,11 @@ impl<'m> Generation<'m> {
             first_token_at: None,
             pipelined,
         };
-        g.prefill(prompt)?;
+        if opts.max_tokens == 0 {
+            g.finish = Some(FinishReason::Length);
+        } else {
+            g.prefill(prompt)?;
+        }
         Ok(g)
     }
 
@@ -229,22 +237,29 @@ impl<'m> Generation<'m> {
             let state: Vec<&Array> = self.caches.iter().flat_map(KvCache::state).collect();
             rmlx::eval(state)?;
         }
-        let next = self.step(&ids_array(last)?)?;
-        rmlx::async_eval([&next.0, &next.1])?;
+        self.queue(&ids_array(last)?)
+    }
+
+    /// Builds the step on `ids` and schedules its evaluation as the pending one.
+    fn queue(&mut self, ids: &Array) -> Result<()> {
+        let next = self.step(ids)?;
+        rmlx::async_eval([&next.token, &next.logprob, &next.finite])?;
         self.pending = Some(next);
         Ok(())
     }
 
-    /// The model on `ids: [1, L]`, the last position sampled: (token `[1]`, its log-probability
-    /// `[1]`), both lazy, so that one evaluation computes them together.
-    fn step(&mut self, ids: &Array) -> Result<(Array, Array)> {
+    /// The model on `ids: [1, L]`, the last position sampled; all lazy, so that one evaluation
+    /// computes the token, its log-probability and the finiteness check together.
+    fn step(&mut self, ids: &Array) -> Result<Step> {
         let h = self.lm.model.forward_hidden(ids, &mut self.caches)?;
         let len = h.shape()[1];
         let logits = self.lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?;
         let logits = logits.reshape(&[1, -1])?;
+        let finite = rmlx::ops::isfinite(&logits)?.all(rmlx::Axes::All, false)?;
+        let logits = self.lm.vocab.mask_logits(&logits)?;
         let (token, logprobs) = self.sampler.sample(&logits, &self.history)?;
         let logprob = rmlx::ops::take_along_axis(&logprobs, &token.reshape(&[1, 1])?, Some(-1))?.reshape(&[1])?;
-        Ok((token, logprob))
+        Ok(Step { token, logprob, finite })
     }
 
     fn next_token(&mut self) -> Result<Option<Token>> {
@@ -255,17 +270,22 @@ impl<'m> Generation<'m> {
             self.finish = Some(FinishReason::Cancelled);
             return Ok(None);
         }
-        let Some((token, logprob)) = self.pending.take() else { return Ok(None) };
+        let Some(Step { token, logprob, finite }) = self.pending.take() else { return Ok(None) };
         let budget_left = self.metrics.generated_tokens + 1 < self.opts.max_tokens;
         // Queue the next step before waiting for this one (its input is the lazy token).
         if self.pipelined && budget_left {
-            let next = self.step(&token.reshape(&[1, 1])?)?;
-            rmlx::async_eval([&next.0, &next.1])?;
-            self.pending = Some(next);
+            self.queue(&token.reshape(&[1, 1])?)?;
         }
-        // Both were evaluated together: reading them waits for this step only.
+        // All three were evaluated together: reading them waits for this step only.
         let id = token.item::<u32>()?;
         let logprob = logprob.item::<f32>()?;
+        if !finite.item::<bool>()? {
+            self.pending = None;
+            return Err(Error::NonFinite(format!(
+                "the logits of generated token {} are NaN or infinite (the weights or activations overflow)",
+                self.metrics.generated_tokens + 1
+            )));
+        }
         let now = Instant::now();
         if self.first_token_at.is_none() {
             self.first_token_at = Some(now);
@@ -281,9 +301,7 @@ impl<'m> Generation<'m> {
         self.metrics.generated_tokens += 1;
         self.history.push(id);
         if !self.pipelined && budget_left {
-            let next = self.step(&ids_array(&[id])?)?;
-            rmlx::async_eval([&next.0, &next.1])?;
-            self.pending = Some(next);
+            self.queue(&ids_array(&[id])?)?;
         }
         self.held.push_str(&self.decoder.push(id)?);
         if !budget_left {
@@ -341,6 +359,14 @@ impl Iterator for Generation<'_> {
     }
 }
 
+/// One queued decoding step: the sampled token `[1]` (uint32), its log-probability `[1]` and
+/// whether every logit was finite (bool scalar), evaluated together.
+struct Step {
+    token: Array,
+    logprob: Array,
+    finite: Array,
+}
+
 fn ids_array(ids: &[u32]) -> Result<Array> {
     let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_slice(&v, &[1, v.len() as i32])?)
@@ -348,15 +374,22 @@ fn ids_array(ids: &[u32]) -> Result<Array> {
 
 /// Negative log-likelihood of `ids` under the model (positions 1..N, each predicted from the ones
 /// before), computed in chunks of `chunk` positions with a KV cache: (mean NLL, positions scored).
+///
+/// Errors: [`Error::InvalidParameter`] for `chunk == 0`; [`Error::Prompt`] for fewer than 2 ids or
+/// an id without an embedding row; [`Error::NonFinite`] when a chunk's loss is NaN or infinite.
 pub fn negative_log_likelihood(lm: &LoadedModel, ids: &[u32], chunk: usize) -> Result<(f64, usize)> {
+    if chunk == 0 {
+        return Err(Error::InvalidParameter("the perplexity chunk must be at least 1 position, got 0".into()));
+    }
     if ids.len() < 2 {
         return Err(Error::Prompt(format!("perplexity needs at least 2 tokens, the text has {}", ids.len())));
     }
+    lm.vocab.check(ids)?;
     let mut caches = lm.model.new_caches(None);
     let (mut total, mut count) = (0.0f64, 0usize);
     let inputs = &ids[..ids.len() - 1];
-    for (i, part) in inputs.chunks(chunk.max(1)).enumerate() {
-        let start = i * chunk.max(1);
+    for (i, part) in inputs.chunks(chunk).enumerate() {
+        let start = i * chunk;
         let targets = &ids[start + 1..start + 1 + part.len()];
         let logits = lm.model.forward(&ids_array(part)?, &mut caches)?.astype(Dtype::Float32)?;
         let lse = logits.logsumexp(-1, false)?;
@@ -364,7 +397,15 @@ pub fn negative_log_likelihood(lm: &LoadedModel, ids: &[u32], chunk: usize) -> R
         let t = Array::from_slice(&t, &[1, t.len() as i32, 1])?;
         let picked = rmlx::ops::take_along_axis(&logits, &t, Some(-1))?.squeeze(-1)?;
         let nll = (lse - picked)?.sum(rmlx::Axes::All, false)?;
-        total += nll.item::<f32>()? as f64;
+        let nll = nll.item::<f32>()? as f64;
+        if !nll.is_finite() {
+            return Err(Error::NonFinite(format!(
+                "the loss of positions {}..{} is {nll} (the weights or activations overflow)",
+                start + 1,
+                start + 1 + part.len()
+            )));
+        }
+        total += nll;
         count += part.len();
     }
     Ok((total / count as f64, count))

@@ -32,6 +32,10 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         });
     };
     let mut raw = config_from_metadata(&file, &arch, model_type)?;
+    crate::config::ModelConfig::check_fields(&raw).map_err(|e| match e {
+        Error::Config(m) => Error::Config(format!("{}: {m} (from the GGUF metadata)", path.display())),
+        other => other,
+    })?;
     let (heads, kv_heads) = (
         raw["num_attention_heads"].as_u64().unwrap_or(1) as usize,
         raw["num_key_value_heads"].as_u64().unwrap_or(1) as usize,
@@ -99,6 +103,16 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
 
 /// The Hugging Face config a GGUF's metadata describes.
 fn config_from_metadata(file: &GgufFile, arch: &str, model_type: &str) -> Result<Value> {
+    // A NaN or infinite number would become JSON null, silently replaced by a default.
+    let prefix = format!("{arch}.");
+    for (k, v) in file.metadata().range(prefix.clone()..).take_while(|(k, _)| k.starts_with(&prefix)) {
+        if matches!(v, MetaValue::F32(_) | MetaValue::F64(_)) && !v.as_f64().is_some_and(f64::is_finite) {
+            return Err(Error::Config(format!(
+                "{}: GGUF metadata `{k}` is {v:?}, not a finite number",
+                file.path().display()
+            )));
+        }
+    }
     let key = |k: &str| format!("{arch}.{k}");
     let num = |k: &str| file.get(&key(k)).and_then(MetaValue::as_f64);
     let need = |k: &str| num(k).ok_or_else(|| Error::Config(format!("GGUF metadata lacks `{}`", key(k))));

@@ -26,6 +26,7 @@
 
 pub mod cache;
 pub mod chat;
+pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod generate;
@@ -36,8 +37,10 @@ pub mod models;
 pub mod nn;
 pub mod progress;
 pub mod registry;
+pub mod safetensors_header;
 pub mod sample;
 pub mod tokenizer;
+pub mod vocab;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -1,12 +1,18 @@
 //! Loading a model from a Hugging Face folder (config.json, safetensors shards, tokenizer files,
 //! generation_config.json; plain or MLX-quantised) or a GGUF file (see [`crate::gguf_model`]),
 //! into a [`LoadedModel`]: the model, its tokenizer, chat template and stop ids.
+//!
+//! A model file is untrusted input: safetensors headers are validated before MLX reads them
+//! ([`crate::safetensors_header`]), config values are type- and range-checked by name
+//! ([`crate::config`]), and the checkpoint is checked against the config ([`crate::checkpoint`]),
+//! so that a broken or lying file gets an [`Error`] rather than a panic, an abort or garbage.
 
 use crate::chat::ChatTemplate;
 use crate::config::{Architecture, ModelConfig};
 use crate::models::{self, Model};
 use crate::nn::Builder;
 use crate::tokenizer::Tokenizer;
+use crate::vocab::VocabBounds;
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
 use rmlx::quantization::{QuantMode, Quantized};
@@ -46,18 +52,39 @@ pub struct LoadedModel {
     pub weight_bytes: u64,
     /// Where it came from.
     pub source: PathBuf,
+    /// Checkpoint tensors the model did not use (also reported on stderr at load).
+    pub unused_tensors: Vec<String>,
+    /// Embedding rows versus tokenizer ids: the id check every input goes through and the mask
+    /// that keeps padding ids from being sampled.
+    pub vocab: VocabBounds,
 }
 
-/// Loads a Hugging Face folder or a `.gguf` file.
+/// Loads a Hugging Face folder or a GGUF file (recognised by its magic bytes `GGUF`, whatever its
+/// extension; a `.gguf` file without them gets [`Error::Corrupt`]).
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     let path = path.as_ref();
-    if path.is_file() && path.extension().is_some_and(|e| e == "gguf") {
-        return crate::gguf_model::load(path, opts);
+    if path.is_file() {
+        if is_gguf(path)? || path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            return crate::gguf_model::load(path, opts);
+        }
+        return Err(Error::Corrupt {
+            path: path.display().to_string(),
+            reason: "not a GGUF file (no `GGUF` magic) and not a model folder".into(),
+        });
     }
     if !path.is_dir() {
-        return Err(Error::MissingFile(format!("{} is neither a model folder nor a .gguf file", path.display())));
+        return Err(Error::MissingFile(format!("{} is neither a model folder nor a GGUF file", path.display())));
     }
     load_dir(path, opts)
+}
+
+/// Whether a file starts with GGUF's magic bytes.
+fn is_gguf(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let n = f.read(&mut magic).map_err(|e| Error::io(path, e))?;
+    Ok(n == 4 && &magic == b"GGUF")
 }
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -81,6 +108,13 @@ fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let dtype = opts.dtype.unwrap_or_else(|| checkpoint_dtype(&cfg, &weights));
 
     let mut tokenizer = if opts.allow_missing_tokenizer && !dir.join("tokenizer.json").is_file() {
+        // The placeholder holds one entry per id: size it from the checkpoint, not the config alone.
+        let embed = "model.embed_tokens.weight";
+        let rows = weights.get(embed).ok_or_else(|| Error::MissingTensor(embed.into()))?.shape();
+        if rows.first() != Some(&cfg.vocab_size) {
+            let expected = vec![cfg.vocab_size, cfg.hidden_size];
+            return Err(Error::ShapeMismatch { name: embed.into(), expected, found: rows });
+        }
         placeholder_tokenizer(cfg.vocab_size as usize)?
     } else {
         Tokenizer::from_dir(dir)?
@@ -112,8 +146,11 @@ pub(crate) fn finish(
 ) -> Result<LoadedModel> {
     let started = Instant::now();
     let dequantize = opts.dequantize.unwrap_or_else(|| rmlx::default_device().kind == rmlx::DeviceType::Cpu);
+    crate::checkpoint::check_layers(&cfg, &weights, source)?;
     let mut b = Builder::new(weights, dtype, dequantize);
     let model = models::build(&cfg, &mut b)?;
+    let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
+    crate::checkpoint::warn_unused(&unused_tensors, source);
     let arrays = b.take_built();
     let bar = crate::progress::Progress::new(opts.progress, "loading weights", arrays.len() as u64);
     let mut weight_bytes = 0u64;
@@ -124,13 +161,9 @@ pub(crate) fn finish(
     }
     bar.finish();
     let parameters = b.parameters();
-    if tokenizer.vocab_size() > cfg.vocab_size as usize {
-        return Err(Error::Tokenizer(format!(
-            "the tokenizer has {} tokens but the model's vocabulary is {}",
-            tokenizer.vocab_size(),
-            cfg.vocab_size
-        )));
-    }
+    // The tokenizer may be larger than the embedding (Gemma 3's `<image_soft_token>`) or smaller
+    // (padding rows): see `crate::vocab`.
+    let vocab = VocabBounds::new(cfg.vocab_size.max(0) as usize, &tokenizer, dtype)?;
     let mut eos_ids: Vec<u32> = tokenizer.eos_ids().to_vec();
     eos_ids.sort_unstable();
     eos_ids.dedup();
@@ -155,6 +188,8 @@ pub(crate) fn finish(
         parameters,
         weight_bytes,
         source: source.to_path_buf(),
+        unused_tensors,
+        vocab,
     })
 }
 
@@ -194,6 +229,14 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return files
             .into_iter()
             .map(|f| {
+                // A shard is a file of the folder: no paths out of it.
+                let mut parts = Path::new(&f).components();
+                if !matches!((parts.next(), parts.next()), (Some(std::path::Component::Normal(_)), None)) {
+                    return Err(Error::Config(format!(
+                        "{}: shard `{f}` is not a file name in the model folder",
+                        index.display()
+                    )));
+                }
                 let p = dir.join(&f);
                 if p.is_file() {
                     Ok(p)
@@ -218,41 +261,19 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Reads the header of a safetensors file and checks that every tensor lies inside the file.
-fn check_safetensors(path: &Path) -> Result<()> {
-    use std::io::Read;
-    let corrupt = |reason: String| Error::Corrupt { path: path.display().to_string(), reason };
-    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let size = f.metadata().map_err(|e| Error::io(path, e))?.len();
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|_| corrupt("shorter than a safetensors header".into()))?;
-    let header_len = u64::from_le_bytes(len);
-    if header_len > size.saturating_sub(8) || header_len > 100 << 20 {
-        return Err(corrupt(format!("header length {header_len} exceeds the file size {size}")));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    f.read_exact(&mut header).map_err(|e| corrupt(e.to_string()))?;
-    let header: Value = serde_json::from_slice(&header).map_err(|e| corrupt(format!("header is not JSON: {e}")))?;
-    let data = size - 8 - header_len;
-    for (name, info) in header.as_object().into_iter().flatten() {
-        let Some(end) = info.get("data_offsets").and_then(|o| o.get(1)).and_then(Value::as_u64) else { continue };
-        if end > data {
-            return Err(corrupt(format!(
-                "tensor `{name}` ends at byte {end} of a {data}-byte data section (truncated file?)"
-            )));
-        }
-    }
-    Ok(())
-}
-
 fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
     let files = shard_files(dir)?;
     let mut weights = Weights::new();
     for f in &files {
-        check_safetensors(f)?;
+        let header = crate::safetensors_header::check_file(f)?;
         let st = rmlx::io::load_safetensors(f)?;
-        for (name, a) in st.arrays {
-            weights.insert(name, Weight::Dense(a));
+        for t in header {
+            let a =
+                st.arrays.get(&t.name).filter(|a| a.shape() == t.shape.as_slice()).ok_or_else(|| Error::Corrupt {
+                    path: f.display().to_string(),
+                    reason: format!("MLX did not read tensor `{}` as its header describes it ({:?})", t.name, t.shape),
+                })?;
+            weights.insert(t.name, Weight::Dense(a.clone()));
         }
     }
     if progress {
@@ -324,8 +345,17 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
             prefixes[0]
         ))
     })?;
-    let get = |v: &Value, k: &str| v.get(k).and_then(Value::as_i64).map(|x| x as i32);
-    let (default_gs, default_bits) = (get(block, "group_size").unwrap_or(64), get(block, "bits").unwrap_or(4));
+    let get = |v: &Value, k: &str| -> Result<Option<i32>> {
+        match v.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_i64()
+                .and_then(|n| i32::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| Error::Config(format!("quantization `{k}` must be an integer, got {x}"))),
+        }
+    };
+    let (default_gs, default_bits) = (get(block, "group_size")?.unwrap_or(64), get(block, "bits")?.unwrap_or(4));
     if let Some(mode) = block.get("mode").and_then(Value::as_str) {
         if mode != "affine" {
             return Err(Error::Config(format!("quantization mode `{mode}` is not supported (affine only)")));
@@ -334,10 +364,11 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
     for p in prefixes {
         let (gs, bits) = match block.get(&p) {
             Some(o @ Value::Object(_)) => {
-                (get(o, "group_size").unwrap_or(default_gs), get(o, "bits").unwrap_or(default_bits))
+                (get(o, "group_size")?.unwrap_or(default_gs), get(o, "bits")?.unwrap_or(default_bits))
             }
             _ => (default_gs, default_bits),
         };
+        crate::checkpoint::check_quantization(&p, bits, gs)?;
         let Weight::Dense(weight) = w.take(&format!("{p}.weight"))? else { unreachable!("safetensors are dense") };
         let Weight::Dense(scales) = w.take(&format!("{p}.scales"))? else { unreachable!() };
         let biases = match w.take_opt(&format!("{p}.biases")) {
@@ -359,8 +390,8 @@ fn check_quantized_shapes(p: &str, weight: &Array, scales: &Array, gs: i32, bits
         )));
     }
     let (ws, ss) = (weight.shape(), scales.shape());
-    let cols = ws.last().copied().unwrap_or(0) * 32 / bits.max(1);
-    let expected = [&ws[..ws.len() - 1], &[cols / gs.max(1)]].concat();
+    let groups = ws.last().map_or(0, |&w| w as i64 * 32 / bits.max(1) as i64 / gs.max(1) as i64);
+    let expected = [&ws[..ws.len().saturating_sub(1)], &[i32::try_from(groups).unwrap_or(i32::MAX)]].concat();
     if ss != expected.as_slice() {
         return Err(Error::ShapeMismatch { name: format!("{p}.scales"), expected, found: ss.to_vec() });
     }

@@ -24,7 +24,9 @@ impl Weight {
             Weight::Quantized(q) => {
                 let mut s = q.weight.shape().to_vec();
                 if let Some(last) = s.last_mut() {
-                    *last = *last * 32 / q.bits;
+                    // In 64 bits: a packed width beyond 2^26 would overflow i32 before the division.
+                    let unpacked = *last as i64 * 32 / q.bits.max(1) as i64;
+                    *last = i32::try_from(unpacked).unwrap_or(i32::MAX);
                 }
                 s
             }

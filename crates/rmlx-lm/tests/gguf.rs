@@ -512,3 +512,91 @@ fn unsupported_types_are_config_errors() {
     }
     assert_eq!(values(&file.load(file.tensor("ok").unwrap()).unwrap()), [0.0, 0.0]);
 }
+
+/// Overwrites the data offset of tensor `name` (with `n_dims` dimensions) in a GGUF image.
+fn patch_offset(bytes: &mut [u8], name: &str, n_dims: usize, rel: u64) {
+    let mut key = (name.len() as u64).to_le_bytes().to_vec();
+    key.extend(name.as_bytes());
+    let at = bytes.windows(key.len()).position(|w| w == key).expect("tensor entry") + key.len() + 4 + 8 * n_dims + 4;
+    bytes[at..at + 8].copy_from_slice(&rel.to_le_bytes());
+}
+
+fn open_bytes(dir: &std::path::Path, name: &str, bytes: &[u8]) -> rmlx_lm::Result<GgufFile> {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    GgufFile::open(p)
+}
+
+#[test]
+fn absurd_counts_are_bounded_by_the_file() {
+    let dir = scratch("counts");
+    // A tensor count of 2^64 − 1 in a 24-byte header.
+    let mut bytes = Builder::new().bytes();
+    bytes[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    let reason = corrupt_reason(open_bytes(&dir, "t.gguf", &bytes));
+    assert!(reason.contains("tensor count of 18446744073709551615") && reason.contains("cannot fit"), "{reason}");
+    // A metadata count of 2^40.
+    let mut bytes = Builder::new().bytes();
+    bytes[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let reason = corrupt_reason(open_bytes(&dir, "kv.gguf", &bytes));
+    assert!(reason.contains("metadata count of 1099511627776"), "{reason}");
+    // A u64 array claiming 2^30 elements (8 GiB) in a file of a few dozen bytes.
+    let mut array = 10u32.to_le_bytes().to_vec();
+    array.extend((1u64 << 30).to_le_bytes());
+    array.extend([0; 16]);
+    let bytes = Builder::new().kv("big", 9, &array).bytes();
+    let reason = corrupt_reason(open_bytes(&dir, "arr.gguf", &bytes));
+    assert!(reason.contains("`big`") && reason.contains("1073741824 elements"), "{reason}");
+    // An array of an unknown element type.
+    let mut array = 13u32.to_le_bytes().to_vec();
+    array.extend(1u64.to_le_bytes());
+    let bytes = Builder::new().kv("odd", 9, &array).bytes();
+    let reason = corrupt_reason(open_bytes(&dir, "ety.gguf", &bytes));
+    assert!(reason.contains("`odd`") && reason.contains("element type 13"), "{reason}");
+}
+
+#[test]
+fn dimensions_beyond_i32_are_corrupt() {
+    let dir = scratch("dims");
+    let p = Builder::new().tensor("wide", &[1 << 31, 1], 0, vec![]).write(&dir, "wide.gguf");
+    let reason = corrupt_reason(GgufFile::open(p));
+    assert!(reason.contains("`wide`") && reason.contains("2147483648") && reason.contains("exceeds"), "{reason}");
+    // Dimensions whose product overflows 64 bits.
+    let p = Builder::new().tensor("huge", &[1 << 30, 1 << 30, 1 << 30], 0, vec![]).write(&dir, "h.gguf");
+    let reason = corrupt_reason(GgufFile::open(p));
+    assert!(reason.contains("`huge`") && reason.contains("overflow"), "{reason}");
+}
+
+#[test]
+fn overlapping_tensors_are_corrupt() {
+    let dir = scratch("overlap");
+    let f = |v: f32| v.to_le_bytes().repeat(8);
+    let mut bytes = Builder::new().tensor("a", &[8], 0, f(1.0)).tensor("b", &[8], 0, f(2.0)).bytes();
+    patch_offset(&mut bytes, "b", 1, 0);
+    bytes.truncate(bytes.len() - 32);
+    let reason = corrupt_reason(open_bytes(&dir, "o.gguf", &bytes));
+    assert!(reason.contains("`b`") && reason.contains("overlaps tensor `a`"), "{reason}");
+}
+
+#[test]
+fn misaligned_offset_is_corrupt() {
+    let dir = scratch("misaligned");
+    let mut bytes = Builder::new().tensor("a", &[8], 0, vec![0; 32]).bytes();
+    patch_offset(&mut bytes, "a", 1, 4);
+    let reason = corrupt_reason(open_bytes(&dir, "m.gguf", &bytes));
+    assert!(reason.contains("`a`") && reason.contains("offset 4 is not a multiple of the alignment 32"), "{reason}");
+}
+
+#[test]
+fn data_sizes_that_disagree_with_the_type_are_corrupt() {
+    let dir = scratch("mistyped");
+    // Float32 data for 16 elements declared float16: the next tensor's offset gives it away.
+    let f32s: Vec<u8> = (0..16).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let p = Builder::new().tensor("a", &[16], 1, f32s.clone()).tensor("b", &[8], 0, vec![0; 32]).write(&dir, "2.gguf");
+    let reason = corrupt_reason(GgufFile::open(p));
+    assert!(reason.contains("`b`") && reason.contains("offset 64, expected 32"), "{reason}");
+    // As the last tensor: the bytes left over give it away.
+    let p = Builder::new().tensor("a", &[16], 1, f32s).write(&dir, "1.gguf");
+    let reason = corrupt_reason(GgufFile::open(p));
+    assert!(reason.contains("`a`") && reason.contains("32 bytes after") && reason.contains("F16"), "{reason}");
+}

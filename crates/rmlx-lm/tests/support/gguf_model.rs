@@ -1,0 +1,93 @@
+//! A small GGUF llama model for tests, written from a safetensors fixture: the hostile-file tests
+//! and the fuzzers edit its metadata.
+#![allow(dead_code)]
+
+use std::path::Path;
+
+/// One metadata entry: key, GGUF value type, encoded value.
+pub type Meta = (String, u32, Vec<u8>);
+
+/// A GGUF llama model written from the llama_gqa fixture's float32 tensors (llama.cpp names; the
+/// Q/K row permutation is not applied, which changes the outputs but not the loading), with its
+/// `llama.*` metadata edited by `meta`.
+pub fn gguf_model(path: &Path, meta: impl FnOnce(&mut Vec<Meta>)) {
+    fn string(buf: &mut Vec<u8>, s: &str) {
+        buf.extend((s.len() as u64).to_le_bytes());
+        buf.extend(s.as_bytes());
+    }
+    let u32v = |v: u32| v.to_le_bytes().to_vec();
+    let f32v = |v: f32| v.to_le_bytes().to_vec();
+    let text = |s: &str| {
+        let mut b = Vec::new();
+        string(&mut b, s);
+        b
+    };
+    let mut tokens = 8u32.to_le_bytes().to_vec();
+    tokens.extend(384u64.to_le_bytes());
+    let token = |i: usize| ["a", "b", "ab"].get(i).map_or(format!("t{i}"), |t| t.to_string());
+    (0..384).for_each(|i| string(&mut tokens, &token(i)));
+    let mut merges = 8u32.to_le_bytes().to_vec();
+    merges.extend(1u64.to_le_bytes());
+    string(&mut merges, "a b");
+    let mut kv = vec![
+        ("general.architecture".to_string(), 8, text("llama")),
+        ("llama.embedding_length".into(), 4, u32v(64)),
+        ("llama.block_count".into(), 4, u32v(2)),
+        ("llama.feed_forward_length".into(), 4, u32v(128)),
+        ("llama.attention.head_count".into(), 4, u32v(4)),
+        ("llama.attention.head_count_kv".into(), 4, u32v(2)),
+        ("llama.attention.layer_norm_rms_epsilon".into(), 6, f32v(1e-5)),
+        ("llama.rope.freq_base".into(), 6, f32v(10000.0)),
+        ("tokenizer.ggml.model".into(), 8, text("gpt2")),
+        ("tokenizer.ggml.tokens".into(), 9, tokens),
+        ("tokenizer.ggml.merges".into(), 9, merges),
+    ];
+    meta(&mut kv);
+    let st = rmlx::io::load_safetensors(crate::common::fixture_dir("llama_gqa").join("model.safetensors")).unwrap();
+    let rename = |n: &str| -> String {
+        let fixed = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
+        if let Some((a, b)) = fixed.iter().find(|(a, _)| n.starts_with(a)) {
+            return n.replacen(a, b, 1);
+        }
+        let parts = [
+            ("input_layernorm", "attn_norm"),
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("post_attention_layernorm", "ffn_norm"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+        ];
+        let n = n.replacen("model.layers.", "blk.", 1);
+        parts.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1))
+    };
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((st.arrays.len() as u64).to_le_bytes());
+    out.extend((kv.len() as u64).to_le_bytes());
+    for (k, ty, v) in &kv {
+        string(&mut out, k);
+        out.extend(ty.to_le_bytes());
+        out.extend(v);
+    }
+    let mut data = Vec::new();
+    for (name, a) in &st.arrays {
+        string(&mut out, &rename(name));
+        out.extend((a.shape().len() as u32).to_le_bytes());
+        a.shape().iter().rev().for_each(|&d| out.extend((d as u64).to_le_bytes()));
+        out.extend(0u32.to_le_bytes());
+        out.extend((data.len() as u64).to_le_bytes());
+        data.extend(a.to_vec::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()));
+        data.resize(data.len().div_ceil(32) * 32, 0);
+    }
+    out.resize(out.len().div_ceil(32) * 32, 0);
+    out.extend(data);
+    std::fs::write(path, out).unwrap();
+}
+
+pub fn set_meta(kv: &mut [Meta], key: &str, ty: u32, value: Vec<u8>) {
+    let e = kv.iter_mut().find(|e| e.0 == key).unwrap();
+    (e.1, e.2) = (ty, value);
+}
