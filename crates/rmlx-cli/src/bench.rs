@@ -3,23 +3,24 @@
 //! is smaller), greedy decoding past EOS, one warm-up run of 8 tokens, then `-n` runs; medians of
 //! the time to first token, prefill and decode speeds, and the peak memory.
 
-use crate::common::{gb, ModelArgs};
+use crate::common::{count, gb, positive, ModelArgs};
 use anyhow::Result;
 use clap::Args as ClapArgs;
 use rmlx_lm::{GenerateOptions, LoadedModel};
 
 #[derive(ClapArgs, Debug)]
+#[command(allow_negative_numbers = true)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// Prompt tokens.
-    #[arg(short = 'p', default_value_t = 512)]
+    #[arg(short = 'p', default_value_t = 512, value_parser = positive)]
     prompt_tokens: usize,
     /// Generated tokens.
-    #[arg(short = 'g', default_value_t = 256)]
+    #[arg(short = 'g', default_value_t = 256, value_parser = count)]
     gen_tokens: usize,
     /// Timed runs.
-    #[arg(short = 'n', default_value_t = 3)]
+    #[arg(short = 'n', default_value_t = 3, value_parser = positive)]
     trials: usize,
     /// One JSON line (the keys of peer_bench.py).
     #[arg(long)]
@@ -44,7 +45,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!(a.trials > 0 && a.gen_tokens > 1 && a.prompt_tokens > 0, "need -n ≥ 1, -g ≥ 2, -p ≥ 1");
-    let lm = a.model.load_with(true)?;
+    let lm = a.model.load_interruptible(true)?;
     let vocab = lm.model.config().vocab_size as usize;
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|i| (((i * 7919) % 50000 + 10) % vocab) as u32).collect();
     run_once(&lm, &prompt, 8)?;

@@ -1,4 +1,6 @@
-//! What the subcommands share: choosing and loading the model, dtype names, sampling flags.
+//! What the subcommands share: choosing and loading the model, dtype names, sampling flags, and the
+//! parsers of numeric flags (which read negative numbers, so that `-m -1` is reported as out of
+//! range rather than as an unknown flag).
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -33,9 +35,9 @@ pub fn parse_dtype(name: &str) -> Result<Dtype> {
 }
 
 impl ModelArgs {
-    /// Loads the model (with progress on stderr).
+    /// Loads the model (with progress on stderr); Ctrl-C stops a first download cleanly.
     pub fn load(&self) -> Result<LoadedModel> {
-        self.load_with(false)
+        self.load_interruptible(false)
     }
 
     /// Loads the model; `allow_missing_tokenizer` accepts folders without tokenizer.json.
@@ -55,6 +57,12 @@ impl ModelArgs {
         };
         rmlx_lm::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
     }
+
+    /// [`ModelArgs::load_with`] where Ctrl-C during the default model's first download stops it
+    /// cleanly (no partial files left) instead of killing the process midway.
+    pub fn load_interruptible(&self, allow_missing_tokenizer: bool) -> Result<LoadedModel> {
+        crate::interrupt::while_loading(|| self.load_with(allow_missing_tokenizer))?
+    }
 }
 
 /// The sampling flags.
@@ -67,7 +75,7 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
     /// Keep only the k most likely tokens (0: off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = count)]
     pub top_k: usize,
     /// Drop tokens less likely than min-p times the most likely one (0: off).
     #[arg(long, default_value_t = 0.0)]
@@ -76,14 +84,22 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 1.0)]
     pub repetition_penalty: f32,
     /// Tokens the repetition penalty looks back over.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = count)]
     pub repetition_context: usize,
     /// Random seed (default: from the clock).
-    #[arg(long)]
+    #[arg(long, value_parser = seed)]
     pub seed: Option<u64>,
 }
 
 impl SamplingArgs {
+    /// The sampler configuration, checked against the ranges of [`SamplerConfig`] (done before
+    /// the model is loaded, so that a bad flag fails at once).
+    pub fn checked_config(&self) -> Result<SamplerConfig> {
+        let config = self.config();
+        config.validate()?;
+        Ok(config)
+    }
+
     /// The sampler configuration.
     pub fn config(&self) -> SamplerConfig {
         SamplerConfig {
@@ -102,4 +118,27 @@ impl SamplingArgs {
 /// Gigabytes.
 pub fn gb(bytes: usize) -> f64 {
     bytes as f64 / 1e9
+}
+
+/// Parses an integer wide, so that negative and huge values get a range message.
+fn integer(s: &str) -> std::result::Result<i128, String> {
+    s.trim().parse::<i128>().map_err(|_| format!("`{s}` is not an integer"))
+}
+
+/// A count: an integer `>= 0`.
+pub fn count(s: &str) -> std::result::Result<usize, String> {
+    let v = integer(s)?;
+    usize::try_from(v).map_err(|_| format!("must be in 0..={}, got {v}", usize::MAX))
+}
+
+/// A positive count: an integer `>= 1`.
+pub fn positive(s: &str) -> std::result::Result<usize, String> {
+    let v = integer(s)?;
+    usize::try_from(v).ok().filter(|&n| n >= 1).ok_or_else(|| format!("must be in 1..={}, got {v}", usize::MAX))
+}
+
+/// A random seed: an integer in `0..=u64::MAX`.
+pub fn seed(s: &str) -> std::result::Result<u64, String> {
+    let v = integer(s)?;
+    u64::try_from(v).map_err(|_| format!("must be in 0..={}, got {v}", u64::MAX))
 }

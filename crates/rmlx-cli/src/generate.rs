@@ -1,20 +1,21 @@
 //! `rmlx generate`: one prompt, the completion streamed to stdout (or one JSON object).
 
-use crate::common::{gb, ModelArgs, SamplingArgs};
+use crate::common::{count, gb, positive, ModelArgs, SamplingArgs};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::GenerateOptions;
 use std::io::{Read, Write};
 
 #[derive(ClapArgs, Debug)]
+#[command(allow_negative_numbers = true)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// The prompt; `-` reads it from stdin.
     #[arg(long, short)]
     prompt: String,
-    /// Most tokens to generate.
-    #[arg(long, short = 'm', default_value_t = 256)]
+    /// Most tokens to generate (0: none).
+    #[arg(long, short = 'm', default_value_t = 256, value_parser = count)]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
@@ -28,7 +29,7 @@ pub struct Args {
     #[arg(long)]
     stop: Vec<String>,
     /// Keep at most this many positions in the KV cache (rotating); the prompt must fit.
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     context_limit: Option<usize>,
     /// Print one JSON object with the text, token ids and statistics instead of streaming.
     #[arg(long)]
@@ -36,6 +37,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    let sampler = a.sampling.checked_config()?;
     let prompt_text = if a.prompt == "-" {
         let mut s = String::new();
         std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
@@ -47,7 +49,7 @@ pub fn run(a: Args) -> Result<()> {
     let prompt = lm.encode_prompt(&prompt_text, a.raw, a.system.as_deref())?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
-        sampler: a.sampling.config(),
+        sampler,
         stop_strings: a.stop.clone(),
         context_limit: a.context_limit,
         ..GenerateOptions::default()

@@ -7,6 +7,7 @@ mod bench;
 mod chat;
 mod common;
 mod generate;
+mod interrupt;
 mod perplexity;
 
 use clap::{Parser, Subcommand};
@@ -33,12 +34,14 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    let result = match cli.command {
+    // Each command is one single-threaded loop over MLX: it runs where MLX evaluates, so that no
+    // evaluation is handed from thread to thread.
+    let result = rmlx::on_evaluation_thread(move || match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(a) => bench::run(a),
-    };
+    });
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
