@@ -51,9 +51,9 @@ mx::Device device_of(uint8_t type, int32_t index) {
 // overwrites the shutdown request after finishing the job. So every CPU stream rmlx hands out is
 // recorded, and an `atexit` handler (which runs before any library destructor) waits, for at most
 // ten seconds, until these and every other CPU stream MLX knows of are idle. The records are leaked
-// on purpose: they must outlive static destruction. GPU
-// streams are left alone: the CUDA runtime tears itself down from its own `atexit` handler, which
-// may run before this one, and synchronising a stream after that hangs.
+// on purpose: they must outlive static destruction. GPU streams are left alone: the CUDA runtime
+// tears itself down from its own `atexit` handler, which may run before this one, and
+// synchronising a stream after that hangs.
 std::mutex& live_streams_mutex() {
   static auto* m = new std::mutex;
   return *m;
