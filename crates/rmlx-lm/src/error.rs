@@ -45,6 +45,10 @@ pub enum Error {
     /// Raised on the generation step (or perplexity chunk) where they appear.
     #[error("non-finite values: {0}")]
     NonFinite(String),
+    /// A line of a training data file is unusable (not JSON, missing or mistyped fields, a format
+    /// that differs from the file's first line).
+    #[error("{file}:{line}: {reason}")]
+    Data { file: String, line: usize, reason: String },
     /// Downloading a registry package (the default model, tokenizer files) failed.
     #[error("download {url}: {reason}")]
     Download { url: String, reason: String },

@@ -40,6 +40,7 @@ pub mod registry;
 pub mod safetensors_header;
 pub mod sample;
 pub mod tokenizer;
+pub mod tuner;
 pub mod vocab;
 pub mod weights;
 

@@ -1,0 +1,12 @@
+//! Fine-tuning, as mlx-lm's `tuner` does it: training data ([`data`]) and its batches ([`batch`]).
+//!
+//! The trainer itself (LoRA layers, the loss, optimisers) builds on these; the data side follows
+//! mlx-lm 0.32 exactly where it is specified (formats, masking offsets, length-sorted batches padded
+//! to a multiple of 32 plus one) and is stricter where mlx-lm fails late: every line of every file
+//! is checked before training starts, and an error names the file, the line and the problem.
+
+pub mod batch;
+pub mod data;
+
+pub use batch::{Batch, BatchOrder};
+pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};
