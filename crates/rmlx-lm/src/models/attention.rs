@@ -5,7 +5,7 @@
 use super::{cached_attention, merge_heads, split_heads, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::{Builder, Linear, RmsNorm};
+use crate::nn::{join, Builder, Linear, Module, RmsNorm};
 use crate::Result;
 use rmlx::Array;
 
@@ -81,5 +81,40 @@ impl Attention {
         let (q, k) = (self.rope.apply(&q, offset)?, self.rope.apply(&k, offset)?);
         let o = cached_attention(&q, &k, &v, cache, self.scale)?;
         self.o_proj.forward(&merge_heads(&o)?)
+    }
+}
+
+impl Module for Attention {
+    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, &Array)) {
+        self.q_proj.visit(&join(p, "q_proj"), f);
+        self.k_proj.visit(&join(p, "k_proj"), f);
+        self.v_proj.visit(&join(p, "v_proj"), f);
+        self.o_proj.visit(&join(p, "o_proj"), f);
+        if let Some(n) = &self.q_norm {
+            n.visit(&join(p, "q_norm"), f);
+        }
+        if let Some(n) = &self.k_norm {
+            n.visit(&join(p, "k_norm"), f);
+        }
+    }
+
+    fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        self.q_proj.visit_mut(&join(p, "q_proj"), f);
+        self.k_proj.visit_mut(&join(p, "k_proj"), f);
+        self.v_proj.visit_mut(&join(p, "v_proj"), f);
+        self.o_proj.visit_mut(&join(p, "o_proj"), f);
+        if let Some(n) = &mut self.q_norm {
+            n.visit_mut(&join(p, "q_norm"), f);
+        }
+        if let Some(n) = &mut self.k_norm {
+            n.visit_mut(&join(p, "k_norm"), f);
+        }
+    }
+
+    fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
+        self.q_proj.visit_linears(&join(p, "q_proj"), f);
+        self.k_proj.visit_linears(&join(p, "k_proj"), f);
+        self.v_proj.visit_linears(&join(p, "v_proj"), f);
+        self.o_proj.visit_linears(&join(p, "o_proj"), f);
     }
 }

@@ -9,13 +9,13 @@ pub mod qwen3;
 
 use crate::cache::KvCache;
 use crate::config::{llama3_rope_divisors, Architecture, ModelConfig, RopeScaling};
-use crate::nn::Builder;
+use crate::nn::{Builder, Module};
 use crate::Result;
 use rmlx::fast::{self, RopeFreqs};
 use rmlx::{Array, Dtype};
 
-/// A causal language model.
-pub trait Model: Send {
+/// A causal language model, whose parameters carry the checkpoint's names ([`Module`]).
+pub trait Model: Module + Send {
     /// Token ids `[B, L]` (int32) → final hidden states `[B, L, hidden]`, reading and extending the
     /// per-layer `caches` (one per layer, from [`Model::new_caches`]).
     ///

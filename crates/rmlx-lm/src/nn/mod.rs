@@ -1,21 +1,32 @@
-//! The layers the model files are built from — linear (dense or MLX affine-quantised), embedding,
-//! RMSNorm — and [`Builder`], which takes a checkpoint's tensors by name, checks their shapes and
-//! converts them to the compute dtype.
+//! The layers the model files are built from — linear (dense or MLX affine-quantised, optionally
+//! with a LoRA adapter), embedding, RMSNorm — and [`Builder`], which takes a checkpoint's tensors by
+//! name, checks their shapes and converts them to the compute dtype. Every layer is a [`Module`]:
+//! its parameters are listed and replaced by the checkpoint's names.
+
+mod lora;
+mod module;
+
+pub use lora::Lora;
+pub use module::{join, Module, ModuleExt};
+pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
 
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
 use rmlx::quantization::{dequantize, quantized_matmul, Quantized};
 use rmlx::{fast, ops, Array, Dtype};
 
-/// `y = x Wᵀ (+ b)`, with `W` dense or quantised.
+/// `y = x Wᵀ (+ b) (+ scale · (x A) B)`, with `W` dense or quantised and an optional adapter.
 pub struct Linear {
     weight: LinearWeight,
     bias: Option<Array>,
+    lora: Option<Lora>,
+    input: i32,
+    output: i32,
 }
 
 enum LinearWeight {
-    /// `Wᵀ`, `[in, out]` (a transposed view of the stored `[out, in]`).
-    Dense(Array),
+    /// `W` `[out, in]` as stored, and `Wᵀ` (a transposed view, made once).
+    Dense { w: Array, wt: Array },
     Quantized(Quantized),
 }
 
@@ -23,18 +34,111 @@ impl Linear {
     /// Applies the layer to `x: [..., in]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
-            LinearWeight::Dense(wt) => x.matmul(wt)?,
+            LinearWeight::Dense { wt, .. } => x.matmul(wt)?,
             LinearWeight::Quantized(q) => quantized_matmul(x, q, true)?,
         };
-        Ok(match &self.bias {
+        let y = match &self.bias {
             Some(b) => (&y + b)?,
             None => y,
-        })
+        };
+        match &self.lora {
+            Some(lora) => Ok((&y + lora.forward(x)?)?),
+            None => Ok(y),
+        }
     }
 
     /// Whether the weight is kept quantised.
     pub fn is_quantized(&self) -> bool {
         matches!(self.weight, LinearWeight::Quantized(_))
+    }
+
+    /// `(in, out)` features.
+    pub fn dims(&self) -> (i32, i32) {
+        (self.input, self.output)
+    }
+
+    /// The adapter, if one is attached.
+    pub fn lora(&self) -> Option<&Lora> {
+        self.lora.as_ref()
+    }
+
+    /// Attaches (or, with `None`, removes) an adapter; returns the previous one.
+    pub fn set_lora(&mut self, lora: Option<Lora>) -> Result<Option<Lora>> {
+        if let Some(l) = &lora {
+            let (a, b) = (l.a.shape(), l.b.shape());
+            if a.len() != 2 || b.len() != 2 || a[0] != self.input || b[1] != self.output || a[1] != b[0] {
+                return Err(Error::InvalidParameter(format!(
+                    "a LoRA adapter with A {a:?} and B {b:?} does not fit a linear layer of {} → {} features",
+                    self.input, self.output
+                )));
+            }
+        }
+        Ok(std::mem::replace(&mut self.lora, lora))
+    }
+
+    /// The dense weight `[out, in]` with the adapter merged in (quantised weights dequantised):
+    /// what `fuse` writes.
+    pub fn fused_weight(&self) -> Result<Array> {
+        let w = match &self.weight {
+            LinearWeight::Dense { w, .. } => w.clone(),
+            LinearWeight::Quantized(q) => dequantize(q, Some(q.scales.dtype()))?,
+        };
+        match &self.lora {
+            Some(lora) => Ok((&w + lora.delta()?.astype(w.dtype())?)?),
+            None => Ok(w),
+        }
+    }
+}
+
+impl Module for Linear {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+        match &self.weight {
+            LinearWeight::Dense { w, .. } => f(&join(prefix, "weight"), w),
+            LinearWeight::Quantized(q) => {
+                f(&join(prefix, "weight"), &q.weight);
+                f(&join(prefix, "scales"), &q.scales);
+                if let Some(b) = &q.biases {
+                    f(&join(prefix, "biases"), b);
+                }
+            }
+        }
+        if let Some(b) = &self.bias {
+            f(&join(prefix, "bias"), b);
+        }
+        if let Some(l) = &self.lora {
+            f(&join(prefix, "lora_a"), &l.a);
+            f(&join(prefix, "lora_b"), &l.b);
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        match &mut self.weight {
+            LinearWeight::Dense { w, wt } => {
+                f(&join(prefix, "weight"), w);
+                // The transposed view follows the (possibly replaced) weight.
+                if let Ok(t) = w.transpose() {
+                    *wt = t;
+                }
+            }
+            LinearWeight::Quantized(q) => {
+                f(&join(prefix, "weight"), &mut q.weight);
+                f(&join(prefix, "scales"), &mut q.scales);
+                if let Some(b) = &mut q.biases {
+                    f(&join(prefix, "biases"), b);
+                }
+            }
+        }
+        if let Some(b) = &mut self.bias {
+            f(&join(prefix, "bias"), b);
+        }
+        if let Some(l) = &mut self.lora {
+            f(&join(prefix, "lora_a"), &mut l.a);
+            f(&join(prefix, "lora_b"), &mut l.b);
+        }
+    }
+
+    fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
+        f(prefix, self);
     }
 }
 
@@ -71,21 +175,65 @@ impl Embedding {
     }
 }
 
+impl Module for Embedding {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+        match &self.weight {
+            Weight::Dense(w) => f(&join(prefix, "weight"), w),
+            Weight::Quantized(q) => {
+                f(&join(prefix, "weight"), &q.weight);
+                f(&join(prefix, "scales"), &q.scales);
+                if let Some(b) = &q.biases {
+                    f(&join(prefix, "biases"), b);
+                }
+            }
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        match &mut self.weight {
+            Weight::Dense(w) => f(&join(prefix, "weight"), w),
+            Weight::Quantized(q) => {
+                f(&join(prefix, "weight"), &mut q.weight);
+                f(&join(prefix, "scales"), &mut q.scales);
+                if let Some(b) = &mut q.biases {
+                    f(&join(prefix, "biases"), b);
+                }
+            }
+        }
+    }
+}
+
 /// Root-mean-square normalisation over the last axis with a learned scale.
 pub struct RmsNorm {
     weight: Array,
     eps: f32,
+    plus_one: bool,
 }
 
 impl RmsNorm {
     /// A norm with the given scale.
     pub fn new(weight: Array, eps: f32) -> Self {
-        Self { weight, eps }
+        Self { weight, eps, plus_one: false }
+    }
+
+    /// Whether the kept scale is `1 + w` of the checkpoint's `w` (Gemma).
+    pub fn plus_one(&self) -> bool {
+        self.plus_one
     }
 
     /// Normalises `x`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+}
+
+impl Module for RmsNorm {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+        f(&join(prefix, "weight"), &self.weight);
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        f(&join(prefix, "weight"), &mut self.weight);
     }
 }
 
@@ -189,11 +337,11 @@ impl Builder {
     /// `prefix.weight` `[out, in]` and, when `bias`, `prefix.bias` `[out]`.
     pub fn linear(&mut self, prefix: &str, input: i32, output: i32, bias: bool) -> Result<Linear> {
         let weight = match self.checked(&format!("{prefix}.weight"), &[output, input])? {
-            Weight::Dense(w) => LinearWeight::Dense(w.transpose()?),
+            Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
             Weight::Quantized(q) => LinearWeight::Quantized(q),
         };
         let bias = if bias { Some(self.dense(&format!("{prefix}.bias"), &[output])?) } else { None };
-        Ok(Linear { weight, bias })
+        Ok(Linear { weight, bias, lora: None, input, output })
     }
 
     /// `prefix.weight` `[vocab, hidden]`.
@@ -211,7 +359,7 @@ impl Builder {
         };
         let w = if plus_one { (w.astype(Dtype::Float32)? + 1.0)? } else { w };
         match self.convert(Weight::Dense(w))? {
-            Weight::Dense(w) => Ok(RmsNorm::new(w, eps)),
+            Weight::Dense(w) => Ok(RmsNorm { weight: w, eps, plus_one }),
             Weight::Quantized(_) => unreachable!("dense weights stay dense"),
         }
     }
@@ -241,5 +389,25 @@ impl GatedMlp {
         let g = self.gate.forward(x)?;
         let g = if self.gelu { ops::gelu_approx(&g)? } else { ops::silu(&g)? };
         self.down.forward(&(g * self.up.forward(x)?)?)
+    }
+}
+
+impl Module for GatedMlp {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+        self.gate.visit(&join(prefix, "gate_proj"), f);
+        self.up.visit(&join(prefix, "up_proj"), f);
+        self.down.visit(&join(prefix, "down_proj"), f);
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        self.gate.visit_mut(&join(prefix, "gate_proj"), f);
+        self.up.visit_mut(&join(prefix, "up_proj"), f);
+        self.down.visit_mut(&join(prefix, "down_proj"), f);
+    }
+
+    fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
+        self.gate.visit_linears(&join(prefix, "gate_proj"), f);
+        self.up.visit_linears(&join(prefix, "up_proj"), f);
+        self.down.visit_linears(&join(prefix, "down_proj"), f);
     }
 }

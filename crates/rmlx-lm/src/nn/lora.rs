@@ -1,0 +1,56 @@
+//! Low-rank adapters (LoRA) on linear layers: `y = base(x) + scale · (x A) B`.
+//!
+//! `A: [in, r]` and `B: [r, out]` in mlx-lm's orientation and names (`<linear>.lora_a`,
+//! `<linear>.lora_b`), with `scale` multiplying directly as in mlx-lm. PEFT stores the transposes
+//! (`lora_A.weight: [r, in]`, `lora_B.weight: [out, r]`) and scales by `lora_alpha / r`.
+//!
+//! ```
+//! use rmlx_lm::nn::Lora;
+//! use rmlx::{Array, Dtype};
+//! let lora = Lora::init(4, 3, 2, 20.0, Dtype::Float32, Some(&rmlx::random::key(0)?))?;
+//! let bound = 1.0 / 2.0; // 1/√in
+//! assert!(lora.a.to_vec::<f32>()?.iter().all(|v| v.abs() <= bound));
+//! assert_eq!(lora.b.to_vec::<f32>()?, vec![0.0; 6]); // starts as the identity change
+//! # Ok::<(), rmlx_lm::Error>(())
+//! ```
+
+use crate::Result;
+use rmlx::{ops, random, Array, Dtype};
+
+/// An adapter's two factors and its scale.
+pub struct Lora {
+    /// `[in, r]`.
+    pub a: Array,
+    /// `[r, out]`.
+    pub b: Array,
+    pub scale: f32,
+}
+
+impl Lora {
+    /// A fresh adapter as mlx-lm initialises one: `A` uniform in `±1/√in`, `B` zero, so that the
+    /// layer's output is unchanged until training moves `B`.
+    pub fn init(input: i32, output: i32, rank: i32, scale: f32, dtype: Dtype, key: Option<&Array>) -> Result<Lora> {
+        let bound = 1.0 / (input as f32).sqrt();
+        Ok(Lora {
+            a: random::uniform(-bound, bound, &[input, rank], dtype, key)?,
+            b: ops::zeros(&[rank, output], dtype)?,
+            scale,
+        })
+    }
+
+    /// The rank `r`.
+    pub fn rank(&self) -> i32 {
+        self.a.shape()[1]
+    }
+
+    /// `scale · (x A) B`, in `x`'s dtype.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let z = x.matmul(&self.a)?.matmul(&self.b)?;
+        Ok((z * self.scale)?.astype(x.dtype())?)
+    }
+
+    /// The change to the base weight, `scale · (A B)ᵀ`, `[out, in]` (what fusing adds).
+    pub fn delta(&self) -> Result<Array> {
+        Ok((self.a.matmul(&self.b)?.transpose()? * self.scale)?)
+    }
+}
