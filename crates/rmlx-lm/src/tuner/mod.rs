@@ -1,4 +1,5 @@
-//! Fine-tuning, as mlx-lm's `tuner` does it: training data ([`data`]) and its batches ([`batch`]).
+//! Fine-tuning, as mlx-lm's `tuner` does it: training data ([`data`]) and its batches ([`batch`]),
+//! LoRA adapters on a model ([`lora`]), and the loss with its gradient ([`loss`]).
 //!
 //! The trainer itself (LoRA layers, the loss, optimisers) builds on these; the data side follows
 //! mlx-lm 0.32 exactly where it is specified (formats, masking offsets, length-sorted batches padded
@@ -7,6 +8,10 @@
 
 pub mod batch;
 pub mod data;
+pub mod lora;
+pub mod loss;
 
 pub use batch::{Batch, BatchOrder};
 pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};
+pub use lora::{apply_lora, lora_parameter_names, LoraConfig};
+pub use loss::{batch_loss, loss_and_grad, LossAndGrad};

@@ -1,0 +1,89 @@
+//! Attaching LoRA adapters to a model as mlx-lm's `linear_to_lora_layers` does: to the linear
+//! layers of the last `num_layers` blocks (all of them, or those whose path inside the block is
+//! one of `keys`, such as `self_attn.q_proj`), each initialised fresh.
+
+use crate::models::Model;
+use crate::nn::Lora;
+use crate::{Error, Result};
+use rmlx::Dtype;
+
+/// mlx-lm's `lora_parameters`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    pub rank: i32,
+    /// Multiplies the adapter's output directly (mlx-lm's `scale`; PEFT's `lora_alpha / r`).
+    pub scale: f32,
+    pub dropout: f32,
+    /// Paths inside a block (`self_attn.q_proj`, `mlp.down_proj`); `None`: every linear layer.
+    pub keys: Option<Vec<String>>,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig { rank: 8, scale: 20.0, dropout: 0.0, keys: None }
+    }
+}
+
+/// The block index and the path inside the block of `model.layers.<i>.<rest>`.
+fn block_path(path: &str) -> Option<(usize, &str)> {
+    let rest = path.strip_prefix("model.layers.")?;
+    let (i, inner) = rest.split_once('.')?;
+    Some((i.parse().ok()?, inner))
+}
+
+/// Attaches fresh adapters to the linears of the last `num_layers` blocks (`None`: all blocks)
+/// that `config.keys` selects, with weights in `dtype` drawn from `seed`. Returns the adapted
+/// paths; an error when nothing matched or a key names no linear layer.
+pub fn apply_lora(
+    model: &mut dyn Model,
+    num_layers: Option<usize>,
+    config: &LoraConfig,
+    dtype: Dtype,
+    seed: u64,
+) -> Result<Vec<String>> {
+    if config.rank <= 0 {
+        return Err(Error::InvalidParameter(format!("the LoRA rank must be positive, got {}", config.rank)));
+    }
+    let blocks = model.config().num_hidden_layers as usize;
+    let first = blocks - num_layers.unwrap_or(blocks).min(blocks);
+    let mut adapted = Vec::new();
+    let mut seen_keys = std::collections::BTreeSet::new();
+    let mut failure = None;
+    model.visit_linears("", &mut |path, linear| {
+        let Some((block, inner)) = block_path(path) else { return };
+        seen_keys.insert(inner.to_string());
+        let wanted = config.keys.as_ref().is_none_or(|keys| keys.iter().any(|k| k == inner));
+        if block < first || !wanted || failure.is_some() {
+            return;
+        }
+        let (input, output) = linear.dims();
+        // One key per adapter, in visiting order: the same seed gives the same adapters.
+        let made = rmlx::random::key(seed.wrapping_add(adapted.len() as u64))
+            .map_err(Error::from)
+            .and_then(|key| Lora::init(input, output, config.rank, config.scale, dtype, Some(&key)))
+            .and_then(|lora| linear.set_lora(Some(lora)));
+        match made {
+            Ok(_) => adapted.push(path.to_string()),
+            Err(e) => failure = Some(e),
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if let Some(keys) = &config.keys {
+        if let Some(k) = keys.iter().find(|k| !seen_keys.contains(*k)) {
+            let known: Vec<&str> = seen_keys.iter().map(String::as_str).collect();
+            return Err(Error::InvalidParameter(format!("LoRA key `{k}` names no linear layer of a block (they are: {})", known.join(", "))));
+        }
+    }
+    if adapted.is_empty() {
+        return Err(Error::InvalidParameter("no linear layer was selected for LoRA".into()));
+    }
+    Ok(adapted)
+}
+
+/// The names of the adapters' parameters (`<path>.lora_a`, `<path>.lora_b`): what training updates.
+pub fn lora_parameter_names(model: &dyn Model) -> Vec<String> {
+    use crate::nn::ModuleExt;
+    model.parameter_names("").into_iter().filter(|n| n.ends_with(".lora_a") || n.ends_with(".lora_b")).collect()
+}

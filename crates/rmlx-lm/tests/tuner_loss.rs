@@ -1,0 +1,149 @@
+//! LoRA on a model and the training loss: adapters go where mlx-lm puts them, the masked
+//! cross-entropy equals the one computed here from the logits, and its gradients with respect to
+//! the adapters equal central finite differences (fixture `llama_gqa`, float32).
+
+mod common;
+
+use common::fixture_with_tokenizer;
+use rmlx::{Array, Dtype};
+use rmlx_lm::nn::ModuleExt;
+use rmlx_lm::tuner::{apply_lora, batch_loss, lora_parameter_names, loss_and_grad, Batch, LoraConfig, Sequence};
+use rmlx_lm::{Error, LoadOptions, LoadedModel};
+use std::collections::HashMap;
+
+fn load() -> (common::TempDir, LoadedModel) {
+    let dir = fixture_with_tokenizer("llama_gqa");
+    let lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    (dir, lm)
+}
+
+fn vals(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn batch() -> Batch {
+    let a = Sequence { tokens: vec![3, 17, 42, 8, 99, 5, 61], offset: 3 };
+    let b = Sequence { tokens: vec![12, 7, 88, 23], offset: 0 };
+    Batch::new(&[&a, &b], 2048)
+}
+
+#[test]
+fn loss_is_the_masked_mean_cross_entropy() {
+    let (_d, lm) = load();
+    let b = batch();
+    let (loss, ntoks) = batch_loss(lm.model.as_ref(), &b.to_array().unwrap(), &b.mask_array().unwrap()).unwrap();
+    // By hand: logits of the inputs, then -log softmax at each counted target.
+    let inputs: Vec<i32> = (0..b.rows).flat_map(|r| b.tokens[r * b.len..(r + 1) * b.len - 1].to_vec()).collect();
+    let x = Array::from_slice(&inputs, &[b.rows as i32, b.len as i32 - 1]).unwrap();
+    let logits = vals(&lm.model.forward(&x, &mut lm.model.new_caches(None)).unwrap());
+    let vocab = lm.model.config().vocab_size as usize;
+    let mask = b.loss_mask();
+    let (mut total, mut count) = (0.0f64, 0.0f64);
+    for r in 0..b.rows {
+        for t in 0..b.len - 1 {
+            if mask[r * (b.len - 1) + t] == 0.0 {
+                continue;
+            }
+            let row = &logits[(r * (b.len - 1) + t) * vocab..][..vocab];
+            let max = row.iter().cloned().fold(f32::MIN, f32::max) as f64;
+            let lse = max + row.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+            let target = b.tokens[r * b.len + t + 1] as usize;
+            total += lse - row[target] as f64;
+            count += 1.0;
+        }
+    }
+    assert_eq!(count as usize, b.loss_tokens());
+    assert_eq!(ntoks.item::<f32>().unwrap(), count as f32);
+    let want = total / count;
+    let got = loss.item::<f32>().unwrap() as f64;
+    assert!((got - want).abs() < 1e-5 * want.abs(), "loss {got} against {want}");
+}
+
+#[test]
+fn adapters_go_to_the_last_blocks_and_selected_keys() {
+    let (_d, mut lm) = load();
+    let layers = lm.model.config().num_hidden_layers as usize;
+    let cfg = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: Some(vec!["self_attn.q_proj".into(), "mlp.down_proj".into()]) };
+    let paths = apply_lora(lm.model.as_mut(), Some(1), &cfg, Dtype::Float32, 0).unwrap();
+    let last = layers - 1;
+    assert_eq!(paths, vec![format!("model.layers.{last}.self_attn.q_proj"), format!("model.layers.{last}.mlp.down_proj")]);
+    assert_eq!(lora_parameter_names(lm.model.as_ref()).len(), 4);
+    let (_d, mut lm) = load();
+    let all = apply_lora(lm.model.as_mut(), None, &LoraConfig::default(), Dtype::Float32, 0).unwrap();
+    assert_eq!(all.len(), 7 * layers, "every linear of every block; never the output head");
+    let (_d, mut lm) = load();
+    let bad = LoraConfig { keys: Some(vec!["attn.q".into()]), ..LoraConfig::default() };
+    match apply_lora(lm.model.as_mut(), None, &bad, Dtype::Float32, 0) {
+        Err(Error::InvalidParameter(m)) => assert!(m.starts_with("LoRA key `attn.q` names no linear layer"), "{m}"),
+        other => panic!("expected InvalidParameter, got {other:?}"),
+    }
+    let zero = LoraConfig { rank: 0, ..LoraConfig::default() };
+    assert!(matches!(apply_lora(lm.model.as_mut(), None, &zero, Dtype::Float32, 0), Err(Error::InvalidParameter(_))));
+}
+
+fn loss_of(lm: &LoadedModel, b: &Batch) -> f64 {
+    let (loss, _) = batch_loss(lm.model.as_ref(), &b.to_array().unwrap(), &b.mask_array().unwrap()).unwrap();
+    loss.item::<f32>().unwrap() as f64
+}
+
+/// Sets one element of a parameter.
+fn set(lm: &mut LoadedModel, name: &str, index: usize, value: f32) {
+    let p = lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1;
+    let mut v = vals(&p);
+    v[index] = value;
+    let new = Array::from_slice(&v, p.shape()).unwrap();
+    lm.model.update("", [(name.to_string(), new)].into_iter().collect()).unwrap();
+}
+
+#[test]
+fn gradients_equal_finite_differences() {
+    let (_d, mut lm) = load();
+    let cfg = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None };
+    apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 7).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    let b = batch();
+    // Fresh adapters (B = 0): A gets no gradient, B does.
+    let g0 = loss_and_grad(lm.model.as_mut(), &trainable, &b).unwrap();
+    for (name, g) in &g0.grads {
+        let norm: f32 = vals(g).iter().map(|v| v.abs()).sum();
+        if name.ends_with(".lora_a") {
+            assert_eq!(norm, 0.0, "{name}");
+        }
+    }
+    assert!(vals(&g0.grads["model.layers.0.mlp.down_proj.lora_b"]).iter().any(|&v| v != 0.0));
+    // Move every B away from zero, then compare with central differences.
+    let moved: HashMap<String, Array> = trainable
+        .iter()
+        .filter(|n| n.ends_with(".lora_b"))
+        .enumerate()
+        .map(|(i, n)| {
+            let p = lm.model.parameters("").into_iter().find(|(m, _)| m == n).unwrap().1;
+            let key = rmlx::random::key(100 + i as u64).unwrap();
+            (n.clone(), rmlx::random::normal(p.shape(), Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap())
+        })
+        .collect();
+    lm.model.update("", moved).unwrap();
+    let base = loss_of(&lm, &b);
+    let g = loss_and_grad(lm.model.as_mut(), &trainable, &b).unwrap();
+    assert!((g.loss.item::<f32>().unwrap() as f64 - base).abs() < 1e-6 * base, "the same loss as without gradients");
+    assert_eq!(loss_of(&lm, &b), base, "the model holds its own parameters again");
+    let eps = 1e-2f32;
+    let mut compared = 0;
+    for name in ["model.layers.0.self_attn.q_proj.lora_a", "model.layers.1.mlp.down_proj.lora_b", "model.layers.0.self_attn.v_proj.lora_b"] {
+        let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
+        let grad = vals(&g.grads[name]);
+        for index in [0, p.len() / 2, p.len() - 1] {
+            set(&mut lm, name, index, p[index] + eps);
+            let up = loss_of(&lm, &b);
+            set(&mut lm, name, index, p[index] - eps);
+            let down = loss_of(&lm, &b);
+            set(&mut lm, name, index, p[index]);
+            let fd = (up - down) / (2.0 * eps as f64);
+            let an = grad[index] as f64;
+            assert!((fd - an).abs() <= 2e-3 + 2e-2 * an.abs(), "{name}[{index}]: finite difference {fd}, gradient {an}");
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 9);
+    assert!(matches!(loss_and_grad(lm.model.as_mut(), &[], &b), Err(Error::InvalidParameter(_))));
+}
