@@ -10,6 +10,7 @@ pub mod batch;
 pub mod data;
 pub mod lora;
 pub mod loss;
+pub mod optim;
 
 pub use batch::{Batch, BatchOrder};
 pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};

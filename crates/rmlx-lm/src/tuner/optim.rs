@@ -1,0 +1,242 @@
+//! Optimisers and learning-rate schedules with MLX's semantics (`mlx.optimizers`), as mlx-lm's
+//! trainer uses them: SGD (momentum, dampening, Nesterov, weight decay), Adam (no bias correction
+//! unless asked, as in MLX) and AdamW (decoupled weight decay, 0.01 by default). State is kept per
+//! parameter name, so it can be saved and restored with the adapter for an exact resume.
+//!
+//! The schedule is read at the step count before each update; the update then counts the step
+//! (bias correction sees 1 on the first update), as MLX does.
+//!
+//! ```
+//! use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
+//! use rmlx::Array;
+//! let mut opt = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(0.1));
+//! let p = [("w".to_string(), Array::from_slice(&[1.0f32], &[1])?)].into_iter().collect();
+//! let g = [("w".to_string(), Array::from_slice(&[2.0f32], &[1])?)].into_iter().collect();
+//! let new = opt.update(&p, &g)?;
+//! // m = 0.2, v = 0.004: w = 1 - 0.1 * 0.2 / (√0.004 + 1e-8)
+//! let w = new["w"].item::<f32>()?;
+//! assert!((w - (1.0 - 0.1 * 0.2 / 0.004f32.sqrt())).abs() < 1e-4); // f32 rounding of 1 - β₂
+//! # Ok::<(), rmlx_lm::Error>(())
+//! ```
+
+use crate::{Error, Result};
+use rmlx::{ops, Array};
+use std::collections::{BTreeMap, HashMap};
+
+/// A learning rate as a function of the step count (MLX's `optimizers.schedulers`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Schedule {
+    Constant(f32),
+    /// `end + ½ (1 + cos(π min(step, decay_steps) / decay_steps)) (init − end)`.
+    CosineDecay { init: f32, decay_steps: u64, end: f32 },
+    /// From `init` to `end` over `steps`, then `end`.
+    Linear { init: f32, end: f32, steps: u64 },
+    /// `init · rate^step`.
+    Exponential { init: f32, rate: f32 },
+    /// `init · rate^(step / step_size)` (integer division).
+    StepDecay { init: f32, rate: f32, step_size: u64 },
+    /// `first` before `boundary`, then `then` counted from the boundary.
+    Join { first: Box<Schedule>, boundary: u64, then: Box<Schedule> },
+}
+
+impl Schedule {
+    /// The learning rate at `step`.
+    pub fn at(&self, step: u64) -> f32 {
+        match self {
+            Schedule::Constant(lr) => *lr,
+            Schedule::CosineDecay { init, decay_steps, end } => {
+                let s = step.min(*decay_steps) as f64;
+                let decay = 0.5 * (1.0 + (std::f64::consts::PI / *decay_steps as f64 * s).cos());
+                (*end as f64 + decay * (*init as f64 - *end as f64)) as f32
+            }
+            Schedule::Linear { init, end, steps } => {
+                let s = step.min(*steps) as f64;
+                (s * ((*end as f64 - *init as f64) / *steps as f64) + *init as f64) as f32
+            }
+            Schedule::Exponential { init, rate } => init * rate.powf(step as f32),
+            Schedule::StepDecay { init, rate, step_size } => init * rate.powi((step / step_size) as i32),
+            Schedule::Join { first, boundary, then } => {
+                if step < *boundary {
+                    first.at(step)
+                } else {
+                    then.at(step - boundary)
+                }
+            }
+        }
+    }
+
+    /// mlx-lm's `lr_schedule {name, arguments, warmup, warmup_init}`: the named MLX schedule,
+    /// preceded by a linear warm-up from `warmup_init` to its initial rate over `warmup` steps.
+    pub fn from_config(name: &str, arguments: &[f64], warmup: u64, warmup_init: f32) -> Result<Schedule> {
+        let arg = |i: usize| arguments.get(i).copied();
+        let need = |i: usize| {
+            arg(i).ok_or_else(|| Error::InvalidParameter(format!("lr_schedule `{name}` needs at least {} arguments", i + 1)))
+        };
+        let steps = |v: f64, what: &str| -> Result<u64> {
+            if v >= 1.0 && v.fract() == 0.0 {
+                Ok(v as u64)
+            } else {
+                Err(Error::InvalidParameter(format!("lr_schedule `{name}`: {what} must be a positive integer, got {v}")))
+            }
+        };
+        let main = match name {
+            "cosine_decay" => Schedule::CosineDecay {
+                init: need(0)? as f32,
+                decay_steps: steps(need(1)?, "decay_steps")?,
+                end: arg(2).unwrap_or(0.0) as f32,
+            },
+            "linear_schedule" => {
+                Schedule::Linear { init: need(0)? as f32, end: need(1)? as f32, steps: steps(need(2)?, "steps")? }
+            }
+            "exponential_decay" => Schedule::Exponential { init: need(0)? as f32, rate: need(1)? as f32 },
+            "step_decay" => Schedule::StepDecay {
+                init: need(0)? as f32,
+                rate: need(1)? as f32,
+                step_size: steps(need(2)?, "step_size")?,
+            },
+            other => {
+                return Err(Error::InvalidParameter(format!(
+                    "unknown lr_schedule `{other}` (cosine_decay, linear_schedule, exponential_decay, step_decay)"
+                )))
+            }
+        };
+        if warmup == 0 {
+            return Ok(main);
+        }
+        let warm = Schedule::Linear { init: warmup_init, end: need(0)? as f32, steps: warmup };
+        Ok(Schedule::Join { first: Box::new(warm), boundary: warmup + 1, then: Box::new(main) })
+    }
+}
+
+/// Which update rule, with its settings (MLX's defaults from the constructors below).
+#[derive(Clone, Debug, PartialEq)]
+pub enum OptimizerKind {
+    Sgd { momentum: f32, weight_decay: f32, dampening: f32, nesterov: bool },
+    Adam { betas: (f32, f32), eps: f32, bias_correction: bool },
+    AdamW { betas: (f32, f32), eps: f32, weight_decay: f32, bias_correction: bool },
+}
+
+impl OptimizerKind {
+    pub fn sgd() -> Self {
+        OptimizerKind::Sgd { momentum: 0.0, weight_decay: 0.0, dampening: 0.0, nesterov: false }
+    }
+    pub fn adam() -> Self {
+        OptimizerKind::Adam { betas: (0.9, 0.999), eps: 1e-8, bias_correction: false }
+    }
+    pub fn adamw() -> Self {
+        OptimizerKind::AdamW { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, bias_correction: false }
+    }
+}
+
+/// An optimiser with its per-parameter state and step count.
+pub struct Optimizer {
+    kind: OptimizerKind,
+    schedule: Schedule,
+    step: u64,
+    /// `m`/`v` (Adam) or `v` (SGD with momentum) per parameter name.
+    state: HashMap<String, Vec<Array>>,
+}
+
+impl Optimizer {
+    pub fn new(kind: OptimizerKind, schedule: Schedule) -> Self {
+        Optimizer { kind, schedule, step: 0, state: HashMap::new() }
+    }
+
+    /// Updates done so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The learning rate the next update uses.
+    pub fn learning_rate(&self) -> f32 {
+        self.schedule.at(self.step)
+    }
+
+    /// The new value of every parameter that has a gradient (lazy arrays). Parameters without a
+    /// gradient are an error: training updates exactly the trainable set.
+    pub fn update(&mut self, params: &HashMap<String, Array>, grads: &HashMap<String, Array>) -> Result<HashMap<String, Array>> {
+        let lr = self.schedule.at(self.step);
+        self.step += 1;
+        let step = self.step;
+        let mut out = HashMap::with_capacity(grads.len());
+        for (name, g) in grads {
+            let p = params.get(name).ok_or_else(|| Error::InvalidParameter(format!("a gradient for `{name}`, which is no parameter")))?;
+            let new = match self.kind {
+                OptimizerKind::Sgd { momentum, weight_decay, dampening, nesterov } => {
+                    let g = if weight_decay != 0.0 { (g + (p * weight_decay)?)? } else { g.clone() };
+                    if momentum <= 0.0 {
+                        (p - (&g * lr)?)?
+                    } else {
+                        let v0 = self.slot(name, 1, p)?[0].clone();
+                        let v = if dampening > 0.0 { ((&v0 * momentum)? + (&g * (1.0 - dampening))?)? } else { ((&v0 * momentum)? + &g)? };
+                        let update = if nesterov { (&g + (&v * momentum)?)? } else { v.clone() };
+                        self.state.insert(name.clone(), vec![v]);
+                        (p - (update * lr)?)?
+                    }
+                }
+                OptimizerKind::Adam { betas, eps, bias_correction } => self.adam(name, p, g, lr, step, betas, eps, bias_correction)?,
+                OptimizerKind::AdamW { betas, eps, weight_decay, bias_correction } => {
+                    let decayed = (p * (1.0 - lr * weight_decay))?;
+                    self.adam(name, &decayed, g, lr, step, betas, eps, bias_correction)?
+                }
+            };
+            out.insert(name.clone(), new);
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn adam(&mut self, name: &str, p: &Array, g: &Array, lr: f32, step: u64, betas: (f32, f32), eps: f32, bias_correction: bool) -> Result<Array> {
+        let (b1, b2) = betas;
+        let st = self.slot(name, 2, p)?;
+        let m = ((&st[0] * b1)? + (g * (1.0 - b1))?)?;
+        let v = ((&st[1] * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
+        let new = if bias_correction {
+            let c1 = lr / (1.0 - b1.powi(step as i32));
+            let c2 = 1.0 / (1.0 - b2.powi(step as i32)).sqrt();
+            (p - ((&m * c1)? / ((v.sqrt()? * c2)? + eps)?)?)?
+        } else {
+            (p - ((&m * lr)? / (v.sqrt()? + eps)?)?)?
+        };
+        self.state.insert(name.to_string(), vec![m, v]);
+        Ok(new)
+    }
+
+    /// The state of `name`, zeros like `p` the first time.
+    fn slot(&mut self, name: &str, n: usize, p: &Array) -> Result<Vec<Array>> {
+        if let Some(s) = self.state.get(name) {
+            return Ok(s.clone());
+        }
+        (0..n).map(|_| Ok(ops::zeros_like(p)?)).collect()
+    }
+
+    /// The state as named arrays (`<param>.m`, `<param>.v`, `<param>.momentum`) plus the step
+    /// count, for a checkpoint that resumes exactly.
+    pub fn state_arrays(&self) -> (BTreeMap<String, Array>, u64) {
+        let mut out = BTreeMap::new();
+        for (name, s) in &self.state {
+            let names: &[&str] = if s.len() == 2 { &["m", "v"] } else { &["momentum"] };
+            for (suffix, a) in names.iter().zip(s) {
+                out.insert(format!("{name}.{suffix}"), a.clone());
+            }
+        }
+        (out, self.step)
+    }
+
+    /// Restores what [`Optimizer::state_arrays`] gave.
+    pub fn load_state(&mut self, arrays: &BTreeMap<String, Array>, step: u64) -> Result<()> {
+        let mut state: HashMap<String, Vec<Array>> = HashMap::new();
+        for (key, a) in arrays {
+            let (name, suffix) = key.rsplit_once('.').ok_or_else(|| Error::InvalidParameter(format!("optimizer state `{key}`")))?;
+            let slot = state.entry(name.to_string()).or_default();
+            match suffix {
+                "m" => slot.insert(0, a.clone()),
+                "v" | "momentum" => slot.push(a.clone()),
+                _ => return Err(Error::InvalidParameter(format!("unknown optimizer state `{key}`"))),
+            }
+        }
+        self.state = state;
+        self.step = step;
+        Ok(())
+    }
+}
