@@ -6,13 +6,16 @@
 //! to a multiple of 32 plus one) and is stricter where mlx-lm fails late: every line of every file
 //! is checked before training starts, and an error names the file, the line and the problem.
 
+pub mod adapters;
 pub mod batch;
 pub mod data;
 pub mod lora;
 pub mod loss;
 pub mod optim;
+pub mod trainer;
 
 pub use batch::{Batch, BatchOrder};
 pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};
 pub use lora::{apply_lora, lora_parameter_names, LoraConfig};
 pub use loss::{batch_loss, loss_and_grad, LossAndGrad};
+pub use trainer::{evaluate, train, Report, TrainConfig, TrainSummary};

@@ -1,0 +1,132 @@
+//! Adapter files as mlx-lm writes and reads them: `adapters.safetensors` (the adapters' arrays
+//! under the model's names, `…q_proj.lora_a: [in, r]`, `…lora_b: [r, out]`) and
+//! `adapter_config.json` (`fine_tune_type`, `num_layers`, `lora_parameters {rank, scale, dropout,
+//! keys}`). Files are written to a temporary name and renamed, so a reader never sees half a file.
+
+use super::lora::{apply_lora, lora_parameter_names, LoraConfig};
+use crate::models::Model;
+use crate::nn::ModuleExt;
+use crate::{Error, Result};
+use rmlx::{Array, Dtype};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// The adapter weights file of a folder.
+pub const WEIGHTS: &str = "adapters.safetensors";
+/// The adapter config file of a folder.
+pub const CONFIG: &str = "adapter_config.json";
+
+/// What `adapter_config.json` says about the adapters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterConfig {
+    /// Blocks from the end that carry adapters (`None`: all, mlx-lm's `-1`).
+    pub num_layers: Option<usize>,
+    pub lora: LoraConfig,
+}
+
+impl AdapterConfig {
+    /// The JSON mlx-lm reads (extra keys, such as training settings, may be merged in).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "fine_tune_type": "lora",
+            "num_layers": self.num_layers.map_or(-1, |n| n as i64),
+            "lora_parameters": {
+                "rank": self.lora.rank,
+                "scale": self.lora.scale,
+                "dropout": self.lora.dropout,
+                "keys": self.lora.keys,
+            },
+        })
+    }
+
+    /// Reads mlx-lm's `adapter_config.json`; `file` names it in errors.
+    pub fn from_json(v: &Value, file: &str) -> Result<AdapterConfig> {
+        let bad = |what: String| Error::Config(format!("{file}: {what}"));
+        match v.get("fine_tune_type").and_then(Value::as_str).unwrap_or("lora") {
+            "lora" => {}
+            other => return Err(bad(format!("fine_tune_type `{other}` is not supported yet (lora is)"))),
+        }
+        let num_layers = match v.get("num_layers").and_then(Value::as_i64) {
+            None | Some(-1) => None,
+            Some(n) if n > 0 => Some(n as usize),
+            Some(n) => return Err(bad(format!("num_layers must be positive or -1, got {n}"))),
+        };
+        let p = v.get("lora_parameters").ok_or_else(|| bad("no `lora_parameters`".into()))?;
+        let rank = p.get("rank").and_then(Value::as_i64).ok_or_else(|| bad("`lora_parameters.rank` is missing".into()))?;
+        let scale = p.get("scale").and_then(Value::as_f64).ok_or_else(|| bad("`lora_parameters.scale` is missing".into()))?;
+        let keys = match p.get("keys") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) => Some(
+                a.iter()
+                    .map(|k| k.as_str().map(str::to_string).ok_or_else(|| bad("`lora_parameters.keys` must hold strings".into())))
+                    .collect::<Result<_>>()?,
+            ),
+            Some(_) => return Err(bad("`lora_parameters.keys` must be a list".into())),
+        };
+        let rank = i32::try_from(rank).map_err(|_| bad(format!("rank {rank} is out of range")))?;
+        Ok(AdapterConfig {
+            num_layers,
+            lora: LoraConfig { rank, scale: scale as f32, dropout: p.get("dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32, keys },
+        })
+    }
+}
+
+/// Writes `path` through a temporary file in the same folder, renamed into place. The temporary
+/// name ends with the real one (MLX's writer appends `.safetensors` to names without it).
+fn write_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".tmp{}-{name}", std::process::id()));
+    let result = write(&tmp).and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Writes `adapter_config.json` (with `extra` keys merged in) into `dir`.
+pub fn save_config(dir: &Path, config: &AdapterConfig, extra: &serde_json::Map<String, Value>) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut v = config.to_json();
+    if let Value::Object(o) = &mut v {
+        for (k, x) in extra {
+            o.entry(k.clone()).or_insert_with(|| x.clone());
+        }
+    }
+    let text = serde_json::to_string_pretty(&v).expect("JSON values serialise");
+    write_atomically(&dir.join(CONFIG), |tmp| std::fs::write(tmp, text).map_err(|e| Error::io(tmp, e)))
+}
+
+/// Writes the model's adapter arrays to `path` (a `.safetensors` file).
+pub fn save_weights(model: &dyn Model, path: &Path) -> Result<()> {
+    let names = lora_parameter_names(model);
+    let all: HashMap<String, Array> = model.parameters("").into_iter().collect();
+    let arrays: BTreeMap<String, Array> = names.into_iter().map(|n| (n.clone(), all[&n].clone())).collect();
+    if arrays.is_empty() {
+        return Err(Error::InvalidParameter("the model carries no adapter to save".into()));
+    }
+    write_atomically(path, |tmp| Ok(rmlx::io::save_safetensors(tmp, &arrays, &BTreeMap::new())?))
+}
+
+/// Attaches the adapters of an mlx-lm adapter folder to `model` (in `dtype`); returns the config.
+pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterConfig> {
+    let config_path = dir.join(CONFIG);
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let file = config_path.display().to_string();
+    let v: Value = serde_json::from_str(&text).map_err(|e| Error::Config(format!("{file}: {e}")))?;
+    let config = AdapterConfig::from_json(&v, &file)?;
+    apply_lora(model, config.num_layers, &config.lora, dtype, 0)?;
+    let weights = dir.join(WEIGHTS);
+    if !weights.exists() {
+        return Err(Error::MissingFile(weights.display().to_string()));
+    }
+    let arrays = rmlx::io::load_safetensors(&weights)?.arrays;
+    let expected = lora_parameter_names(model);
+    if let Some(missing) = expected.iter().find(|n| !arrays.contains_key(*n)) {
+        return Err(Error::MissingTensor(format!("{missing} (in {})", weights.display())));
+    }
+    let new: HashMap<String, Array> =
+        arrays.into_iter().map(|(n, a)| Ok((n, a.astype(dtype)?))).collect::<Result<_>>()?;
+    model.update("", new)?;
+    Ok(config)
+}

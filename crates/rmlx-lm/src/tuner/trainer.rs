@@ -1,0 +1,187 @@
+//! The training loop of mlx-lm's `lora` command: a batch per iteration, a validation loss at the
+//! first iteration, every `steps_per_eval` and at the end, a report every `steps_per_report`
+//! (mean loss of the window, tokens per second, tokens trained so far), and the adapters saved
+//! every `save_every` iterations (`adapters.safetensors` plus `NNNNNNN_adapters.safetensors`) and at
+//! the end. A stop request (Ctrl-C) saves the adapters and ends the loop after the current step.
+
+use super::adapters;
+use super::batch::{Batch, BatchOrder};
+use super::data::Sequence;
+use super::loss::{batch_loss, loss_and_grad};
+use super::optim::Optimizer;
+use crate::models::Model;
+use crate::nn::ModuleExt;
+use crate::Result;
+use rmlx::Array;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// mlx-lm's training settings (its defaults in [`Default`]).
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub iters: usize,
+    pub batch_size: usize,
+    /// Validation batches per evaluation (`None`: the whole set).
+    pub val_batches: Option<usize>,
+    pub steps_per_report: usize,
+    pub steps_per_eval: usize,
+    pub save_every: usize,
+    pub max_seq_length: usize,
+    pub seed: u64,
+    /// Where adapters are saved (`None`: not saved).
+    pub adapter_dir: Option<PathBuf>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            iters: 1000,
+            batch_size: 4,
+            val_batches: Some(25),
+            steps_per_report: 10,
+            steps_per_eval: 200,
+            save_every: 100,
+            max_seq_length: 2048,
+            seed: 0,
+            adapter_dir: None,
+        }
+    }
+}
+
+/// What the loop reports as it goes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Report {
+    /// The mean training loss over the iterations since the last report.
+    Train { iter: usize, loss: f32, learning_rate: f32, tokens_per_sec: f64, trained_tokens: usize, peak_memory_gb: f64 },
+    /// The validation loss.
+    Val { iter: usize, loss: f32, seconds: f64 },
+    /// Adapters written.
+    Saved { iter: usize, path: PathBuf },
+    /// A truncated batch (some example longer than `max_seq_length`).
+    Truncated { iter: usize, longest: usize, max_seq_length: usize },
+}
+
+/// Mean loss over the masked targets of up to `num_batches` batches of `data` (in a fixed,
+/// seeded order), and the number of targets counted.
+pub fn evaluate(
+    model: &dyn Model,
+    data: &[Sequence],
+    batch_size: usize,
+    num_batches: Option<usize>,
+    max_seq_length: usize,
+) -> Result<(f32, usize)> {
+    let lengths: Vec<usize> = data.iter().map(|s| s.tokens.len()).collect();
+    let mut order = BatchOrder::new(&lengths, batch_size, 0)?;
+    let (mut total, mut count) = (0.0f64, 0usize);
+    let batches = order.batches().to_vec();
+    for b in order.epoch().into_iter().take(num_batches.unwrap_or(usize::MAX)) {
+        let seqs: Vec<&Sequence> = batches[b].iter().map(|&i| &data[i]).collect();
+        let batch = Batch::new(&seqs, max_seq_length);
+        let (loss, ntoks) = batch_loss(model, &batch.to_array()?, &batch.mask_array()?)?;
+        rmlx::eval([&loss, &ntoks])?;
+        let n = ntoks.item::<f32>()? as usize;
+        total += loss.item::<f32>()? as f64 * n as f64;
+        count += n;
+    }
+    Ok(((total / count.max(1) as f64) as f32, count))
+}
+
+/// What a finished (or stopped) run did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainSummary {
+    pub iterations: usize,
+    pub trained_tokens: usize,
+    pub last_val_loss: Option<f32>,
+}
+
+/// Trains the parameters named in `trainable` of `model` on `train`, validating on `valid`.
+#[allow(clippy::too_many_arguments)]
+pub fn train(
+    model: &mut dyn Model,
+    trainable: &[String],
+    optimizer: &mut Optimizer,
+    train: &[Sequence],
+    valid: &[Sequence],
+    cfg: &TrainConfig,
+    report: &mut dyn FnMut(&Report),
+    stop: &dyn Fn() -> bool,
+) -> Result<TrainSummary> {
+    let lengths: Vec<usize> = train.iter().map(|s| s.tokens.len()).collect();
+    let mut order = BatchOrder::new(&lengths, cfg.batch_size, cfg.seed)?;
+    let batches = order.batches().to_vec();
+    let mut queue = Vec::new();
+    let (mut window_loss, mut window_steps, mut window_tokens) = (0.0f64, 0usize, 0usize);
+    let mut trained_tokens = 0usize;
+    let mut window_start = Instant::now();
+    let mut last_val = None;
+    let mut it = 0;
+    // `adapters.safetensors`, and with `checkpoint` also `NNNNNNN_adapters.safetensors`.
+    let save = |model: &dyn Model, it: usize, checkpoint: bool, report: &mut dyn FnMut(&Report)| -> Result<()> {
+        let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
+        let main = dir.join(adapters::WEIGHTS);
+        adapters::save_weights(model, &main)?;
+        report(&Report::Saved { iter: it, path: main.clone() });
+        if checkpoint {
+            let path = dir.join(format!("{it:07}_adapters.safetensors"));
+            adapters::save_weights(model, &path)?;
+            report(&Report::Saved { iter: it, path });
+        }
+        Ok(())
+    };
+    while it < cfg.iters {
+        it += 1;
+        if !valid.is_empty() && (it == 1 || it % cfg.steps_per_eval == 0 || it == cfg.iters) {
+            let start = Instant::now();
+            let (loss, _) = evaluate(model, valid, cfg.batch_size, cfg.val_batches, cfg.max_seq_length)?;
+            last_val = Some(loss);
+            report(&Report::Val { iter: it, loss, seconds: start.elapsed().as_secs_f64() });
+        }
+        if queue.is_empty() {
+            queue = order.epoch();
+            queue.reverse();
+        }
+        let b = queue.pop().expect("an epoch has at least one batch");
+        let seqs: Vec<&Sequence> = batches[b].iter().map(|&i| &train[i]).collect();
+        let batch = Batch::new(&seqs, cfg.max_seq_length);
+        if batch.truncated() {
+            report(&Report::Truncated { iter: it, longest: batch.longest, max_seq_length: cfg.max_seq_length });
+        }
+        let learning_rate = optimizer.learning_rate();
+        let step = loss_and_grad(model, trainable, &batch)?;
+        let current: HashMap<String, Array> =
+            model.parameters("").into_iter().filter(|(n, _)| step.grads.contains_key(n)).collect();
+        let new = optimizer.update(&current, &step.grads)?;
+        let (mut to_eval, state) = (new.values().cloned().collect::<Vec<_>>(), optimizer.state_arrays().0);
+        to_eval.extend(state.into_values());
+        to_eval.push(step.loss.clone());
+        rmlx::eval(&to_eval)?;
+        model.update("", new)?;
+        window_loss += step.loss.item::<f32>()? as f64;
+        window_steps += 1;
+        window_tokens += batch.real_tokens();
+        trained_tokens += batch.real_tokens();
+        if it % cfg.steps_per_report == 0 || it == cfg.iters {
+            let secs = window_start.elapsed().as_secs_f64();
+            report(&Report::Train {
+                iter: it,
+                loss: (window_loss / window_steps as f64) as f32,
+                learning_rate,
+                tokens_per_sec: window_tokens as f64 / secs.max(1e-9),
+                trained_tokens,
+                peak_memory_gb: rmlx::memory::peak_memory() as f64 / 1e9,
+            });
+            (window_loss, window_steps, window_tokens) = (0.0, 0, 0);
+            window_start = Instant::now();
+        }
+        if stop() {
+            save(model, it, false, report)?;
+            return Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val });
+        }
+        if it % cfg.save_every == 0 {
+            save(model, it, true, report)?;
+        }
+    }
+    save(model, it, false, report)?;
+    Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val })
+}

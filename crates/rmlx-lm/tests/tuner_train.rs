@@ -1,0 +1,103 @@
+//! The training loop end to end on the `llama_gqa` fixture (float32, CPU): LoRA with Adam learns a
+//! repeating pattern (validation loss falls by the asserted margin), reports come at the configured
+//! iterations, adapters are written in mlx-lm's layout and load back into a fresh model with
+//! identical logits, and a stop request saves and ends the run.
+
+mod common;
+
+use common::{fixture_with_tokenizer, TempDir};
+use rmlx::{Array, Dtype};
+use rmlx_lm::tuner::adapters::{self, AdapterConfig};
+use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
+use rmlx_lm::tuner::{apply_lora, evaluate, lora_parameter_names, train, LoraConfig, Report, Sequence, TrainConfig};
+use rmlx_lm::{LoadOptions, LoadedModel};
+use std::cell::Cell;
+
+fn load() -> (TempDir, LoadedModel) {
+    let dir = fixture_with_tokenizer("llama_gqa");
+    let lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    (dir, lm)
+}
+
+/// Sequences that continue `start, start + 3, start + 6, ...` (mod 60). Validation uses other
+/// starting points; 40 steps of rank-4 adapters took its loss from 11.55 to 6.27 when this was written.
+fn data(n: usize, offset: u32) -> Vec<Sequence> {
+    (0..n as u32)
+        .map(|i| Sequence { tokens: (0..12).map(|k| (i * 7 + offset + 3 * k) % 60 + 2).collect(), offset: 0 })
+        .collect()
+}
+
+fn logits(lm: &LoadedModel, ids: &[i32]) -> Vec<f32> {
+    let x = Array::from_slice(ids, &[1, ids.len() as i32]).unwrap();
+    lm.model.forward(&x, &mut lm.model.new_caches(None)).unwrap().to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
+    let (_d, mut lm) = load();
+    let lora = LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
+    apply_lora(lm.model.as_mut(), None, &lora, Dtype::Float32, 1).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    let (train_set, valid_set) = (data(16, 0), data(8, 1));
+    let before = evaluate(lm.model.as_ref(), &valid_set, 4, None, 2048).unwrap().0;
+    let out = TempDir::new("tuner-train");
+    let cfg = TrainConfig {
+        iters: 40,
+        batch_size: 4,
+        val_batches: None,
+        steps_per_report: 10,
+        steps_per_eval: 20,
+        save_every: 25,
+        max_seq_length: 2048,
+        seed: 3,
+        adapter_dir: Some(out.path().to_path_buf()),
+    };
+    let mut opt = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-2));
+    let mut reports = Vec::new();
+    let summary = train(lm.model.as_mut(), &trainable, &mut opt, &train_set, &valid_set, &cfg, &mut |r| reports.push(r.clone()), &|| false).unwrap();
+    assert_eq!((summary.iterations, summary.trained_tokens), (40, 40 * 4 * 12));
+    let after = evaluate(lm.model.as_ref(), &valid_set, 4, None, 2048).unwrap().0;
+    assert!(after < 0.6 * before, "validation loss {before} -> {after}");
+    // As in mlx-lm, the last validation runs at the start of the last iteration, before its step.
+    assert!(summary.last_val_loss.is_some_and(|v| v < before && v > after), "{:?}", summary.last_val_loss);
+    let train_iters: Vec<usize> = reports.iter().filter_map(|r| if let Report::Train { iter, .. } = r { Some(*iter) } else { None }).collect();
+    let val_iters: Vec<usize> = reports.iter().filter_map(|r| if let Report::Val { iter, .. } = r { Some(*iter) } else { None }).collect();
+    assert_eq!((train_iters, val_iters), (vec![10, 20, 30, 40], vec![1, 20, 40]));
+    assert!(reports.iter().any(|r| matches!(r, Report::Train { trained_tokens: 480, learning_rate, .. } if *learning_rate == 1e-2)));
+    assert!(out.path().join("0000025_adapters.safetensors").exists());
+    assert!(!out.path().join("0000040_adapters.safetensors").exists(), "the final save writes adapters.safetensors only");
+
+    // The file holds exactly the adapters, in mlx-lm's names and orientation.
+    let saved = rmlx::io::load_safetensors(out.path().join(adapters::WEIGHTS)).unwrap().arrays;
+    assert_eq!(saved.keys().cloned().collect::<Vec<_>>(), { let mut t = trainable.clone(); t.sort(); t });
+    let hidden = lm.model.config().hidden_size;
+    assert_eq!(saved["model.layers.0.self_attn.q_proj.lora_a"].shape(), &[hidden, 4]);
+    // A fresh model with the adapters loaded gives the trained model's logits.
+    let config = AdapterConfig { num_layers: None, lora: lora.clone() };
+    adapters::save_config(out.path(), &config, &serde_json::Map::new()).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join(adapters::CONFIG)).unwrap()).unwrap();
+    assert_eq!((json["fine_tune_type"].as_str(), json["num_layers"].as_i64(), json["lora_parameters"]["rank"].as_i64()), (Some("lora"), Some(-1), Some(4)));
+    let (_d2, mut fresh) = load();
+    assert_eq!(adapters::load(fresh.model.as_mut(), out.path(), Dtype::Float32).unwrap(), config);
+    let ids = [2, 5, 8, 11, 14];
+    assert_eq!(logits(&fresh, &ids), logits(&lm, &ids));
+}
+
+#[test]
+fn a_stop_request_saves_and_ends_the_run() {
+    let (_d, mut lm) = load();
+    apply_lora(lm.model.as_mut(), Some(1), &LoraConfig { rank: 2, ..LoraConfig::default() }, Dtype::Float32, 0).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    let out = TempDir::new("tuner-stop");
+    let cfg = TrainConfig { iters: 100, save_every: 50, adapter_dir: Some(out.path().to_path_buf()), ..TrainConfig::default() };
+    let mut opt = Optimizer::new(OptimizerKind::adamw(), Schedule::Constant(1e-3));
+    let calls = Cell::new(0);
+    let stop = || {
+        calls.set(calls.get() + 1);
+        calls.get() == 3
+    };
+    let summary = train(lm.model.as_mut(), &trainable, &mut opt, &data(8, 0), &[], &cfg, &mut |_| {}, &stop).unwrap();
+    assert_eq!(summary.iterations, 3);
+    assert!(out.path().join(adapters::WEIGHTS).exists());
+    assert_eq!(opt.step(), 3);
+}
