@@ -22,6 +22,10 @@ pub struct ModelArgs {
     /// Keep quantised weights quantised even on the CPU (default: dequantise on the CPU).
     #[arg(long)]
     pub keep_quantized: bool,
+    /// LoRA adapters (an mlx-lm adapter folder: adapters.safetensors + adapter_config.json). For
+    /// `rmlx lora`, where they are written (default: ./adapters).
+    #[arg(long)]
+    pub adapter_path: Option<PathBuf>,
 }
 
 /// Parses a dtype name.
@@ -35,9 +39,16 @@ pub fn parse_dtype(name: &str) -> Result<Dtype> {
 }
 
 impl ModelArgs {
-    /// Loads the model (with progress on stderr); Ctrl-C stops a first download cleanly.
+    /// Loads the model (with progress on stderr) and the adapters of `--adapter-path`; Ctrl-C
+    /// stops a first download cleanly.
     pub fn load(&self) -> Result<LoadedModel> {
-        self.load_interruptible(false)
+        let mut lm = self.load_interruptible(false)?;
+        if let Some(dir) = &self.adapter_path {
+            let cfg = rmlx_lm::tuner::adapters::load(lm.model.as_mut(), dir, lm.dtype)
+                .with_context(|| format!("loading the adapters of {}", dir.display()))?;
+            eprintln!("adapters: {} (rank {}, scale {})", dir.display(), cfg.lora.rank, cfg.lora.scale);
+        }
+        Ok(lm)
     }
 
     /// Loads the model; `allow_missing_tokenizer` accepts folders without tokenizer.json.

@@ -8,6 +8,7 @@ mod chat;
 mod common;
 mod generate;
 mod interrupt;
+mod lora;
 mod perplexity;
 
 use clap::{Parser, Subcommand};
@@ -30,6 +31,8 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Prefill and decode speed with the protocol of mlx-lm's peer benchmark.
     Bench(bench::Args),
+    /// Fine-tune LoRA adapters (--train) and test them (--test), with mlx_lm.lora's flags.
+    Lora(lora::Args),
 }
 
 fn main() {
@@ -41,6 +44,7 @@ fn main() {
         Command::Chat(a) => chat::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Lora(a) => lora::run(a),
     });
     if let Err(e) = result {
         eprintln!("error: {e:#}");

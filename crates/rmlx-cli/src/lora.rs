@@ -1,0 +1,197 @@
+//! `rmlx lora`: LoRA fine-tuning and testing with mlx-lm's `mlx_lm.lora` flags and defaults.
+//!
+//! `--train` attaches fresh adapters (rank 8, scale 20 unless given) to the last `--num-layers`
+//! blocks, trains them on `--data`/train.jsonl (validating on valid.jsonl), and writes
+//! `adapter_config.json` and `adapters.safetensors` to `--adapter-path`. `--test` reports the loss
+//! and perplexity on test.jsonl, with the adapters just trained or read from `--adapter-path`.
+//! Ctrl-C during training saves the adapters and stops; a second Ctrl-C ends the process.
+
+use crate::common::{count, positive, ModelArgs};
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args as ClapArgs;
+use rmlx_lm::tuner::adapters::{self, AdapterConfig};
+use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
+use rmlx_lm::tuner::{self, DataOptions, LoraConfig, Report, Sequence, TrainConfig};
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(ClapArgs, Debug)]
+#[command(allow_negative_numbers = true)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Train adapters.
+    #[arg(long)]
+    train: bool,
+    /// Report the loss on test.jsonl.
+    #[arg(long)]
+    test: bool,
+    /// A folder with train.jsonl, valid.jsonl and test.jsonl.
+    #[arg(long, default_value = "data")]
+    data: PathBuf,
+    /// lora (dora and full fine-tuning are not implemented yet).
+    #[arg(long, default_value = "lora")]
+    fine_tune_type: String,
+    /// Blocks, from the last, that get adapters (-1: all).
+    #[arg(long, default_value_t = 16)]
+    num_layers: i64,
+    #[arg(long, default_value_t = 4, value_parser = positive)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 1000, value_parser = positive)]
+    iters: usize,
+    /// Validation batches per evaluation (-1: the whole set).
+    #[arg(long, default_value_t = 25)]
+    val_batches: i64,
+    #[arg(long, default_value_t = 1e-5)]
+    learning_rate: f32,
+    #[arg(long, default_value_t = 10, value_parser = positive)]
+    steps_per_report: usize,
+    #[arg(long, default_value_t = 200, value_parser = positive)]
+    steps_per_eval: usize,
+    #[arg(long, default_value_t = 100, value_parser = positive)]
+    save_every: usize,
+    #[arg(long, default_value_t = 2048, value_parser = positive)]
+    max_seq_length: usize,
+    /// Compute the loss on the completion (last message) only.
+    #[arg(long)]
+    mask_prompt: bool,
+    #[arg(long, default_value_t = 0, value_parser = count)]
+    seed: usize,
+    /// Test batches (-1: the whole set).
+    #[arg(long, default_value_t = 500)]
+    test_batches: i64,
+    /// adam, adamw or sgd (MLX's defaults for each).
+    #[arg(long, default_value = "adam")]
+    optimizer: String,
+    /// Start from the adapter weights of this .safetensors file.
+    #[arg(long)]
+    resume_adapter_file: Option<PathBuf>,
+    /// Adapter rank (mlx-lm's lora_parameters.rank).
+    #[arg(long, default_value_t = 8, value_parser = positive)]
+    lora_rank: usize,
+    /// Adapter scale (mlx-lm's lora_parameters.scale; PEFT's lora_alpha / r).
+    #[arg(long, default_value_t = 20.0)]
+    lora_scale: f32,
+    /// One JSON object per report on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `-1` → all, a positive count → itself.
+fn all_or(v: i64, what: &str) -> Result<Option<usize>> {
+    match v {
+        -1 => Ok(None),
+        n if n > 0 => Ok(Some(n as usize)),
+        n => bail!("--{what} must be positive or -1 (all), got {n}"),
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    ensure!(a.train || a.test, "nothing to do: pass --train, --test or both");
+    ensure!(a.fine_tune_type == "lora", "--fine-tune-type {} is not implemented yet (lora is)", a.fine_tune_type);
+    let num_layers = all_or(a.num_layers, "num-layers")?;
+    let (val_batches, test_batches) = (all_or(a.val_batches, "val-batches")?, all_or(a.test_batches, "test-batches")?);
+    let kind = match a.optimizer.as_str() {
+        "adam" => OptimizerKind::adam(),
+        "adamw" => OptimizerKind::adamw(),
+        "sgd" => OptimizerKind::sgd(),
+        other => bail!("unknown --optimizer `{other}` (adam, adamw or sgd)"),
+    };
+    let adapter_dir = a.model.adapter_path.clone().unwrap_or_else(|| PathBuf::from("adapters"));
+    let splits = tuner::load_dir(&a.data, &DataOptions { mask_prompt: a.mask_prompt, ..DataOptions::default() })?;
+    let base = ModelArgs { adapter_path: None, ..a.model.clone() };
+    let mut lm = base.load()?;
+    let tokenize = |d: &Option<tuner::Dataset>| -> Result<Vec<Sequence>> {
+        d.as_ref().map_or(Ok(Vec::new()), |d| Ok(d.tokenize(&lm.tokenizer, &lm.chat_template)?))
+    };
+    if a.train {
+        let train = tokenize(&splits.train)?;
+        ensure!(!train.is_empty(), "no training data: {} is missing or empty", a.data.join("train.jsonl").display());
+        let valid = tokenize(&splits.valid)?;
+        if valid.is_empty() {
+            eprintln!("warning: no validation set ({}): training proceeds without validation", a.data.join("valid.jsonl").display());
+        }
+        let config = AdapterConfig {
+            num_layers,
+            lora: LoraConfig { rank: a.lora_rank as i32, scale: a.lora_scale, dropout: 0.0, keys: None },
+        };
+        let paths = tuner::apply_lora(lm.model.as_mut(), num_layers, &config.lora, lm.dtype, a.seed as u64)?;
+        if let Some(file) = &a.resume_adapter_file {
+            let arrays = rmlx::io::load_safetensors(file).with_context(|| format!("reading {}", file.display()))?.arrays;
+            let n = rmlx_lm::nn::ModuleExt::update(lm.model.as_mut(), "", arrays.into_iter().collect())
+                .with_context(|| format!("resuming from {}", file.display()))?;
+            eprintln!("resumed {n} adapter arrays from {}", file.display());
+        }
+        let trainable = tuner::lora_parameter_names(lm.model.as_ref());
+        let extra = json!({"model": lm.source.display().to_string(), "data": a.data.display().to_string(),
+            "batch_size": a.batch_size, "iters": a.iters, "learning_rate": a.learning_rate, "optimizer": a.optimizer,
+            "max_seq_length": a.max_seq_length, "mask_prompt": a.mask_prompt, "seed": a.seed});
+        adapters::save_config(&adapter_dir, &config, extra.as_object().expect("an object"))?;
+        eprintln!(
+            "training {} adapter arrays on {} layers ({} examples, {} validation)",
+            trainable.len(),
+            paths.len(),
+            train.len(),
+            valid.len()
+        );
+        let cfg = TrainConfig {
+            iters: a.iters,
+            batch_size: a.batch_size,
+            val_batches,
+            steps_per_report: a.steps_per_report,
+            steps_per_eval: a.steps_per_eval,
+            save_every: a.save_every,
+            max_seq_length: a.max_seq_length,
+            seed: a.seed as u64,
+            adapter_dir: Some(adapter_dir.clone()),
+        };
+        let mut opt = Optimizer::new(kind, Schedule::Constant(a.learning_rate));
+        crate::interrupt::install()?;
+        let _training = crate::interrupt::Replying::start();
+        let json_out = a.json;
+        let mut print = |r: &Report| print_report(r, json_out);
+        tuner::train(lm.model.as_mut(), &trainable, &mut opt, &train, &valid, &cfg, &mut print, &crate::interrupt::requested)?;
+    } else {
+        adapters::load(lm.model.as_mut(), &adapter_dir, lm.dtype)
+            .with_context(|| format!("loading the adapters of {}", adapter_dir.display()))?;
+    }
+    if a.test {
+        let test = tokenize(&splits.test)?;
+        ensure!(!test.is_empty(), "no test data: {} is missing or empty", a.data.join("test.jsonl").display());
+        let (loss, tokens) = tuner::evaluate(lm.model.as_ref(), &test, a.batch_size, test_batches, a.max_seq_length)?;
+        if a.json {
+            println!("{}", json!({"test_loss": loss, "test_ppl": loss.exp(), "tokens": tokens}));
+        } else {
+            println!("Test loss {loss:.3}, Test ppl {:.3}.", loss.exp());
+        }
+    }
+    Ok(())
+}
+
+fn print_report(r: &Report, json_out: bool) {
+    match r {
+        Report::Train { iter, loss, learning_rate, tokens_per_sec, trained_tokens, peak_memory_gb } => {
+            if json_out {
+                println!("{}", json!({"iter": iter, "train_loss": loss, "learning_rate": learning_rate,
+                    "tokens_per_sec": tokens_per_sec, "trained_tokens": trained_tokens, "peak_memory_gb": peak_memory_gb}));
+            } else {
+                eprintln!(
+                    "Iter {iter}: Train loss {loss:.3}, Learning Rate {learning_rate:.3e}, Tokens/sec {tokens_per_sec:.1}, \
+                     Trained Tokens {trained_tokens}, Peak mem {peak_memory_gb:.3} GB"
+                );
+            }
+        }
+        Report::Val { iter, loss, seconds } => {
+            if json_out {
+                println!("{}", json!({"iter": iter, "val_loss": loss, "val_time": seconds}));
+            } else {
+                eprintln!("Iter {iter}: Val loss {loss:.3}, Val took {seconds:.3}s");
+            }
+        }
+        Report::Saved { iter, path } => eprintln!("Iter {iter}: Saved adapter weights to {}.", path.display()),
+        Report::Truncated { longest, max_seq_length, .. } => eprintln!(
+            "warning: some sequences are longer than {max_seq_length} tokens; the longest ({longest}) is truncated. \
+             Consider pre-splitting your data to save memory."
+        ),
+    }
+}
