@@ -101,3 +101,26 @@ fn a_stop_request_saves_and_ends_the_run() {
     assert!(out.path().join(adapters::WEIGHTS).exists());
     assert_eq!(opt.step(), 3);
 }
+
+/// Adapters made by mlx-lm itself (`scripts/make_adapter_fixtures.py`: its `linear_to_lora_layers`
+/// on the fixture models, every `lora_b` moved from zero) load here and give mlx-lm's logits.
+#[test]
+fn mlx_lm_adapters_give_mlx_lm_logits() {
+    for case in ["llama_gqa_all", "qwen3_last_q_v"] {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters").join(case);
+        let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let model_dir = fixture_with_tokenizer(reference["model"].as_str().unwrap());
+        let mut lm = rmlx_lm::load(model_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+        let ids: Vec<i32> = reference["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
+        let base = logits(&lm, &ids);
+        let cfg = adapters::load(lm.model.as_mut(), &dir, Dtype::Float32).unwrap();
+        let want: Vec<f32> = reference["logits"].as_array().unwrap().iter().flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+        let got = logits(&lm, &ids);
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let effect = base.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(diff < 1e-4, "{case}: max |rmlx - mlx-lm| = {diff}");
+        assert!(effect > 100.0 * diff.max(1e-6), "{case}: the adapters change the logits (by {effect})");
+        let expected_arrays = if case == "llama_gqa_all" { 28 } else { 4 };
+        assert_eq!(rmlx_lm::tuner::lora_parameter_names(lm.model.as_ref()).len(), expected_arrays, "{case}: {cfg:?}");
+    }
+}

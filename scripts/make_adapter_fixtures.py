@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""LoRA adapter fixtures made by mlx-lm itself, with the logits mlx-lm computes with them.
+
+For each case below, loads a fixture model with ``mlx_lm.utils.load_model``, attaches adapters with
+``mlx_lm.tuner.utils.linear_to_lora_layers`` (mlx-lm's own code: which layers, which orientation),
+moves every ``lora_b`` away from zero (seeded), and writes into
+``crates/rmlx-lm/tests/fixtures/adapters/<case>/``:
+
+  adapters.safetensors   the adapter arrays, as mlx-lm's trainer saves them
+  adapter_config.json    fine_tune_type, num_layers, lora_parameters (as mlx-lm writes them)
+  reference.json         {"ids": [...], "logits": [[...]]}: the model's logits with the adapters,
+                         computed in float32 (bfloat16 fixtures are converted first)
+
+Needs: pip install mlx-lm "mlx[cpu]" (measured with mlx-lm 0.32.2, mlx 0.32.4). Run from the
+project root: python scripts/make_adapter_fixtures.py
+"""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten
+from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.utils import load_model
+
+ROOT = Path("crates/rmlx-lm/tests/fixtures")
+IDS = [1, 5, 9, 3, 7, 11]
+CASES = {
+    # name: (fixture model, num_layers, lora_parameters)
+    "llama_gqa_all": ("llama_gqa", -1, {"rank": 4, "scale": 3.0, "dropout": 0.0}),
+    "qwen3_last_q_v": ("qwen3", 1, {"rank": 2, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}),
+}
+
+
+def main():
+    for case, (fixture, num_layers, params) in CASES.items():
+        model, _ = load_model(ROOT / "models" / fixture)
+        model.set_dtype(mx.float32)  # the reference is computed in float32 (the Rust test's dtype)
+        model.freeze()
+        linear_to_lora_layers(model, num_layers, params)
+        mx.random.seed(0)
+        adapters = {}
+        for name, value in tree_flatten(model.trainable_parameters()):
+            if name.endswith("lora_b"):
+                value = mx.random.normal(value.shape) * 0.1
+            adapters[name] = value
+        model.load_weights(list(adapters.items()), strict=False)
+        out = ROOT / "adapters" / case
+        out.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(out / "adapters.safetensors"), adapters)
+        config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+        logits = model(mx.array([IDS]))[0].astype(mx.float32)
+        ref = {"mlx_lm": mlx_lm.__version__, "model": fixture, "ids": IDS, "logits": logits.tolist()}
+        (out / "reference.json").write_text(json.dumps(ref) + "\n")
+        print(case, len(adapters), "arrays")
+
+
+if __name__ == "__main__":
+    main()
