@@ -6,6 +6,7 @@
 mod bench;
 mod chat;
 mod common;
+mod fuse;
 mod generate;
 mod interrupt;
 mod lora;
@@ -33,6 +34,8 @@ enum Command {
     Bench(bench::Args),
     /// Fine-tune LoRA adapters (--train) and test them (--test), with mlx_lm.lora's flags.
     Lora(lora::Args),
+    /// Merge LoRA adapters into the base weights and write a Hugging Face folder.
+    Fuse(fuse::Args),
 }
 
 fn main() {
@@ -45,6 +48,7 @@ fn main() {
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Lora(a) => lora::run(a),
+        Command::Fuse(a) => fuse::run(a),
     });
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -9,6 +9,7 @@
 pub mod adapters;
 pub mod batch;
 pub mod data;
+pub mod fuse;
 pub mod lora;
 pub mod loss;
 pub mod optim;

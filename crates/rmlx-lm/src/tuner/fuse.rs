@@ -1,0 +1,154 @@
+//! Fusing adapters into the base weights: every adapted linear's weight becomes `W + scale·(A B)ᵀ`,
+//! and the model is written as a Hugging Face folder (the source folder's config, tokenizer and
+//! template files, plus `model.safetensors`, sharded with an index above 5 GB) that rmlx, mlx-lm and
+//! transformers load.
+//!
+//! A quantised base is written dequantised (the `quantization` entries leave the config), in the
+//! model's compute dtype. Gemma's norms go back to the checkpoint's `w` (rmlx keeps `1 + w`).
+
+use crate::config::Architecture;
+use crate::nn::ModuleExt;
+use crate::{Error, LoadedModel, Result};
+use rmlx::quantization::{dequantize, QuantMode, Quantized};
+use rmlx::{Array, Dtype};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// Largest shard written.
+const SHARD_BYTES: u64 = 5 << 30;
+
+/// What [`fuse`] wrote.
+#[derive(Debug, PartialEq)]
+pub struct FuseSummary {
+    /// Linear layers whose adapter was merged.
+    pub fused: usize,
+    /// Tensors written.
+    pub tensors: usize,
+    pub shards: usize,
+    /// Whether quantised weights were dequantised.
+    pub dequantized: bool,
+}
+
+/// The tensors of the fused model under the checkpoint's names.
+pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, usize, bool)> {
+    let mut replaced: BTreeMap<String, Array> = BTreeMap::new();
+    let mut adapted = Vec::new();
+    let mut quantized = false;
+    let mut failure = None;
+    lm.model.visit_linears("", &mut |path, linear| {
+        quantized |= linear.is_quantized();
+        if linear.lora().is_none() && !linear.is_quantized() {
+            return;
+        }
+        match linear.fused_weight() {
+            Ok(w) => {
+                replaced.insert(format!("{path}.weight"), w);
+                if linear.lora().is_some() {
+                    adapted.push(path.to_string());
+                }
+            }
+            Err(e) => failure = Some(e),
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let gemma = lm.model.config().architecture()? == Architecture::Gemma3;
+    let mut out = BTreeMap::new();
+    for (name, a) in lm.model.parameters("") {
+        let owner = name.rsplit_once('.').map_or("", |(p, _)| p);
+        if name.ends_with(".lora_a") || name.ends_with(".lora_b") {
+            continue;
+        }
+        if replaced.contains_key(&format!("{owner}.weight")) && (name.ends_with(".scales") || name.ends_with(".biases")) {
+            continue; // a dequantised linear's quantisation arrays
+        }
+        let a = match replaced.get(&name) {
+            Some(w) => w.clone(),
+            None if gemma && name.ends_with("norm.weight") => (a.astype(Dtype::Float32)? - 1.0)?.astype(a.dtype())?,
+            None => a,
+        };
+        out.insert(name, a);
+    }
+    // Other quantised tensors (the embedding) are dequantised too, with the config's bits and
+    // group size (a per-tensor entry of the `quantization` block overrides them).
+    let packed: Vec<String> = out.keys().filter(|n| out[*n].dtype() == Dtype::Uint32).cloned().collect();
+    for name in packed {
+        let prefix = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+        let block = lm.model.config().quantization_block().cloned().unwrap_or(Value::Null);
+        let int = |v: &Value, k: &str, default: i32| v.get(k).and_then(Value::as_i64).map_or(default, |n| n as i32);
+        let own = block.get(&prefix).cloned().unwrap_or(Value::Null);
+        let (gs, bits) = (int(&own, "group_size", int(&block, "group_size", 64)), int(&own, "bits", int(&block, "bits", 4)));
+        let scales = out.remove(&format!("{prefix}.scales")).ok_or_else(|| Error::MissingTensor(format!("{prefix}.scales")))?;
+        let q = Quantized {
+            weight: out.remove(&name).expect("listed above"),
+            biases: out.remove(&format!("{prefix}.biases")),
+            group_size: gs,
+            bits,
+            mode: QuantMode::Affine,
+            scales: scales.clone(),
+        };
+        out.insert(name, dequantize(&q, Some(scales.dtype()))?);
+        quantized = true;
+    }
+    Ok((out, adapted.len(), quantized))
+}
+
+/// Writes the fused model of `lm` (loaded from the folder `source`) into `dest`.
+pub fn fuse(lm: &mut LoadedModel, source: &Path, dest: &Path) -> Result<FuseSummary> {
+    if !source.is_dir() {
+        return Err(Error::Config(format!("{}: fusing needs a Hugging Face folder (GGUF files are not supported)", source.display())));
+    }
+    let (tensors, fused, dequantized) = fused_tensors(lm)?;
+    std::fs::create_dir_all(dest).map_err(|e| Error::io(dest, e))?;
+    // Everything but the weights comes from the source folder.
+    for entry in std::fs::read_dir(source).map_err(|e| Error::io(source, e))? {
+        let p = entry.map_err(|e| Error::io(source, e))?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let weights = name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name.ends_with(".gguf");
+        if p.is_file() && !weights && name != "config.json" {
+            std::fs::copy(&p, dest.join(&name)).map_err(|e| Error::io(dest.join(&name), e))?;
+        }
+    }
+    let config_path = source.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?)
+        .map_err(|e| Error::Config(format!("{}: {e}", config_path.display())))?;
+    if let Value::Object(o) = &mut config {
+        o.remove("quantization");
+        o.remove("quantization_config");
+    }
+    std::fs::write(dest.join("config.json"), serde_json::to_string_pretty(&config).expect("JSON"))
+        .map_err(|e| Error::io(dest.join("config.json"), e))?;
+    // Shards of at most SHARD_BYTES, in name order.
+    let mut shards: Vec<BTreeMap<String, Array>> = vec![BTreeMap::new()];
+    let mut size = 0u64;
+    for (name, a) in tensors.iter() {
+        let bytes = a.nbytes() as u64;
+        if size + bytes > SHARD_BYTES && !shards.last().expect("one shard").is_empty() {
+            shards.push(BTreeMap::new());
+            size = 0;
+        }
+        size += bytes;
+        shards.last_mut().expect("one shard").insert(name.clone(), a.clone());
+    }
+    let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    if shards.len() == 1 {
+        rmlx::io::save_safetensors(dest.join("model.safetensors"), &shards[0], &meta)?;
+    } else {
+        let n = shards.len();
+        let mut map = serde_json::Map::new();
+        let total: u64 = tensors.values().map(|a| a.nbytes() as u64).sum();
+        for (i, shard) in shards.iter().enumerate() {
+            let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            rmlx::io::save_safetensors(dest.join(&file), shard, &meta)?;
+            for name in shard.keys() {
+                map.insert(name.clone(), json!(file));
+            }
+        }
+        let index = json!({"metadata": {"total_size": total}, "weight_map": map});
+        std::fs::write(dest.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index).expect("JSON"))
+            .map_err(|e| Error::io(dest, e))?;
+    }
+    Ok(FuseSummary { fused, tensors: tensors.len(), shards: shards.len(), dequantized })
+}
