@@ -117,3 +117,41 @@ fn bad_input_is_reported_before_training() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("adapter_config.json"));
     let _ = std::fs::remove_dir_all(&w);
 }
+
+/// The default model (SmolLM2-135M-Instruct, the same one the README's `generate` uses) learns a
+/// small task: additions written as `{"prompt": "What is A plus B?", "completion": "The answer is
+/// C."}`, generated here deterministically, with the loss on the completion only. 30 steps on the
+/// CPU took the validation loss from 1.37 to 0.40 when this was written; the test asserts a halving.
+#[test]
+fn the_default_model_learns_a_small_task() {
+    let dir = std::env::temp_dir().join(format!("rmlx-cli-lora-default-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let mut state = 12345u64;
+    let mut next = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) % 50 + 1
+    };
+    for (name, n) in [("train", 64), ("valid", 16)] {
+        let lines: Vec<String> = (0..n)
+            .map(|_| {
+                let (a, b) = (next(), next());
+                json!({"prompt": format!("What is {a} plus {b}?"), "completion": format!("The answer is {}.", a + b)}).to_string()
+            })
+            .collect();
+        std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n") + "\n").unwrap();
+    }
+    let out = rmlx(&[
+        "lora", "--train", "--data", s(&data), "--adapter-path", s(&dir.join("adapters")), "--iters", "30",
+        "--learning-rate", "1e-4", "--num-layers", "4", "--steps-per-eval", "30", "--val-batches", "-1", "--mask-prompt", "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let val: Vec<f64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok()?.get("val_loss")?.as_f64())
+        .collect();
+    assert_eq!(val.len(), 2, "validation at iterations 1 and 30");
+    assert!(val[1] < 0.5 * val[0], "validation loss {} -> {}", val[0], val[1]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
