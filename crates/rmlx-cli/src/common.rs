@@ -46,7 +46,12 @@ impl ModelArgs {
         if let Some(dir) = &self.adapter_path {
             let cfg = rmlx_lm::tuner::adapters::load(lm.model.as_mut(), dir, lm.dtype)
                 .with_context(|| format!("loading the adapters of {}", dir.display()))?;
-            eprintln!("adapters: {} (rank {}, scale {})", dir.display(), cfg.lora.rank, cfg.lora.scale);
+            match cfg.fine_tune_type {
+                rmlx_lm::tuner::adapters::FineTuneType::Lora => {
+                    eprintln!("adapters: {} (rank {}, scale {})", dir.display(), cfg.lora.rank, cfg.lora.scale)
+                }
+                rmlx_lm::tuner::adapters::FineTuneType::Full => eprintln!("adapters: {} (fully fine-tuned weights)", dir.display()),
+            }
         }
         Ok(lm)
     }

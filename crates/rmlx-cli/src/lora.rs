@@ -9,7 +9,7 @@
 use crate::common::{count, positive, ModelArgs};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args as ClapArgs;
-use rmlx_lm::tuner::adapters::{self, AdapterConfig};
+use rmlx_lm::tuner::adapters::{self, AdapterConfig, FineTuneType};
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
 use rmlx_lm::tuner::{self, DataOptions, LoraConfig, Report, Sequence, TrainConfig};
 use serde_json::json;
@@ -29,7 +29,8 @@ pub struct Args {
     /// A folder with train.jsonl, valid.jsonl and test.jsonl.
     #[arg(long, default_value = "data")]
     data: PathBuf,
-    /// lora (dora and full fine-tuning are not implemented yet).
+    /// lora, or full (the weights of the last --num-layers blocks themselves; dora is not
+    /// implemented yet).
     #[arg(long, default_value = "lora")]
     fine_tune_type: String,
     /// Blocks, from the last, that get adapters (-1: all).
@@ -88,7 +89,11 @@ fn all_or(v: i64, what: &str) -> Result<Option<usize>> {
 
 pub fn run(a: Args) -> Result<()> {
     ensure!(a.train || a.test, "nothing to do: pass --train, --test or both");
-    ensure!(a.fine_tune_type == "lora", "--fine-tune-type {} is not implemented yet (lora is)", a.fine_tune_type);
+    let fine_tune_type = match a.fine_tune_type.as_str() {
+        "lora" => FineTuneType::Lora,
+        "full" => FineTuneType::Full,
+        other => bail!("--fine-tune-type {other} is not implemented yet (lora and full are)"),
+    };
     let num_layers = all_or(a.num_layers, "num-layers")?;
     let (val_batches, test_batches) = (all_or(a.val_batches, "val-batches")?, all_or(a.test_batches, "test-batches")?);
     let kind = match a.optimizer.as_str() {
@@ -112,28 +117,28 @@ pub fn run(a: Args) -> Result<()> {
             eprintln!("warning: no validation set ({}): training proceeds without validation", a.data.join("valid.jsonl").display());
         }
         let config = AdapterConfig {
+            fine_tune_type,
             num_layers,
             lora: LoraConfig { rank: a.lora_rank as i32, scale: a.lora_scale, dropout: 0.0, keys: None },
         };
-        let paths = tuner::apply_lora(lm.model.as_mut(), num_layers, &config.lora, lm.dtype, a.seed as u64)?;
+        let trainable = match fine_tune_type {
+            FineTuneType::Lora => {
+                tuner::apply_lora(lm.model.as_mut(), num_layers, &config.lora, lm.dtype, a.seed as u64)?;
+                tuner::lora_parameter_names(lm.model.as_ref())
+            }
+            FineTuneType::Full => tuner::full_parameter_names(lm.model.as_ref(), num_layers)?,
+        };
         if let Some(file) = &a.resume_adapter_file {
             let arrays = rmlx::io::load_safetensors(file).with_context(|| format!("reading {}", file.display()))?.arrays;
             let n = rmlx_lm::nn::ModuleExt::update(lm.model.as_mut(), "", arrays.into_iter().collect())
                 .with_context(|| format!("resuming from {}", file.display()))?;
             eprintln!("resumed {n} adapter arrays from {}", file.display());
         }
-        let trainable = tuner::lora_parameter_names(lm.model.as_ref());
         let extra = json!({"model": lm.source.display().to_string(), "data": a.data.display().to_string(),
             "batch_size": a.batch_size, "iters": a.iters, "learning_rate": a.learning_rate, "optimizer": a.optimizer,
             "max_seq_length": a.max_seq_length, "mask_prompt": a.mask_prompt, "seed": a.seed});
         adapters::save_config(&adapter_dir, &config, extra.as_object().expect("an object"))?;
-        eprintln!(
-            "training {} adapter arrays on {} layers ({} examples, {} validation)",
-            trainable.len(),
-            paths.len(),
-            train.len(),
-            valid.len()
-        );
+        eprintln!("training {} arrays ({} examples, {} validation)", trainable.len(), train.len(), valid.len());
         let cfg = TrainConfig {
             iters: a.iters,
             batch_size: a.batch_size,

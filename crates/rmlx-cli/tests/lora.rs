@@ -155,3 +155,36 @@ fn the_default_model_learns_a_small_task() {
     assert!(val[1] < 0.5 * val[0], "validation loss {} -> {}", val[0], val[1]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--fine-tune-type full` trains the last blocks' own weights: the file holds exactly those
+/// arrays, the loss falls, and `--test` / `generate --adapter-path` load them back.
+#[test]
+fn full_fine_tuning_of_the_last_block() {
+    let w = workspace("full");
+    let (model, data, out_dir) = (w.join("model"), w.join("data"), w.join("full"));
+    let out = rmlx(&[
+        "lora", "--model", s(&model), "--dtype", "float32", "--train", "--test", "--data", s(&data), "--adapter-path", s(&out_dir),
+        "--fine-tune-type", "full", "--num-layers", "1", "--iters", "20", "--learning-rate", "1e-3", "--steps-per-eval", "20",
+        "--val-batches", "-1", "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let reports: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let val: Vec<f64> = reports.iter().filter_map(|r| r["val_loss"].as_f64()).collect();
+    assert!(val.len() == 2 && val[1] < val[0], "validation loss {val:?}");
+    let test_loss = reports.last().unwrap()["test_loss"].as_f64().unwrap();
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["fine_tune_type"].as_str(), cfg["num_layers"].as_i64()), (Some("full"), Some(1)));
+    // The fixture has 2 blocks of 9 arrays each: the file holds block 1's.
+    let header = std::fs::read(out_dir.join("adapters.safetensors")).unwrap();
+    let n = u64::from_le_bytes(header[..8].try_into().unwrap()) as usize;
+    let meta: Value = serde_json::from_slice(&header[8..8 + n]).unwrap();
+    let mut names: Vec<&String> = meta.as_object().unwrap().keys().filter(|k| *k != "__metadata__").collect();
+    names.sort();
+    assert_eq!(names.len(), 9);
+    assert!(names.iter().all(|n| n.starts_with("model.layers.1.")), "{names:?}");
+    let out = rmlx(&["lora", "--model", s(&model), "--dtype", "float32", "--test", "--data", s(&data), "--adapter-path", s(&out_dir), "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let again: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+    assert_eq!(again["test_loss"].as_f64(), Some(test_loss));
+    let _ = std::fs::remove_dir_all(&w);
+}

@@ -7,7 +7,7 @@ mod common;
 
 use common::{fixture_with_tokenizer, TempDir};
 use rmlx::{Array, Dtype};
-use rmlx_lm::tuner::adapters::{self, AdapterConfig};
+use rmlx_lm::tuner::adapters::{self, AdapterConfig, FineTuneType};
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
 use rmlx_lm::tuner::{apply_lora, evaluate, lora_parameter_names, train, LoraConfig, Report, Sequence, TrainConfig};
 use rmlx_lm::{LoadOptions, LoadedModel};
@@ -73,7 +73,7 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
     let hidden = lm.model.config().hidden_size;
     assert_eq!(saved["model.layers.0.self_attn.q_proj.lora_a"].shape(), &[hidden, 4]);
     // A fresh model with the adapters loaded gives the trained model's logits.
-    let config = AdapterConfig { num_layers: None, lora: lora.clone() };
+    let config = AdapterConfig { fine_tune_type: FineTuneType::Lora, num_layers: None, lora: lora.clone() };
     adapters::save_config(out.path(), &config, &serde_json::Map::new()).unwrap();
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join(adapters::CONFIG)).unwrap()).unwrap();
     assert_eq!((json["fine_tune_type"].as_str(), json["num_layers"].as_i64(), json["lora_parameters"]["rank"].as_i64()), (Some("lora"), Some(-1), Some(4)));

@@ -1,7 +1,8 @@
 //! Adapter files as mlx-lm writes and reads them: `adapters.safetensors` (the adapters' arrays
 //! under the model's names, `…q_proj.lora_a: [in, r]`, `…lora_b: [r, out]`) and
 //! `adapter_config.json` (`fine_tune_type`, `num_layers`, `lora_parameters {rank, scale, dropout,
-//! keys}`). Files are written to a temporary name and renamed, so a reader never sees half a file.
+//! keys}`). With full fine-tuning the file holds the trained weights themselves. Files are written
+//! to a temporary name and renamed, so a reader never sees half a file.
 
 use super::lora::{apply_lora, lora_parameter_names, LoraConfig};
 use crate::models::Model;
@@ -17,10 +18,20 @@ pub const WEIGHTS: &str = "adapters.safetensors";
 /// The adapter config file of a folder.
 pub const CONFIG: &str = "adapter_config.json";
 
+/// mlx-lm's `fine_tune_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FineTuneType {
+    /// Low-rank adapters; the file holds their `lora_a`/`lora_b` arrays.
+    Lora,
+    /// The weights themselves; the file holds every trained array of the model.
+    Full,
+}
+
 /// What `adapter_config.json` says about the adapters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdapterConfig {
-    /// Blocks from the end that carry adapters (`None`: all, mlx-lm's `-1`).
+    pub fine_tune_type: FineTuneType,
+    /// Blocks from the end that carry adapters or are trained (`None`: all, mlx-lm's `-1`).
     pub num_layers: Option<usize>,
     pub lora: LoraConfig,
 }
@@ -29,7 +40,7 @@ impl AdapterConfig {
     /// The JSON mlx-lm reads (extra keys, such as training settings, may be merged in).
     pub fn to_json(&self) -> Value {
         json!({
-            "fine_tune_type": "lora",
+            "fine_tune_type": match self.fine_tune_type { FineTuneType::Lora => "lora", FineTuneType::Full => "full" },
             "num_layers": self.num_layers.map_or(-1, |n| n as i64),
             "lora_parameters": {
                 "rank": self.lora.rank,
@@ -43,16 +54,22 @@ impl AdapterConfig {
     /// Reads mlx-lm's `adapter_config.json`; `file` names it in errors.
     pub fn from_json(v: &Value, file: &str) -> Result<AdapterConfig> {
         let bad = |what: String| Error::Config(format!("{file}: {what}"));
-        match v.get("fine_tune_type").and_then(Value::as_str).unwrap_or("lora") {
-            "lora" => {}
-            other => return Err(bad(format!("fine_tune_type `{other}` is not supported yet (lora is)"))),
-        }
+        let fine_tune_type = match v.get("fine_tune_type").and_then(Value::as_str).unwrap_or("lora") {
+            "lora" => FineTuneType::Lora,
+            "full" => FineTuneType::Full,
+            other => return Err(bad(format!("fine_tune_type `{other}` is not supported yet (lora and full are)"))),
+        };
         let num_layers = match v.get("num_layers").and_then(Value::as_i64) {
             None | Some(-1) => None,
             Some(n) if n > 0 => Some(n as usize),
             Some(n) => return Err(bad(format!("num_layers must be positive or -1, got {n}"))),
         };
-        let p = v.get("lora_parameters").ok_or_else(|| bad("no `lora_parameters`".into()))?;
+        let none = json!({"rank": 8, "scale": 20.0});
+        let p = match (v.get("lora_parameters"), fine_tune_type) {
+            (Some(p), _) => p,
+            (None, FineTuneType::Full) => &none,
+            (None, FineTuneType::Lora) => return Err(bad("no `lora_parameters`".into())),
+        };
         let rank = p.get("rank").and_then(Value::as_i64).ok_or_else(|| bad("`lora_parameters.rank` is missing".into()))?;
         let scale = p.get("scale").and_then(Value::as_f64).ok_or_else(|| bad("`lora_parameters.scale` is missing".into()))?;
         let keys = match p.get("keys") {
@@ -66,6 +83,7 @@ impl AdapterConfig {
         };
         let rank = i32::try_from(rank).map_err(|_| bad(format!("rank {rank} is out of range")))?;
         Ok(AdapterConfig {
+            fine_tune_type,
             num_layers,
             lora: LoraConfig { rank, scale: scale as f32, dropout: p.get("dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32, keys },
         })
@@ -97,13 +115,15 @@ pub fn save_config(dir: &Path, config: &AdapterConfig, extra: &serde_json::Map<S
     write_atomically(&dir.join(CONFIG), |tmp| std::fs::write(tmp, text).map_err(|e| Error::io(tmp, e)))
 }
 
-/// Writes the model's adapter arrays to `path` (a `.safetensors` file).
-pub fn save_weights(model: &dyn Model, path: &Path) -> Result<()> {
-    let names = lora_parameter_names(model);
+/// Writes the model's arrays named in `names` (the trained ones) to `path` (a `.safetensors` file).
+pub fn save_weights(model: &dyn Model, names: &[String], path: &Path) -> Result<()> {
     let all: HashMap<String, Array> = model.parameters("").into_iter().collect();
-    let arrays: BTreeMap<String, Array> = names.into_iter().map(|n| (n.clone(), all[&n].clone())).collect();
+    let arrays: BTreeMap<String, Array> = names
+        .iter()
+        .map(|n| all.get(n).map(|a| (n.clone(), a.clone())).ok_or_else(|| Error::InvalidParameter(format!("no parameter named `{n}`"))))
+        .collect::<Result<_>>()?;
     if arrays.is_empty() {
-        return Err(Error::InvalidParameter("the model carries no adapter to save".into()));
+        return Err(Error::InvalidParameter("there is nothing to save: no trained array".into()));
     }
     write_atomically(path, |tmp| Ok(rmlx::io::save_safetensors(tmp, &arrays, &BTreeMap::new())?))
 }
@@ -115,15 +135,19 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     let file = config_path.display().to_string();
     let v: Value = serde_json::from_str(&text).map_err(|e| Error::Config(format!("{file}: {e}")))?;
     let config = AdapterConfig::from_json(&v, &file)?;
-    apply_lora(model, config.num_layers, &config.lora, dtype, 0)?;
+    if config.fine_tune_type == FineTuneType::Lora {
+        apply_lora(model, config.num_layers, &config.lora, dtype, 0)?;
+    }
     let weights = dir.join(WEIGHTS);
     if !weights.exists() {
         return Err(Error::MissingFile(weights.display().to_string()));
     }
     let arrays = rmlx::io::load_safetensors(&weights)?.arrays;
-    let expected = lora_parameter_names(model);
-    if let Some(missing) = expected.iter().find(|n| !arrays.contains_key(*n)) {
-        return Err(Error::MissingTensor(format!("{missing} (in {})", weights.display())));
+    if config.fine_tune_type == FineTuneType::Lora {
+        let expected = lora_parameter_names(model);
+        if let Some(missing) = expected.iter().find(|n| !arrays.contains_key(*n)) {
+            return Err(Error::MissingTensor(format!("{missing} (in {})", weights.display())));
+        }
     }
     let new: HashMap<String, Array> =
         arrays.into_iter().map(|(n, a)| Ok((n, a.astype(dtype)?))).collect::<Result<_>>()?;

@@ -87,3 +87,29 @@ pub fn lora_parameter_names(model: &dyn Model) -> Vec<String> {
     use crate::nn::ModuleExt;
     model.parameter_names("").into_iter().filter(|n| n.ends_with(".lora_a") || n.ends_with(".lora_b")).collect()
 }
+
+/// The parameters full fine-tuning trains: every floating-point array of the last `num_layers`
+/// blocks (`None`: all blocks, plus the embedding, final norm and output head, as mlx-lm unfreezes
+/// the whole model for `-1`). Quantised weights cannot be trained and are an error.
+pub fn full_parameter_names(model: &dyn Model, num_layers: Option<usize>) -> Result<Vec<String>> {
+    use crate::nn::ModuleExt;
+    let blocks = model.config().num_hidden_layers as usize;
+    let first = blocks - num_layers.unwrap_or(blocks).min(blocks);
+    let mut names = Vec::new();
+    for (name, a) in model.parameters("") {
+        let selected = match block_path(&name) {
+            Some((block, _)) => block >= first,
+            None => num_layers.is_none(),
+        };
+        if !selected {
+            continue;
+        }
+        if !a.dtype().is_floating() || name.ends_with(".scales") || name.ends_with(".biases") {
+            return Err(Error::InvalidParameter(format!(
+                "`{name}` is quantised: full fine-tuning needs a dense model (load it without --keep-quantized, or dequantise it)"
+            )));
+        }
+        names.push(name);
+    }
+    Ok(names)
+}

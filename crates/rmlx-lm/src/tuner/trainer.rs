@@ -120,11 +120,11 @@ pub fn train(
     let save = |model: &dyn Model, it: usize, checkpoint: bool, report: &mut dyn FnMut(&Report)| -> Result<()> {
         let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
         let main = dir.join(adapters::WEIGHTS);
-        adapters::save_weights(model, &main)?;
+        adapters::save_weights(model, trainable, &main)?;
         report(&Report::Saved { iter: it, path: main.clone() });
         if checkpoint {
             let path = dir.join(format!("{it:07}_adapters.safetensors"));
-            adapters::save_weights(model, &path)?;
+            adapters::save_weights(model, trainable, &path)?;
             report(&Report::Saved { iter: it, path });
         }
         Ok(())
