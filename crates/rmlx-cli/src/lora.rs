@@ -40,6 +40,13 @@ pub struct Args {
     batch_size: usize,
     #[arg(long, default_value_t = 1000, value_parser = positive)]
     iters: usize,
+    /// Train for this many passes over the training set instead of --iters (each pass is every
+    /// full batch once).
+    #[arg(long, value_parser = positive)]
+    epochs: Option<usize>,
+    /// Batches whose gradients are averaged into one optimizer update.
+    #[arg(long, default_value_t = 1, value_parser = positive)]
+    grad_accumulation_steps: usize,
     /// Validation batches per evaluation (-1: the whole set).
     #[arg(long, default_value_t = 25)]
     val_batches: i64,
@@ -139,8 +146,13 @@ pub fn run(a: Args) -> Result<()> {
             "max_seq_length": a.max_seq_length, "mask_prompt": a.mask_prompt, "seed": a.seed});
         adapters::save_config(&adapter_dir, &config, extra.as_object().expect("an object"))?;
         eprintln!("training {} arrays ({} examples, {} validation)", trainable.len(), train.len(), valid.len());
+        let iters = match a.epochs {
+            Some(e) => e * (train.len() / a.batch_size).max(1),
+            None => a.iters,
+        };
         let cfg = TrainConfig {
-            iters: a.iters,
+            iters,
+            grad_accumulation_steps: a.grad_accumulation_steps,
             batch_size: a.batch_size,
             val_batches,
             steps_per_report: a.steps_per_report,

@@ -188,3 +188,25 @@ fn full_fine_tuning_of_the_last_block() {
     assert_eq!(again["test_loss"].as_f64(), Some(test_loss));
     let _ = std::fs::remove_dir_all(&w);
 }
+
+/// `--epochs 2` over 24 examples in batches of 4 is 12 iterations; accumulation is accepted.
+#[test]
+fn epochs_set_the_iteration_count() {
+    let w = workspace("epochs");
+    let (model, data) = (w.join("model"), w.join("data"));
+    let out = rmlx(&[
+        "lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&w.join("a")), "--epochs", "2",
+        "--grad-accumulation-steps", "2", "--learning-rate", "1e-3", "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let iters: Vec<u64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let v: Value = serde_json::from_str(l).ok()?;
+            v.get("train_loss")?;
+            v["iter"].as_u64()
+        })
+        .collect();
+    assert_eq!(iters, vec![10, 12]);
+    let _ = std::fs::remove_dir_all(&w);
+}

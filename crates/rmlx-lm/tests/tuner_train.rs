@@ -49,6 +49,7 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
         steps_per_eval: 20,
         save_every: 25,
         max_seq_length: 2048,
+        grad_accumulation_steps: 1,
         seed: 3,
         adapter_dir: Some(out.path().to_path_buf()),
     };
@@ -123,4 +124,26 @@ fn mlx_lm_adapters_give_mlx_lm_logits() {
         let expected_arrays = if case == "llama_gqa_all" { 28 } else { 4 };
         assert_eq!(rmlx_lm::tuner::lora_parameter_names(lm.model.as_ref()).len(), expected_arrays, "{case}: {cfg:?}");
     }
+}
+
+/// Two batches of 4 with their gradients accumulated make the same update as one batch of 8 (equal
+/// lengths, so both losses weigh every target alike).
+#[test]
+fn gradient_accumulation_equals_the_larger_batch() {
+    let run = |batch_size: usize, accumulate: usize, iters: usize| {
+        let (_d, mut lm) = load();
+        apply_lora(lm.model.as_mut(), None, &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None }, Dtype::Float32, 5).unwrap();
+        let trainable = lora_parameter_names(lm.model.as_ref());
+        let cfg = TrainConfig { iters, batch_size, grad_accumulation_steps: accumulate, save_every: 1000, ..TrainConfig::default() };
+        let mut opt = Optimizer::new(OptimizerKind::sgd(), Schedule::Constant(0.5));
+        train(lm.model.as_mut(), &trainable, &mut opt, &data(8, 0), &[], &cfg, &mut |_| {}, &|| false).unwrap();
+        assert_eq!(opt.step(), 1, "one optimizer update");
+        logits(&lm, &[2, 5, 8, 11, 14])
+    };
+    let (one, two) = (run(8, 1, 1), run(4, 2, 2));
+    let d = one.iter().zip(&two).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(d < 1e-4, "max |diff| {d}");
+    let (_d, base) = load();
+    let moved = logits(&base, &[2, 5, 8, 11, 14]).iter().zip(&one).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(moved > 100.0 * d.max(1e-6), "the update moved the logits by {moved}");
 }

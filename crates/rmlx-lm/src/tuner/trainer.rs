@@ -3,6 +3,8 @@
 //! (mean loss of the window, tokens per second, tokens trained so far), and the adapters saved
 //! every `save_every` iterations (`adapters.safetensors` plus `NNNNNNN_adapters.safetensors`) and at
 //! the end. A stop request (Ctrl-C) saves the adapters and ends the loop after the current step.
+//! With `grad_accumulation_steps = n`, each iteration still takes one batch and the optimizer
+//! updates every `n` iterations (and at the last) with the mean of their gradients.
 
 use super::adapters;
 use super::batch::{Batch, BatchOrder};
@@ -28,6 +30,8 @@ pub struct TrainConfig {
     pub steps_per_eval: usize,
     pub save_every: usize,
     pub max_seq_length: usize,
+    /// Batches whose gradients are averaged into one optimizer update.
+    pub grad_accumulation_steps: usize,
     pub seed: u64,
     /// Where adapters are saved (`None`: not saved).
     pub adapter_dir: Option<PathBuf>,
@@ -43,6 +47,7 @@ impl Default for TrainConfig {
             steps_per_eval: 200,
             save_every: 100,
             max_seq_length: 2048,
+            grad_accumulation_steps: 1,
             seed: 0,
             adapter_dir: None,
         }
@@ -116,6 +121,10 @@ pub fn train(
     let mut window_start = Instant::now();
     let mut last_val = None;
     let mut it = 0;
+    let (mut accumulated, mut pending): (Option<HashMap<String, Array>>, usize) = (None, 0);
+    if cfg.grad_accumulation_steps == 0 {
+        return Err(crate::Error::InvalidParameter("grad_accumulation_steps must be positive".into()));
+    }
     // `adapters.safetensors`, and with `checkpoint` also `NNNNNNN_adapters.safetensors`.
     let save = |model: &dyn Model, it: usize, checkpoint: bool, report: &mut dyn FnMut(&Report)| -> Result<()> {
         let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
@@ -149,14 +158,38 @@ pub fn train(
         }
         let learning_rate = optimizer.learning_rate();
         let step = loss_and_grad(model, trainable, &batch)?;
-        let current: HashMap<String, Array> =
-            model.parameters("").into_iter().filter(|(n, _)| step.grads.contains_key(n)).collect();
-        let new = optimizer.update(&current, &step.grads)?;
-        let (mut to_eval, state) = (new.values().cloned().collect::<Vec<_>>(), optimizer.state_arrays().0);
-        to_eval.extend(state.into_values());
-        to_eval.push(step.loss.clone());
-        rmlx::eval(&to_eval)?;
-        model.update("", new)?;
+        // Gradients are summed over `grad_accumulation_steps` batches, then averaged into one update.
+        let grads = match accumulated.take() {
+            None => step.grads,
+            Some(mut sum) => {
+                for (name, g) in step.grads {
+                    let total = (&sum[&name] + &g)?;
+                    sum.insert(name, total);
+                }
+                sum
+            }
+        };
+        pending += 1;
+        let mut to_eval: Vec<Array> = vec![step.loss.clone()];
+        if pending == cfg.grad_accumulation_steps || it == cfg.iters {
+            let grads: HashMap<String, Array> = if pending > 1 {
+                grads.into_iter().map(|(n, g)| Ok((n, (g / pending as f32)?))).collect::<Result<_>>()?
+            } else {
+                grads
+            };
+            pending = 0;
+            let current: HashMap<String, Array> =
+                model.parameters("").into_iter().filter(|(n, _)| grads.contains_key(n)).collect();
+            let new = optimizer.update(&current, &grads)?;
+            to_eval.extend(new.values().cloned());
+            to_eval.extend(optimizer.state_arrays().0.into_values());
+            rmlx::eval(&to_eval)?;
+            model.update("", new)?;
+        } else {
+            to_eval.extend(grads.values().cloned());
+            rmlx::eval(&to_eval)?;
+            accumulated = Some(grads);
+        }
         window_loss += step.loss.item::<f32>()? as f64;
         window_steps += 1;
         window_tokens += batch.real_tokens();
