@@ -71,7 +71,9 @@ pub struct Args {
     /// adam, adamw or sgd (MLX's defaults for each).
     #[arg(long, default_value = "adam")]
     optimizer: String,
-    /// Start from the adapter weights of this .safetensors file.
+    /// Start from the adapter weights of this .safetensors file; a checkpoint's
+    /// NNNNNNN_state.safetensors beside it also restores the optimizer, the batch order and the
+    /// iteration, so the run continues exactly.
     #[arg(long)]
     resume_adapter_file: Option<PathBuf>,
     /// Adapter rank (mlx-lm's lora_parameters.rank).
@@ -135,11 +137,21 @@ pub fn run(a: Args) -> Result<()> {
             }
             FineTuneType::Full => tuner::full_parameter_names(lm.model.as_ref(), num_layers)?,
         };
+        let mut resume = None;
         if let Some(file) = &a.resume_adapter_file {
             let arrays = rmlx::io::load_safetensors(file).with_context(|| format!("reading {}", file.display()))?.arrays;
             let n = rmlx_lm::nn::ModuleExt::update(lm.model.as_mut(), "", arrays.into_iter().collect())
                 .with_context(|| format!("resuming from {}", file.display()))?;
-            eprintln!("resumed {n} adapter arrays from {}", file.display());
+            // A checkpoint's training state (optimizer, batch order, iteration) continues the run
+            // exactly; without one, only the weights carry over (as in mlx-lm).
+            let state_path = tuner::TrainState::path_for(file);
+            if state_path.exists() {
+                let state = tuner::TrainState::load(&state_path)?;
+                eprintln!("resuming at iteration {} from {} and {}", state.iteration + 1, file.display(), state_path.display());
+                resume = Some(state);
+            } else {
+                eprintln!("resumed {n} arrays from {} (no training state beside it: the optimizer starts afresh)", file.display());
+            }
         }
         let extra = json!({"model": lm.source.display().to_string(), "data": a.data.display().to_string(),
             "batch_size": a.batch_size, "iters": a.iters, "learning_rate": a.learning_rate, "optimizer": a.optimizer,
@@ -161,6 +173,7 @@ pub fn run(a: Args) -> Result<()> {
             max_seq_length: a.max_seq_length,
             seed: a.seed as u64,
             adapter_dir: Some(adapter_dir.clone()),
+            resume,
         };
         let mut opt = Optimizer::new(kind, Schedule::Constant(a.learning_rate));
         crate::interrupt::install()?;

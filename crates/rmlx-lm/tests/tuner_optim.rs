@@ -136,4 +136,7 @@ fn resuming_from_saved_state_continues_exactly() {
     let last: Vec<f64> = p["w"].to_vec::<f32>().unwrap().iter().map(|&x| x as f64).collect();
     assert_eq!(last, straight[2], "bit-identical to the uninterrupted run");
     assert!(resumed.update(&p, &[("x".to_string(), p["w"].clone())].into_iter().collect()).is_err());
+    // Adam's state does not fit SGD with momentum.
+    let mut sgd = Optimizer::new(OptimizerKind::Sgd { momentum: 0.9, weight_decay: 0.0, dampening: 0.0, nesterov: false }, Schedule::Constant(0.1));
+    assert!(sgd.load_state(&state, step).is_err());
 }

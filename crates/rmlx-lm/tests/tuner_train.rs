@@ -52,6 +52,7 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
         grad_accumulation_steps: 1,
         seed: 3,
         adapter_dir: Some(out.path().to_path_buf()),
+        resume: None,
     };
     let mut opt = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-2));
     let mut reports = Vec::new();
@@ -146,4 +147,39 @@ fn gradient_accumulation_equals_the_larger_batch() {
     let (_d, base) = load();
     let moved = logits(&base, &[2, 5, 8, 11, 14]).iter().zip(&one).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(moved > 100.0 * d.max(1e-6), "the update moved the logits by {moved}");
+}
+
+/// A run resumed from a checkpoint (weights, optimizer state, batch order) reports the same losses
+/// and ends with the same adapters as the run that was never interrupted.
+#[test]
+fn resuming_from_a_checkpoint_continues_exactly() {
+    use rmlx_lm::tuner::TrainState;
+    let lora = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None };
+    let run = |dir: &std::path::Path, resume_from: Option<&std::path::Path>| {
+        let (_d, mut lm) = load();
+        apply_lora(lm.model.as_mut(), None, &lora, Dtype::Float32, 9).unwrap();
+        let trainable = lora_parameter_names(lm.model.as_ref());
+        let mut cfg = TrainConfig { iters: 12, batch_size: 2, steps_per_report: 1, save_every: 5, seed: 4, adapter_dir: Some(dir.to_path_buf()), ..TrainConfig::default() };
+        if let Some(ckpt) = resume_from {
+            let arrays = rmlx::io::load_safetensors(ckpt).unwrap().arrays;
+            rmlx_lm::nn::ModuleExt::update(lm.model.as_mut(), "", arrays.into_iter().collect()).unwrap();
+            cfg.resume = Some(TrainState::load(&TrainState::path_for(ckpt)).unwrap());
+        }
+        let mut opt = Optimizer::new(OptimizerKind::adamw(), Schedule::Constant(5e-3));
+        let mut losses = Vec::new();
+        train(lm.model.as_mut(), &trainable, &mut opt, &data(6, 0), &[], &cfg, &mut |r| {
+            if let Report::Train { iter, loss, trained_tokens, .. } = r {
+                losses.push((*iter, *loss, *trained_tokens));
+            }
+        }, &|| false).unwrap();
+        (losses, logits(&lm, &[2, 5, 8, 11]))
+    };
+    let (a, b) = (TempDir::new("resume-a"), TempDir::new("resume-b"));
+    let (straight, end) = run(a.path(), None);
+    assert_eq!(straight.len(), 12);
+    let ckpt = a.path().join("0000005_adapters.safetensors");
+    assert!(TrainState::path_for(&ckpt).ends_with("0000005_state.safetensors"));
+    let (resumed, end_resumed) = run(b.path(), Some(&ckpt));
+    assert_eq!(resumed, straight[5..].to_vec(), "iterations 6..12: same losses, same token counts");
+    assert_eq!(end_resumed, end, "same final model");
 }

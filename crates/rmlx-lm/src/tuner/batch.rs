@@ -139,6 +139,16 @@ impl BatchOrder {
         order
     }
 
+    /// The random state (saved with a checkpoint, for an exact resume).
+    pub fn rng_state(&self) -> u64 {
+        self.rng
+    }
+
+    /// Restores a random state from [`BatchOrder::rng_state`].
+    pub fn set_rng_state(&mut self, state: u64) {
+        self.rng = state;
+    }
+
     /// SplitMix64: a fixed, seedable sequence, so that a run (and its resumption) is reproducible.
     fn next_random(&mut self) -> u64 {
         self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -19,4 +19,4 @@ pub use batch::{Batch, BatchOrder};
 pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};
 pub use lora::{apply_lora, full_parameter_names, lora_parameter_names, LoraConfig};
 pub use loss::{batch_loss, loss_and_grad, LossAndGrad};
-pub use trainer::{evaluate, train, Report, TrainConfig, TrainSummary};
+pub use trainer::{evaluate, train, Report, TrainConfig, TrainState, TrainSummary};

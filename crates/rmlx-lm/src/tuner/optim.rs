@@ -235,6 +235,16 @@ impl Optimizer {
                 _ => return Err(Error::InvalidParameter(format!("unknown optimizer state `{key}`"))),
             }
         }
+        let want = match self.kind {
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => 2,
+            OptimizerKind::Sgd { .. } => 1,
+        };
+        if let Some((name, s)) = state.iter().find(|(_, s)| s.len() != want) {
+            return Err(Error::InvalidParameter(format!(
+                "the saved optimizer state of `{name}` has {} arrays where this optimizer keeps {want}: was it saved by another optimizer?",
+                s.len()
+            )));
+        }
         self.state = state;
         self.step = step;
         Ok(())

@@ -13,10 +13,11 @@ use super::loss::{batch_loss, loss_and_grad};
 use super::optim::Optimizer;
 use crate::models::Model;
 use crate::nn::ModuleExt;
-use crate::Result;
+use crate::{Error, Result};
 use rmlx::Array;
-use std::collections::HashMap;
-use std::path::PathBuf;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// mlx-lm's training settings (its defaults in [`Default`]).
@@ -35,6 +36,63 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Where adapters are saved (`None`: not saved).
     pub adapter_dir: Option<PathBuf>,
+    /// Where to continue from (a checkpoint's [`TrainState`]); the model must hold that
+    /// checkpoint's weights already.
+    pub resume: Option<TrainState>,
+}
+
+/// Where a run stands, written beside each checkpoint (`NNNNNNN_state.safetensors`) so that a
+/// resumed run continues exactly as the uninterrupted one: the optimizer's state and step count,
+/// the batch order's random state and the batches left in its epoch, the iteration and the tokens
+/// trained. (Written only at checkpoints where no accumulated gradient is pending.)
+#[derive(Clone, Debug)]
+pub struct TrainState {
+    pub iteration: usize,
+    pub trained_tokens: usize,
+    pub optimizer_step: u64,
+    pub optimizer: BTreeMap<String, Array>,
+    pub rng: u64,
+    /// Batches of the current epoch still to visit, the next last.
+    pub queue: Vec<usize>,
+}
+
+const STATE_KEY: &str = "rmlx_train_state";
+
+impl TrainState {
+    /// `NNNNNNN_state.safetensors` beside `NNNNNNN_adapters.safetensors`.
+    pub fn path_for(checkpoint: &Path) -> PathBuf {
+        let name = checkpoint.file_name().map(|n| n.to_string_lossy().replace("_adapters.safetensors", "_state.safetensors"));
+        checkpoint.with_file_name(name.unwrap_or_else(|| "state.safetensors".into()))
+    }
+
+    /// Writes the state (the optimizer's arrays, the rest as JSON metadata).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let meta = json!({"iteration": self.iteration, "trained_tokens": self.trained_tokens,
+            "optimizer_step": self.optimizer_step, "rng": self.rng.to_string(), "queue": self.queue});
+        let meta = BTreeMap::from([(STATE_KEY.to_string(), meta.to_string())]);
+        Ok(rmlx::io::save_safetensors(path, &self.optimizer, &meta)?)
+    }
+
+    /// Reads what [`TrainState::save`] wrote.
+    pub fn load(path: &Path) -> Result<TrainState> {
+        let file = rmlx::io::load_safetensors(path)?;
+        let bad = |what: &str| Error::Corrupt { path: path.display().to_string(), reason: format!("training state: {what}") };
+        let meta: Value = serde_json::from_str(file.metadata.get(STATE_KEY).ok_or_else(|| bad("no metadata"))?)
+            .map_err(|_| bad("metadata is not JSON"))?;
+        let num = |k: &str| meta.get(k).and_then(Value::as_u64).ok_or_else(|| bad(k));
+        Ok(TrainState {
+            iteration: num("iteration")? as usize,
+            trained_tokens: num("trained_tokens")? as usize,
+            optimizer_step: num("optimizer_step")?,
+            optimizer: file.arrays,
+            rng: meta.get("rng").and_then(Value::as_str).and_then(|s| s.parse().ok()).ok_or_else(|| bad("rng"))?,
+            queue: meta
+                .get("queue")
+                .and_then(Value::as_array)
+                .map(|q| q.iter().filter_map(|v| v.as_u64().map(|n| n as usize)).collect())
+                .ok_or_else(|| bad("queue"))?,
+        })
+    }
 }
 
 impl Default for TrainConfig {
@@ -50,6 +108,7 @@ impl Default for TrainConfig {
             grad_accumulation_steps: 1,
             seed: 0,
             adapter_dir: None,
+            resume: None,
         }
     }
 }
@@ -125,19 +184,30 @@ pub fn train(
     if cfg.grad_accumulation_steps == 0 {
         return Err(crate::Error::InvalidParameter("grad_accumulation_steps must be positive".into()));
     }
-    // `adapters.safetensors`, and with `checkpoint` also `NNNNNNN_adapters.safetensors`.
-    let save = |model: &dyn Model, it: usize, checkpoint: bool, report: &mut dyn FnMut(&Report)| -> Result<()> {
+    // `adapters.safetensors`; with a checkpoint's state also `NNNNNNN_adapters.safetensors` and
+    // `NNNNNNN_state.safetensors`.
+    let save = |model: &dyn Model, it: usize, state: Option<TrainState>, report: &mut dyn FnMut(&Report)| -> Result<()> {
         let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
         let main = dir.join(adapters::WEIGHTS);
         adapters::save_weights(model, trainable, &main)?;
         report(&Report::Saved { iter: it, path: main.clone() });
-        if checkpoint {
+        if let Some(state) = state {
             let path = dir.join(format!("{it:07}_adapters.safetensors"));
             adapters::save_weights(model, trainable, &path)?;
+            if state.iteration == it {
+                state.save(&TrainState::path_for(&path))?;
+            }
             report(&Report::Saved { iter: it, path });
         }
         Ok(())
     };
+    if let Some(st) = &cfg.resume {
+        it = st.iteration;
+        trained_tokens = st.trained_tokens;
+        optimizer.load_state(&st.optimizer, st.optimizer_step)?;
+        order.set_rng_state(st.rng);
+        queue = st.queue.clone();
+    }
     while it < cfg.iters {
         it += 1;
         if !valid.is_empty() && (it == 1 || it % cfg.steps_per_eval == 0 || it == cfg.iters) {
@@ -208,13 +278,17 @@ pub fn train(
             window_start = Instant::now();
         }
         if stop() {
-            save(model, it, false, report)?;
+            save(model, it, None, report)?;
             return Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val });
         }
         if it % cfg.save_every == 0 {
-            save(model, it, true, report)?;
+            let (optimizer_state, optimizer_step) = optimizer.state_arrays();
+            // With gradients pending, the state could not resume exactly: only the weights go.
+            let iteration = if pending == 0 { it } else { 0 };
+            let state = TrainState { iteration, trained_tokens, optimizer_step, optimizer: optimizer_state, rng: order.rng_state(), queue: queue.clone() };
+            save(model, it, Some(state), report)?;
         }
     }
-    save(model, it, false, report)?;
+    save(model, it, None, report)?;
     Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val })
 }
