@@ -82,6 +82,10 @@ pub struct Args {
     /// Adapter scale (mlx-lm's lora_parameters.scale; PEFT's lora_alpha / r).
     #[arg(long, default_value_t = 20.0)]
     lora_scale: f32,
+    /// Also write the trained adapters in this layout: `peft` (Hugging Face PEFT, for transformers)
+    /// into `<adapter-path>/peft`. mlx-lm's layout is always written.
+    #[arg(long, default_value = "mlx")]
+    adapter_format: String,
     /// One JSON object per report on stdout.
     #[arg(long)]
     json: bool,
@@ -103,6 +107,7 @@ pub fn run(a: Args) -> Result<()> {
         "full" => FineTuneType::Full,
         other => bail!("--fine-tune-type {other} is not implemented yet (lora and full are)"),
     };
+    ensure!(matches!(a.adapter_format.as_str(), "mlx" | "peft"), "--adapter-format {} is unknown (mlx or peft)", a.adapter_format);
     let num_layers = all_or(a.num_layers, "num-layers")?;
     let (val_batches, test_batches) = (all_or(a.val_batches, "val-batches")?, all_or(a.test_batches, "test-batches")?);
     let kind = match a.optimizer.as_str() {
@@ -181,6 +186,13 @@ pub fn run(a: Args) -> Result<()> {
         let json_out = a.json;
         let mut print = |r: &Report| print_report(r, json_out);
         tuner::train(lm.model.as_mut(), &trainable, &mut opt, &train, &valid, &cfg, &mut print, &crate::interrupt::requested)?;
+        if a.adapter_format == "peft" {
+            ensure!(fine_tune_type == FineTuneType::Lora, "--adapter-format peft needs --fine-tune-type lora");
+            let dir = adapter_dir.join("peft");
+            let source = lm.source.display().to_string();
+            let n = rmlx_lm::tuner::peft::save(lm.model.as_mut(), &dir, &source)?;
+            eprintln!("wrote {n} adapters in PEFT's layout to {}", dir.display());
+        }
     } else {
         adapters::load(lm.model.as_mut(), &adapter_dir, lm.dtype)
             .with_context(|| format!("loading the adapters of {}", adapter_dir.display()))?;

@@ -57,6 +57,7 @@ fn train_then_test_then_generate_with_the_adapters() {
         "lora", "--model", s(&model), "--dtype", "float32", "--train", "--test", "--data", s(&data), "--adapter-path", s(&adapters),
         "--iters", "30", "--batch-size", "4", "--learning-rate", "1e-2", "--steps-per-report", "10", "--steps-per-eval", "15",
         "--save-every", "20", "--num-layers", "-1", "--val-batches", "-1", "--lora-rank", "4", "--lora-scale", "2", "--json",
+        "--adapter-format", "peft",
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -94,6 +95,11 @@ fn train_then_test_then_generate_with_the_adapters() {
     assert!(err.contains("adapters: ") && err.contains("(rank 4, scale 2)"), "{err}");
     let (base, _) = gen(&[]);
     assert_ne!(tuned, base);
+    // The PEFT copy (r 4, lora_alpha 8) gives the same continuation.
+    let peft = adapters.join("peft");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(peft.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["r"].as_i64(), cfg["lora_alpha"].as_f64()), (Some(4), Some(8.0)));
+    assert_eq!(gen(&["--adapter-path", s(&peft)]).0, tuned);
     let _ = std::fs::remove_dir_all(&w);
 }
 

@@ -128,8 +128,13 @@ pub fn save_weights(model: &dyn Model, names: &[String], path: &Path) -> Result<
     write_atomically(path, |tmp| Ok(rmlx::io::save_safetensors(tmp, &arrays, &BTreeMap::new())?))
 }
 
-/// Attaches the adapters of an mlx-lm adapter folder to `model` (in `dtype`); returns the config.
+/// Attaches the adapters of an adapter folder to `model` (in `dtype`): mlx-lm's layout, or PEFT's
+/// (`adapter_model.safetensors`, see [`super::peft`]). Returns the config.
 pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterConfig> {
+    if super::peft::is_peft_dir(dir) && !dir.join(WEIGHTS).exists() {
+        let lora = super::peft::load(model, dir, dtype)?;
+        return Ok(AdapterConfig { fine_tune_type: FineTuneType::Lora, num_layers: None, lora });
+    }
     let config_path = dir.join(CONFIG);
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let file = config_path.display().to_string();

@@ -13,6 +13,7 @@ pub mod fuse;
 pub mod lora;
 pub mod loss;
 pub mod optim;
+pub mod peft;
 pub mod trainer;
 
 pub use batch::{Batch, BatchOrder};

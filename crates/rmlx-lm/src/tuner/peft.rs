@@ -1,0 +1,159 @@
+//! LoRA adapters in Hugging Face PEFT's layout, read and written:
+//!
+//! - `adapter_model.safetensors`: `base_model.model.<module>.lora_A.weight: [r, in]` and
+//!   `…lora_B.weight: [out, r]`, the transposes of mlx-lm's `lora_a`/`lora_b`;
+//! - `adapter_config.json`: `peft_type: "LORA"`, `r`, `lora_alpha` (the scale is `lora_alpha / r`, or
+//!   `lora_alpha / √r` with `use_rslora`), `target_modules`, `layers_to_transform`.
+//!
+//! Reading attaches an adapter to each module the weights file names (the file, not
+//! `target_modules`, decides); DoRA, `fan_in_fan_out`, biases and per-module rank or alpha patterns
+//! are refused with an error naming them.
+
+use super::lora::LoraConfig;
+use crate::models::Model;
+use crate::nn::Lora;
+use crate::{Error, Result};
+use rmlx::{Array, Dtype};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// PEFT's weights file.
+pub const WEIGHTS: &str = "adapter_model.safetensors";
+const PREFIX: &str = "base_model.model.";
+
+/// Whether `dir` holds a PEFT adapter (its weights file).
+pub fn is_peft_dir(dir: &Path) -> bool {
+    dir.join(WEIGHTS).exists()
+}
+
+/// Attaches the PEFT adapters of `dir` to `model` (in `dtype`); returns their rank and scale.
+pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfig> {
+    let config_path = dir.join(super::adapters::CONFIG);
+    let file = config_path.display().to_string();
+    let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
+    let cfg: Value = serde_json::from_str(&text).map_err(|e| Error::Config(format!("{file}: {e}")))?;
+    let bad = |what: String| Error::Config(format!("{file}: {what}"));
+    if cfg.get("peft_type").and_then(Value::as_str) != Some("LORA") {
+        return Err(bad(format!("peft_type {} is not supported (LORA is)", cfg.get("peft_type").unwrap_or(&Value::Null))));
+    }
+    for (key, ok) in [("use_dora", json!(false)), ("fan_in_fan_out", json!(false)), ("bias", json!("none"))] {
+        if let Some(v) = cfg.get(key).filter(|v| !v.is_null() && **v != ok) {
+            return Err(bad(format!("`{key}: {v}` is not supported")));
+        }
+    }
+    for key in ["rank_pattern", "alpha_pattern"] {
+        if cfg.get(key).and_then(Value::as_object).is_some_and(|o| !o.is_empty()) {
+            return Err(bad(format!("per-module `{key}` is not supported")));
+        }
+    }
+    let r = cfg.get("r").and_then(Value::as_f64).ok_or_else(|| bad("`r` is missing".into()))?;
+    let alpha = cfg.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
+    let rslora = cfg.get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
+    let scale = (if rslora { alpha / r.sqrt() } else { alpha / r }) as f32;
+
+    let weights_path = dir.join(WEIGHTS);
+    let mut arrays = rmlx::io::load_safetensors(&weights_path)?.arrays;
+    let mut modules: BTreeMap<String, (Option<Array>, Option<Array>)> = BTreeMap::new();
+    for (key, a) in std::mem::take(&mut arrays) {
+        let path = key.strip_prefix(PREFIX).unwrap_or(&key);
+        let (module, slot) = if let Some(m) = path.strip_suffix(".lora_A.weight") {
+            (m, 0)
+        } else if let Some(m) = path.strip_suffix(".lora_B.weight") {
+            (m, 1)
+        } else {
+            return Err(Error::Corrupt { path: weights_path.display().to_string(), reason: format!("`{key}` is not a LoRA weight") });
+        };
+        let entry = modules.entry(module.to_string()).or_default();
+        if slot == 0 {
+            entry.0 = Some(a);
+        } else {
+            entry.1 = Some(a);
+        }
+    }
+    let mut attached = BTreeSet::new();
+    let mut failure = None;
+    model.visit_linears("", &mut |path, linear| {
+        let Some((a, b)) = modules.get(path) else { return };
+        let lora = match (a, b) {
+            (Some(a), Some(b)) => a
+                .transpose()
+                .and_then(|a| a.astype(dtype))
+                .and_then(|a| Ok((a, b.transpose()?.astype(dtype)?)))
+                .map(|(a, b)| Lora { a, b, scale }),
+            _ => {
+                failure = Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_A/lora_B (in {})", weights_path.display())));
+                return;
+            }
+        };
+        match lora.map_err(Error::from).and_then(|l| linear.set_lora(Some(l))) {
+            Ok(_) => {
+                attached.insert(path.to_string());
+            }
+            Err(e) => failure = Some(e),
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if let Some(unknown) = modules.keys().find(|m| !attached.contains(*m)) {
+        return Err(Error::Config(format!("{}: `{unknown}` is no linear layer of this model", weights_path.display())));
+    }
+    Ok(LoraConfig { rank: r as i32, scale, dropout: 0.0, keys: None })
+}
+
+/// Writes the model's adapters into `dir` in PEFT's layout (`base_model` names the base model in
+/// the config). Every adapter must have the same rank and scale, as PEFT's config holds one.
+pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize> {
+    let mut arrays = BTreeMap::new();
+    let (mut ranks, mut scales) = (BTreeSet::new(), Vec::new());
+    let (mut targets, mut layers) = (BTreeSet::new(), BTreeSet::new());
+    let mut failure = None;
+    model.visit_linears("", &mut |path, linear| {
+        let Some(l) = linear.lora() else { return };
+        ranks.insert(l.rank());
+        scales.push(l.scale);
+        targets.insert(path.rsplit('.').next().unwrap_or(path).to_string());
+        if let Some(i) = path.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
+            layers.insert(i);
+        }
+        match (l.a.transpose(), l.b.transpose()) {
+            (Ok(a), Ok(b)) => {
+                arrays.insert(format!("{PREFIX}{path}.lora_A.weight"), a);
+                arrays.insert(format!("{PREFIX}{path}.lora_B.weight"), b);
+            }
+            (Err(e), _) | (_, Err(e)) => failure = Some(Error::from(e)),
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if arrays.is_empty() {
+        return Err(Error::InvalidParameter("the model carries no adapter to save".into()));
+    }
+    if ranks.len() > 1 || scales.windows(2).any(|w| w[0] != w[1]) {
+        return Err(Error::InvalidParameter("PEFT's config holds one rank and scale; these adapters differ".into()));
+    }
+    let r = *ranks.iter().next().expect("one adapter at least");
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    rmlx::io::save_safetensors(dir.join(WEIGHTS), &arrays, &BTreeMap::from([("format".to_string(), "pt".to_string())]))?;
+    let config = json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": r,
+        "lora_alpha": scales[0] as f64 * r as f64,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": false,
+        "use_dora": false,
+        "fan_in_fan_out": false,
+        "target_modules": targets.into_iter().collect::<Vec<_>>(),
+        "layers_to_transform": layers.into_iter().collect::<Vec<_>>(),
+        "modules_to_save": null,
+        "inference_mode": true,
+    });
+    let path = dir.join(super::adapters::CONFIG);
+    std::fs::write(&path, serde_json::to_string_pretty(&config).expect("JSON")).map_err(|e| Error::io(&path, e))?;
+    Ok(arrays.len() / 2)
+}
