@@ -106,7 +106,7 @@ fn lora_adapters_by_path_match_the_formula_and_fuse() {
     // Every projection of every block, and nothing else (the embedding is tied).
     let mut paths = Vec::new();
     lm.model.visit_linears("", &mut |path, _| paths.push(path.to_string()));
-    let layers = lm.model.config().num_hidden_layers as usize;
+    let layers = lm.model.config().num_hidden_layers;
     assert_eq!(paths.len(), 7 * layers);
     assert_eq!(&paths[..7], &[
         "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",

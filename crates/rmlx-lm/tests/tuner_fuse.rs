@@ -35,7 +35,7 @@ fn fused_mlx_lm_adapter_gives_mlx_lm_logits() {
     adapters::load(lm.model.as_mut(), &adapter_dir, Dtype::Float32).unwrap();
     let out = TempDir::new("fused");
     let summary = fuse(&mut lm, src.path(), out.path()).unwrap();
-    let layers = lm.model.config().num_hidden_layers as usize;
+    let layers = lm.model.config().num_hidden_layers;
     assert_eq!(summary, FuseSummary { fused: 7 * layers, tensors: 2 + 9 * layers, shards: 1, dequantized: false });
     for f in ["config.json", "tokenizer.json", "generation_config.json", "model.safetensors"] {
         assert!(out.path().join(f).exists(), "{f}");

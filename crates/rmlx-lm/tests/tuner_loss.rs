@@ -62,7 +62,7 @@ fn loss_is_the_masked_mean_cross_entropy() {
 #[test]
 fn adapters_go_to_the_last_blocks_and_selected_keys() {
     let (_d, mut lm) = load();
-    let layers = lm.model.config().num_hidden_layers as usize;
+    let layers = lm.model.config().num_hidden_layers;
     let cfg = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: Some(vec!["self_attn.q_proj".into(), "mlp.down_proj".into()]) };
     let paths = apply_lora(lm.model.as_mut(), Some(1), &cfg, Dtype::Float32, 0).unwrap();
     let last = layers - 1;

@@ -34,7 +34,7 @@ fn mlx_lm_adapters_through_peft_layout_keep_mlx_lm_logits() {
     let (_d, mut lm) = model();
     adapters::load(lm.model.as_mut(), &src, Dtype::Float32).unwrap();
     let out = TempDir::new("peft");
-    let layers = lm.model.config().num_hidden_layers as usize;
+    let layers = lm.model.config().num_hidden_layers;
     assert_eq!(peft::save(lm.model.as_mut(), out.path(), "llama_gqa").unwrap(), 7 * layers);
     // The file: PEFT's names and orientation.
     let saved = rmlx::io::load_safetensors(out.path().join(peft::WEIGHTS)).unwrap().arrays;

@@ -44,7 +44,7 @@ pub fn apply_lora(
     if config.rank <= 0 {
         return Err(Error::InvalidParameter(format!("the LoRA rank must be positive, got {}", config.rank)));
     }
-    let blocks = model.config().num_hidden_layers as usize;
+    let blocks = model.config().num_hidden_layers;
     let first = blocks - num_layers.unwrap_or(blocks).min(blocks);
     let mut adapted = Vec::new();
     let mut seen_keys = std::collections::BTreeSet::new();
@@ -93,7 +93,7 @@ pub fn lora_parameter_names(model: &dyn Model) -> Vec<String> {
 /// the whole model for `-1`). Quantised weights cannot be trained and are an error.
 pub fn full_parameter_names(model: &dyn Model, num_layers: Option<usize>) -> Result<Vec<String>> {
     use crate::nn::ModuleExt;
-    let blocks = model.config().num_hidden_layers as usize;
+    let blocks = model.config().num_hidden_layers;
     let first = blocks - num_layers.unwrap_or(blocks).min(blocks);
     let mut names = Vec::new();
     for (name, a) in model.parameters("") {
