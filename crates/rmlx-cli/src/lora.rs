@@ -7,8 +7,10 @@
 //! Ctrl-C during training saves the adapters and stops; a second Ctrl-C ends the process.
 
 use crate::common::{count, positive, ModelArgs};
+use crate::lora_config;
 use anyhow::{bail, ensure, Context, Result};
-use clap::Args as ClapArgs;
+use clap::{ArgMatches, Args as ClapArgs};
+use serde_json::Value;
 use rmlx_lm::tuner::adapters::{self, AdapterConfig, FineTuneType};
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
 use rmlx_lm::tuner::{self, DataOptions, LoraConfig, Report, Sequence, TrainConfig};
@@ -89,6 +91,79 @@ pub struct Args {
     /// One JSON object per report on stdout.
     #[arg(long)]
     json: bool,
+    /// mlx-lm's YAML config (the flags' names as keys, plus lora_parameters, optimizer_config and
+    /// lr_schedule); flags given on the command line beat it.
+    #[arg(short = 'c', long = "config")]
+    config: Option<PathBuf>,
+}
+
+/// What the YAML config sets beyond the flags.
+#[derive(Default)]
+struct Extra {
+    schedule: Option<Schedule>,
+    keys: Option<Vec<String>>,
+    optimizer: Option<OptimizerKind>,
+}
+
+/// Applies `-c config.yaml` to the flags that were not given on the command line.
+fn apply_config(a: &mut Args, matches: Option<&ArgMatches>) -> Result<Extra> {
+    let Some(file) = a.config.clone() else { return Ok(Extra::default()) };
+    let cfg = lora_config::read(&file)?;
+    macro_rules! set {
+        ($($key:literal => $field:expr),* $(,)?) => {$(
+            if !lora_config::given(matches, $key) {
+                if let Some(v) = lora_config::get(&cfg, $key, &file)? {
+                    $field = v;
+                }
+            }
+        )*};
+    }
+    set!(
+        "train" => a.train, "test" => a.test, "data" => a.data, "fine_tune_type" => a.fine_tune_type,
+        "num_layers" => a.num_layers, "batch_size" => a.batch_size, "iters" => a.iters,
+        "val_batches" => a.val_batches, "learning_rate" => a.learning_rate,
+        "steps_per_report" => a.steps_per_report, "steps_per_eval" => a.steps_per_eval,
+        "save_every" => a.save_every, "max_seq_length" => a.max_seq_length, "mask_prompt" => a.mask_prompt,
+        "seed" => a.seed, "test_batches" => a.test_batches, "optimizer" => a.optimizer,
+        "grad_accumulation_steps" => a.grad_accumulation_steps,
+    );
+    for (key, field) in [("model", &mut a.model.model), ("adapter_path", &mut a.model.adapter_path), ("resume_adapter_file", &mut a.resume_adapter_file)] {
+        if !lora_config::given(matches, key) {
+            if let Some(v) = lora_config::get::<PathBuf>(&cfg, key, &file)? {
+                *field = Some(v);
+            }
+        }
+    }
+    if !lora_config::given(matches, "epochs") {
+        if let Some(v) = lora_config::get::<usize>(&cfg, "epochs", &file)? {
+            a.epochs = Some(v);
+        }
+    }
+    let mut extra = Extra::default();
+    if let Some(p) = cfg.get("lora_parameters").and_then(Value::as_object) {
+        if !lora_config::given(matches, "lora_rank") {
+            a.lora_rank = lora_config::get(p, "rank", &file)?.unwrap_or(a.lora_rank);
+        }
+        if !lora_config::given(matches, "lora_scale") {
+            a.lora_scale = lora_config::get(p, "scale", &file)?.unwrap_or(a.lora_scale);
+        }
+        if lora_config::get::<f32>(p, "dropout", &file)?.unwrap_or(0.0) != 0.0 {
+            bail!("{}: lora_parameters.dropout: LoRA dropout is not implemented yet (use 0)", file.display());
+        }
+        extra.keys = lora_config::get(p, "keys", &file)?;
+    }
+    extra.schedule = lora_config::schedule(&cfg, &file)?;
+    extra.optimizer = Some(lora_config::optimizer(&a.optimizer, &cfg, &file)?);
+    const KNOWN: &[&str] = &[
+        "model", "train", "test", "data", "fine_tune_type", "num_layers", "batch_size", "iters", "epochs", "val_batches",
+        "learning_rate", "steps_per_report", "steps_per_eval", "save_every", "max_seq_length", "mask_prompt", "seed",
+        "test_batches", "optimizer", "grad_accumulation_steps", "adapter_path", "resume_adapter_file", "lora_parameters",
+        "optimizer_config", "lr_schedule",
+    ];
+    for key in cfg.keys().filter(|k| !KNOWN.contains(&k.as_str())) {
+        eprintln!("warning: {}: ignoring `{key}` (not supported by rmlx lora)", file.display());
+    }
+    Ok(extra)
 }
 
 /// `-1` → all, a positive count → itself.
@@ -100,7 +175,8 @@ fn all_or(v: i64, what: &str) -> Result<Option<usize>> {
     }
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
+    let yaml = apply_config(&mut a, matches.as_ref())?;
     ensure!(a.train || a.test, "nothing to do: pass --train, --test or both");
     let fine_tune_type = match a.fine_tune_type.as_str() {
         "lora" => FineTuneType::Lora,
@@ -110,11 +186,12 @@ pub fn run(a: Args) -> Result<()> {
     ensure!(matches!(a.adapter_format.as_str(), "mlx" | "peft"), "--adapter-format {} is unknown (mlx or peft)", a.adapter_format);
     let num_layers = all_or(a.num_layers, "num-layers")?;
     let (val_batches, test_batches) = (all_or(a.val_batches, "val-batches")?, all_or(a.test_batches, "test-batches")?);
-    let kind = match a.optimizer.as_str() {
-        "adam" => OptimizerKind::adam(),
-        "adamw" => OptimizerKind::adamw(),
-        "sgd" => OptimizerKind::sgd(),
-        other => bail!("unknown --optimizer `{other}` (adam, adamw or sgd)"),
+    let kind = match (&yaml.optimizer, a.optimizer.as_str()) {
+        (Some(kind), _) => kind.clone(),
+        (None, "adam") => OptimizerKind::adam(),
+        (None, "adamw") => OptimizerKind::adamw(),
+        (None, "sgd") => OptimizerKind::sgd(),
+        (None, other) => bail!("unknown --optimizer `{other}` (adam, adamw or sgd)"),
     };
     let adapter_dir = a.model.adapter_path.clone().unwrap_or_else(|| PathBuf::from("adapters"));
     let splits = tuner::load_dir(&a.data, &DataOptions { mask_prompt: a.mask_prompt, ..DataOptions::default() })?;
@@ -133,7 +210,7 @@ pub fn run(a: Args) -> Result<()> {
         let config = AdapterConfig {
             fine_tune_type,
             num_layers,
-            lora: LoraConfig { rank: a.lora_rank as i32, scale: a.lora_scale, dropout: 0.0, keys: None },
+            lora: LoraConfig { rank: a.lora_rank as i32, scale: a.lora_scale, dropout: 0.0, keys: yaml.keys.clone() },
         };
         let trainable = match fine_tune_type {
             FineTuneType::Lora => {
@@ -180,7 +257,8 @@ pub fn run(a: Args) -> Result<()> {
             adapter_dir: Some(adapter_dir.clone()),
             resume,
         };
-        let mut opt = Optimizer::new(kind, Schedule::Constant(a.learning_rate));
+        let schedule = yaml.schedule.clone().unwrap_or(Schedule::Constant(a.learning_rate));
+        let mut opt = Optimizer::new(kind, schedule);
         crate::interrupt::install()?;
         let _training = crate::interrupt::Replying::start();
         let json_out = a.json;

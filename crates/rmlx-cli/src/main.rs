@@ -10,9 +10,10 @@ mod fuse;
 mod generate;
 mod interrupt;
 mod lora;
+mod lora_config;
 mod perplexity;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Large language models on MLX (CUDA, CPU, Metal).
 #[derive(Parser)]
@@ -39,7 +40,10 @@ enum Command {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // `rmlx lora -c` needs to know which flags were given on the command line.
+    let lora_matches = matches.subcommand_matches("lora").cloned();
     // Each command is one single-threaded loop over MLX: it runs where MLX evaluates, so that no
     // evaluation is handed from thread to thread.
     let result = rmlx::on_evaluation_thread(move || match cli.command {
@@ -47,7 +51,7 @@ fn main() {
         Command::Chat(a) => chat::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(a) => bench::run(a),
-        Command::Lora(a) => lora::run(a),
+        Command::Lora(a) => lora::run(a, lora_matches),
         Command::Fuse(a) => fuse::run(a),
     });
     if let Err(e) = result {

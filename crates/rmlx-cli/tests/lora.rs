@@ -216,3 +216,45 @@ fn epochs_set_the_iteration_count() {
     assert_eq!(iters, vec![10, 12]);
     let _ = std::fs::remove_dir_all(&w);
 }
+
+/// `-c config.yaml` as mlx-lm writes it: settings, lora_parameters (rank, scale, keys),
+/// optimizer_config and an lr_schedule with warm-up; a flag on the command line beats the file.
+#[test]
+fn yaml_config_sets_what_the_flags_do_not() {
+    let w = workspace("yaml");
+    let (model, data) = (w.join("model"), w.join("data"));
+    let yaml = format!(
+        "model: {}\ntrain: true\ndata: {}\nadapter_path: {}\nbatch_size: 2\niters: 8\nsteps_per_report: 1\n\
+         optimizer: adamw\noptimizer_config:\n  adamw:\n    weight_decay: 0.05\n\
+         lora_parameters:\n  rank: 2\n  scale: 4.0\n  dropout: 0.0\n  keys: [\"self_attn.q_proj\", \"self_attn.v_proj\"]\n\
+         lr_schedule:\n  name: cosine_decay\n  arguments: [1.0e-2, 10]\n  warmup: 2\n  warmup_init: 0.0\nwandb: null\n",
+        s(&model),
+        s(&data),
+        s(&w.join("a"))
+    );
+    let cfg_path = w.join("lora.yaml");
+    std::fs::write(&cfg_path, yaml).unwrap();
+    let out = rmlx(&["lora", "-c", s(&cfg_path), "--iters", "4", "--json"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("ignoring `wandb`"), "{err}");
+    let reports: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lrs: Vec<f64> = reports.iter().filter_map(|r| r["learning_rate"].as_f64()).collect();
+    // The flag's 4 iterations, not the file's 8; warm-up 0 -> 1e-2 over 2 steps, then cosine from 1e-2.
+    let want = [0.0, 5e-3, 1e-2, 1e-2];
+    assert_eq!(lrs.len(), 4, "{reports:?}");
+    for (got, want) in lrs.iter().zip(want) {
+        assert!((got - want).abs() < 1e-7, "learning rates {lrs:?}");
+    }
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(w.join("a/adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["lora_parameters"], json!({"rank": 2, "scale": 4.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}));
+    assert_eq!(cfg["batch_size"], 2);
+    // Settings it cannot honour are errors naming the file.
+    std::fs::write(&cfg_path, "lora_parameters:\n  rank: 2\n  scale: 4.0\n  dropout: 0.1\n").unwrap();
+    let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("lora.yaml: lora_parameters.dropout: LoRA dropout is not implemented yet"));
+    std::fs::write(&cfg_path, "batch_size: four\n").unwrap();
+    let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("lora.yaml: `batch_size` has the wrong type"), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&w);
+}
