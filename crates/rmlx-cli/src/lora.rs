@@ -102,6 +102,7 @@ pub struct Args {
 struct Extra {
     schedule: Option<Schedule>,
     keys: Option<Vec<String>>,
+    dropout: f32,
     optimizer: Option<OptimizerKind>,
 }
 
@@ -147,9 +148,7 @@ fn apply_config(a: &mut Args, matches: Option<&ArgMatches>) -> Result<Extra> {
         if !lora_config::given(matches, "lora_scale") {
             a.lora_scale = lora_config::get(p, "scale", &file)?.unwrap_or(a.lora_scale);
         }
-        if lora_config::get::<f32>(p, "dropout", &file)?.unwrap_or(0.0) != 0.0 {
-            bail!("{}: lora_parameters.dropout: LoRA dropout is not implemented yet (use 0)", file.display());
-        }
+        extra.dropout = lora_config::get(p, "dropout", &file)?.unwrap_or(0.0);
         extra.keys = lora_config::get(p, "keys", &file)?;
     }
     extra.schedule = lora_config::schedule(&cfg, &file)?;
@@ -210,7 +209,7 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         let config = AdapterConfig {
             fine_tune_type,
             num_layers,
-            lora: LoraConfig { rank: a.lora_rank as i32, scale: a.lora_scale, dropout: 0.0, keys: yaml.keys.clone() },
+            lora: LoraConfig { rank: a.lora_rank as i32, scale: a.lora_scale, dropout: yaml.dropout, keys: yaml.keys.clone() },
         };
         let trainable = match fine_tune_type {
             FineTuneType::Lora => {

@@ -249,10 +249,10 @@ fn yaml_config_sets_what_the_flags_do_not() {
     let cfg: Value = serde_json::from_str(&std::fs::read_to_string(w.join("a/adapter_config.json")).unwrap()).unwrap();
     assert_eq!(cfg["lora_parameters"], json!({"rank": 2, "scale": 4.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}));
     assert_eq!(cfg["batch_size"], 2);
-    // Settings it cannot honour are errors naming the file.
-    std::fs::write(&cfg_path, "lora_parameters:\n  rank: 2\n  scale: 4.0\n  dropout: 0.1\n").unwrap();
+    // Settings it cannot honour are errors naming them.
+    std::fs::write(&cfg_path, "optimizer: adafactor\n").unwrap();
     let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("lora.yaml: lora_parameters.dropout: LoRA dropout is not implemented yet"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown optimizer `adafactor`"), "{}", String::from_utf8_lossy(&out.stderr));
     std::fs::write(&cfg_path, "batch_size: four\n").unwrap();
     let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("lora.yaml: `batch_size` has the wrong type"), "{}", String::from_utf8_lossy(&out.stderr));

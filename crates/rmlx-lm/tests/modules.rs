@@ -133,7 +133,7 @@ fn lora_adapters_by_path_match_the_formula_and_fuse() {
         let a = rmlx::random::normal(&[i, 4], Dtype::Float32, 0.0, 0.5, Some(&rmlx::random::key(1).unwrap())).unwrap();
         let b = rmlx::random::normal(&[4, o], Dtype::Float32, 0.0, 0.5, Some(&rmlx::random::key(2).unwrap())).unwrap();
         let w = linear.fused_weight().unwrap(); // B is still zero: the base weight
-        linear.set_lora(Some(Lora { a: a.clone(), b: b.clone(), scale: 2.0 })).unwrap();
+        linear.set_lora(Some(Lora { a: a.clone(), b: b.clone(), scale: 2.0, dropout: 0.0 })).unwrap();
         let x = rmlx::random::normal(&[3, i], Dtype::Float32, 0.0, 1.0, Some(&rmlx::random::key(4).unwrap())).unwrap();
         let (xv, wv, av, bv) = (vals(&x), vals(&w), vals(&a), vals(&b));
         let (i, o) = (i as usize, o as usize);
@@ -161,4 +161,25 @@ fn lora_adapters_by_path_match_the_formula_and_fuse() {
         let wrong = Lora::init(i + 1, o, 2, 1.0, Dtype::Float32, None).unwrap();
         assert!(matches!(linear.set_lora(Some(wrong)), Err(Error::InvalidParameter(_))));
     });
+}
+
+/// LoRA dropout acts in training mode only, and is unbiased: the mean of many dropped-out
+/// outputs approaches the output without dropout.
+#[test]
+fn lora_dropout_only_in_training_and_unbiased() {
+    let key = |k| rmlx::random::key(k).unwrap();
+    let a = rmlx::random::normal(&[64, 4], Dtype::Float32, 0.0, 0.3, Some(&key(1))).unwrap();
+    let b = rmlx::random::normal(&[4, 8], Dtype::Float32, 0.0, 0.3, Some(&key(2))).unwrap();
+    let x = rmlx::random::normal(&[2, 64], Dtype::Float32, 0.0, 1.0, Some(&key(3))).unwrap();
+    let plain = Lora { a: a.clone(), b: b.clone(), scale: 2.0, dropout: 0.0 };
+    let dropped = Lora { a, b, scale: 2.0, dropout: 0.5 };
+    let want = vals(&plain.forward(&x).unwrap());
+    assert_eq!(vals(&dropped.forward(&x).unwrap()), want, "no dropout outside training");
+    rmlx::random::seed(11);
+    let draws: Vec<Vec<f32>> = rmlx_lm::nn::with_training(|| (0..400).map(|_| vals(&dropped.forward(&x).unwrap())).collect());
+    assert!(draws[0] != want && draws[0] != draws[1], "training draws differ");
+    let mean: Vec<f32> = (0..want.len()).map(|i| draws.iter().map(|d| d[i]).sum::<f32>() / draws.len() as f32).collect();
+    let scale = want.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+    assert!(max_diff(&mean, &want) < 0.15 * scale, "mean {mean:?} against {want:?}");
+    assert!(!rmlx_lm::nn::training(), "training mode ends with the closure");
 }

@@ -16,6 +16,28 @@
 
 use crate::Result;
 use rmlx::{ops, random, Array, Dtype};
+use std::cell::Cell;
+
+thread_local! {
+    static TRAINING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether layers on this thread run in training mode (LoRA dropout active).
+pub fn training() -> bool {
+    TRAINING.with(Cell::get)
+}
+
+/// Runs `f` with this thread's layers in training mode.
+pub fn with_training<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            TRAINING.with(|t| t.set(self.0));
+        }
+    }
+    let _restore = Restore(TRAINING.with(|t| t.replace(true)));
+    f()
+}
 
 /// An adapter's two factors and its scale.
 pub struct Lora {
@@ -24,6 +46,9 @@ pub struct Lora {
     /// `[r, out]`.
     pub b: Array,
     pub scale: f32,
+    /// Probability of dropping an input element of the adapter's path, in training mode only
+    /// (inverted dropout: the kept ones are scaled by `1 / (1 - p)`).
+    pub dropout: f32,
 }
 
 impl Lora {
@@ -35,6 +60,7 @@ impl Lora {
             a: random::uniform(-bound, bound, &[input, rank], dtype, key)?,
             b: ops::zeros(&[rank, output], dtype)?,
             scale,
+            dropout: 0.0,
         })
     }
 
@@ -43,8 +69,17 @@ impl Lora {
         self.a.shape()[1]
     }
 
-    /// `scale · (x A) B`, in `x`'s dtype.
+    /// `scale · (dropout(x) A) B`, in `x`'s dtype.
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        let dropped;
+        let x = if self.dropout > 0.0 && training() {
+            let draw = random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, None)?;
+            let keep = ops::greater_equal(&draw, &Array::scalar(self.dropout))?.astype(x.dtype())?;
+            dropped = (x * (keep * (1.0 / (1.0 - self.dropout)))?)?;
+            &dropped
+        } else {
+            x
+        };
         let z = x.matmul(&self.a)?.matmul(&self.b)?;
         Ok((z * self.scale)?.astype(x.dtype())?)
     }

@@ -6,7 +6,7 @@
 mod lora;
 mod module;
 
-pub use lora::Lora;
+pub use lora::{training, with_training, Lora};
 pub use module::{join, Module, ModuleExt};
 pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
 

@@ -41,6 +41,9 @@ pub fn apply_lora(
     dtype: Dtype,
     seed: u64,
 ) -> Result<Vec<String>> {
+    if !(0.0..1.0).contains(&config.dropout) {
+        return Err(Error::InvalidParameter(format!("LoRA dropout must be in [0, 1), got {}", config.dropout)));
+    }
     if config.rank <= 0 {
         return Err(Error::InvalidParameter(format!("the LoRA rank must be positive, got {}", config.rank)));
     }
@@ -61,6 +64,7 @@ pub fn apply_lora(
         let made = rmlx::random::key(seed.wrapping_add(adapted.len() as u64))
             .map_err(Error::from)
             .and_then(|key| Lora::init(input, output, config.rank, config.scale, dtype, Some(&key)))
+            .map(|lora| Lora { dropout: config.dropout, ..lora })
             .and_then(|lora| linear.set_lora(Some(lora)));
         match made {
             Ok(_) => adapted.push(path.to_string()),

@@ -49,7 +49,9 @@ pub fn loss_and_grad(model: &mut dyn Model, trainable: &[String], batch: &Batch)
         let mut m = cell.borrow_mut();
         let set: HashMap<String, Array> = trainable.iter().cloned().zip(params.iter().cloned()).collect();
         m.update("", set).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
-        let (loss, ntoks) = batch_loss(&**m, &tokens, &mask).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
+        // Training mode: LoRA dropout is active while the gradient is taken.
+        let (loss, ntoks) = crate::nn::with_training(|| batch_loss(&**m, &tokens, &mask))
+            .map_err(|e| rmlx::Error::Callback(e.to_string()))?;
         Ok(vec![loss, ntoks])
     };
     let argnums: Vec<usize> = (0..values.len()).collect();

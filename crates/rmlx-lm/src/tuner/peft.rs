@@ -80,7 +80,7 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
                 .transpose()
                 .and_then(|a| a.astype(dtype))
                 .and_then(|a| Ok((a, b.transpose()?.astype(dtype)?)))
-                .map(|(a, b)| Lora { a, b, scale }),
+                .map(|(a, b)| Lora { a, b, scale, dropout: 0.0 }),
             _ => {
                 failure = Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_A/lora_B (in {})", weights_path.display())));
                 return;

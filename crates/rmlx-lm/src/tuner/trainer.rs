@@ -173,6 +173,9 @@ pub fn train(
 ) -> Result<TrainSummary> {
     let lengths: Vec<usize> = train.iter().map(|s| s.tokens.len()).collect();
     let mut order = BatchOrder::new(&lengths, cfg.batch_size, cfg.seed)?;
+    // MLX's random state drives LoRA dropout: seeded, so that a run can be repeated (a resumed
+    // run with dropout draws afresh: its state is not part of a checkpoint).
+    rmlx::random::seed(cfg.seed);
     let batches = order.batches().to_vec();
     let mut queue = Vec::new();
     let (mut window_loss, mut window_steps, mut window_tokens) = (0.0f64, 0usize, 0usize);
