@@ -147,3 +147,42 @@ fn gradients_equal_finite_differences() {
     assert_eq!(compared, 9);
     assert!(matches!(loss_and_grad(lm.model.as_mut(), &[], &b), Err(Error::InvalidParameter(_))));
 }
+
+/// QLoRA: adapters on a base kept 4-bit quantised. The gradient flows through MLX's quantised
+/// matmul to the adapters and equals finite differences.
+#[test]
+fn qlora_gradients_through_a_quantised_base() {
+    let dir = fixture_with_tokenizer("llama_gqa_q4");
+    let opts = LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(false), ..LoadOptions::default() };
+    let mut lm = rmlx_lm::load(dir.path(), &opts).unwrap();
+    let mut quantized = 0;
+    lm.model.visit_linears("", &mut |_, l| quantized += l.is_quantized() as usize);
+    assert!(quantized > 0, "the base stays quantised");
+    apply_lora(lm.model.as_mut(), None, &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None }, Dtype::Float32, 3).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    let b = batch();
+    let moved: HashMap<String, Array> = trainable
+        .iter()
+        .filter(|n| n.ends_with(".lora_b"))
+        .enumerate()
+        .map(|(i, n)| {
+            let p = lm.model.parameters("").into_iter().find(|(m, _)| m == n).unwrap().1;
+            (n.clone(), rmlx::random::normal(p.shape(), Dtype::Float32, 0.0, 0.05, Some(&rmlx::random::key(200 + i as u64).unwrap())).unwrap())
+        })
+        .collect();
+    lm.model.update("", moved).unwrap();
+    let g = loss_and_grad(lm.model.as_mut(), &trainable, &b).unwrap();
+    let name = "model.layers.0.self_attn.q_proj.lora_a";
+    let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
+    let grad = vals(&g.grads[name]);
+    let eps = 1e-2f32;
+    for index in [0, p.len() / 3] {
+        set(&mut lm, name, index, p[index] + eps);
+        let up = loss_of(&lm, &b);
+        set(&mut lm, name, index, p[index] - eps);
+        let down = loss_of(&lm, &b);
+        set(&mut lm, name, index, p[index]);
+        let fd = (up - down) / (2.0 * eps as f64);
+        assert!((fd - grad[index] as f64).abs() <= 2e-3 + 2e-2 * (grad[index] as f64).abs(), "{name}[{index}]: {fd} against {}", grad[index]);
+    }
+}
