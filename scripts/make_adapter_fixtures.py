@@ -27,29 +27,33 @@ from mlx_lm.utils import load_model
 ROOT = Path("crates/rmlx-lm/tests/fixtures")
 IDS = [1, 5, 9, 3, 7, 11]
 CASES = {
-    # name: (fixture model, num_layers, lora_parameters)
-    "llama_gqa_all": ("llama_gqa", -1, {"rank": 4, "scale": 3.0, "dropout": 0.0}),
-    "qwen3_last_q_v": ("qwen3", 1, {"rank": 2, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}),
+    # name: (fixture model, num_layers, lora_parameters, fine_tune_type)
+    "llama_gqa_all": ("llama_gqa", -1, {"rank": 4, "scale": 3.0, "dropout": 0.0}, "lora"),
+    "qwen3_last_q_v": ("qwen3", 1, {"rank": 2, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}, "lora"),
+    # DoRA: every magnitude `m` is moved off the base weight's row norms as well.
+    "llama_gqa_dora": ("llama_gqa", 1, {"rank": 4, "scale": 2.0, "dropout": 0.0}, "dora"),
 }
 
 
 def main():
-    for case, (fixture, num_layers, params) in CASES.items():
+    for case, (fixture, num_layers, params, fine_tune_type) in CASES.items():
         model, _ = load_model(ROOT / "models" / fixture)
         model.set_dtype(mx.float32)  # the reference is computed in float32 (the Rust test's dtype)
         model.freeze()
-        linear_to_lora_layers(model, num_layers, params)
-        mx.random.seed(0)
+        mx.random.seed(0)  # before the adapters are made: their lora_a draws come from it too
+        linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
         adapters = {}
         for name, value in tree_flatten(model.trainable_parameters()):
             if name.endswith("lora_b"):
                 value = mx.random.normal(value.shape) * 0.1
+            elif name.endswith(".m"):
+                value = value * (1.0 + 0.2 * mx.random.normal(value.shape))
             adapters[name] = value
         model.load_weights(list(adapters.items()), strict=False)
         out = ROOT / "adapters" / case
         out.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(out / "adapters.safetensors"), adapters)
-        config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
+        config = {"fine_tune_type": fine_tune_type, "num_layers": num_layers, "lora_parameters": params}
         (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
         logits = model(mx.array([IDS]))[0].astype(mx.float32)
         ref = {"mlx_lm": mlx_lm.__version__, "model": fixture, "ids": IDS, "logits": logits.tolist()}

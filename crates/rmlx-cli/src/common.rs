@@ -47,7 +47,7 @@ impl ModelArgs {
             let cfg = rmlx_lm::tuner::adapters::load(lm.model.as_mut(), dir, lm.dtype)
                 .with_context(|| format!("loading the adapters of {}", dir.display()))?;
             match cfg.fine_tune_type {
-                rmlx_lm::tuner::adapters::FineTuneType::Lora => {
+                rmlx_lm::tuner::adapters::FineTuneType::Lora | rmlx_lm::tuner::adapters::FineTuneType::Dora => {
                     eprintln!("adapters: {} (rank {}, scale {})", dir.display(), cfg.lora.rank, cfg.lora.scale)
                 }
                 rmlx_lm::tuner::adapters::FineTuneType::Full => eprintln!("adapters: {} (fully fine-tuned weights)", dir.display()),

@@ -31,8 +31,8 @@ pub struct Args {
     /// A folder with train.jsonl, valid.jsonl and test.jsonl.
     #[arg(long, default_value = "data")]
     data: PathBuf,
-    /// lora, or full (the weights of the last --num-layers blocks themselves; dora is not
-    /// implemented yet).
+    /// lora, dora (LoRA with a learned magnitude per output row), or full (the weights of the
+    /// last --num-layers blocks themselves).
     #[arg(long, default_value = "lora")]
     fine_tune_type: String,
     /// Blocks, from the last, that get adapters (-1: all).
@@ -179,8 +179,9 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     ensure!(a.train || a.test, "nothing to do: pass --train, --test or both");
     let fine_tune_type = match a.fine_tune_type.as_str() {
         "lora" => FineTuneType::Lora,
+        "dora" => FineTuneType::Dora,
         "full" => FineTuneType::Full,
-        other => bail!("--fine-tune-type {other} is not implemented yet (lora and full are)"),
+        other => bail!("--fine-tune-type {other} is unknown (lora, dora or full)"),
     };
     ensure!(matches!(a.adapter_format.as_str(), "mlx" | "peft"), "--adapter-format {} is unknown (mlx or peft)", a.adapter_format);
     let num_layers = all_or(a.num_layers, "num-layers")?;
@@ -214,6 +215,10 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         let trainable = match fine_tune_type {
             FineTuneType::Lora => {
                 tuner::apply_lora(lm.model.as_mut(), num_layers, &config.lora, lm.dtype, a.seed as u64)?;
+                tuner::lora_parameter_names(lm.model.as_ref())
+            }
+            FineTuneType::Dora => {
+                tuner::apply_dora(lm.model.as_mut(), num_layers, &config.lora, lm.dtype, a.seed as u64)?;
                 tuner::lora_parameter_names(lm.model.as_ref())
             }
             FineTuneType::Full => tuner::full_parameter_names(lm.model.as_ref(), num_layers)?,

@@ -115,8 +115,8 @@ fn bad_input_is_reported_before_training() {
     assert!(!w.join("a").exists(), "nothing was written");
     let out = rmlx(&["lora", "--model", s(&model)]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("nothing to do: pass --train, --test or both"));
-    let out = rmlx(&["lora", "--model", s(&model), "--train", "--data", s(&data), "--fine-tune-type", "dora"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--fine-tune-type dora is not implemented yet"));
+    let out = rmlx(&["lora", "--model", s(&model), "--train", "--data", s(&data), "--fine-tune-type", "vera"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--fine-tune-type vera is unknown (lora, dora or full)"));
     std::fs::write(data.join("valid.jsonl"), "{\"text\": \"t1 t2\"}\n").unwrap();
     let out = rmlx(&["lora", "--model", s(&model), "--test", "--data", s(&data), "--adapter-path", s(&w.join("none"))]);
     assert_eq!(out.status.code(), Some(1));

@@ -48,6 +48,22 @@ fn fused_mlx_lm_adapter_gives_mlx_lm_logits() {
     assert!(rmlx_lm::tuner::lora_parameter_names(fused.model.as_ref()).is_empty());
 }
 
+/// DoRA fused (rows rescaled to the learned magnitudes) reloads with mlx-lm's DoRA logits.
+#[test]
+fn fused_dora_gives_mlx_lm_logits() {
+    let adapter_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters/llama_gqa_dora");
+    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(adapter_dir.join("reference.json")).unwrap()).unwrap();
+    let src = fixture_with_tokenizer("llama_gqa");
+    let mut lm = load(src.path());
+    adapters::load(lm.model.as_mut(), &adapter_dir, Dtype::Float32).unwrap();
+    let out = TempDir::new("fused-dora");
+    assert_eq!(fuse(&mut lm, src.path(), out.path()).unwrap().fused, 7);
+    let ids: Vec<i32> = reference["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
+    let want: Vec<f32> = reference["logits"].as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+    let d = max_diff(&logits(&load(out.path()), &ids), &want);
+    assert!(d < 1e-4, "fused DoRA against mlx-lm: {d}");
+}
+
 #[test]
 fn quantised_base_is_written_dequantised_and_gemma_norms_round_trip() {
     let ids = [1, 5, 9, 3];

@@ -186,3 +186,30 @@ fn qlora_gradients_through_a_quantised_base() {
         assert!((fd - grad[index] as f64).abs() <= 2e-3 + 2e-2 * (grad[index] as f64).abs(), "{name}[{index}]: {fd} against {}", grad[index]);
     }
 }
+
+/// DoRA: the gradients of A, B and the magnitudes equal finite differences of the loss with the
+/// adapted weight's norm held constant, as mlx-lm defines it (`stop_gradient` on the norm). The
+/// finite differences below move one magnitude entry, which leaves that norm unchanged.
+#[test]
+fn dora_magnitude_gradient_equals_finite_differences() {
+    let dir = fixture_with_tokenizer("llama_gqa");
+    let mut lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    rmlx_lm::tuner::apply_dora(lm.model.as_mut(), Some(1), &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None }, Dtype::Float32, 1).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    assert_eq!(trainable.iter().filter(|n| n.ends_with(".m")).count(), 7);
+    let b = batch();
+    let g = loss_and_grad(lm.model.as_mut(), &trainable, &b).unwrap();
+    let name = "model.layers.1.mlp.up_proj.m";
+    let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
+    let grad = vals(&g.grads[name]);
+    let eps = 1e-2f32;
+    for index in [0, p.len() / 2] {
+        set(&mut lm, name, index, p[index] + eps);
+        let up = loss_of(&lm, &b);
+        set(&mut lm, name, index, p[index] - eps);
+        let down = loss_of(&lm, &b);
+        set(&mut lm, name, index, p[index]);
+        let fd = (up - down) / (2.0 * eps as f64);
+        assert!(grad[index] != 0.0 && (fd - grad[index] as f64).abs() <= 2e-3 + 2e-2 * (grad[index] as f64).abs(), "{name}[{index}]: {fd} against {}", grad[index]);
+    }
+}

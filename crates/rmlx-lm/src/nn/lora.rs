@@ -49,6 +49,9 @@ pub struct Lora {
     /// Probability of dropping an input element of the adapter's path, in training mode only
     /// (inverted dropout: the kept ones are scaled by `1 / (1 - p)`).
     pub dropout: f32,
+    /// DoRA's learned magnitude per output row, `[out]` float32 (`<linear>.m`); `None`: plain LoRA.
+    /// With it, the layer's output rows are rescaled to `m / ‖W + ΔW‖` (before the bias).
+    pub magnitude: Option<Array>,
 }
 
 impl Lora {
@@ -61,6 +64,7 @@ impl Lora {
             b: ops::zeros(&[rank, output], dtype)?,
             scale,
             dropout: 0.0,
+            magnitude: None,
         })
     }
 

@@ -33,18 +33,32 @@ enum LinearWeight {
 impl Linear {
     /// Applies the layer to `x: [..., in]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let y = match &self.weight {
+        let mut y = match &self.weight {
             LinearWeight::Dense { wt, .. } => x.matmul(wt)?,
             LinearWeight::Quantized(q) => quantized_matmul(x, q, true)?,
         };
-        let y = match &self.bias {
-            Some(b) => (&y + b)?,
-            None => y,
-        };
-        match &self.lora {
-            Some(lora) => Ok((&y + lora.forward(x)?)?),
+        if let Some(lora) = &self.lora {
+            y = (&y + lora.forward(x)?)?;
+            if let Some(m) = &lora.magnitude {
+                // DoRA: every output row rescaled to the learned magnitude over the norm of the
+                // adapted weight (a constant for the gradient, as in mlx-lm).
+                let adapted = (self.dense_weight()? + lora.delta()?)?.astype(Dtype::Float32)?;
+                let norm = ops::stop_gradient(&ops::square(&adapted)?.sum(-1, false)?.sqrt()?)?;
+                y = (y * (m / &norm)?.astype(x.dtype())?)?;
+            }
+        }
+        match &self.bias {
+            Some(b) => Ok((&y + b)?),
             None => Ok(y),
         }
+    }
+
+    /// The base weight `[out, in]`, dequantised if it is quantised.
+    fn dense_weight(&self) -> Result<Array> {
+        Ok(match &self.weight {
+            LinearWeight::Dense { w, .. } => w.clone(),
+            LinearWeight::Quantized(q) => dequantize(q, Some(q.scales.dtype()))?,
+        })
     }
 
     /// Whether the weight is kept quantised.
@@ -79,14 +93,23 @@ impl Linear {
     /// The dense weight `[out, in]` with the adapter merged in (quantised weights dequantised):
     /// what `fuse` writes.
     pub fn fused_weight(&self) -> Result<Array> {
-        let w = match &self.weight {
-            LinearWeight::Dense { w, .. } => w.clone(),
-            LinearWeight::Quantized(q) => dequantize(q, Some(q.scales.dtype()))?,
-        };
-        match &self.lora {
-            Some(lora) => Ok((&w + lora.delta()?.astype(w.dtype())?)?),
-            None => Ok(w),
+        let w = self.dense_weight()?;
+        let Some(lora) = &self.lora else { return Ok(w) };
+        let fused = (&w + lora.delta()?.astype(w.dtype())?)?;
+        match &lora.magnitude {
+            // DoRA: rows rescaled to the learned magnitudes.
+            Some(m) => {
+                let norm = ops::square(&fused.astype(Dtype::Float32)?)?.sum(-1, true)?.sqrt()?;
+                let rows = (m.reshape(&[-1, 1])? / norm)?;
+                Ok((fused.astype(Dtype::Float32)? * rows)?.astype(w.dtype())?)
+            }
+            None => Ok(fused),
         }
+    }
+
+    /// The row norms of the base weight (a fresh DoRA adapter's magnitudes), in float32.
+    pub fn weight_norms(&self) -> Result<Array> {
+        Ok(ops::square(&self.dense_weight()?.astype(Dtype::Float32)?)?.sum(-1, false)?.sqrt()?)
     }
 }
 
@@ -108,6 +131,9 @@ impl Module for Linear {
         if let Some(l) = &self.lora {
             f(&join(prefix, "lora_a"), &l.a);
             f(&join(prefix, "lora_b"), &l.b);
+            if let Some(m) = &l.magnitude {
+                f(&join(prefix, "m"), m);
+            }
         }
     }
 
@@ -134,6 +160,9 @@ impl Module for Linear {
         if let Some(l) = &mut self.lora {
             f(&join(prefix, "lora_a"), &mut l.a);
             f(&join(prefix, "lora_b"), &mut l.b);
+            if let Some(m) = &mut l.magnitude {
+                f(&join(prefix, "m"), m);
+            }
         }
     }
 

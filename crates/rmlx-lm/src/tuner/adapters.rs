@@ -23,6 +23,8 @@ pub const CONFIG: &str = "adapter_config.json";
 pub enum FineTuneType {
     /// Low-rank adapters; the file holds their `lora_a`/`lora_b` arrays.
     Lora,
+    /// DoRA: low-rank adapters with a learned magnitude per output row (`m`).
+    Dora,
     /// The weights themselves; the file holds every trained array of the model.
     Full,
 }
@@ -40,7 +42,11 @@ impl AdapterConfig {
     /// The JSON mlx-lm reads (extra keys, such as training settings, may be merged in).
     pub fn to_json(&self) -> Value {
         json!({
-            "fine_tune_type": match self.fine_tune_type { FineTuneType::Lora => "lora", FineTuneType::Full => "full" },
+            "fine_tune_type": match self.fine_tune_type {
+                FineTuneType::Lora => "lora",
+                FineTuneType::Dora => "dora",
+                FineTuneType::Full => "full",
+            },
             "num_layers": self.num_layers.map_or(-1, |n| n as i64),
             "lora_parameters": {
                 "rank": self.lora.rank,
@@ -56,8 +62,9 @@ impl AdapterConfig {
         let bad = |what: String| Error::Config(format!("{file}: {what}"));
         let fine_tune_type = match v.get("fine_tune_type").and_then(Value::as_str).unwrap_or("lora") {
             "lora" => FineTuneType::Lora,
+            "dora" => FineTuneType::Dora,
             "full" => FineTuneType::Full,
-            other => return Err(bad(format!("fine_tune_type `{other}` is not supported yet (lora and full are)"))),
+            other => return Err(bad(format!("fine_tune_type `{other}` is not supported (lora, dora and full are)"))),
         };
         let num_layers = match v.get("num_layers").and_then(Value::as_i64) {
             None | Some(-1) => None,
@@ -68,7 +75,7 @@ impl AdapterConfig {
         let p = match (v.get("lora_parameters"), fine_tune_type) {
             (Some(p), _) => p,
             (None, FineTuneType::Full) => &none,
-            (None, FineTuneType::Lora) => return Err(bad("no `lora_parameters`".into())),
+            (None, _) => return Err(bad("no `lora_parameters`".into())),
         };
         let rank = p.get("rank").and_then(Value::as_i64).ok_or_else(|| bad("`lora_parameters.rank` is missing".into()))?;
         let scale = p.get("scale").and_then(Value::as_f64).ok_or_else(|| bad("`lora_parameters.scale` is missing".into()))?;
@@ -140,22 +147,29 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     let file = config_path.display().to_string();
     let v: Value = serde_json::from_str(&text).map_err(|e| Error::Config(format!("{file}: {e}")))?;
     let config = AdapterConfig::from_json(&v, &file)?;
-    if config.fine_tune_type == FineTuneType::Lora {
-        apply_lora(model, config.num_layers, &config.lora, dtype, 0)?;
+    match config.fine_tune_type {
+        FineTuneType::Lora => {
+            apply_lora(model, config.num_layers, &config.lora, dtype, 0)?;
+        }
+        FineTuneType::Dora => {
+            super::lora::apply_dora(model, config.num_layers, &config.lora, dtype, 0)?;
+        }
+        FineTuneType::Full => {}
     }
     let weights = dir.join(WEIGHTS);
     if !weights.exists() {
         return Err(Error::MissingFile(weights.display().to_string()));
     }
     let arrays = rmlx::io::load_safetensors(&weights)?.arrays;
-    if config.fine_tune_type == FineTuneType::Lora {
+    if config.fine_tune_type != FineTuneType::Full {
         let expected = lora_parameter_names(model);
         if let Some(missing) = expected.iter().find(|n| !arrays.contains_key(*n)) {
             return Err(Error::MissingTensor(format!("{missing} (in {})", weights.display())));
         }
     }
     let new: HashMap<String, Array> =
-        arrays.into_iter().map(|(n, a)| Ok((n, a.astype(dtype)?))).collect::<Result<_>>()?;
+        // DoRA's magnitudes stay float32, as the adapters keep them.
+        arrays.into_iter().map(|(n, a)| Ok(if n.ends_with(".m") { (n, a) } else { (n, a.astype(dtype)?) })).collect::<Result<_>>()?;
     model.update("", new)?;
     Ok(config)
 }

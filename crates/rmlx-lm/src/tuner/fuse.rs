@@ -58,7 +58,7 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
     let mut out = BTreeMap::new();
     for (name, a) in lm.model.parameters("") {
         let owner = name.rsplit_once('.').map_or("", |(p, _)| p);
-        if name.ends_with(".lora_a") || name.ends_with(".lora_b") {
+        if name.ends_with(".lora_a") || name.ends_with(".lora_b") || name.ends_with(".m") {
             continue;
         }
         if replaced.contains_key(&format!("{owner}.weight")) && (name.ends_with(".scales") || name.ends_with(".biases")) {

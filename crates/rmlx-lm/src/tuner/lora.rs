@@ -34,13 +34,17 @@ fn block_path(path: &str) -> Option<(usize, &str)> {
 /// Attaches fresh adapters to the linears of the last `num_layers` blocks (`None`: all blocks)
 /// that `config.keys` selects, with weights in `dtype` drawn from `seed`. Returns the adapted
 /// paths; an error when nothing matched or a key names no linear layer.
-pub fn apply_lora(
-    model: &mut dyn Model,
-    num_layers: Option<usize>,
-    config: &LoraConfig,
-    dtype: Dtype,
-    seed: u64,
-) -> Result<Vec<String>> {
+pub fn apply_lora(model: &mut dyn Model, num_layers: Option<usize>, config: &LoraConfig, dtype: Dtype, seed: u64) -> Result<Vec<String>> {
+    attach(model, num_layers, config, dtype, seed, false)
+}
+
+/// [`apply_lora`] with DoRA adapters: each also learns a magnitude per output row (`<linear>.m`),
+/// initialised to the row norms of the base weight, as mlx-lm's `DoRALinear` does.
+pub fn apply_dora(model: &mut dyn Model, num_layers: Option<usize>, config: &LoraConfig, dtype: Dtype, seed: u64) -> Result<Vec<String>> {
+    attach(model, num_layers, config, dtype, seed, true)
+}
+
+fn attach(model: &mut dyn Model, num_layers: Option<usize>, config: &LoraConfig, dtype: Dtype, seed: u64, dora: bool) -> Result<Vec<String>> {
     if !(0.0..1.0).contains(&config.dropout) {
         return Err(Error::InvalidParameter(format!("LoRA dropout must be in [0, 1), got {}", config.dropout)));
     }
@@ -64,7 +68,10 @@ pub fn apply_lora(
         let made = rmlx::random::key(seed.wrapping_add(adapted.len() as u64))
             .map_err(Error::from)
             .and_then(|key| Lora::init(input, output, config.rank, config.scale, dtype, Some(&key)))
-            .map(|lora| Lora { dropout: config.dropout, ..lora })
+            .and_then(|lora| {
+                let magnitude = if dora { Some(linear.weight_norms()?) } else { None };
+                Ok(Lora { dropout: config.dropout, magnitude, ..lora })
+            })
             .and_then(|lora| linear.set_lora(Some(lora)));
         match made {
             Ok(_) => adapted.push(path.to_string()),
@@ -86,10 +93,15 @@ pub fn apply_lora(
     Ok(adapted)
 }
 
-/// The names of the adapters' parameters (`<path>.lora_a`, `<path>.lora_b`): what training updates.
+/// The names of the adapters' parameters (`<path>.lora_a`, `<path>.lora_b`, and DoRA's `<path>.m`):
+/// what training updates.
 pub fn lora_parameter_names(model: &dyn Model) -> Vec<String> {
     use crate::nn::ModuleExt;
-    model.parameter_names("").into_iter().filter(|n| n.ends_with(".lora_a") || n.ends_with(".lora_b")).collect()
+    model
+        .parameter_names("")
+        .into_iter()
+        .filter(|n| n.ends_with(".lora_a") || n.ends_with(".lora_b") || n.ends_with(".m"))
+        .collect()
 }
 
 /// The parameters full fine-tuning trains: every floating-point array of the last `num_layers`

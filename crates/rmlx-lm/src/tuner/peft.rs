@@ -80,7 +80,7 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
                 .transpose()
                 .and_then(|a| a.astype(dtype))
                 .and_then(|a| Ok((a, b.transpose()?.astype(dtype)?)))
-                .map(|(a, b)| Lora { a, b, scale, dropout: 0.0 }),
+                .map(|(a, b)| Lora { a, b, scale, dropout: 0.0, magnitude: None }),
             _ => {
                 failure = Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_A/lora_B (in {})", weights_path.display())));
                 return;
@@ -111,6 +111,10 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
     let mut failure = None;
     model.visit_linears("", &mut |path, linear| {
         let Some(l) = linear.lora() else { return };
+        if l.magnitude.is_some() {
+            failure = Some(Error::InvalidParameter("DoRA adapters cannot be written in PEFT's layout yet".into()));
+            return;
+        }
         ranks.insert(l.rank());
         scales.push(l.scale);
         targets.insert(path.rsplit('.').next().unwrap_or(path).to_string());
