@@ -258,3 +258,32 @@ fn yaml_config_sets_what_the_flags_do_not() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("lora.yaml: `batch_size` has the wrong type"), "{}", String::from_utf8_lossy(&out.stderr));
     let _ = std::fs::remove_dir_all(&w);
 }
+
+/// Ctrl-C during training saves the adapters and ends the run with status 0.
+#[test]
+fn ctrl_c_saves_the_adapters_and_stops() {
+    use std::io::{BufRead, BufReader};
+    let w = workspace("sigint");
+    let (model, data, out_dir) = (w.join("model"), w.join("data"), w.join("a"));
+    let mut child = Command::new(RMLX)
+        .args(["lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&out_dir)])
+        .args(["--iters", "100000", "--steps-per-report", "1", "--save-every", "100000", "--json"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the first report, then interrupt.
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("a report").unwrap();
+    assert!(first.contains("train_loss") || first.contains("val_loss"), "{first}");
+    // SAFETY: kill(2) on the pid of our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) }, 0);
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(err.contains("Saved adapter weights to"), "{err}");
+    assert!(out_dir.join("adapters.safetensors").exists());
+    let _ = std::fs::remove_dir_all(&w);
+}
