@@ -266,8 +266,15 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         crate::interrupt::install()?;
         let _training = crate::interrupt::Replying::start();
         let json_out = a.json;
-        let mut print = |r: &Report| print_report(r, json_out);
-        tuner::train(lm.model.as_mut(), &trainable, &mut opt, &train, &valid, &cfg, &mut print, &crate::interrupt::requested)?;
+        // A bar on a terminal (plain percentages otherwise), with the report lines above it.
+        let bar = rmlx_lm::progress::Progress::new(!json_out, "training", cfg.iters as u64);
+        let mut print = |r: &Report| match r {
+            Report::Step { iter, .. } => bar.set(*iter as u64),
+            r => print_report(r, json_out, &|line: &str| bar.println(line)),
+        };
+        let result = tuner::train(lm.model.as_mut(), &trainable, &mut opt, &train, &valid, &cfg, &mut print, &crate::interrupt::requested);
+        bar.finish();
+        result?;
         if a.adapter_format == "peft" {
             ensure!(fine_tune_type == FineTuneType::Lora, "--adapter-format peft needs --fine-tune-type lora");
             let dir = adapter_dir.join("peft");
@@ -292,30 +299,31 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     Ok(())
 }
 
-fn print_report(r: &Report, json_out: bool) {
+fn print_report(r: &Report, json_out: bool, eprint: &dyn Fn(&str)) {
     match r {
         Report::Train { iter, loss, learning_rate, tokens_per_sec, trained_tokens, peak_memory_gb } => {
             if json_out {
                 println!("{}", json!({"iter": iter, "train_loss": loss, "learning_rate": learning_rate,
                     "tokens_per_sec": tokens_per_sec, "trained_tokens": trained_tokens, "peak_memory_gb": peak_memory_gb}));
             } else {
-                eprintln!(
+                eprint(&format!(
                     "Iter {iter}: Train loss {loss:.3}, Learning Rate {learning_rate:.3e}, Tokens/sec {tokens_per_sec:.1}, \
                      Trained Tokens {trained_tokens}, Peak mem {peak_memory_gb:.3} GB"
-                );
+                ));
             }
         }
         Report::Val { iter, loss, seconds } => {
             if json_out {
                 println!("{}", json!({"iter": iter, "val_loss": loss, "val_time": seconds}));
             } else {
-                eprintln!("Iter {iter}: Val loss {loss:.3}, Val took {seconds:.3}s");
+                eprint(&format!("Iter {iter}: Val loss {loss:.3}, Val took {seconds:.3}s"));
             }
         }
-        Report::Saved { iter, path } => eprintln!("Iter {iter}: Saved adapter weights to {}.", path.display()),
-        Report::Truncated { longest, max_seq_length, .. } => eprintln!(
+        Report::Saved { iter, path } => eprint(&format!("Iter {iter}: Saved adapter weights to {}.", path.display())),
+        Report::Truncated { longest, max_seq_length, .. } => eprint(&format!(
             "warning: some sequences are longer than {max_seq_length} tokens; the longest ({longest}) is truncated. \
              Consider pre-splitting your data to save memory."
-        ),
+        )),
+        Report::Step { .. } => {}
     }
 }

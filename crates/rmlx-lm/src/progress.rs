@@ -55,6 +55,22 @@ impl Progress {
         }
     }
 
+    /// Moves to `pos` units done.
+    pub fn set(&self, pos: u64) {
+        let done = self.bar.as_ref().map(ProgressBar::position).or_else(|| self.plain.as_ref().map(|p| p.2.get())).unwrap_or(0);
+        if pos > done {
+            self.inc(pos - done);
+        }
+    }
+
+    /// Prints a line on stderr above the bar (plainly when there is none).
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+
     /// Ends the report.
     pub fn finish(&self) {
         if let Some(bar) = &self.bar {

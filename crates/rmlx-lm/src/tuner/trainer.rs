@@ -124,6 +124,8 @@ pub enum Report {
     Saved { iter: usize, path: PathBuf },
     /// A truncated batch (some example longer than `max_seq_length`).
     Truncated { iter: usize, longest: usize, max_seq_length: usize },
+    /// An iteration finished (for progress bars).
+    Step { iter: usize, iters: usize },
 }
 
 /// Mean loss over the masked targets of up to `num_batches` batches of `data` (in a fixed,
@@ -263,6 +265,7 @@ pub fn train(
             rmlx::eval(&to_eval)?;
             accumulated = Some(grads);
         }
+        report(&Report::Step { iter: it, iters: cfg.iters });
         window_loss += step.loss.item::<f32>()? as f64;
         window_steps += 1;
         window_tokens += batch.real_tokens();
