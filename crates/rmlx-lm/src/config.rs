@@ -311,6 +311,28 @@ impl ModelConfig {
     pub fn quantization_block(&self) -> Option<&Value> {
         self.quantization.as_ref().or(self.quantization_config.as_ref()).filter(|q| q.get("bits").is_some())
     }
+
+    /// `(group_size, bits)` of the tensor `prefix` (`model.layers.0.mlp.up_proj`): the
+    /// `quantization` block's, a per-tensor entry overriding them (defaults 64 and 4); `None`
+    /// without a block. A value that is not an integer is an error.
+    pub fn quantization_of(&self, prefix: &str) -> Result<Option<(i32, i32)>> {
+        let Some(block) = self.quantization_block() else { return Ok(None) };
+        let get = |v: &Value, k: &str| -> Result<Option<i32>> {
+            match v.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_i64()
+                    .and_then(|n| i32::try_from(n).ok())
+                    .map(Some)
+                    .ok_or_else(|| Error::Config(format!("quantization `{k}` must be an integer, got {x}"))),
+            }
+        };
+        let (gs, bits) = (get(block, "group_size")?.unwrap_or(64), get(block, "bits")?.unwrap_or(4));
+        Ok(Some(match block.get(prefix) {
+            Some(o @ Value::Object(_)) => (get(o, "group_size")?.unwrap_or(gs), get(o, "bits")?.unwrap_or(bits)),
+            _ => (gs, bits),
+        }))
+    }
 }
 
 /// A token id or list of ids in a config.

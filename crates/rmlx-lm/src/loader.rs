@@ -345,29 +345,13 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
             prefixes[0]
         ))
     })?;
-    let get = |v: &Value, k: &str| -> Result<Option<i32>> {
-        match v.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => x
-                .as_i64()
-                .and_then(|n| i32::try_from(n).ok())
-                .map(Some)
-                .ok_or_else(|| Error::Config(format!("quantization `{k}` must be an integer, got {x}"))),
-        }
-    };
-    let (default_gs, default_bits) = (get(block, "group_size")?.unwrap_or(64), get(block, "bits")?.unwrap_or(4));
     if let Some(mode) = block.get("mode").and_then(Value::as_str) {
         if mode != "affine" {
             return Err(Error::Config(format!("quantization mode `{mode}` is not supported (affine only)")));
         }
     }
     for p in prefixes {
-        let (gs, bits) = match block.get(&p) {
-            Some(o @ Value::Object(_)) => {
-                (get(o, "group_size")?.unwrap_or(default_gs), get(o, "bits")?.unwrap_or(default_bits))
-            }
-            _ => (default_gs, default_bits),
-        };
+        let (gs, bits) = cfg.quantization_of(&p)?.expect("the block exists");
         crate::checkpoint::check_quantization(&p, bits, gs)?;
         let Weight::Dense(weight) = w.take(&format!("{p}.weight"))? else { unreachable!("safetensors are dense") };
         let Weight::Dense(scales) = w.take(&format!("{p}.scales"))? else { unreachable!() };

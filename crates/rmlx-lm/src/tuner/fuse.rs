@@ -76,10 +76,7 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
     let packed: Vec<String> = out.keys().filter(|n| out[*n].dtype() == Dtype::Uint32).cloned().collect();
     for name in packed {
         let prefix = name.strip_suffix(".weight").unwrap_or(&name).to_string();
-        let block = lm.model.config().quantization_block().cloned().unwrap_or(Value::Null);
-        let int = |v: &Value, k: &str, default: i32| v.get(k).and_then(Value::as_i64).map_or(default, |n| n as i32);
-        let own = block.get(&prefix).cloned().unwrap_or(Value::Null);
-        let (gs, bits) = (int(&own, "group_size", int(&block, "group_size", 64)), int(&own, "bits", int(&block, "bits", 4)));
+        let (gs, bits) = lm.model.config().quantization_of(&prefix)?.unwrap_or((64, 4));
         let scales = out.remove(&format!("{prefix}.scales")).ok_or_else(|| Error::MissingTensor(format!("{prefix}.scales")))?;
         let q = Quantized {
             weight: out.remove(&name).expect("listed above"),
