@@ -6,7 +6,7 @@ use super::attention::{Attention, AttentionSpec};
 use super::{uniform_caches, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::{join, visit_list, visit_list_linears, visit_list_mut, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
+use crate::nn::{join, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
 use crate::Result;
 use rmlx::Array;
 
@@ -133,29 +133,4 @@ impl Module for Block {
     }
 }
 
-impl Module for Model {
-    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, &Array)) {
-        self.embed_tokens.visit(&join(p, "model.embed_tokens"), f);
-        visit_list(&self.layers, &join(p, "model.layers"), f);
-        self.norm.visit(&join(p, "model.norm"), f);
-        if let Some(head) = &self.lm_head {
-            head.visit(&join(p, "lm_head"), f);
-        }
-    }
-
-    fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Array)) {
-        self.embed_tokens.visit_mut(&join(p, "model.embed_tokens"), f);
-        visit_list_mut(&mut self.layers, &join(p, "model.layers"), f);
-        self.norm.visit_mut(&join(p, "model.norm"), f);
-        if let Some(head) = &mut self.lm_head {
-            head.visit_mut(&join(p, "lm_head"), f);
-        }
-    }
-
-    fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
-        visit_list_linears(&mut self.layers, &join(p, "model.layers"), f);
-        if let Some(head) = &mut self.lm_head {
-            head.visit_linears(&join(p, "lm_head"), f);
-        }
-    }
-}
+super::decoder_module!(Model);

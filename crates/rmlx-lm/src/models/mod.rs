@@ -42,6 +42,45 @@ pub trait Model: Module + Send {
     }
 }
 
+/// [`Module`] for a decoder model with the fields `embed_tokens`, `layers` (blocks that are
+/// modules), `norm` and `lm_head: Option<Linear>`, under the checkpoint's names (`model.*`,
+/// `lm_head.*`). The output head is a linear layer (adapters may go there); the embedding is not.
+/// The calling module has `nn::Module` in scope (it implements it for its blocks).
+macro_rules! decoder_module {
+    ($model:ty) => {
+        impl $crate::nn::Module for $model {
+            fn visit(&self, p: &str, f: &mut dyn FnMut(&str, &rmlx::Array)) {
+                use $crate::nn::{join, visit_list};
+                self.embed_tokens.visit(&join(p, "model.embed_tokens"), f);
+                visit_list(&self.layers, &join(p, "model.layers"), f);
+                self.norm.visit(&join(p, "model.norm"), f);
+                if let Some(head) = &self.lm_head {
+                    head.visit(&join(p, "lm_head"), f);
+                }
+            }
+
+            fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut rmlx::Array)) {
+                use $crate::nn::{join, visit_list_mut};
+                self.embed_tokens.visit_mut(&join(p, "model.embed_tokens"), f);
+                visit_list_mut(&mut self.layers, &join(p, "model.layers"), f);
+                self.norm.visit_mut(&join(p, "model.norm"), f);
+                if let Some(head) = &mut self.lm_head {
+                    head.visit_mut(&join(p, "lm_head"), f);
+                }
+            }
+
+            fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut $crate::nn::Linear)) {
+                use $crate::nn::{join, visit_list_linears};
+                visit_list_linears(&mut self.layers, &join(p, "model.layers"), f);
+                if let Some(head) = &mut self.lm_head {
+                    head.visit_linears(&join(p, "lm_head"), f);
+                }
+            }
+        }
+    };
+}
+pub(crate) use decoder_module;
+
 /// Builds the model of `cfg.model_type` from the checkpoint's tensors.
 pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
     Ok(match cfg.architecture()? {
