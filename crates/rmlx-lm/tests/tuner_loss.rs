@@ -95,6 +95,42 @@ fn set(lm: &mut LoadedModel, name: &str, index: usize, value: f32) {
     lm.model.update("", [(name.to_string(), new)].into_iter().collect()).unwrap();
 }
 
+/// Replaces every adapter's B with small normal values (keys from `seed` on), away from zero.
+fn move_lora_b(lm: &mut LoadedModel, trainable: &[String], seed: u64) {
+    let moved: HashMap<String, Array> = trainable
+        .iter()
+        .filter(|n| n.ends_with(".lora_b"))
+        .enumerate()
+        .map(|(i, n)| {
+            let p = lm.model.parameters("").into_iter().find(|(m, _)| m == n).unwrap().1;
+            let key = rmlx::random::key(seed + i as u64).unwrap();
+            (n.clone(), rmlx::random::normal(p.shape(), Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap())
+        })
+        .collect();
+    lm.model.update("", moved).unwrap();
+}
+
+/// Asserts that `grad` (the gradient of `name`) equals central finite differences of the loss on
+/// `b`, with steps of 1e-2, at `indices` (a function of the parameter's length); returns how many
+/// entries were compared.
+fn assert_finite_differences(lm: &mut LoadedModel, b: &Batch, name: &str, grad: &Array, indices: impl Fn(usize) -> Vec<usize>) -> usize {
+    let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
+    let grad = vals(grad);
+    let eps = 1e-2f32;
+    let indices = indices(p.len());
+    for &index in &indices {
+        set(lm, name, index, p[index] + eps);
+        let up = loss_of(lm, b);
+        set(lm, name, index, p[index] - eps);
+        let down = loss_of(lm, b);
+        set(lm, name, index, p[index]);
+        let fd = (up - down) / (2.0 * eps as f64);
+        let an = grad[index] as f64;
+        assert!((fd - an).abs() <= 2e-3 + 2e-2 * an.abs(), "{name}[{index}]: finite difference {fd}, gradient {an}");
+    }
+    indices.len()
+}
+
 #[test]
 fn gradients_equal_finite_differences() {
     let (_d, mut lm) = load();
@@ -112,37 +148,14 @@ fn gradients_equal_finite_differences() {
     }
     assert!(vals(&g0.grads["model.layers.0.mlp.down_proj.lora_b"]).iter().any(|&v| v != 0.0));
     // Move every B away from zero, then compare with central differences.
-    let moved: HashMap<String, Array> = trainable
-        .iter()
-        .filter(|n| n.ends_with(".lora_b"))
-        .enumerate()
-        .map(|(i, n)| {
-            let p = lm.model.parameters("").into_iter().find(|(m, _)| m == n).unwrap().1;
-            let key = rmlx::random::key(100 + i as u64).unwrap();
-            (n.clone(), rmlx::random::normal(p.shape(), Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap())
-        })
-        .collect();
-    lm.model.update("", moved).unwrap();
+    move_lora_b(&mut lm, &trainable, 100);
     let base = loss_of(&lm, &b);
     let g = loss_and_grad(lm.model.as_mut(), &trainable, &b).unwrap();
     assert!((g.loss.item::<f32>().unwrap() as f64 - base).abs() < 1e-6 * base, "the same loss as without gradients");
     assert_eq!(loss_of(&lm, &b), base, "the model holds its own parameters again");
-    let eps = 1e-2f32;
     let mut compared = 0;
     for name in ["model.layers.0.self_attn.q_proj.lora_a", "model.layers.1.mlp.down_proj.lora_b", "model.layers.0.self_attn.v_proj.lora_b"] {
-        let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
-        let grad = vals(&g.grads[name]);
-        for index in [0, p.len() / 2, p.len() - 1] {
-            set(&mut lm, name, index, p[index] + eps);
-            let up = loss_of(&lm, &b);
-            set(&mut lm, name, index, p[index] - eps);
-            let down = loss_of(&lm, &b);
-            set(&mut lm, name, index, p[index]);
-            let fd = (up - down) / (2.0 * eps as f64);
-            let an = grad[index] as f64;
-            assert!((fd - an).abs() <= 2e-3 + 2e-2 * an.abs(), "{name}[{index}]: finite difference {fd}, gradient {an}");
-            compared += 1;
-        }
+        compared += assert_finite_differences(&mut lm, &b, name, &g.grads[name], |n| vec![0, n / 2, n - 1]);
     }
     assert_eq!(compared, 9);
     assert!(matches!(loss_and_grad(lm.model.as_mut(), &[], &b), Err(Error::InvalidParameter(_))));
@@ -161,30 +174,10 @@ fn qlora_gradients_through_a_quantised_base() {
     apply_lora(lm.model.as_mut(), None, &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None }, Dtype::Float32, 3).unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());
     let b = batch();
-    let moved: HashMap<String, Array> = trainable
-        .iter()
-        .filter(|n| n.ends_with(".lora_b"))
-        .enumerate()
-        .map(|(i, n)| {
-            let p = lm.model.parameters("").into_iter().find(|(m, _)| m == n).unwrap().1;
-            (n.clone(), rmlx::random::normal(p.shape(), Dtype::Float32, 0.0, 0.05, Some(&rmlx::random::key(200 + i as u64).unwrap())).unwrap())
-        })
-        .collect();
-    lm.model.update("", moved).unwrap();
+    move_lora_b(&mut lm, &trainable, 200);
     let g = loss_and_grad(lm.model.as_mut(), &trainable, &b).unwrap();
     let name = "model.layers.0.self_attn.q_proj.lora_a";
-    let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
-    let grad = vals(&g.grads[name]);
-    let eps = 1e-2f32;
-    for index in [0, p.len() / 3] {
-        set(&mut lm, name, index, p[index] + eps);
-        let up = loss_of(&lm, &b);
-        set(&mut lm, name, index, p[index] - eps);
-        let down = loss_of(&lm, &b);
-        set(&mut lm, name, index, p[index]);
-        let fd = (up - down) / (2.0 * eps as f64);
-        assert!((fd - grad[index] as f64).abs() <= 2e-3 + 2e-2 * (grad[index] as f64).abs(), "{name}[{index}]: {fd} against {}", grad[index]);
-    }
+    assert_eq!(assert_finite_differences(&mut lm, &b, name, &g.grads[name], |n| vec![0, n / 3]), 2);
 }
 
 /// DoRA: the gradients of A, B and the magnitudes equal finite differences of the loss with the
@@ -200,16 +193,8 @@ fn dora_magnitude_gradient_equals_finite_differences() {
     let b = batch();
     let g = loss_and_grad(lm.model.as_mut(), &trainable, &b).unwrap();
     let name = "model.layers.1.mlp.up_proj.m";
-    let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
-    let grad = vals(&g.grads[name]);
-    let eps = 1e-2f32;
-    for index in [0, p.len() / 2] {
-        set(&mut lm, name, index, p[index] + eps);
-        let up = loss_of(&lm, &b);
-        set(&mut lm, name, index, p[index] - eps);
-        let down = loss_of(&lm, &b);
-        set(&mut lm, name, index, p[index]);
-        let fd = (up - down) / (2.0 * eps as f64);
-        assert!(grad[index] != 0.0 && (fd - grad[index] as f64).abs() <= 2e-3 + 2e-2 * (grad[index] as f64).abs(), "{name}[{index}]: {fd} against {}", grad[index]);
-    }
+    let grad = &g.grads[name];
+    let len = vals(grad).len();
+    assert!([0, len / 2].iter().all(|&i| vals(grad)[i] != 0.0), "the magnitude gets a gradient");
+    assert_eq!(assert_finite_differences(&mut lm, &b, name, grad, |n| vec![0, n / 2]), 2);
 }
