@@ -70,7 +70,7 @@ pub struct Args {
     /// Test batches (-1: the whole set).
     #[arg(long, default_value_t = 500)]
     test_batches: i64,
-    /// adam, adamw or sgd (MLX's defaults for each).
+    /// adam, adamw, sgd or adafactor (MLX's defaults for each).
     #[arg(long, default_value = "adam")]
     optimizer: String,
     /// Start from the adapter weights of this .safetensors file; a checkpoint's
@@ -191,7 +191,8 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         (None, "adam") => OptimizerKind::adam(),
         (None, "adamw") => OptimizerKind::adamw(),
         (None, "sgd") => OptimizerKind::sgd(),
-        (None, other) => bail!("unknown --optimizer `{other}` (adam, adamw or sgd)"),
+        (None, "adafactor") => OptimizerKind::adafactor(),
+        (None, other) => bail!("unknown --optimizer `{other}` (adam, adamw, sgd or adafactor)"),
     };
     let adapter_dir = a.model.adapter_path.clone().unwrap_or_else(|| PathBuf::from("adapters"));
     let splits = tuner::load_dir(&a.data, &DataOptions { mask_prompt: a.mask_prompt, ..DataOptions::default() })?;

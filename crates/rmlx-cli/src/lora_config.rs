@@ -6,7 +6,7 @@
 use anyhow::{bail, Context, Result};
 use clap::parser::ValueSource;
 use clap::ArgMatches;
-use rmlx_lm::tuner::optim::{OptimizerKind, Schedule};
+use rmlx_lm::tuner::optim::{Adafactor, OptimizerKind, Schedule};
 use serde_json::{Map, Value};
 use std::path::Path;
 use yaml_rust2::{Yaml, YamlLoader};
@@ -54,35 +54,75 @@ pub fn get<T: serde::de::DeserializeOwned>(cfg: &Map<String, Value>, key: &str, 
     }
 }
 
-/// `optimizer_config.<name>` applied to MLX's defaults for `name`.
+/// `optimizer_config.<name>` applied to MLX's defaults for `name`. Its keys are the keyword
+/// arguments of MLX's optimizer (mlx-lm passes them on as they are), so another key is an error,
+/// as is a value of the wrong type.
 pub fn optimizer(name: &str, cfg: &Map<String, Value>, file: &Path) -> Result<OptimizerKind> {
-    let own = cfg.get("optimizer_config").and_then(|o| o.get(name)).cloned().unwrap_or(Value::Null);
-    let num = |k: &str| own.get(k).and_then(Value::as_f64);
-    let betas = |d: (f32, f32)| -> Result<(f32, f32)> {
-        match own.get("betas") {
-            None => Ok(d),
+    let known: &[&str] = match name {
+        "adam" => &["betas", "eps", "bias_correction"],
+        "adamw" => &["betas", "eps", "weight_decay", "bias_correction"],
+        "sgd" => &["momentum", "weight_decay", "dampening", "nesterov"],
+        "adafactor" => {
+            &["eps", "clip_threshold", "decay_rate", "beta_1", "weight_decay", "scale_parameter", "relative_step", "warmup_init"]
+        }
+        other => bail!("unknown optimizer `{other}` (adam, adamw, sgd or adafactor; muon is not implemented yet)"),
+    };
+    let at = |k: &str| format!("{}: optimizer_config.{name}.{k}", file.display());
+    let own = match cfg.get("optimizer_config").and_then(|o| o.get(name)) {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(v) => bail!("{}: optimizer_config.{name} must be a mapping of settings, got {v}", file.display()),
+    };
+    if let Some(k) = own.keys().find(|k| !known.contains(&k.as_str())) {
+        bail!("{} is no setting of MLX's {name} optimizer (it takes {})", at(k), known.join(", "));
+    }
+    let num = |k: &str, default: f64| -> Result<f64> {
+        own.get(k).map_or(Ok(default), |v| v.as_f64().with_context(|| format!("{} must be a number, got {v}", at(k))))
+    };
+    let flag = |k: &str, default: bool| -> Result<bool> {
+        own.get(k).map_or(Ok(default), |v| v.as_bool().with_context(|| format!("{} must be true or false, got {v}", at(k))))
+    };
+    let pair = |k: &str, default: (f64, f64)| -> Result<(f64, f64)> {
+        match own.get(k) {
+            None => Ok(default),
             Some(Value::Array(b)) if b.len() == 2 && b.iter().all(Value::is_number) => {
-                Ok((b[0].as_f64().unwrap_or(0.0) as f32, b[1].as_f64().unwrap_or(0.0) as f32))
+                Ok((b[0].as_f64().unwrap_or(0.0), b[1].as_f64().unwrap_or(0.0)))
             }
-            Some(v) => bail!("{}: optimizer_config.{name}.betas must be two numbers, got {v}", file.display()),
+            Some(v) => bail!("{} must be two numbers, got {v}", at(k)),
         }
     };
-    let bias_correction = own.get("bias_correction").and_then(Value::as_bool).unwrap_or(false);
+    let betas = || -> Result<(f32, f32)> { pair("betas", (0.9, 0.999)).map(|(a, b)| (a as f32, b as f32)) };
     Ok(match name {
-        "adam" => OptimizerKind::Adam { betas: betas((0.9, 0.999))?, eps: num("eps").unwrap_or(1e-8) as f32, bias_correction },
+        "adam" => OptimizerKind::Adam { betas: betas()?, eps: num("eps", 1e-8)? as f32, bias_correction: flag("bias_correction", false)? },
         "adamw" => OptimizerKind::AdamW {
-            betas: betas((0.9, 0.999))?,
-            eps: num("eps").unwrap_or(1e-8) as f32,
-            weight_decay: num("weight_decay").unwrap_or(0.01) as f32,
-            bias_correction,
+            betas: betas()?,
+            eps: num("eps", 1e-8)? as f32,
+            weight_decay: num("weight_decay", 0.01)? as f32,
+            bias_correction: flag("bias_correction", false)?,
         },
         "sgd" => OptimizerKind::Sgd {
-            momentum: num("momentum").unwrap_or(0.0) as f32,
-            weight_decay: num("weight_decay").unwrap_or(0.0) as f32,
-            dampening: num("dampening").unwrap_or(0.0) as f32,
-            nesterov: own.get("nesterov").and_then(Value::as_bool).unwrap_or(false),
+            momentum: num("momentum", 0.0)? as f32,
+            weight_decay: num("weight_decay", 0.0)? as f32,
+            dampening: num("dampening", 0.0)? as f32,
+            nesterov: flag("nesterov", false)?,
         },
-        other => bail!("unknown optimizer `{other}` (adam, adamw or sgd; adafactor and muon are not implemented yet)"),
+        _ => {
+            let d = Adafactor::default();
+            OptimizerKind::Adafactor(Adafactor {
+                eps: pair("eps", d.eps)?,
+                clip_threshold: num("clip_threshold", d.clip_threshold)?,
+                decay_rate: num("decay_rate", d.decay_rate)?,
+                // `beta_1: null` is MLX's default: no first moment.
+                beta_1: match own.get("beta_1") {
+                    None | Some(Value::Null) => None,
+                    Some(_) => Some(num("beta_1", 0.0)?),
+                },
+                weight_decay: num("weight_decay", d.weight_decay)?,
+                scale_parameter: flag("scale_parameter", d.scale_parameter)?,
+                relative_step: flag("relative_step", d.relative_step)?,
+                warmup_init: flag("warmup_init", d.warmup_init)?,
+            })
+        }
     })
 }
 
@@ -98,4 +138,61 @@ pub fn schedule(cfg: &Map<String, Value>, file: &Path) -> Result<Option<Schedule
     let warmup = s.get("warmup").and_then(Value::as_u64).unwrap_or(0);
     let warmup_init = s.get("warmup_init").and_then(Value::as_f64).unwrap_or(0.0) as f32;
     Ok(Some(Schedule::from_config(name, &arguments, warmup, warmup_init).with_context(|| format!("{}: lr_schedule", file.display()))?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The config file's text (YAML, as mlx-lm writes it) parsed as `optimizer(name, ...)` does.
+    fn parse(name: &str, yaml: &str) -> Result<OptimizerKind> {
+        let docs = YamlLoader::load_from_str(yaml).unwrap();
+        let Value::Object(cfg) = to_json(&docs[0]) else { panic!("a mapping") };
+        optimizer(name, &cfg, Path::new("lora.yaml"))
+    }
+
+    #[test]
+    fn adafactor_settings_apply_to_mlx_defaults() {
+        assert_eq!(parse("adafactor", "optimizer: adafactor\n").unwrap(), OptimizerKind::adafactor());
+        assert_eq!(parse("adafactor", "optimizer_config:\n  adafactor: {}\n").unwrap(), OptimizerKind::adafactor());
+        assert_eq!(parse("adafactor", "optimizer_config:\n  adafactor:\n    beta_1: null\n").unwrap(), OptimizerKind::adafactor());
+        let yaml = "optimizer_config:\n  adam:\n    eps: 1.0\n  adafactor:\n    eps: [1e-30, 2.0e-3]\n    clip_threshold: 2\n    \
+                    decay_rate: -0.5\n    beta_1: 0.9\n    weight_decay: 0.01\n    scale_parameter: false\n    relative_step: false\n    \
+                    warmup_init: true\n";
+        let want = Adafactor {
+            eps: (1e-30, 2e-3),
+            clip_threshold: 2.0,
+            decay_rate: -0.5,
+            beta_1: Some(0.9),
+            weight_decay: 0.01,
+            scale_parameter: false,
+            relative_step: false,
+            warmup_init: true,
+        };
+        assert_eq!(parse("adafactor", yaml).unwrap(), OptimizerKind::Adafactor(want));
+        // Only the chosen optimizer's settings apply.
+        assert_eq!(parse("adamw", yaml).unwrap(), OptimizerKind::adamw());
+    }
+
+    #[test]
+    fn unknown_keys_and_wrong_types_are_errors_naming_them() {
+        let err = |name: &str, yaml: &str| format!("{:#}", parse(name, yaml).unwrap_err());
+        let e = err("adafactor", "optimizer_config:\n  adafactor:\n    beta1: 0.9\n");
+        assert!(e.contains("lora.yaml: optimizer_config.adafactor.beta1 is no setting of MLX's adafactor optimizer"), "{e}");
+        assert!(e.contains("beta_1"), "lists the settings: {e}");
+        let e = err("adafactor", "optimizer_config:\n  adafactor:\n    relative_step: \"no\"\n");
+        assert!(e.contains("optimizer_config.adafactor.relative_step must be true or false, got \"no\""), "{e}");
+        let e = err("adafactor", "optimizer_config:\n  adafactor:\n    eps: 1e-30\n");
+        assert!(e.contains("optimizer_config.adafactor.eps must be two numbers, got 1e-30"), "{e}");
+        let e = err("adafactor", "optimizer_config:\n  adafactor:\n    beta_1: high\n");
+        assert!(e.contains("optimizer_config.adafactor.beta_1 must be a number, got \"high\""), "{e}");
+        let e = err("adafactor", "optimizer_config:\n  adafactor: 3\n");
+        assert!(e.contains("optimizer_config.adafactor must be a mapping of settings"), "{e}");
+        // The other optimizers take MLX's arguments only, too.
+        let e = err("adam", "optimizer_config:\n  adam:\n    weight_decay: 0.1\n");
+        assert!(e.contains("optimizer_config.adam.weight_decay is no setting of MLX's adam optimizer"), "{e}");
+        let e = err("sgd", "optimizer_config:\n  sgd:\n    momentum: fast\n");
+        assert!(e.contains("optimizer_config.sgd.momentum must be a number"), "{e}");
+        assert!(err("muon", "{}\n").contains("unknown optimizer `muon`"));
+    }
 }

@@ -250,12 +250,56 @@ fn yaml_config_sets_what_the_flags_do_not() {
     assert_eq!(cfg["lora_parameters"], json!({"rank": 2, "scale": 4.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}));
     assert_eq!(cfg["batch_size"], 2);
     // Settings it cannot honour are errors naming them.
-    std::fs::write(&cfg_path, "optimizer: adafactor\n").unwrap();
+    std::fs::write(&cfg_path, "optimizer: muon\n").unwrap();
     let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown optimizer `adafactor`"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown optimizer `muon`"), "{}", String::from_utf8_lossy(&out.stderr));
     std::fs::write(&cfg_path, "batch_size: four\n").unwrap();
     let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("lora.yaml: `batch_size` has the wrong type"), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&w);
+}
+
+/// `--optimizer adafactor` (MLX's defaults: relative step sizes) trains the last block's own
+/// weights, matrices with factored second moments and norms with whole ones. With `-c`,
+/// `optimizer_config.adafactor` sets MLX's arguments: `relative_step: false` makes it follow the
+/// learning rate, so a rate of 0 leaves the adapters as they start; a key MLX does not take is an
+/// error.
+#[test]
+fn adafactor_from_the_flag_and_the_config() {
+    let w = workspace("adafactor");
+    let (model, data) = (w.join("model"), w.join("data"));
+    let val_losses = |out: &Output| -> Vec<f64> {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()?.get("val_loss")?.as_f64()).collect()
+    };
+    let out = rmlx(&[
+        "lora", "--model", s(&model), "--dtype", "float32", "--train", "--data", s(&data), "--adapter-path", s(&w.join("full")),
+        "--fine-tune-type", "full", "--num-layers", "1", "--optimizer", "adafactor", "--iters", "20", "--steps-per-eval", "20",
+        "--val-batches", "-1", "--json",
+    ]);
+    let val = val_losses(&out);
+    assert!(val.len() == 2 && val[1] < val[0], "validation loss {val:?}");
+    let cfg_path = w.join("lora.yaml");
+    let lora = |relative_step: bool| {
+        let yaml = format!(
+            "model: {}\ntrain: true\ndata: {}\nadapter_path: {}\niters: 4\nsteps_per_eval: 4\nval_batches: -1\nlearning_rate: 0.0\n\
+             optimizer: adafactor\noptimizer_config:\n  adafactor:\n    relative_step: {relative_step}\n    beta_1: 0.9\n    \
+             weight_decay: 0.1\nlora_parameters:\n  rank: 4\n  scale: 20.0\n  dropout: 0.0\n",
+            s(&model),
+            s(&data),
+            s(&w.join("lora"))
+        );
+        std::fs::write(&cfg_path, yaml).unwrap();
+        val_losses(&rmlx(&["lora", "-c", s(&cfg_path), "--dtype", "float32", "--json"]))
+    };
+    let fixed = lora(false);
+    assert!(fixed.len() == 2 && fixed[1] == fixed[0], "a learning rate of 0: {fixed:?}");
+    let relative = lora(true);
+    assert!(relative.len() == 2 && relative[0] == fixed[0] && relative[1] != relative[0], "relative steps: {relative:?}");
+    std::fs::write(&cfg_path, "optimizer: adafactor\noptimizer_config:\n  adafactor:\n    beta1: 0.9\n").unwrap();
+    let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("lora.yaml: optimizer_config.adafactor.beta1 is no setting of MLX's adafactor optimizer"), "{err}");
     let _ = std::fs::remove_dir_all(&w);
 }
 

@@ -140,3 +140,176 @@ fn resuming_from_saved_state_continues_exactly() {
     let mut sgd = Optimizer::new(OptimizerKind::Sgd { momentum: 0.9, weight_decay: 0.0, dampening: 0.0, nesterov: false }, Schedule::Constant(0.1));
     assert!(sgd.load_state(&state, step).is_err());
 }
+
+mod adafactor {
+    //! Adafactor against MLX's own `optimizers.Adafactor`: `scripts/make_tuner_optim_goldens.py`
+    //! wrote, with mlx 0.32.4, the parameters after each of four updates of a 2-D, a 3-D (both with
+    //! factored second moments) and a 1-D parameter, and the state after the last, for MLX's
+    //! defaults and for non-default settings.
+
+    use rmlx::{Array, Dtype};
+    use rmlx_lm::tuner::optim::{Adafactor, Optimizer, OptimizerKind, Schedule};
+    use serde_json::Value;
+    use std::collections::{BTreeMap, HashMap};
+    use std::path::Path;
+
+    fn goldens() -> Value {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tuner/optim_goldens.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    fn floats(v: &Value) -> Vec<f32> {
+        v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    }
+
+    /// The golden file's named arrays (`params` or one step's gradients) in `dtype`.
+    fn arrays(doc: &Value, values: &Value, dtype: Dtype) -> HashMap<String, Array> {
+        let shapes = doc["shapes"].as_object().unwrap();
+        values
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| {
+                let shape: Vec<i32> = shapes[k].as_array().unwrap().iter().map(|d| d.as_i64().unwrap() as i32).collect();
+                (k.clone(), Array::from_slice(&floats(v), &shape).unwrap().astype(dtype).unwrap())
+            })
+            .collect()
+    }
+
+    /// The case's `mlx.optimizers.Adafactor(learning_rate=..., **config)`, as rmlx builds it.
+    fn optimizer(case: &Value) -> Optimizer {
+        let c = &case["config"];
+        let num = |k: &str, d: f64| c.get(k).map_or(d, |v| v.as_f64().unwrap());
+        let flag = |k: &str, d: bool| c.get(k).map_or(d, |v| v.as_bool().unwrap());
+        let d = Adafactor::default();
+        let eps = c.get("eps").map_or(d.eps, |e| (e[0].as_f64().unwrap(), e[1].as_f64().unwrap()));
+        let kind = OptimizerKind::Adafactor(Adafactor {
+            eps,
+            clip_threshold: num("clip_threshold", d.clip_threshold),
+            decay_rate: num("decay_rate", d.decay_rate),
+            beta_1: c.get("beta_1").map(|v| v.as_f64().unwrap()),
+            weight_decay: num("weight_decay", d.weight_decay),
+            scale_parameter: flag("scale_parameter", d.scale_parameter),
+            relative_step: flag("relative_step", d.relative_step),
+            warmup_init: flag("warmup_init", d.warmup_init),
+        });
+        if c.as_object().unwrap().is_empty() {
+            assert_eq!(kind, OptimizerKind::adafactor(), "MLX's defaults");
+        }
+        let lr = &case["learning_rate"];
+        let schedule = match lr.as_array() {
+            Some(a) => Schedule::Linear { init: a[0].as_f64().unwrap() as f32, end: a[1].as_f64().unwrap() as f32, steps: a[2].as_u64().unwrap() },
+            None => Schedule::Constant(lr.as_f64().unwrap() as f32),
+        };
+        Optimizer::new(kind, schedule)
+    }
+
+    fn values(a: &Array) -> Vec<f32> {
+        a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+    }
+
+    /// Every element of `got` within `rtol` of `want`'s (relative to the element, with a floor of
+    /// `rtol` times the array's largest magnitude for elements near zero).
+    fn close(got: &[f32], want: &[f32], rtol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: sizes");
+        let scale = want.iter().fold(0f64, |m, w| m.max((*w as f64).abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let (g, w) = (*g as f64, *w as f64);
+            assert!((g - w).abs() <= rtol * w.abs().max(1e-3 * scale), "{what}[{i}]: {g} against MLX's {w}");
+        }
+    }
+
+    /// The relative tolerance for a case's dtype: f32 rounding, or one bfloat16 unit.
+    fn rtol(case: &Value) -> (Dtype, f64) {
+        match case["dtype"].as_str().unwrap() {
+            "float32" => (Dtype::Float32, 1e-6),
+            "bfloat16" => (Dtype::Bfloat16, 1.0 / 128.0),
+            other => panic!("dtype {other}"),
+        }
+    }
+
+    fn step_all(doc: &Value, opt: &mut Optimizer, p: HashMap<String, Array>, grads: &[Value], dtype: Dtype) -> HashMap<String, Array> {
+        grads.iter().fold(p, |p, g| opt.update(&p, &arrays(doc, g, dtype)).unwrap())
+    }
+
+    #[test]
+    fn updates_and_state_follow_mlx() {
+        let doc = goldens();
+        let grads = doc["grads"].as_array().unwrap();
+        for case in doc["cases"].as_array().unwrap() {
+            let name = case["name"].as_str().unwrap();
+            let (dtype, rtol) = rtol(case);
+            let mut opt = optimizer(case);
+            let mut p = arrays(&doc, &doc["params"], dtype);
+            for (s, (g, want)) in grads.iter().zip(case["steps"].as_array().unwrap()).enumerate() {
+                p = opt.update(&p, &arrays(&doc, g, dtype)).unwrap();
+                for (k, a) in &p {
+                    assert_eq!(a.dtype(), dtype, "{name}: {k} keeps its dtype");
+                    close(&values(a), &floats(&want[k]), rtol, &format!("{name}, step {}, {k}", s + 1));
+                }
+            }
+            let (state, step) = opt.state_arrays();
+            assert_eq!(step, 4);
+            let want = case["state"].as_object().unwrap();
+            assert_eq!(state.keys().collect::<Vec<_>>(), want.keys().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>(), "{name}: state names");
+            for (k, a) in &state {
+                close(&values(a), &floats(&want[k]), rtol, &format!("{name}, state {k}"));
+            }
+        }
+    }
+
+    #[test]
+    fn resuming_from_saved_state_continues_exactly() {
+        let doc = goldens();
+        let grads = doc["grads"].as_array().unwrap();
+        let cases = doc["cases"].as_array().unwrap();
+        // Both moments, factored and whole, and a scheduled learning rate read at the step count.
+        for case in cases.iter().filter(|c| c["dtype"] == "float32" && c["config"].get("beta_1").is_some()) {
+            let name = case["name"].as_str().unwrap();
+            let p0 = arrays(&doc, &doc["params"], Dtype::Float32);
+            let straight = step_all(&doc, &mut optimizer(case), p0.clone(), grads, Dtype::Float32);
+            let mut first = optimizer(case);
+            let p = step_all(&doc, &mut first, p0, &grads[..2], Dtype::Float32);
+            let (state, step) = first.state_arrays();
+            assert_eq!(step, 2);
+            assert!(state.contains_key("w.exp_avg_sq_row") && state.contains_key("b.exp_avg_sq") && state.contains_key("u.exp_avg"));
+            // Through a file, as the trainer's checkpoints keep it.
+            let file = std::env::temp_dir().join(format!("rmlx-adafactor-state-{}.safetensors", std::process::id()));
+            rmlx::io::save_safetensors(&file, &state, &BTreeMap::new()).unwrap();
+            let saved = rmlx::io::load_safetensors(&file).unwrap().arrays;
+            let _ = std::fs::remove_file(&file);
+            let mut resumed = optimizer(case);
+            resumed.load_state(&saved, step).unwrap();
+            assert_eq!(resumed.learning_rate(), first.learning_rate());
+            let p = step_all(&doc, &mut resumed, p, &grads[2..], Dtype::Float32);
+            for (k, a) in &p {
+                assert_eq!(values(a), values(&straight[k]), "{name}: {k} bit-identical to the uninterrupted run");
+            }
+        }
+    }
+
+    #[test]
+    fn state_of_other_settings_is_refused() {
+        let doc = goldens();
+        let grads = doc["grads"].as_array().unwrap();
+        let mut with_moment = Optimizer::new(OptimizerKind::Adafactor(Adafactor { beta_1: Some(0.9), ..Adafactor::default() }), Schedule::Constant(1e-5));
+        let p = step_all(&doc, &mut with_moment, arrays(&doc, &doc["params"], Dtype::Float32), &grads[..1], Dtype::Float32);
+        let (state, step) = with_moment.state_arrays();
+        // A first moment that this optimizer does not keep, and Adam's state.
+        let err = Optimizer::new(OptimizerKind::adafactor(), Schedule::Constant(1e-5)).load_state(&state, step).unwrap_err();
+        assert!(err.to_string().contains("exp_avg, exp_avg_sq"), "{err}");
+        let mut adam = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-5));
+        adam.update(&p, &arrays(&doc, &grads[1], Dtype::Float32)).unwrap();
+        let (adam_state, _) = adam.state_arrays();
+        assert!(Optimizer::new(OptimizerKind::adafactor(), Schedule::Constant(1e-5)).load_state(&adam_state, 1).is_err());
+        assert!(Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-5)).load_state(&state, 1).is_err());
+        // The factored state of the matrix `w` saved under the vector `b`'s name fits no update of `b`.
+        let swapped: BTreeMap<String, Array> =
+            state.iter().filter(|(k, _)| k.starts_with("w.")).map(|(k, a)| (k.replacen("w.", "b.", 1), a.clone())).collect();
+        let mut opt = Optimizer::new(OptimizerKind::Adafactor(Adafactor { beta_1: Some(0.9), ..Adafactor::default() }), Schedule::Constant(1e-5));
+        opt.load_state(&swapped, 1).unwrap();
+        let b: HashMap<String, Array> = [("b".to_string(), p["b"].clone())].into_iter().collect();
+        let err = opt.update(&b, &b).unwrap_err();
+        assert!(err.to_string().contains("`b` lacks `exp_avg_sq`"), "{err}");
+    }
+}

@@ -1,7 +1,8 @@
 //! Optimisers and learning-rate schedules with MLX's semantics (`mlx.optimizers`), as mlx-lm's
 //! trainer uses them: SGD (momentum, dampening, Nesterov, weight decay), Adam (no bias correction
-//! unless asked, as in MLX) and AdamW (decoupled weight decay, 0.01 by default). State is kept per
-//! parameter name, so it can be saved and restored with the adapter for an exact resume.
+//! unless asked, as in MLX), AdamW (decoupled weight decay, 0.01 by default) and Adafactor
+//! (factored second moments, relative step sizes: see [`Adafactor`]). State is kept per parameter
+//! name, so it can be saved and restored with the adapter for an exact resume.
 //!
 //! The schedule is read at the step count before each update; the update then counts the step
 //! (bias correction sees 1 on the first update), as MLX does.
@@ -22,6 +23,15 @@
 use crate::{Error, Result};
 use rmlx::{ops, Array};
 use std::collections::{BTreeMap, HashMap};
+
+mod adafactor;
+pub use adafactor::Adafactor;
+
+/// One parameter's state arrays by name (`m`, `v`, `momentum`, `exp_avg_sq_row`, ...).
+type Slots = BTreeMap<&'static str, Array>;
+
+/// Every state name an optimizer keeps, to read saved state back.
+const SLOT_NAMES: [&str; 7] = ["m", "v", "momentum", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"];
 
 /// A learning rate as a function of the step count (MLX's `optimizers.schedulers`).
 #[derive(Clone, Debug, PartialEq)]
@@ -114,6 +124,7 @@ pub enum OptimizerKind {
     Sgd { momentum: f32, weight_decay: f32, dampening: f32, nesterov: bool },
     Adam { betas: (f32, f32), eps: f32, bias_correction: bool },
     AdamW { betas: (f32, f32), eps: f32, weight_decay: f32, bias_correction: bool },
+    Adafactor(Adafactor),
 }
 
 impl OptimizerKind {
@@ -126,6 +137,10 @@ impl OptimizerKind {
     pub fn adamw() -> Self {
         OptimizerKind::AdamW { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, bias_correction: false }
     }
+    /// MLX's defaults: relative step sizes scaled by the parameter's RMS, no first moment.
+    pub fn adafactor() -> Self {
+        OptimizerKind::Adafactor(Adafactor::default())
+    }
 }
 
 /// An optimiser with its per-parameter state and step count.
@@ -133,8 +148,8 @@ pub struct Optimizer {
     kind: OptimizerKind,
     schedule: Schedule,
     step: u64,
-    /// `m`/`v` (Adam) or `v` (SGD with momentum) per parameter name.
-    state: HashMap<String, Vec<Array>>,
+    /// `m`/`v` (Adam), `momentum` (SGD with momentum) or Adafactor's moments per parameter name.
+    state: HashMap<String, Slots>,
 }
 
 impl Optimizer {
@@ -161,23 +176,27 @@ impl Optimizer {
         let mut out = HashMap::with_capacity(grads.len());
         for (name, g) in grads {
             let p = params.get(name).ok_or_else(|| Error::InvalidParameter(format!("a gradient for `{name}`, which is no parameter")))?;
-            let new = match self.kind {
-                OptimizerKind::Sgd { momentum, weight_decay, dampening, nesterov } => {
+            let new = match &self.kind {
+                &OptimizerKind::Sgd { momentum, weight_decay, dampening, nesterov } => {
                     let g = if weight_decay != 0.0 { (g + (p * weight_decay)?)? } else { g.clone() };
                     if momentum <= 0.0 {
                         (p - (&g * lr)?)?
                     } else {
-                        let v0 = self.slot(name, 1, p)?[0].clone();
+                        let [v0] = self.slots(name, ["momentum"], p)?;
                         let v = if dampening > 0.0 { ((&v0 * momentum)? + (&g * (1.0 - dampening))?)? } else { ((&v0 * momentum)? + &g)? };
                         let update = if nesterov { (&g + (&v * momentum)?)? } else { v.clone() };
-                        self.state.insert(name.clone(), vec![v]);
+                        self.state.insert(name.clone(), [("momentum", v)].into());
                         (p - (update * lr)?)?
                     }
                 }
-                OptimizerKind::Adam { betas, eps, bias_correction } => self.adam(name, p, g, lr, step, betas, eps, bias_correction)?,
-                OptimizerKind::AdamW { betas, eps, weight_decay, bias_correction } => {
+                &OptimizerKind::Adam { betas, eps, bias_correction } => self.adam(name, p, g, lr, step, betas, eps, bias_correction)?,
+                &OptimizerKind::AdamW { betas, eps, weight_decay, bias_correction } => {
                     let decayed = (p * (1.0 - lr * weight_decay))?;
                     self.adam(name, &decayed, g, lr, step, betas, eps, bias_correction)?
+                }
+                OptimizerKind::Adafactor(cfg) => {
+                    let state = self.state.entry(name.clone()).or_default();
+                    cfg.apply(name, p, g, lr, step, state)?
                 }
             };
             out.insert(name.clone(), new);
@@ -188,9 +207,9 @@ impl Optimizer {
     #[allow(clippy::too_many_arguments)]
     fn adam(&mut self, name: &str, p: &Array, g: &Array, lr: f32, step: u64, betas: (f32, f32), eps: f32, bias_correction: bool) -> Result<Array> {
         let (b1, b2) = betas;
-        let st = self.slot(name, 2, p)?;
-        let m = ((&st[0] * b1)? + (g * (1.0 - b1))?)?;
-        let v = ((&st[1] * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
+        let [m0, v0] = self.slots(name, ["m", "v"], p)?;
+        let m = ((&m0 * b1)? + (g * (1.0 - b1))?)?;
+        let v = ((&v0 * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
         let new = if bias_correction {
             let c1 = lr / (1.0 - b1.powi(step as i32));
             let c2 = 1.0 / (1.0 - b2.powi(step as i32)).sqrt();
@@ -198,52 +217,71 @@ impl Optimizer {
         } else {
             (p - ((&m * lr)? / (v.sqrt()? + eps)?)?)?
         };
-        self.state.insert(name.to_string(), vec![m, v]);
+        self.state.insert(name.to_string(), [("m", m), ("v", v)].into());
         Ok(new)
     }
 
-    /// The state of `name`, zeros like `p` the first time.
-    fn slot(&mut self, name: &str, n: usize, p: &Array) -> Result<Vec<Array>> {
-        if let Some(s) = self.state.get(name) {
-            return Ok(s.clone());
+    /// The state arrays `keys` of `name`, zeros like `p` the first time.
+    fn slots<const N: usize>(&self, name: &str, keys: [&'static str; N], p: &Array) -> Result<[Array; N]> {
+        let saved = self.state.get(name);
+        let mut out = Vec::with_capacity(N);
+        for key in keys {
+            out.push(match saved.and_then(|s| s.get(key)) {
+                Some(a) => a.clone(),
+                None => ops::zeros_like(p)?,
+            });
         }
-        (0..n).map(|_| Ok(ops::zeros_like(p)?)).collect()
+        Ok(out.try_into().unwrap_or_else(|_| unreachable!("one array per key")))
     }
 
-    /// The state as named arrays (`<param>.m`, `<param>.v`, `<param>.momentum`) plus the step
-    /// count, for a checkpoint that resumes exactly.
+    /// The state as named arrays (`<param>.m` and `<param>.v` for Adam, `<param>.momentum` for
+    /// SGD, `<param>.exp_avg_sq_row`, `.exp_avg_sq_col`, `.exp_avg_sq` and `.exp_avg` for
+    /// Adafactor, as MLX names them) plus the step count, for a checkpoint that resumes exactly.
     pub fn state_arrays(&self) -> (BTreeMap<String, Array>, u64) {
         let mut out = BTreeMap::new();
         for (name, s) in &self.state {
-            let names: &[&str] = if s.len() == 2 { &["m", "v"] } else { &["momentum"] };
-            for (suffix, a) in names.iter().zip(s) {
+            for (suffix, a) in s {
                 out.insert(format!("{name}.{suffix}"), a.clone());
             }
         }
         (out, self.step)
     }
 
+    /// Whether `saved` (a parameter's state names, sorted) is what this optimizer keeps for a
+    /// parameter.
+    fn fits(&self, saved: &[&str]) -> bool {
+        let kept = match &self.kind {
+            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => vec![vec!["m", "v"]],
+            OptimizerKind::Sgd { .. } => vec![vec!["momentum"]],
+            OptimizerKind::Adafactor(cfg) => vec![adafactor::slot_names(cfg, 1), adafactor::slot_names(cfg, 2)],
+        };
+        kept.into_iter().any(|mut w| {
+            w.sort_unstable();
+            w == saved
+        })
+    }
+
     /// Restores what [`Optimizer::state_arrays`] gave.
     pub fn load_state(&mut self, arrays: &BTreeMap<String, Array>, step: u64) -> Result<()> {
-        let mut state: HashMap<String, Vec<Array>> = HashMap::new();
+        let mut state: HashMap<String, Slots> = HashMap::new();
         for (key, a) in arrays {
             let (name, suffix) = key.rsplit_once('.').ok_or_else(|| Error::InvalidParameter(format!("optimizer state `{key}`")))?;
-            let slot = state.entry(name.to_string()).or_default();
-            match suffix {
-                "m" => slot.insert(0, a.clone()),
-                "v" | "momentum" => slot.push(a.clone()),
-                _ => return Err(Error::InvalidParameter(format!("unknown optimizer state `{key}`"))),
-            }
+            let suffix = SLOT_NAMES
+                .into_iter()
+                .find(|s| *s == suffix)
+                .ok_or_else(|| Error::InvalidParameter(format!("unknown optimizer state `{key}`")))?;
+            state.entry(name.to_string()).or_default().insert(suffix, a.clone());
         }
-        let want = match self.kind {
-            OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. } => 2,
-            OptimizerKind::Sgd { .. } => 1,
-        };
-        if let Some((name, s)) = state.iter().find(|(_, s)| s.len() != want) {
-            return Err(Error::InvalidParameter(format!(
-                "the saved optimizer state of `{name}` has {} arrays where this optimizer keeps {want}: was it saved by another optimizer?",
-                s.len()
-            )));
+        let mut names: Vec<&String> = state.keys().collect();
+        names.sort();
+        for name in names {
+            let saved: Vec<&str> = state[name].keys().copied().collect();
+            if !self.fits(&saved) {
+                return Err(Error::InvalidParameter(format!(
+                    "the saved optimizer state of `{name}` ({}) is not what this optimizer keeps: was it saved by another optimizer, or with other settings?",
+                    saved.join(", ")
+                )));
+            }
         }
         self.state = state;
         self.step = step;
