@@ -49,6 +49,10 @@ pub struct Args {
     /// Batches whose gradients are averaged into one optimizer update.
     #[arg(long, default_value_t = 1, value_parser = positive)]
     grad_accumulation_steps: usize,
+    /// Recompute each block's activations during the backward pass instead of keeping them: less
+    /// memory, for one more forward pass per step.
+    #[arg(long)]
+    grad_checkpoint: bool,
     /// Validation batches per evaluation (-1: the whole set).
     #[arg(long, default_value_t = 25)]
     val_batches: i64,
@@ -126,7 +130,7 @@ fn apply_config(a: &mut Args, matches: Option<&ArgMatches>) -> Result<Extra> {
         "steps_per_report" => a.steps_per_report, "steps_per_eval" => a.steps_per_eval,
         "save_every" => a.save_every, "max_seq_length" => a.max_seq_length, "mask_prompt" => a.mask_prompt,
         "seed" => a.seed, "test_batches" => a.test_batches, "optimizer" => a.optimizer,
-        "grad_accumulation_steps" => a.grad_accumulation_steps,
+        "grad_accumulation_steps" => a.grad_accumulation_steps, "grad_checkpoint" => a.grad_checkpoint,
     );
     for (key, field) in [("model", &mut a.model.model), ("adapter_path", &mut a.model.adapter_path), ("resume_adapter_file", &mut a.resume_adapter_file)] {
         if !lora_config::given(matches, key) {
@@ -156,8 +160,8 @@ fn apply_config(a: &mut Args, matches: Option<&ArgMatches>) -> Result<Extra> {
     const KNOWN: &[&str] = &[
         "model", "train", "test", "data", "fine_tune_type", "num_layers", "batch_size", "iters", "epochs", "val_batches",
         "learning_rate", "steps_per_report", "steps_per_eval", "save_every", "max_seq_length", "mask_prompt", "seed",
-        "test_batches", "optimizer", "grad_accumulation_steps", "adapter_path", "resume_adapter_file", "lora_parameters",
-        "optimizer_config", "lr_schedule",
+        "test_batches", "optimizer", "grad_accumulation_steps", "grad_checkpoint", "adapter_path", "resume_adapter_file",
+        "lora_parameters", "optimizer_config", "lr_schedule",
     ];
     for key in cfg.keys().filter(|k| !KNOWN.contains(&k.as_str())) {
         eprintln!("warning: {}: ignoring `{key}` (not supported by rmlx lora)", file.display());
@@ -242,7 +246,8 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         }
         let extra = json!({"model": lm.source.display().to_string(), "data": a.data.display().to_string(),
             "batch_size": a.batch_size, "iters": a.iters, "learning_rate": a.learning_rate, "optimizer": a.optimizer,
-            "max_seq_length": a.max_seq_length, "mask_prompt": a.mask_prompt, "seed": a.seed});
+            "max_seq_length": a.max_seq_length, "mask_prompt": a.mask_prompt, "seed": a.seed,
+            "grad_checkpoint": a.grad_checkpoint});
         adapters::save_config(&adapter_dir, &config, extra.as_object().expect("an object"))?;
         eprintln!("training {} arrays ({} examples, {} validation)", trainable.len(), train.len(), valid.len());
         let iters = match a.epochs {
@@ -252,6 +257,7 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         let cfg = TrainConfig {
             iters,
             grad_accumulation_steps: a.grad_accumulation_steps,
+            grad_checkpoint: a.grad_checkpoint,
             batch_size: a.batch_size,
             val_batches,
             steps_per_report: a.steps_per_report,

@@ -331,3 +331,49 @@ fn ctrl_c_saves_the_adapters_and_stops() {
     assert!(out_dir.join("adapters.safetensors").exists());
     let _ = std::fs::remove_dir_all(&w);
 }
+
+/// `--grad-checkpoint` (or `grad_checkpoint: true` in the `-c` file) trains as without it: the
+/// same losses without dropout, and it is recorded in adapter_config.json. With LoRA dropout the
+/// losses differ (a checkpointed block draws its masks from a key of its own): the setting from the
+/// file reaches the training loop.
+#[test]
+fn grad_checkpoint_trains_as_without_it() {
+    let w = workspace("checkpoint");
+    let (model, data) = (w.join("model"), w.join("data"));
+    let run = |name: &str, extra: &[&str]| -> (Vec<f64>, Value) {
+        let dir = w.join(name);
+        let mut args = vec![
+            "lora", "--model", s(&model), "--dtype", "float32", "--train", "--data", s(&data), "--adapter-path", s(&dir),
+            "--iters", "12", "--batch-size", "4", "--learning-rate", "1e-2", "--steps-per-report", "4", "--steps-per-eval", "12",
+            "--val-batches", "-1", "--num-layers", "-1", "--lora-rank", "4", "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = rmlx(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && !err.contains("ignoring"), "{err}");
+        let losses = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok()?.get("train_loss")?.as_f64())
+            .collect();
+        (losses, serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap())
+    };
+    let (plain, cfg) = run("plain", &[]);
+    assert_eq!(cfg["grad_checkpoint"], false);
+    let (checkpointed, cfg) = run("flag", &["--grad-checkpoint"]);
+    assert_eq!(cfg["grad_checkpoint"], true);
+    assert_eq!(plain.len(), 3);
+    assert!(plain[2] < plain[0], "training lowers the loss: {plain:?}");
+    for (a, b) in plain.iter().zip(&checkpointed) {
+        assert!((a - b).abs() <= 1e-5 * a.abs(), "train losses {plain:?} without checkpointing, {checkpointed:?} with");
+    }
+    let yaml = |checkpoint: bool| {
+        let path = w.join(format!("{checkpoint}.yaml"));
+        std::fs::write(&path, format!("grad_checkpoint: {checkpoint}\nlora_parameters:\n  dropout: 0.25\n")).unwrap();
+        path
+    };
+    let (with_dropout, _) = run("dropout", &["-c", s(&yaml(false))]);
+    let (both, cfg) = run("dropout-checkpointed", &["-c", s(&yaml(true))]);
+    assert_eq!((cfg["grad_checkpoint"].as_bool(), cfg["lora_parameters"]["dropout"].as_f64()), (Some(true), Some(0.25)));
+    assert_ne!(with_dropout, both);
+    let _ = std::fs::remove_dir_all(&w);
+}

@@ -72,6 +72,14 @@ impl KvCache {
         }
     }
 
+    /// A fresh, empty cache of the same kind and bounds (what a recomputed layer attends with).
+    pub fn empty_like(&self) -> Self {
+        match self {
+            KvCache::Standard(_) => KvCache::standard(),
+            KvCache::Rotating(c) => KvCache::rotating(c.max_size, c.keep),
+        }
+    }
+
     /// Positions seen so far (the RoPE offset of the next token).
     pub fn offset(&self) -> usize {
         match self {

@@ -138,6 +138,14 @@ impl Array {
         ffi::array_is_evaluated(self.raw())
     }
 
+    /// Whether the array is a tracer of a transform being traced on this thread: an input of the
+    /// function being differentiated (or vectorised), or computed from one. A function a transform
+    /// keeps ([`crate::transforms::checkpoint`]) must take such arrays as inputs: captured, they are
+    /// constants to it, and no gradient flows through them.
+    pub fn is_tracer(&self) -> bool {
+        locked(|| rmlx_sys::tffi::array_is_tracer(self.raw()))
+    }
+
     /// Computes the array (and what it depends on) and waits for the result.
     pub fn eval(&self) -> Result<()> {
         // An array already scheduled (by `async_eval`) is only waited for, here.

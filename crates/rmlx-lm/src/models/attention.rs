@@ -23,6 +23,7 @@ pub struct AttentionSpec {
 }
 
 /// Multi-head attention with `kv_heads` key/value heads shared by groups of query heads.
+#[derive(Clone)]
 pub struct Attention {
     q_proj: Linear,
     k_proj: Linear,

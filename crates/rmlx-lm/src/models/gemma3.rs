@@ -8,7 +8,7 @@ use super::llama::output_head;
 use super::{softcap, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::{join, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
+use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
 use crate::{Error, Result};
 use rmlx::Array;
 
@@ -30,6 +30,7 @@ fn attention_spec(cfg: &ModelConfig, sliding: bool) -> Result<AttentionSpec> {
 }
 
 /// `h = x + norm(attn(norm(x)))`, then `h + norm(mlp(norm(h)))`.
+#[derive(Clone)]
 pub struct Block {
     input_layernorm: RmsNorm,
     self_attn: Attention,
@@ -105,7 +106,7 @@ impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let mut h = (self.embed_tokens.forward(ids)? * &self.embed_scale)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, cache)?;
+            h = checkpointed(layer, &h, cache, Block::forward)?;
         }
         self.norm.forward(&h)
     }

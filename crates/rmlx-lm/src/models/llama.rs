@@ -6,7 +6,7 @@ use super::attention::{Attention, AttentionSpec};
 use super::{uniform_caches, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::{join, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
+use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
 use crate::Result;
 use rmlx::Array;
 
@@ -21,6 +21,7 @@ pub fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
 }
 
 /// `x + attn(norm(x))`, then `h + mlp(norm(h))`.
+#[derive(Clone)]
 pub struct Block {
     input_layernorm: RmsNorm,
     self_attn: Attention,
@@ -91,7 +92,7 @@ impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(&h, cache)?;
+            h = checkpointed(layer, &h, cache, Block::forward)?;
         }
         self.norm.forward(&h)
     }

@@ -22,6 +22,9 @@ pub trait Model: Module + Send {
     /// The ids are not checked here (that would cost a host round trip): every id must be below
     /// `config().vocab_size`, or the embedding gather reads out of bounds. The `LoadedModel` entry
     /// points check them ([`crate::vocab::VocabBounds::check`]).
+    ///
+    /// Inside [`crate::nn::with_grad_checkpoint`], every block runs checkpointed
+    /// ([`crate::nn::checkpointed`]) and leaves its cache empty if it was empty.
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array>;
 
     /// Hidden states → logits `[..., vocab]` (the output head).
@@ -102,6 +105,7 @@ pub(crate) fn uniform_caches(layers: usize, context_limit: Option<usize>) -> Vec
 }
 
 /// Rotary position embedding over the whole head (non-interleaved halves, as in HF checkpoints).
+#[derive(Clone)]
 pub struct Rope {
     dims: i32,
     base: f32,

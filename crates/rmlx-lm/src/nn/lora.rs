@@ -16,10 +16,13 @@
 
 use crate::Result;
 use rmlx::{ops, random, Array, Dtype};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 thread_local! {
     static TRAINING: Cell<bool> = const { Cell::new(false) };
+    /// Where dropout draws its masks from: `None`, MLX's global key; `Some(key)`, a stream of keys
+    /// split from `key` (see [`with_dropout_key`]).
+    static DROPOUT_KEY: RefCell<Option<Array>> = const { RefCell::new(None) };
 }
 
 /// Whether layers on this thread run in training mode (LoRA dropout active).
@@ -39,7 +42,34 @@ pub fn with_training<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// Runs `f` with LoRA dropout on this thread drawing its masks from `key` (each draw splits it)
+/// instead of MLX's global key, so that running `f` again draws the same masks: a checkpointed
+/// block recomputed for the backward pass must drop what its forward pass dropped.
+pub(crate) fn with_dropout_key<T>(key: Array, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<Array>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DROPOUT_KEY.with(|k| k.replace(self.0.take()));
+        }
+    }
+    let _restore = Restore(DROPOUT_KEY.with(|k| k.replace(Some(key))));
+    f()
+}
+
+/// The key of the next dropout mask: `None` (MLX's global key) outside [`with_dropout_key`].
+fn next_dropout_key() -> Result<Option<Array>> {
+    DROPOUT_KEY.with(|cell| {
+        let mut current = cell.borrow_mut();
+        let Some(key) = current.as_ref() else { return Ok(None) };
+        let keys = random::split(key, 2)?;
+        let row = |i: i32| keys.slice_axis(0, i, i + 1, 1)?.reshape(&[2]);
+        *current = Some(row(1)?);
+        Ok(Some(row(0)?))
+    })
+}
+
 /// An adapter's two factors and its scale.
+#[derive(Clone)]
 pub struct Lora {
     /// `[in, r]`.
     pub a: Array,
@@ -77,7 +107,7 @@ impl Lora {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let dropped;
         let x = if self.dropout > 0.0 && training() {
-            let draw = random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, None)?;
+            let draw = random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, next_dropout_key()?.as_ref())?;
             let keep = ops::greater_equal(&draw, &Array::scalar(self.dropout))?.astype(x.dtype())?;
             dropped = (x * (keep * (1.0 / (1.0 - self.dropout)))?)?;
             &dropped

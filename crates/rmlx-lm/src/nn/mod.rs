@@ -3,9 +3,11 @@
 //! name, checks their shapes and converts them to the compute dtype. Every layer is a [`Module`]:
 //! its parameters are listed and replaced by the checkpoint's names.
 
+mod grad_checkpoint;
 mod lora;
 mod module;
 
+pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
 pub use lora::{training, with_training, Lora};
 pub use module::{join, Module, ModuleExt};
 pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
@@ -16,6 +18,7 @@ use rmlx::quantization::{dequantize, quantized_matmul, Quantized};
 use rmlx::{fast, ops, Array, Dtype};
 
 /// `y = x Wᵀ (+ b) (+ scale · (x A) B)`, with `W` dense or quantised and an optional adapter.
+#[derive(Clone)]
 pub struct Linear {
     weight: LinearWeight,
     bias: Option<Array>,
@@ -24,6 +27,7 @@ pub struct Linear {
     output: i32,
 }
 
+#[derive(Clone)]
 enum LinearWeight {
     /// `W` `[out, in]` as stored, and `Wᵀ` (a transposed view, made once).
     Dense { w: Array, wt: Array },
@@ -233,6 +237,7 @@ impl Module for Embedding {
 }
 
 /// Root-mean-square normalisation over the last axis with a learned scale.
+#[derive(Clone)]
 pub struct RmsNorm {
     weight: Array,
     eps: f32,
@@ -395,6 +400,7 @@ impl Builder {
 }
 
 /// SwiGLU feed-forward (`down(silu(gate(x)) · up(x))`) or, with `gelu`, GeGLU with tanh GELU.
+#[derive(Clone)]
 pub struct GatedMlp {
     gate: Linear,
     up: Linear,

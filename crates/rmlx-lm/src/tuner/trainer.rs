@@ -12,7 +12,7 @@ use super::data::Sequence;
 use super::loss::{batch_loss, loss_and_grad};
 use super::optim::Optimizer;
 use crate::models::Model;
-use crate::nn::ModuleExt;
+use crate::nn::{with_grad_checkpoint, ModuleExt};
 use crate::{Error, Result};
 use rmlx::Array;
 use serde_json::{json, Value};
@@ -33,6 +33,9 @@ pub struct TrainConfig {
     pub max_seq_length: usize,
     /// Batches whose gradients are averaged into one optimizer update.
     pub grad_accumulation_steps: usize,
+    /// Recompute each block's activations for the backward pass instead of keeping them
+    /// (less memory, about one more forward pass per step): [`crate::nn::with_grad_checkpoint`].
+    pub grad_checkpoint: bool,
     pub seed: u64,
     /// Where adapters are saved (`None`: not saved).
     pub adapter_dir: Option<PathBuf>,
@@ -106,6 +109,7 @@ impl Default for TrainConfig {
             save_every: 100,
             max_seq_length: 2048,
             grad_accumulation_steps: 1,
+            grad_checkpoint: false,
             seed: 0,
             adapter_dir: None,
             resume: None,
@@ -232,7 +236,7 @@ pub fn train(
             report(&Report::Truncated { iter: it, longest: batch.longest, max_seq_length: cfg.max_seq_length });
         }
         let learning_rate = optimizer.learning_rate();
-        let step = loss_and_grad(model, trainable, &batch)?;
+        let step = with_grad_checkpoint(cfg.grad_checkpoint, || loss_and_grad(model, trainable, &batch))?;
         // Gradients are summed over `grad_accumulation_steps` batches, then averaged into one update.
         let grads = match accumulated.take() {
             None => step.grads,
