@@ -15,6 +15,7 @@ use rmlx_lm::tuner::adapters::{self, AdapterConfig, FineTuneType};
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
 use rmlx_lm::tuner::{self, DataOptions, LoraConfig, Report, Sequence, TrainConfig};
 use serde_json::json;
+use rmlx::Dtype;
 use std::path::PathBuf;
 
 #[derive(ClapArgs, Debug)]
@@ -219,11 +220,13 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         };
         let trainable = match fine_tune_type {
             FineTuneType::Lora => {
-                tuner::apply_lora(lm.model.as_mut(), num_layers, &config.lora, lm.dtype, a.seed as u64)?;
+                // Adapters in float32 whatever the model's dtype, as mlx-lm makes them: a
+                // bfloat16 weight would lose every update below half its unit in the last place.
+                tuner::apply_lora(lm.model.as_mut(), num_layers, &config.lora, Dtype::Float32, a.seed as u64)?;
                 tuner::lora_parameter_names(lm.model.as_ref())
             }
             FineTuneType::Dora => {
-                tuner::apply_dora(lm.model.as_mut(), num_layers, &config.lora, lm.dtype, a.seed as u64)?;
+                tuner::apply_dora(lm.model.as_mut(), num_layers, &config.lora, Dtype::Float32, a.seed as u64)?;
                 tuner::lora_parameter_names(lm.model.as_ref())
             }
             FineTuneType::Full => tuner::full_parameter_names(lm.model.as_ref(), num_layers)?,
@@ -275,9 +278,13 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         let json_out = a.json;
         // A bar on a terminal (plain percentages otherwise), with the report lines above it.
         let bar = rmlx_lm::progress::Progress::new(!json_out, "training", cfg.iters as u64);
+        let mut reporter = Reporter { json: json_out, ..Reporter::default() };
+        if !json_out {
+            bar.println(Reporter::HEADER);
+        }
         let mut print = |r: &Report| match r {
             Report::Step { iter, .. } => bar.set(*iter as u64),
-            r => print_report(r, json_out, &|line: &str| bar.println(line)),
+            r => reporter.print(r, &|line: &str| bar.println(line)),
         };
         let result = tuner::train(lm.model.as_mut(), &trainable, &mut opt, &train, &valid, &cfg, &mut print, &crate::interrupt::requested);
         bar.finish();
@@ -306,31 +313,73 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     Ok(())
 }
 
-fn print_report(r: &Report, json_out: bool, eprint: &dyn Fn(&str)) {
-    match r {
-        Report::Train { iter, loss, learning_rate, tokens_per_sec, trained_tokens, peak_memory_gb } => {
-            if json_out {
-                println!("{}", json!({"iter": iter, "train_loss": loss, "learning_rate": learning_rate,
-                    "tokens_per_sec": tokens_per_sec, "trained_tokens": trained_tokens, "peak_memory_gb": peak_memory_gb}));
-            } else {
-                eprint(&format!(
-                    "Iter {iter}: Train loss {loss:.3}, Learning Rate {learning_rate:.3e}, Tokens/sec {tokens_per_sec:.1}, \
-                     Trained Tokens {trained_tokens}, Peak mem {peak_memory_gb:.3} GB"
+/// The report lines: mlx-lm 0.32's table (iteration, train loss with ▼/▲ against the last one,
+/// tokens/s, trained tokens) plus peak memory, with `val` and `save` rows; or one JSON object per
+/// report with `--json`.
+#[derive(Default)]
+struct Reporter {
+    json: bool,
+    last_loss: Option<f32>,
+}
+
+impl Reporter {
+    const HEADER: &'static str = "  iter   train_loss     tok/s     tokens   peak mem";
+
+    fn print(&mut self, r: &Report, line: &dyn Fn(&str)) {
+        match r {
+            &Report::Train { iter, loss, learning_rate, tokens_per_sec, all_tokens_per_sec, trained_tokens, peak_memory_gb } => {
+                if self.json {
+                    println!("{}", json!({"iter": iter, "train_loss": loss, "learning_rate": learning_rate,
+                        "tokens_per_sec": tokens_per_sec, "all_tokens_per_sec": all_tokens_per_sec,
+                        "trained_tokens": trained_tokens, "peak_memory_gb": peak_memory_gb}));
+                    return;
+                }
+                let arrow = if self.last_loss.is_none_or(|last| loss <= last) { "▼" } else { "▲" };
+                self.last_loss = Some(loss);
+                line(&format!(
+                    "  {iter:>4}    {loss:>5.3} {arrow}    {:>6}    {:>6.1}k   {peak_memory_gb:.2} GB",
+                    thousands(tokens_per_sec),
+                    trained_tokens as f64 / 1000.0
                 ));
             }
-        }
-        Report::Val { iter, loss, seconds } => {
-            if json_out {
-                println!("{}", json!({"iter": iter, "val_loss": loss, "val_time": seconds}));
-            } else {
-                eprint(&format!("Iter {iter}: Val loss {loss:.3}, Val took {seconds:.3}s"));
+            &Report::Val { iter, loss, seconds } => {
+                if self.json {
+                    println!("{}", json!({"iter": iter, "val_loss": loss, "val_time": seconds}));
+                } else {
+                    line(&format!("  {iter:>4}    val {loss:>5.3}    {seconds:.2}s"));
+                }
             }
+            Report::Saved { path, .. } => {
+                line(&format!("  save  {}", path.display()));
+            }
+            &Report::Truncated { longest, max_seq_length, .. } => line(&format!(
+                "warning: some sequences are longer than {max_seq_length} tokens; the longest ({longest}) is truncated. \
+                 Consider pre-splitting your data to save memory."
+            )),
+            Report::Step { .. } => {}
         }
-        Report::Saved { iter, path } => eprint(&format!("Iter {iter}: Saved adapter weights to {}.", path.display())),
-        Report::Truncated { longest, max_seq_length, .. } => eprint(&format!(
-            "warning: some sequences are longer than {max_seq_length} tokens; the longest ({longest}) is truncated. \
-             Consider pre-splitting your data to save memory."
-        )),
-        Report::Step { .. } => {}
+    }
+}
+
+/// `12345.6` → `12,346`.
+fn thousands(v: f64) -> String {
+    let digits = format!("{:.0}", v.max(0.0));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn thousands_groups_digits() {
+        assert_eq!(super::thousands(0.4), "0");
+        assert_eq!(super::thousands(999.6), "1,000");
+        assert_eq!(super::thousands(1234567.0), "1,234,567");
     }
 }

@@ -68,6 +68,20 @@ fn adam_and_adamw_follow_mlx() {
     close(&run(&mut Optimizer::new(OptimizerKind::adam(), sched)), &adam_reference(|s| 0.01 * s as f64, 0.0, false), "adam, scheduled");
 }
 
+/// The compiled (fused) Adam update, which rmlx uses on GPUs, against the same references.
+#[test]
+fn compiled_adam_and_adamw_follow_mlx() {
+    let compiled = |kind: OptimizerKind, schedule: Schedule| {
+        let mut opt = Optimizer::new(kind, schedule);
+        opt.set_compiled(true);
+        opt
+    };
+    close(&run(&mut compiled(OptimizerKind::adam(), Schedule::Constant(0.01))), &adam_reference(|_| 0.01, 0.0, false), "adam");
+    let bc = OptimizerKind::AdamW { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, bias_correction: true };
+    let sched = Schedule::Linear { init: 0.0, end: 0.03, steps: 3 };
+    close(&run(&mut compiled(bc, sched)), &adam_reference(|s| 0.01 * s as f64, 0.01, true), "adamw, bias correction, scheduled");
+}
+
 #[test]
 fn sgd_variants_follow_mlx() {
     let lr = 0.1f64;

@@ -10,17 +10,21 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 /// `(loss, targets counted)` of `model` on `tokens: [B, L]` with `mask: [B, L - 1]` (float32):
-/// the masked mean over targets of `logsumexp(logits) - logit[target]`, in float32. Both lazy.
+/// the masked mean over targets of `logsumexp(logits) - logit[target]`. Both lazy.
+///
+/// As in mlx-lm, each target's cross-entropy is taken in the logits' dtype (MLX's `logsumexp`
+/// accumulates in float32 whatever its input) and summed in float32: a float32 copy of the
+/// `[B, L, vocab]` logits would cost 4 bytes per logit, and as much again for its gradient.
 pub fn batch_loss(model: &dyn Model, tokens: &Array, mask: &Array) -> Result<(Array, Array)> {
     let s = tokens.shape();
     let (rows, len) = (s[0], s[1]);
     let inputs = tokens.slice_axis(1, 0, len - 1, 1)?;
     let targets = tokens.slice_axis(1, 1, len, 1)?;
-    let logits = model.forward(&inputs, &mut model.new_caches(None))?.astype(Dtype::Float32)?;
+    let logits = model.forward(&inputs, &mut model.new_caches(None))?;
     let picked = rmlx::ops::take_along_axis(&logits, &targets.reshape(&[rows, len - 1, 1])?, Some(-1))?;
     let ce = (logits.logsumexp(-1, true)? - picked)?.reshape(&[rows, len - 1])?;
     let ntoks = mask.sum(Axes::All, false)?;
-    let loss = ((ce * mask)?.sum(Axes::All, false)? / &ntoks)?;
+    let loss = ((ce * mask)?.astype(Dtype::Float32)?.sum(Axes::All, false)? / &ntoks)?;
     Ok((loss, ntoks))
 }
 

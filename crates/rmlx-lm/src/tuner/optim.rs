@@ -21,6 +21,7 @@
 //! ```
 
 use crate::{Error, Result};
+use rmlx::compile::{compile_with, CompileOptions, Compiled};
 use rmlx::{ops, Array};
 use std::collections::{BTreeMap, HashMap};
 
@@ -150,11 +151,29 @@ pub struct Optimizer {
     step: u64,
     /// `m`/`v` (Adam), `momentum` (SGD with momentum) or Adafactor's moments per parameter name.
     state: HashMap<String, Slots>,
+    /// Adam's update of one parameter as one compiled (fused) function, when compiling.
+    fused_adam: Option<Compiled>,
 }
 
 impl Optimizer {
+    /// An optimizer whose Adam/AdamW updates are compiled on a GPU (one fused kernel per
+    /// parameter instead of a dozen small ones) and run op by op on the CPU, where compiling
+    /// would need a C++ compiler at run time. [`Optimizer::set_compiled`] overrides this.
     pub fn new(kind: OptimizerKind, schedule: Schedule) -> Self {
-        Optimizer { kind, schedule, step: 0, state: HashMap::new() }
+        let mut opt = Optimizer { kind, schedule, step: 0, state: HashMap::new(), fused_adam: None };
+        opt.set_compiled(rmlx::default_device().kind == rmlx::DeviceType::Gpu);
+        opt
+    }
+
+    /// Compiles (or stops compiling) the Adam/AdamW update. Both give the same values up to
+    /// floating-point contraction in the fused kernel.
+    pub fn set_compiled(&mut self, compiled: bool) {
+        self.fused_adam = match (&self.kind, compiled) {
+            (&OptimizerKind::Adam { betas, eps, .. } | &OptimizerKind::AdamW { betas, eps, .. }, true) => {
+                Some(fused_adam(betas, eps))
+            }
+            _ => None,
+        };
     }
 
     /// Updates done so far.
@@ -208,6 +227,20 @@ impl Optimizer {
     fn adam(&mut self, name: &str, p: &Array, g: &Array, lr: f32, step: u64, betas: (f32, f32), eps: f32, bias_correction: bool) -> Result<Array> {
         let (b1, b2) = betas;
         let [m0, v0] = self.slots(name, ["m", "v"], p)?;
+        if let Some(fused) = &self.fused_adam {
+            // The step's numbers as 0-d inputs in the parameter's dtype (no new trace per step,
+            // and no promotion of a bfloat16 parameter): p - (m·c1) / (√v·c2 + eps).
+            let (c1, c2) = if bias_correction {
+                (lr / (1.0 - b1.powi(step as i32)), 1.0 / (1.0 - b2.powi(step as i32)).sqrt())
+            } else {
+                (lr, 1.0)
+            };
+            let scalar = |v: f32| Array::scalar_as(v as f64, p.dtype());
+            let out = fused.call(&[p.clone(), g.clone(), m0, v0, scalar(c1)?, scalar(c2)?])?;
+            let [new, m, v]: [Array; 3] = out.try_into().map_err(|_| Error::InvalidParameter("fused Adam: three outputs".into()))?;
+            self.state.insert(name.to_string(), [("m", m), ("v", v)].into());
+            return Ok(new);
+        }
         let m = ((&m0 * b1)? + (g * (1.0 - b1))?)?;
         let v = ((&v0 * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
         let new = if bias_correction {
@@ -287,4 +320,18 @@ impl Optimizer {
         self.step = step;
         Ok(())
     }
+}
+
+/// `(p, g, m, v, c1, c2) → (p − (m'·c1) / (√v'·c2 + eps), m', v')` with `m' = β₁m + (1−β₁)g` and
+/// `v' = β₂v + (1−β₂)g²`: Adam's update of one parameter, compiled once for all shapes.
+fn fused_adam(betas: (f32, f32), eps: f32) -> Compiled {
+    let (b1, b2) = betas;
+    let f = move |x: &[Array]| -> rmlx::Result<Vec<Array>> {
+        let (p, g, m0, v0, c1, c2) = (&x[0], &x[1], &x[2], &x[3], &x[4], &x[5]);
+        let m = ((m0 * b1)? + (g * (1.0 - b1))?)?;
+        let v = ((v0 * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
+        let new = (p - ((&m * c1)? / ((v.sqrt()? * c2)? + eps)?)?)?;
+        Ok(vec![new, m, v])
+    };
+    compile_with(f, CompileOptions { shapeless: true, name: Some("adam update".into()) })
 }

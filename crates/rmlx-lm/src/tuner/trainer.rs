@@ -120,8 +120,19 @@ impl Default for TrainConfig {
 /// What the loop reports as it goes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Report {
-    /// The mean training loss over the iterations since the last report.
-    Train { iter: usize, loss: f32, learning_rate: f32, tokens_per_sec: f64, trained_tokens: usize, peak_memory_gb: f64 },
+    /// The mean training loss over the iterations since the last report. Throughput is per second
+    /// of training (validation excluded): `tokens_per_sec` counts the targets in the loss (what
+    /// mlx-lm reports), `all_tokens_per_sec` every real token processed (prompts included,
+    /// padding not); `trained_tokens` is the loss targets so far.
+    Train {
+        iter: usize,
+        loss: f32,
+        learning_rate: f32,
+        tokens_per_sec: f64,
+        all_tokens_per_sec: f64,
+        trained_tokens: usize,
+        peak_memory_gb: f64,
+    },
     /// The validation loss.
     Val { iter: usize, loss: f32, seconds: f64 },
     /// Adapters written.
@@ -184,7 +195,7 @@ pub fn train(
     rmlx::random::seed(cfg.seed);
     let batches = order.batches().to_vec();
     let mut queue = Vec::new();
-    let (mut window_loss, mut window_steps, mut window_tokens) = (0.0f64, 0usize, 0usize);
+    let (mut window_loss, mut window_steps, mut window_tokens, mut window_all) = (0.0f64, 0usize, 0usize, 0usize);
     let mut trained_tokens = 0usize;
     let mut window_start = Instant::now();
     let mut last_val = None;
@@ -223,7 +234,10 @@ pub fn train(
             let start = Instant::now();
             let (loss, _) = evaluate(model, valid, cfg.batch_size, cfg.val_batches, cfg.max_seq_length)?;
             last_val = Some(loss);
-            report(&Report::Val { iter: it, loss, seconds: start.elapsed().as_secs_f64() });
+            let took = start.elapsed();
+            report(&Report::Val { iter: it, loss, seconds: took.as_secs_f64() });
+            // Throughput counts training time only.
+            window_start += took;
         }
         if queue.is_empty() {
             queue = order.epoch();
@@ -272,8 +286,9 @@ pub fn train(
         report(&Report::Step { iter: it, iters: cfg.iters });
         window_loss += step.loss.item::<f32>()? as f64;
         window_steps += 1;
-        window_tokens += batch.real_tokens();
-        trained_tokens += batch.real_tokens();
+        window_tokens += batch.loss_tokens();
+        window_all += batch.real_tokens();
+        trained_tokens += batch.loss_tokens();
         if it % cfg.steps_per_report == 0 || it == cfg.iters {
             let secs = window_start.elapsed().as_secs_f64();
             report(&Report::Train {
@@ -281,10 +296,11 @@ pub fn train(
                 loss: (window_loss / window_steps as f64) as f32,
                 learning_rate,
                 tokens_per_sec: window_tokens as f64 / secs.max(1e-9),
+                all_tokens_per_sec: window_all as f64 / secs.max(1e-9),
                 trained_tokens,
                 peak_memory_gb: rmlx::memory::peak_memory() as f64 / 1e9,
             });
-            (window_loss, window_steps, window_tokens) = (0.0, 0, 0);
+            (window_loss, window_steps, window_tokens, window_all) = (0.0, 0, 0, 0);
             window_start = Instant::now();
         }
         if stop() {
