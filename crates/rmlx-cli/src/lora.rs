@@ -344,7 +344,8 @@ impl Reporter {
             }
             &Report::Val { iter, loss, seconds } => {
                 if self.json {
-                    println!("{}", json!({"iter": iter, "val_loss": loss, "val_time": seconds}));
+                    let peak = rmlx::memory::peak_memory() as f64 / 1e9;
+                    println!("{}", json!({"iter": iter, "val_loss": loss, "val_time": seconds, "peak_memory_gb": peak}));
                 } else {
                     line(&format!("  {iter:>4}    val {loss:>5.3}    {seconds:.2}s"));
                 }
