@@ -81,7 +81,7 @@ def peer(a):
     print(json.dumps(reports))
 
 
-def run_rmlx(a, model, data, checkpoint):
+def run_rmlx(a, model, data, checkpoint, uncompiled=False):
     with tempfile.TemporaryDirectory() as adapters:
         cmd = [a.rmlx, "lora", "--model", str(model), "--train", "--data", str(data), "--iters", str(a.iters),
                "--batch-size", "4", "--num-layers", str(a.num_layers), "--max-seq-length", "512", "--steps-per-report", "10",
@@ -89,6 +89,8 @@ def run_rmlx(a, model, data, checkpoint):
                "--adapter-path", adapters, "--learning-rate", "1e-5", "--json"]
         if checkpoint:
             cmd.append("--grad-checkpoint")
+        if uncompiled:
+            cmd.append("--no-compile")
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"rmlx failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -114,6 +116,7 @@ def main():
     ap.add_argument("--grad-checkpoint", default="off", choices=["off", "on", "both"])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--num-layers", type=int, default=16)
+    ap.add_argument("--rmlx-uncompiled", action="store_true", help="also run rmlx with --no-compile")
     ap.add_argument("--peer-uncompiled", action="store_true",
                     help="also run mlx-lm with MLX_DISABLE_COMPILE=1 (how much its compiled step gains)")
     ap.add_argument("--peer", help=argparse.SUPPRESS)
@@ -134,6 +137,9 @@ def main():
                 if a.peer_uncompiled:
                     tools.append(("mlx-lm uncompiled", lambda a, m, d, c: run_peer(a, m, d, c, uncompiled=True)))
                     rows.setdefault("mlx-lm uncompiled", [])
+                if a.rmlx_uncompiled:
+                    tools.append(("rmlx uncompiled", lambda a, m, d, c: run_rmlx(a, m, d, c, uncompiled=True)))
+                    rows.setdefault("rmlx uncompiled", [])
                 for tool, fn in tools:
                     t0 = time.time()
                     reports = fn(a, m, data, ckpt)

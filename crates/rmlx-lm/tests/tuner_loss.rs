@@ -198,3 +198,47 @@ fn dora_magnitude_gradient_equals_finite_differences() {
     assert!([0, len / 2].iter().all(|&i| vals(grad)[i] != 0.0), "the magnitude gets a gradient");
     assert_eq!(assert_finite_differences(&mut lm, &b, name, grad, |n| vec![0, n / 2]), 2);
 }
+
+/// The compiled step (what `rmlx lora` runs on a GPU) gives the loss and gradients of the op-by-op
+/// one, traces once per batch shape, and sees the trainable parameters' new values.
+#[test]
+fn compiled_loss_and_grad_equal_the_eager_ones() {
+    let (_d, mut lm) = load();
+    let cfg = LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
+    apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 0).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    move_lora_b(&mut lm, &trainable, 1);
+    let compiled = rmlx_lm::tuner::CompiledLossAndGrad::new(lm.model.as_ref(), &trainable).unwrap();
+    let long = Batch::new(&[&Sequence { tokens: (1..40).collect(), offset: 0 }], 2048);
+    for (round, b) in [batch(), long, batch()].iter().enumerate() {
+        if round == 2 {
+            // New adapter values (as after an optimizer step) reach the compiled function.
+            move_lora_b(&mut lm, &trainable, 2);
+        }
+        let eager = loss_and_grad(lm.model.as_mut(), &trainable, b).unwrap();
+        let fast = compiled.call(lm.model.as_ref(), b).unwrap();
+        let (le, lf) = (eager.loss.item::<f32>().unwrap(), fast.loss.item::<f32>().unwrap());
+        assert!((le - lf).abs() <= 1e-5 * le.abs(), "round {round}: loss {lf} vs {le}");
+        assert_eq!(fast.ntoks.item::<f32>().unwrap(), eager.ntoks.item::<f32>().unwrap());
+        for name in &trainable {
+            let (e, f) = (vals(&eager.grads[name]), vals(&fast.grads[name]));
+            let scale = e.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(scale > 0.0, "{name}: no gradient");
+            let err = e.iter().zip(&f).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err <= 1e-4 * scale, "round {round}, {name}: max |Δ| {err} of {scale}");
+        }
+    }
+    assert_eq!(compiled.traces(), 2, "one trace per batch shape");
+    // With gradient checkpointing traced into the step.
+    let checkpointed = rmlx_lm::tuner::CompiledLossAndGrad::new(lm.model.as_ref(), &trainable).unwrap();
+    let fast = rmlx_lm::nn::with_grad_checkpoint(true, || checkpointed.call(lm.model.as_ref(), &batch())).unwrap();
+    let eager = loss_and_grad(lm.model.as_mut(), &trainable, &batch()).unwrap();
+    let (le, lf) = (eager.loss.item::<f32>().unwrap(), fast.loss.item::<f32>().unwrap());
+    assert!((le - lf).abs() <= 1e-5 * le.abs(), "checkpointed: loss {lf} vs {le}");
+    for name in &trainable {
+        let (e, f) = (vals(&eager.grads[name]), vals(&fast.grads[name]));
+        let scale = e.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = e.iter().zip(&f).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(err <= 1e-4 * scale, "checkpointed, {name}: max |Δ| {err} of {scale}");
+    }
+}

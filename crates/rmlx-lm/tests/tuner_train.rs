@@ -51,6 +51,7 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
         max_seq_length: 2048,
         grad_accumulation_steps: 1,
         grad_checkpoint: false,
+        compile: false,
         seed: 3,
         adapter_dir: Some(out.path().to_path_buf()),
         resume: None,

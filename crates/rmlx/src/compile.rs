@@ -56,12 +56,14 @@ pub struct CompileOptions {
     pub name: Option<String>,
 }
 
-type SyncFn = dyn Fn(&[Array]) -> Result<Vec<Array>> + Sync;
+type DynFn = dyn Fn(&[Array]) -> Result<Vec<Array>>;
 
 struct Inner {
-    f: Box<SyncFn>,
+    f: Box<DynFn>,
     name: String,
     traces: AtomicUsize,
+    /// Arrays the function captures are constants of the trace ([`compile_with_constants`]).
+    constants: bool,
 }
 
 /// A compiled function (see the module docs). Not `Send`: MLX keeps compiled traces per thread.
@@ -78,10 +80,33 @@ pub fn compile(f: impl Fn(&[Array]) -> Result<Vec<Array>> + Sync + 'static) -> C
 
 /// Compiles `f` with `options`.
 pub fn compile_with(f: impl Fn(&[Array]) -> Result<Vec<Array>> + Sync + 'static, options: CompileOptions) -> Compiled {
+    build(Box::new(f), options, false)
+}
+
+/// Compiles `f`, which may use arrays it captures: they become **constants** of each trace, kept
+/// alive by it and never read again, so a later change to them is not seen (the function must be
+/// dropped or [`Compiled::clear`]ed instead). Meant for large fixed inputs, such as the frozen
+/// weights of a model being fine-tuned, that would otherwise be passed on every call; everything
+/// that changes between calls must still be an input.
+///
+/// ```
+/// use rmlx::{compile::{compile_with_constants, CompileOptions}, Array};
+/// let w = Array::from_slice(&[2.0f32, 3.0], &[2])?;
+/// let scaled = compile_with_constants(move |x: &[Array]| Ok(vec![(&x[0] * &w)?]), CompileOptions::default());
+/// let y = scaled.call(&[Array::from_slice(&[1.0f32, 1.0], &[2])?])?;
+/// assert_eq!(y[0].to_vec::<f32>()?, vec![2.0, 3.0]);
+/// # Ok::<(), rmlx::Error>(())
+/// ```
+pub fn compile_with_constants(f: impl Fn(&[Array]) -> Result<Vec<Array>> + 'static, options: CompileOptions) -> Compiled {
+    build(Box::new(f), options, true)
+}
+
+fn build(f: Box<DynFn>, options: CompileOptions, constants: bool) -> Compiled {
     let inner = Rc::new(Inner {
-        f: Box::new(f),
+        f,
         name: options.name.unwrap_or_else(|| "<closure>".into()),
         traces: AtomicUsize::new(0),
+        constants,
     });
     let traced = inner.clone();
     let cb = callback::owned_fn(move |args: &[Array]| trace(&traced, args));
@@ -149,7 +174,7 @@ fn trace(inner: &Inner, args: &[Array]) -> Result<Vec<Array>> {
     let outer = TRACE.with(|t| t.replace(Trace { floor, captured: false }));
     let result = callback::guard(|| (inner.f)(&fresh));
     let traced = TRACE.with(|t| t.replace(outer));
-    if traced.captured {
+    if traced.captured && !inner.constants {
         return Err(Error::CapturedArray(inner.name.clone()));
     }
     result

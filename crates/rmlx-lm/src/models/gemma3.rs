@@ -68,6 +68,7 @@ impl Block {
 }
 
 /// Scaled embedding, blocks, final norm, tied head, optional final logit soft-capping.
+#[derive(Clone)]
 pub struct Model {
     cfg: ModelConfig,
     embed_tokens: Embedding,
@@ -136,6 +137,10 @@ impl super::Model for Model {
 
     fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    fn boxed_clone(&self) -> Box<dyn super::Model> {
+        Box::new(self.clone())
     }
 }
 

@@ -47,6 +47,7 @@ impl Block {
 }
 
 /// Embedding, blocks, final norm and the output head (tied to the embedding or separate).
+#[derive(Clone)]
 pub struct Model {
     cfg: ModelConfig,
     embed_tokens: Embedding,
@@ -110,6 +111,10 @@ impl super::Model for Model {
 
     fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    fn boxed_clone(&self) -> Box<dyn super::Model> {
+        Box::new(self.clone())
     }
 }
 

@@ -38,6 +38,10 @@ pub trait Model: Module + Send {
     /// The configuration the model was built from.
     fn config(&self) -> &ModelConfig;
 
+    /// A second handle on the same model: its arrays are shared (cheap), its structure separate,
+    /// so parameters set in one are not seen by the other.
+    fn boxed_clone(&self) -> Box<dyn Model>;
+
     /// Token ids `[B, L]` → logits `[B, L, vocab]`.
     fn forward(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let h = self.forward_hidden(ids, caches)?;

@@ -177,6 +177,7 @@ impl Module for Linear {
 
 /// A token embedding table `[vocab, hidden]`, dense or quantised, usable as the output head when
 /// the checkpoint ties them.
+#[derive(Clone)]
 pub struct Embedding {
     weight: Weight,
     dtype: Dtype,

@@ -68,3 +68,65 @@ pub fn loss_and_grad(model: &mut dyn Model, trainable: &[String], batch: &Batch)
     let (loss, ntoks) = (outs.next().expect("two outputs"), outs.next().expect("two outputs"));
     Ok(LossAndGrad { loss, ntoks, grads: trainable.iter().cloned().zip(grads).collect() })
 }
+
+/// [`loss_and_grad`] as one compiled function, as mlx-lm compiles its training step: the forward
+/// and backward passes are traced once per batch shape, simplified, and their runs of element-wise
+/// ops fused into single kernels. The model's frozen arrays are constants of the trace (a copy of
+/// the model is kept for tracing, sharing its arrays); the trainable ones and the batch are the
+/// inputs. Training mode and gradient checkpointing are read when a shape is first traced, so a
+/// [`CompiledLossAndGrad`] must always be called in the same mode.
+///
+/// Random draws inside would be frozen into the trace: do not compile a model with LoRA dropout.
+pub struct CompiledLossAndGrad {
+    f: rmlx::compile::Compiled,
+    trainable: Vec<String>,
+}
+
+impl CompiledLossAndGrad {
+    /// Compiles the loss of `model` and its gradient for the parameters named in `trainable`.
+    pub fn new(model: &dyn Model, trainable: &[String]) -> Result<Self> {
+        if trainable.is_empty() {
+            return Err(Error::InvalidParameter("there is nothing to train: no trainable parameter".into()));
+        }
+        let copy = RefCell::new(model.boxed_clone());
+        let names = trainable.to_vec();
+        let n = names.len();
+        let step = move |inputs: &[Array]| -> rmlx::Result<Vec<Array>> {
+            let (tokens, mask) = (&inputs[n], &inputs[n + 1]);
+            let loss = |params: &[Array]| -> rmlx::Result<Vec<Array>> {
+                let mut m = copy.borrow_mut();
+                let set: HashMap<String, Array> = names.iter().cloned().zip(params.iter().cloned()).collect();
+                m.update("", set).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
+                let (loss, ntoks) = batch_loss(&**m, tokens, mask).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
+                Ok(vec![loss, ntoks])
+            };
+            let argnums: Vec<usize> = (0..n).collect();
+            let (outs, grads) = rmlx::transforms::value_and_grad(loss, &argnums)(&inputs[..n])?;
+            Ok(outs.into_iter().chain(grads).collect())
+        };
+        let options = rmlx::compile::CompileOptions { shapeless: false, name: Some("training step".into()) };
+        Ok(CompiledLossAndGrad { f: rmlx::compile::compile_with_constants(step, options), trainable: trainable.to_vec() })
+    }
+
+    /// The loss of `batch` and the gradients, with the trainable parameters' current values in
+    /// `model` (the model given to [`CompiledLossAndGrad::new`] or one with the same frozen arrays).
+    pub fn call(&self, model: &dyn Model, batch: &Batch) -> Result<LossAndGrad> {
+        let mut current: HashMap<String, Array> = model.parameters("").into_iter().collect();
+        let mut inputs: Vec<Array> = self
+            .trainable
+            .iter()
+            .map(|n| current.remove(n).ok_or_else(|| Error::InvalidParameter(format!("no parameter named `{n}`"))))
+            .collect::<Result<_>>()?;
+        inputs.push(batch.to_array()?);
+        inputs.push(batch.mask_array()?);
+        let out = crate::nn::with_training(|| self.f.call(&inputs))?;
+        let mut out = out.into_iter();
+        let (loss, ntoks) = (out.next().expect("the loss"), out.next().expect("the count"));
+        Ok(LossAndGrad { loss, ntoks, grads: self.trainable.iter().cloned().zip(out).collect() })
+    }
+
+    /// How many batch shapes have been traced.
+    pub fn traces(&self) -> usize {
+        self.f.trace_count()
+    }
+}

@@ -9,7 +9,7 @@
 use super::adapters;
 use super::batch::{Batch, BatchOrder};
 use super::data::Sequence;
-use super::loss::{batch_loss, loss_and_grad};
+use super::loss::{batch_loss, loss_and_grad, CompiledLossAndGrad};
 use super::optim::Optimizer;
 use crate::models::Model;
 use crate::nn::{with_grad_checkpoint, ModuleExt};
@@ -36,6 +36,8 @@ pub struct TrainConfig {
     /// Recompute each block's activations for the backward pass instead of keeping them
     /// (less memory, about one more forward pass per step): [`crate::nn::with_grad_checkpoint`].
     pub grad_checkpoint: bool,
+    /// Compile the loss and its gradient ([`CompiledLossAndGrad`]; not with LoRA dropout).
+    pub compile: bool,
     pub seed: u64,
     /// Where adapters are saved (`None`: not saved).
     pub adapter_dir: Option<PathBuf>,
@@ -110,6 +112,7 @@ impl Default for TrainConfig {
             max_seq_length: 2048,
             grad_accumulation_steps: 1,
             grad_checkpoint: false,
+            compile: false,
             seed: 0,
             adapter_dir: None,
             resume: None,
@@ -228,6 +231,7 @@ pub fn train(
         order.set_rng_state(st.rng);
         queue = st.queue.clone();
     }
+    let compiled = if cfg.compile { Some(CompiledLossAndGrad::new(model, trainable)?) } else { None };
     while it < cfg.iters {
         it += 1;
         if !valid.is_empty() && (it == 1 || it % cfg.steps_per_eval == 0 || it == cfg.iters) {
@@ -250,7 +254,10 @@ pub fn train(
             report(&Report::Truncated { iter: it, longest: batch.longest, max_seq_length: cfg.max_seq_length });
         }
         let learning_rate = optimizer.learning_rate();
-        let step = with_grad_checkpoint(cfg.grad_checkpoint, || loss_and_grad(model, trainable, &batch))?;
+        let step = with_grad_checkpoint(cfg.grad_checkpoint, || match &compiled {
+            Some(c) => c.call(model, &batch),
+            None => loss_and_grad(model, trainable, &batch),
+        })?;
         // Gradients are summed over `grad_accumulation_steps` batches, then averaged into one update.
         let grads = match accumulated.take() {
             None => step.grads,
