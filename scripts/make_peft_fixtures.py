@@ -14,7 +14,8 @@ writes into ``crates/rmlx-lm/tests/fixtures/adapters/<case>/``:
                           the AdamW settings, ``ids`` for the logits
   reference.safetensors   ``logits`` [len(ids), vocab] with the adapter; ``grad.<PEFT name>`` (the
                           loss's gradient for each adapter weight); ``adamw.<PEFT name>`` (the
-                          weights after one ``torch.optim.AdamW`` step with those gradients)
+                          weights after one ``torch.optim.AdamW`` step with those gradients);
+                          DoRA cases also the magnitudes (``lora_magnitude_vector``)
 
 With ``--check DIR`` it instead loads the PEFT adapter in DIR (e.g. one rmlx wrote with
 ``--adapter-format peft``) onto its fixture model (``--model NAME``) and writes ``DIR/peft_logits.json``:
@@ -42,6 +43,12 @@ CASES = {
         "llama_gqa",
         dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
         [(21, 5), (14, 0)],
+    ),
+    # DoRA: a learned magnitude per output row (`lora_magnitude_vector`), moved off the row norms.
+    "peft_llama_gqa_dora": (
+        "llama_gqa",
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True),
+        [(19, 4), (12, 0)],
     ),
     # Biased q/k/v projections; adapters on q and v of the last layer only.
     "peft_qwen2": (
@@ -71,6 +78,13 @@ def batch(rows, vocab, seed):
     return [{"tokens": s, "offset": o} for s, (_, o) in zip(seqs, rows)], tokens, mask
 
 
+def file_name(param):
+    """The name of a PEFT parameter in adapter_model.safetensors: no adapter name (`.default`), and
+    the magnitude vector without `.weight`."""
+    n = param.replace(".default", "")
+    return n.removesuffix(".weight") if "lora_magnitude_vector" in n else n
+
+
 def loss_of(model, tokens, mask):
     logits = model(input_ids=tokens[:, :-1]).logits.float()
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
@@ -85,8 +99,10 @@ def make(case, fixture, lora_args, rows):
     adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
     with torch.no_grad():
         for n, p in adapters.items():
-            fan_in = p.shape[1]
-            p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) / fan_in**0.5)
+            if "lora_magnitude_vector" in n:
+                p.mul_(1 + 0.4 * (torch.rand(p.shape, generator=g) - 0.5))
+            else:
+                p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) / p.shape[1] ** 0.5)
     model.save_pretrained(out)
     (out / "README.md").unlink(missing_ok=True)  # PEFT's model card template
     seqs, tokens, mask = batch(rows, model.config.vocab_size, seed=len(case) + 1)
@@ -95,13 +111,12 @@ def make(case, fixture, lora_args, rows):
     loss.backward()
     saved = {}
     for n, p in adapters.items():
-        # The name in adapter_model.safetensors: no adapter name (".default") in it.
-        saved["grad." + n.replace(".default", "")] = p.grad.detach().clone()
+        saved["grad." + file_name(n)] = p.grad.detach().clone()
     opt = torch.optim.AdamW(adapters.values(), lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
                             weight_decay=ADAMW["weight_decay"])
     opt.step()
     for n, p in adapters.items():
-        saved["adamw." + n.replace(".default", "")] = p.detach().clone()
+        saved["adamw." + file_name(n)] = p.detach().clone()
     model.eval()
     with torch.no_grad():
         # The logits of the adapter as saved (before the step): reload it to be sure.

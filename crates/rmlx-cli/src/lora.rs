@@ -297,7 +297,7 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         bar.finish();
         result?;
         if a.adapter_format == "peft" {
-            ensure!(fine_tune_type == FineTuneType::Lora, "--adapter-format peft needs --fine-tune-type lora");
+            ensure!(fine_tune_type != FineTuneType::Full, "--adapter-format peft needs --fine-tune-type lora or dora");
             let dir = adapter_dir.join("peft");
             let source = lm.source.display().to_string();
             let n = rmlx_lm::tuner::peft::save(lm.model.as_mut(), &dir, &source)?;

@@ -85,7 +85,6 @@ fn rslora_scale_and_refused_variants() {
     let cfg = adapters::load(lm.model.as_mut(), dir.path(), Dtype::Float32).unwrap();
     assert_eq!(cfg.lora.scale, 6.0, "lora_alpha / sqrt(r) = 12 / 2");
     for (key, value, message) in [
-        ("use_dora", Value::Bool(true), "`use_dora: true` is not supported"),
         ("fan_in_fan_out", Value::Bool(true), "`fan_in_fan_out: true` is not supported"),
         ("peft_type", Value::from("IA3"), "peft_type \"IA3\" is not supported"),
         ("rank_pattern", serde_json::json!({"q_proj": 8}), "per-module `rank_pattern` is not supported"),

@@ -1,6 +1,6 @@
 //! rmlx's LoRA against transformers + PEFT (`scripts/make_peft_fixtures.py`), in float32:
 //!
-//! - adapters PEFT saved load into rmlx with PEFT's logits;
+//! - adapters PEFT saved (LoRA and DoRA) load into rmlx with PEFT's logits;
 //! - on the same batch and the same adapter weights, rmlx's loss and its gradient for every `A` and
 //!   `B` equal PEFT's, and one AdamW step (with bias correction, as `torch.optim.AdamW`) gives
 //!   PEFT's weights;
@@ -43,15 +43,16 @@ fn logits(lm: &LoadedModel, ids: &[i32]) -> Array {
     lm.model.forward(&x, &mut lm.model.new_caches(None)).unwrap().reshape(&[ids.len() as i32, -1]).unwrap()
 }
 
-/// PEFT's name of rmlx's `<module>.lora_a` / `.lora_b` (whose arrays are PEFT's transposed).
+/// PEFT's name of rmlx's `<module>.lora_a` / `.lora_b` (whose arrays are PEFT's transposed) and
+/// DoRA's `<module>.m`.
 fn peft_name(rmlx: &str) -> String {
     let (module, factor) = rmlx.rsplit_once('.').unwrap();
-    let factor = match factor {
-        "lora_a" => "lora_A",
-        "lora_b" => "lora_B",
-        other => panic!("not a LoRA factor: {other}"),
-    };
-    format!("base_model.model.{module}.{factor}.weight")
+    match factor {
+        "lora_a" => format!("base_model.model.{module}.lora_A.weight"),
+        "lora_b" => format!("base_model.model.{module}.lora_B.weight"),
+        "m" => format!("base_model.model.{module}.lora_magnitude_vector"),
+        other => panic!("not an adapter weight: {other}"),
+    }
 }
 
 /// max |a - b| / max |b|, after transposing `a` (rmlx's orientation) to `b`'s.
@@ -75,7 +76,7 @@ fn ids_of(json: &Value) -> Vec<i32> {
 
 #[test]
 fn peft_made_adapters_give_transformers_logits() {
-    for case in ["peft_llama_gqa", "peft_qwen2"] {
+    for case in ["peft_llama_gqa", "peft_llama_gqa_dora", "peft_qwen2"] {
         let (json, arrays) = reference(case);
         let (_d, lm) = model_with(json["fixture"].as_str().unwrap(), &case_dir(case));
         let err = max_abs_diff(&logits(&lm, &ids_of(&json)), &arrays["logits"]);
@@ -86,7 +87,7 @@ fn peft_made_adapters_give_transformers_logits() {
 
 #[test]
 fn lora_gradients_and_one_adamw_step_equal_peft() {
-    for case in ["peft_llama_gqa", "peft_qwen2"] {
+    for case in ["peft_llama_gqa", "peft_llama_gqa_dora", "peft_qwen2"] {
         let (json, arrays) = reference(case);
         let (_d, mut lm) = model_with(json["fixture"].as_str().unwrap(), &case_dir(case));
         let seqs: Vec<Sequence> = json["sequences"]
@@ -101,6 +102,7 @@ fn lora_gradients_and_one_adamw_step_equal_peft() {
         let batch = Batch::new(&seqs.iter().collect::<Vec<_>>(), 2048);
         let trainable = tuner::lora_parameter_names(lm.model.as_ref());
         assert_eq!(2 * trainable.len(), arrays.keys().filter(|k| !k.starts_with("logits")).count(), "{case}");
+        assert_eq!(case.ends_with("dora"), trainable.iter().any(|n| n.ends_with(".m")), "{case}");
         let step = loss_and_grad(lm.model.as_mut(), &trainable, &batch).unwrap();
         let loss = step.loss.item::<f32>().unwrap();
         let want = json["loss"].as_f64().unwrap() as f32;
@@ -132,8 +134,14 @@ fn lora_gradients_and_one_adamw_step_equal_peft() {
 }
 
 #[test]
-fn rmlx_trained_peft_adapter_gives_transformers_logits() {
-    let dir = case_dir("rmlx_llama_gqa_peft");
+fn rmlx_trained_peft_adapters_give_transformers_logits() {
+    for case in ["rmlx_llama_gqa_peft", "rmlx_llama_gqa_dora_peft"] {
+        check_rmlx_trained(case);
+    }
+}
+
+fn check_rmlx_trained(case: &str) {
+    let dir = case_dir(case);
     let json: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("peft_logits.json")).unwrap()).unwrap();
     let (_d, lm) = model_with("llama_gqa", &dir);
     let ids = ids_of(&json);
@@ -141,24 +149,34 @@ fn rmlx_trained_peft_adapter_gives_transformers_logits() {
     let vocab = (want.len() / ids.len()) as i32;
     let want = Array::from_slice(&want, &[ids.len() as i32, vocab]).unwrap();
     let err = max_abs_diff(&logits(&lm, &ids), &want);
-    assert!(err < 5e-4, "max |Δlogit| = {err}");
+    assert!(err < 5e-4, "{case}: max |Δlogit| = {err}");
     // Trained, not fresh: the adapter changes the logits.
     let base_dir = fixture_with_tokenizer("llama_gqa");
     let base = rmlx_lm::load(base_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
     assert!(max_abs_diff(&logits(&base, &ids), &want) > 1e-2);
 }
 
-/// Writes `tests/fixtures/adapters/rmlx_llama_gqa_peft`: LoRA on every linear of `llama_gqa`,
-/// trained by rmlx for 20 steps on a fixed random batch, saved in PEFT's layout. Then run
-/// `python scripts/make_peft_fixtures.py --check <that folder> --model llama_gqa` for
-/// `peft_logits.json`. Run: `cargo test -p rmlx-lm --test tuner_peft_reference -- --ignored`.
+/// Writes `tests/fixtures/adapters/rmlx_llama_gqa_peft` (LoRA on every linear of `llama_gqa`)
+/// and `rmlx_llama_gqa_dora_peft` (DoRA), each trained by rmlx for 20 steps on a fixed random
+/// batch and saved in PEFT's layout. Then run `python scripts/make_peft_fixtures.py --check
+/// <folder> --model llama_gqa` on each for `peft_logits.json`.
+/// Run: `cargo test -p rmlx-lm --test tuner_peft_reference -- --ignored`.
 #[test]
 #[ignore]
-fn make_rmlx_trained_peft_fixture() {
+fn make_rmlx_trained_peft_fixtures() {
+    make_rmlx_trained("rmlx_llama_gqa_peft", false);
+    make_rmlx_trained("rmlx_llama_gqa_dora_peft", true);
+}
+
+fn make_rmlx_trained(case: &str, dora: bool) {
     let src = fixture_with_tokenizer("llama_gqa");
     let mut lm = rmlx_lm::load(src.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
     let config = tuner::LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
-    tuner::apply_lora(lm.model.as_mut(), None, &config, Dtype::Float32, 7).unwrap();
+    if dora {
+        tuner::apply_dora(lm.model.as_mut(), None, &config, Dtype::Float32, 7).unwrap();
+    } else {
+        tuner::apply_lora(lm.model.as_mut(), None, &config, Dtype::Float32, 7).unwrap();
+    }
     let trainable = tuner::lora_parameter_names(lm.model.as_ref());
     let seqs: Vec<Sequence> = (0..2u32).map(|r| Sequence { tokens: (0..20).map(|i| 1 + (i * 13 + r * 5) % 60).collect(), offset: 0 }).collect();
     let batch = Batch::new(&seqs.iter().collect::<Vec<_>>(), 2048);
@@ -170,6 +188,6 @@ fn make_rmlx_trained_peft_fixture() {
         let new = opt.update(&params, &step.grads).unwrap();
         lm.model.update("", new).unwrap();
     }
-    let out = case_dir("rmlx_llama_gqa_peft");
+    let out = case_dir(case);
     peft::save(lm.model.as_mut(), &out, "llama_gqa").unwrap();
 }

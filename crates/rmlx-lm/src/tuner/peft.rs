@@ -5,9 +5,12 @@
 //! - `adapter_config.json`: `peft_type: "LORA"`, `r`, `lora_alpha` (the scale is `lora_alpha / r`, or
 //!   `lora_alpha / √r` with `use_rslora`), `target_modules`, `layers_to_transform`.
 //!
+//! DoRA (`use_dora: true`) adds `…lora_magnitude_vector: [out]` per module, the learned magnitude
+//! of each output row (rmlx's `m`); PEFT's rescaling by `m / ‖W + scale·BA‖` per row is rmlx's.
+//!
 //! Reading attaches an adapter to each module the weights file names (the file, not
-//! `target_modules`, decides); DoRA, `fan_in_fan_out`, biases and per-module rank or alpha patterns
-//! are refused with an error naming them.
+//! `target_modules`, decides); `fan_in_fan_out`, biases and per-module rank or alpha patterns are
+//! refused with an error naming them.
 
 use super::lora::LoraConfig;
 use crate::models::Model;
@@ -37,7 +40,8 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
     if cfg.get("peft_type").and_then(Value::as_str) != Some("LORA") {
         return Err(bad(format!("peft_type {} is not supported (LORA is)", cfg.get("peft_type").unwrap_or(&Value::Null))));
     }
-    for (key, ok) in [("use_dora", json!(false)), ("fan_in_fan_out", json!(false)), ("bias", json!("none"))] {
+    let dora = cfg.get("use_dora").and_then(Value::as_bool).unwrap_or(false);
+    for (key, ok) in [("fan_in_fan_out", json!(false)), ("bias", json!("none"))] {
         if let Some(v) = cfg.get(key).filter(|v| !v.is_null() && **v != ok) {
             return Err(bad(format!("`{key}: {v}` is not supported")));
         }
@@ -54,33 +58,36 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
 
     let weights_path = dir.join(WEIGHTS);
     let mut arrays = rmlx::io::load_safetensors(&weights_path)?.arrays;
-    let mut modules: BTreeMap<String, (Option<Array>, Option<Array>)> = BTreeMap::new();
+    // Per module: lora_A, lora_B and (DoRA) the magnitude vector.
+    let mut modules: BTreeMap<String, [Option<Array>; 3]> = BTreeMap::new();
     for (key, a) in std::mem::take(&mut arrays) {
         let path = key.strip_prefix(PREFIX).unwrap_or(&key);
-        let (module, slot) = if let Some(m) = path.strip_suffix(".lora_A.weight") {
-            (m, 0)
-        } else if let Some(m) = path.strip_suffix(".lora_B.weight") {
-            (m, 1)
-        } else {
+        let suffixes = [".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector", ".lora_magnitude_vector.weight"];
+        let Some((module, slot)) = suffixes.iter().enumerate().find_map(|(i, suffix)| Some((path.strip_suffix(suffix)?, i.min(2)))) else {
             return Err(Error::Corrupt { path: weights_path.display().to_string(), reason: format!("`{key}` is not a LoRA weight") });
         };
-        let entry = modules.entry(module.to_string()).or_default();
-        if slot == 0 {
-            entry.0 = Some(a);
-        } else {
-            entry.1 = Some(a);
+        if slot == 2 && !dora {
+            return Err(bad(format!("`{key}` is a DoRA magnitude, but `use_dora` is not true")));
         }
+        modules.entry(module.to_string()).or_default()[slot] = Some(a);
     }
     let mut attached = BTreeSet::new();
     let mut failure = None;
     model.visit_linears("", &mut |path, linear| {
-        let Some((a, b)) = modules.get(path) else { return };
+        let Some([a, b, m]) = modules.get(path) else { return };
+        if dora && m.is_none() {
+            failure = Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_magnitude_vector (in {})", weights_path.display())));
+            return;
+        }
         let lora = match (a, b) {
             (Some(a), Some(b)) => a
                 .transpose()
                 .and_then(|a| a.astype(dtype))
                 .and_then(|a| Ok((a, b.transpose()?.astype(dtype)?)))
-                .map(|(a, b)| Lora { a, b, scale, dropout: 0.0, magnitude: None }),
+                .and_then(|(a, b)| {
+                    let magnitude = m.as_ref().map(|m| m.astype(Dtype::Float32)).transpose()?;
+                    Ok(Lora { a, b, scale, dropout: 0.0, magnitude })
+                }),
             _ => {
                 failure = Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_A/lora_B (in {})", weights_path.display())));
                 return;
@@ -107,14 +114,15 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
 pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize> {
     let mut arrays = BTreeMap::new();
     let (mut ranks, mut scales) = (BTreeSet::new(), Vec::new());
-    let (mut targets, mut layers) = (BTreeSet::new(), BTreeSet::new());
-    let mut failure = None;
+    let (mut targets, mut layers, mut doras) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
+    let (mut failure, mut modules) = (None, 0usize);
     model.visit_linears("", &mut |path, linear| {
         let Some(l) = linear.lora() else { return };
-        if l.magnitude.is_some() {
-            failure = Some(Error::InvalidParameter("DoRA adapters cannot be written in PEFT's layout yet".into()));
-            return;
+        doras.insert(l.magnitude.is_some());
+        if let Some(m) = &l.magnitude {
+            arrays.insert(format!("{PREFIX}{path}.lora_magnitude_vector"), m.clone());
         }
+        modules += 1;
         ranks.insert(l.rank());
         scales.push(l.scale);
         targets.insert(path.rsplit('.').next().unwrap_or(path).to_string());
@@ -138,6 +146,10 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
     if ranks.len() > 1 || scales.windows(2).any(|w| w[0] != w[1]) {
         return Err(Error::InvalidParameter("PEFT's config holds one rank and scale; these adapters differ".into()));
     }
+    if doras.len() > 1 {
+        return Err(Error::InvalidParameter("PEFT's config says DoRA or not for all adapters; these are mixed".into()));
+    }
+    let dora = doras.contains(&true);
     let r = *ranks.iter().next().expect("one adapter at least");
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     rmlx::io::save_safetensors(dir.join(WEIGHTS), &arrays, &BTreeMap::from([("format".to_string(), "pt".to_string())]))?;
@@ -150,7 +162,7 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": false,
-        "use_dora": false,
+        "use_dora": dora,
         "fan_in_fan_out": false,
         "target_modules": targets.into_iter().collect::<Vec<_>>(),
         "layers_to_transform": layers.into_iter().collect::<Vec<_>>(),
@@ -159,5 +171,5 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
     });
     let path = dir.join(super::adapters::CONFIG);
     std::fs::write(&path, serde_json::to_string_pretty(&config).expect("JSON")).map_err(|e| Error::io(&path, e))?;
-    Ok(arrays.len() / 2)
+    Ok(modules)
 }
