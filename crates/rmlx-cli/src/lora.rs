@@ -55,7 +55,7 @@ pub struct Args {
     #[arg(long)]
     grad_checkpoint: bool,
     /// Run the training step op by op instead of compiled (on a GPU it is compiled, as mlx-lm's;
-    /// never with LoRA dropout, nor on the CPU).
+    /// on the CPU never).
     #[arg(long)]
     no_compile: bool,
     /// Validation batches per evaluation (-1: the whole set).
@@ -265,9 +265,8 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
             iters,
             grad_accumulation_steps: a.grad_accumulation_steps,
             grad_checkpoint: a.grad_checkpoint,
-            // mlx-lm compiles its step; compiling on the CPU needs a C++ compiler at run time, and
-            // LoRA dropout's random masks would be frozen into the trace.
-            compile: !a.no_compile && yaml.dropout == 0.0 && rmlx::default_device().kind == rmlx::DeviceType::Gpu,
+            // mlx-lm compiles its step; compiling on the CPU needs a C++ compiler at run time.
+            compile: !a.no_compile && rmlx::default_device().kind == rmlx::DeviceType::Gpu,
             batch_size: a.batch_size,
             val_batches,
             steps_per_report: a.steps_per_report,

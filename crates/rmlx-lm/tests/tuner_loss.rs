@@ -216,7 +216,7 @@ fn compiled_loss_and_grad_equal_the_eager_ones() {
             move_lora_b(&mut lm, &trainable, 2);
         }
         let eager = loss_and_grad(lm.model.as_mut(), &trainable, b).unwrap();
-        let fast = compiled.call(lm.model.as_ref(), b).unwrap();
+        let fast = compiled.call(lm.model.as_ref(), b, &rmlx::random::key(0).unwrap()).unwrap();
         let (le, lf) = (eager.loss.item::<f32>().unwrap(), fast.loss.item::<f32>().unwrap());
         assert!((le - lf).abs() <= 1e-5 * le.abs(), "round {round}: loss {lf} vs {le}");
         assert_eq!(fast.ntoks.item::<f32>().unwrap(), eager.ntoks.item::<f32>().unwrap());
@@ -231,7 +231,7 @@ fn compiled_loss_and_grad_equal_the_eager_ones() {
     assert_eq!(compiled.traces(), 2, "one trace per batch shape");
     // With gradient checkpointing traced into the step.
     let checkpointed = rmlx_lm::tuner::CompiledLossAndGrad::new(lm.model.as_ref(), &trainable).unwrap();
-    let fast = rmlx_lm::nn::with_grad_checkpoint(true, || checkpointed.call(lm.model.as_ref(), &batch())).unwrap();
+    let fast = rmlx_lm::nn::with_grad_checkpoint(true, || checkpointed.call(lm.model.as_ref(), &batch(), &rmlx::random::key(0).unwrap())).unwrap();
     let eager = loss_and_grad(lm.model.as_mut(), &trainable, &batch()).unwrap();
     let (le, lf) = (eager.loss.item::<f32>().unwrap(), fast.loss.item::<f32>().unwrap());
     assert!((le - lf).abs() <= 1e-5 * le.abs(), "checkpointed: loss {lf} vs {le}");
@@ -241,4 +241,32 @@ fn compiled_loss_and_grad_equal_the_eager_ones() {
         let err = e.iter().zip(&f).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(err <= 1e-4 * scale, "checkpointed, {name}: max |Δ| {err} of {scale}");
     }
+}
+
+/// With LoRA dropout the compiled step draws its masks from the key it is given (an input, not a
+/// constant of the trace): the op-by-op step with the same key gives the same loss, and another
+/// key other masks.
+#[test]
+fn compiled_step_takes_dropout_masks_from_its_key() {
+    let (_d, mut lm) = load();
+    let cfg = LoraConfig { rank: 4, scale: 2.0, dropout: 0.5, keys: None };
+    apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 0).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    move_lora_b(&mut lm, &trainable, 3);
+    let compiled = rmlx_lm::tuner::CompiledLossAndGrad::new(lm.model.as_ref(), &trainable).unwrap();
+    let mut losses = Vec::new();
+    for seed in [1u64, 2, 1] {
+        let key = rmlx::random::key(seed).unwrap();
+        let fast = compiled.call(lm.model.as_ref(), &batch(), &key).unwrap().loss.item::<f32>().unwrap();
+        let eager = rmlx_lm::nn::with_dropout_key(key, || loss_and_grad(lm.model.as_mut(), &trainable, &batch()))
+            .unwrap()
+            .loss
+            .item::<f32>()
+            .unwrap();
+        assert!((fast - eager).abs() <= 1e-5 * eager.abs(), "key {seed}: compiled {fast} vs op by op {eager}");
+        losses.push(fast);
+    }
+    assert_eq!(losses[0], losses[2], "the same key, the same masks");
+    assert!((losses[0] - losses[1]).abs() > 1e-4, "another key, other masks: {losses:?}");
+    assert_eq!(compiled.traces(), 1);
 }

@@ -159,11 +159,17 @@ fn gradient_accumulation_equals_the_larger_batch() {
 }
 
 /// A run resumed from a checkpoint (weights, optimizer state, batch order) reports the same losses
-/// and ends with the same adapters as the run that was never interrupted.
+/// and ends with the same adapters as the run that was never interrupted, with LoRA dropout too
+/// (its masks come from a key of the iteration).
 #[test]
 fn resuming_from_a_checkpoint_continues_exactly() {
+    resume_exactly(0.0);
+    resume_exactly(0.3);
+}
+
+fn resume_exactly(dropout: f32) {
     use rmlx_lm::tuner::TrainState;
-    let lora = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None };
+    let lora = LoraConfig { rank: 2, scale: 2.0, dropout, keys: None };
     let run = |dir: &std::path::Path, resume_from: Option<&std::path::Path>| {
         let (_d, mut lm) = load();
         apply_lora(lm.model.as_mut(), None, &lora, Dtype::Float32, 9).unwrap();
@@ -189,6 +195,6 @@ fn resuming_from_a_checkpoint_continues_exactly() {
     let ckpt = a.path().join("0000005_adapters.safetensors");
     assert!(TrainState::path_for(&ckpt).ends_with("0000005_state.safetensors"));
     let (resumed, end_resumed) = run(b.path(), Some(&ckpt));
-    assert_eq!(resumed, straight[5..].to_vec(), "iterations 6..12: same losses, same token counts");
-    assert_eq!(end_resumed, end, "same final model");
+    assert_eq!(resumed, straight[5..].to_vec(), "dropout {dropout}: iterations 6..12: same losses, same token counts");
+    assert_eq!(end_resumed, end, "dropout {dropout}: same final model");
 }

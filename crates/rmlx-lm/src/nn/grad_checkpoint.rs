@@ -10,7 +10,7 @@
 //! which sets them into its own copy of the block before running it (mlx-lm passes
 //! `trainable_parameters()` the same way); frozen weights are captured as constants.
 
-use super::lora::{training, with_dropout_key, with_training};
+use super::lora::{next_dropout_key, training, with_dropout_key, with_training};
 use super::Module;
 use crate::cache::KvCache;
 use crate::Result;
@@ -70,8 +70,15 @@ where
             inputs.push(a.clone());
         }
     });
-    // This block's dropout key (a uint32 pair, as MLX's keys are), drawn from MLX's global key.
-    let key = if training() { Some(random::randint(0, i32::MAX, &[2], Dtype::Uint32, None)?) } else { None };
+    // This block's dropout key (a uint32 pair, as MLX's keys are): the next of the caller's keys
+    // inside `with_dropout_key`, else drawn from MLX's global key.
+    let key = match training() {
+        true => Some(match next_dropout_key()? {
+            Some(k) => k,
+            None => random::randint(0, i32::MAX, &[2], Dtype::Uint32, None)?,
+        }),
+        false => None,
+    };
     let (template, fresh) = (block.clone(), cache.empty_like());
     let f = move |inputs: &[Array]| -> rmlx::Result<Vec<Array>> {
         let mut block = template.clone();

@@ -44,8 +44,9 @@ pub fn with_training<T>(f: impl FnOnce() -> T) -> T {
 
 /// Runs `f` with LoRA dropout on this thread drawing its masks from `key` (each draw splits it)
 /// instead of MLX's global key, so that running `f` again draws the same masks: a checkpointed
-/// block recomputed for the backward pass must drop what its forward pass dropped.
-pub(crate) fn with_dropout_key<T>(key: Array, f: impl FnOnce() -> T) -> T {
+/// block recomputed for the backward pass must drop what its forward pass dropped, a resumed run
+/// must drop what the uninterrupted one did, and a compiled step takes the key as an input.
+pub fn with_dropout_key<T>(key: Array, f: impl FnOnce() -> T) -> T {
     struct Restore(Option<Array>);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -57,7 +58,7 @@ pub(crate) fn with_dropout_key<T>(key: Array, f: impl FnOnce() -> T) -> T {
 }
 
 /// The key of the next dropout mask: `None` (MLX's global key) outside [`with_dropout_key`].
-fn next_dropout_key() -> Result<Option<Array>> {
+pub(crate) fn next_dropout_key() -> Result<Option<Array>> {
     DROPOUT_KEY.with(|cell| {
         let mut current = cell.borrow_mut();
         let Some(key) = current.as_ref() else { return Ok(None) };

@@ -8,7 +8,7 @@ mod lora;
 mod module;
 
 pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
-pub use lora::{training, with_training, Lora};
+pub use lora::{training, with_dropout_key, with_training, Lora};
 pub use module::{join, Module, ModuleExt};
 pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
 

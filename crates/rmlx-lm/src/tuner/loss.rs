@@ -76,7 +76,8 @@ pub fn loss_and_grad(model: &mut dyn Model, trainable: &[String], batch: &Batch)
 /// inputs. Training mode and gradient checkpointing are read when a shape is first traced, so a
 /// [`CompiledLossAndGrad`] must always be called in the same mode.
 ///
-/// Random draws inside would be frozen into the trace: do not compile a model with LoRA dropout.
+/// LoRA dropout draws its masks from the key given to each call (an input, so not frozen into
+/// the trace); [`crate::nn::with_dropout_key`] does the same for the op-by-op step.
 pub struct CompiledLossAndGrad {
     f: rmlx::compile::Compiled,
     trainable: Vec<String>,
@@ -92,7 +93,7 @@ impl CompiledLossAndGrad {
         let names = trainable.to_vec();
         let n = names.len();
         let step = move |inputs: &[Array]| -> rmlx::Result<Vec<Array>> {
-            let (tokens, mask) = (&inputs[n], &inputs[n + 1]);
+            let (tokens, mask, key) = (&inputs[n], &inputs[n + 1], &inputs[n + 2]);
             let loss = |params: &[Array]| -> rmlx::Result<Vec<Array>> {
                 let mut m = copy.borrow_mut();
                 let set: HashMap<String, Array> = names.iter().cloned().zip(params.iter().cloned()).collect();
@@ -101,7 +102,8 @@ impl CompiledLossAndGrad {
                 Ok(vec![loss, ntoks])
             };
             let argnums: Vec<usize> = (0..n).collect();
-            let (outs, grads) = rmlx::transforms::value_and_grad(loss, &argnums)(&inputs[..n])?;
+            let (outs, grads) =
+                crate::nn::with_dropout_key(key.clone(), || rmlx::transforms::value_and_grad(loss, &argnums)(&inputs[..n]))?;
             Ok(outs.into_iter().chain(grads).collect())
         };
         let options = rmlx::compile::CompileOptions { shapeless: false, name: Some("training step".into()) };
@@ -109,8 +111,9 @@ impl CompiledLossAndGrad {
     }
 
     /// The loss of `batch` and the gradients, with the trainable parameters' current values in
-    /// `model` (the model given to [`CompiledLossAndGrad::new`] or one with the same frozen arrays).
-    pub fn call(&self, model: &dyn Model, batch: &Batch) -> Result<LossAndGrad> {
+    /// `model` (the model given to [`CompiledLossAndGrad::new`] or one with the same frozen arrays)
+    /// and LoRA dropout drawn from `dropout_key` ([`rmlx::random::key`]).
+    pub fn call(&self, model: &dyn Model, batch: &Batch, dropout_key: &Array) -> Result<LossAndGrad> {
         let mut current: HashMap<String, Array> = model.parameters("").into_iter().collect();
         let mut inputs: Vec<Array> = self
             .trainable
@@ -119,6 +122,7 @@ impl CompiledLossAndGrad {
             .collect::<Result<_>>()?;
         inputs.push(batch.to_array()?);
         inputs.push(batch.mask_array()?);
+        inputs.push(dropout_key.clone());
         let out = crate::nn::with_training(|| self.f.call(&inputs))?;
         let mut out = out.into_iter();
         let (loss, ntoks) = (out.next().expect("the loss"), out.next().expect("the count"));

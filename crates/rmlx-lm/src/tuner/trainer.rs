@@ -36,7 +36,7 @@ pub struct TrainConfig {
     /// Recompute each block's activations for the backward pass instead of keeping them
     /// (less memory, about one more forward pass per step): [`crate::nn::with_grad_checkpoint`].
     pub grad_checkpoint: bool,
-    /// Compile the loss and its gradient ([`CompiledLossAndGrad`]; not with LoRA dropout).
+    /// Compile the loss and its gradient ([`CompiledLossAndGrad`]).
     pub compile: bool,
     pub seed: u64,
     /// Where adapters are saved (`None`: not saved).
@@ -193,8 +193,7 @@ pub fn train(
 ) -> Result<TrainSummary> {
     let lengths: Vec<usize> = train.iter().map(|s| s.tokens.len()).collect();
     let mut order = BatchOrder::new(&lengths, cfg.batch_size, cfg.seed)?;
-    // MLX's random state drives LoRA dropout: seeded, so that a run can be repeated (a resumed
-    // run with dropout draws afresh: its state is not part of a checkpoint).
+    // Whatever else draws from MLX's global key (LoRA dropout does not: see the step) is seeded.
     rmlx::random::seed(cfg.seed);
     let batches = order.batches().to_vec();
     let mut queue = Vec::new();
@@ -254,9 +253,12 @@ pub fn train(
             report(&Report::Truncated { iter: it, longest: batch.longest, max_seq_length: cfg.max_seq_length });
         }
         let learning_rate = optimizer.learning_rate();
+        // LoRA dropout's masks come from a key of the iteration: a resumed run drops what the
+        // uninterrupted one did, and the compiled step takes the key as an input.
+        let key = rmlx::random::key(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ it as u64)?;
         let step = with_grad_checkpoint(cfg.grad_checkpoint, || match &compiled {
-            Some(c) => c.call(model, &batch),
-            None => loss_and_grad(model, trainable, &batch),
+            Some(c) => c.call(model, &batch, &key),
+            None => crate::nn::with_dropout_key(key.clone(), || loss_and_grad(model, trainable, &batch)),
         })?;
         // Gradients are summed over `grad_accumulation_steps` batches, then averaged into one update.
         let grads = match accumulated.take() {
