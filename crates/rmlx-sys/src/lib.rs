@@ -252,6 +252,7 @@ pub mod ffi {
         fn concatenate(arrays: &ArrayVec, axis: i32, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn stack(arrays: &ArrayVec, axis: i32, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn split_sections(a: &Array, num: i32, axis: i32, s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
+        fn depends(inputs: &ArrayVec, dependencies: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
         fn split_indices(a: &Array, indices: &[i32], axis: i32, s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
         fn pad(a: &Array, axes: &[i32], low: &[i32], high: &[i32], value: &Array, mode: &str, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn repeat(a: &Array, repeats: i32, axis: i32, all_axes: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;

@@ -616,6 +616,7 @@ ArrayPtr broadcast_to(const Array& a, Shape shape, StreamSpec s) { return wrap(m
 ArrayPtr concatenate(const ArrayVec& arrays, int32_t axis, StreamSpec s) { return wrap(mx::concatenate(arrays, axis, sod(s))); }
 ArrayPtr stack(const ArrayVec& arrays, int32_t axis, StreamSpec s) { return wrap(mx::stack(arrays, axis, sod(s))); }
 VecPtr split_sections(const Array& a, int32_t num, int32_t axis, StreamSpec s) { return wrap_vec(mx::split(a, num, axis, sod(s))); }
+VecPtr depends(const ArrayVec& inputs, const ArrayVec& dependencies) { return wrap_vec(mx::depends(inputs, dependencies)); }
 VecPtr split_indices(const Array& a, rust::Slice<const int32_t> indices, int32_t axis, StreamSpec s) {
   return wrap_vec(mx::split(a, shape_of(indices), axis, sod(s)));
 }

@@ -118,6 +118,7 @@ ArrayPtr broadcast_to(const Array& a, Shape shape, StreamSpec s);
 ArrayPtr concatenate(const ArrayVec& arrays, int32_t axis, StreamSpec s);
 ArrayPtr stack(const ArrayVec& arrays, int32_t axis, StreamSpec s);
 VecPtr split_sections(const Array& a, int32_t num, int32_t axis, StreamSpec s);
+VecPtr depends(const ArrayVec& inputs, const ArrayVec& dependencies);
 VecPtr split_indices(const Array& a, rust::Slice<const int32_t> indices, int32_t axis, StreamSpec s);
 ArrayPtr pad(const Array& a, rust::Slice<const int32_t> axes, Shape low, Shape high, const Array& value, rust::Str mode, StreamSpec s);
 ArrayPtr repeat(const Array& a, int32_t repeats, int32_t axis, bool all_axes, StreamSpec s);

@@ -84,6 +84,23 @@ pub fn split(a: &Array, sections: i32, axis: i32) -> Result<Vec<Array>> {
     Ok(from_array_vec(&crate::lock::locked(|| ffi::split_sections(a.raw(), sections, axis, current()))?))
 }
 
+/// `inputs` unchanged, but computed only after `dependencies`: in a gradient, the cotangents
+/// flowing on from `inputs` wait for the `dependencies` (MLX's `depends`), which fixes the order
+/// the scheduler runs them in.
+///
+/// ```
+/// use rmlx::{ops, Array};
+/// let x = Array::from_slice(&[1.0f32, 2.0], &[2])?;
+/// let side = (&x * 3.0)?;
+/// let out = ops::depends(&[&x], &[&side])?;
+/// assert_eq!(out[0].to_vec::<f32>()?, vec![1.0, 2.0]);
+/// # Ok::<(), rmlx::Error>(())
+/// ```
+pub fn depends(inputs: &[&Array], dependencies: &[&Array]) -> Result<Vec<Array>> {
+    let (i, d) = (array_vec(inputs.iter().copied()), array_vec(dependencies.iter().copied()));
+    Ok(from_array_vec(&crate::lock::locked(|| ffi::depends(&i, &d))?))
+}
+
 /// Splits along `axis` before each of `indices`.
 pub fn split_at(a: &Array, indices: &[i32], axis: i32) -> Result<Vec<Array>> {
     Ok(from_array_vec(&crate::lock::locked(|| ffi::split_indices(a.raw(), indices, axis, current()))?))
