@@ -227,29 +227,20 @@ impl Optimizer {
     fn adam(&mut self, name: &str, p: &Array, g: &Array, lr: f32, step: u64, betas: (f32, f32), eps: f32, bias_correction: bool) -> Result<Array> {
         let (b1, b2) = betas;
         let [m0, v0] = self.slots(name, ["m", "v"], p)?;
-        if let Some(fused) = &self.fused_adam {
-            // The step's numbers as 0-d inputs in the parameter's dtype (no new trace per step,
-            // and no promotion of a bfloat16 parameter): p - (m·c1) / (√v·c2 + eps).
-            let (c1, c2) = if bias_correction {
-                (lr / (1.0 - b1.powi(step as i32)), 1.0 / (1.0 - b2.powi(step as i32)).sqrt())
-            } else {
-                (lr, 1.0)
-            };
-            let scalar = |v: f32| Array::scalar_as(v as f64, p.dtype());
-            let out = fused.call(&[p.clone(), g.clone(), m0, v0, scalar(c1)?, scalar(c2)?])?;
-            let [new, m, v]: [Array; 3] = out.try_into().map_err(|_| Error::InvalidParameter("fused Adam: three outputs".into()))?;
-            self.state.insert(name.to_string(), [("m", m), ("v", v)].into());
-            return Ok(new);
-        }
-        let m = ((&m0 * b1)? + (g * (1.0 - b1))?)?;
-        let v = ((&v0 * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
-        let new = if bias_correction {
-            let c1 = lr / (1.0 - b1.powi(step as i32));
-            let c2 = 1.0 / (1.0 - b2.powi(step as i32)).sqrt();
-            (p - ((&m * c1)? / ((v.sqrt()? * c2)? + eps)?)?)?
+        // The step's numbers as 0-d arrays in the parameter's dtype (for the compiled update: no
+        // new trace per step, and no promotion of a bfloat16 parameter).
+        let (c1, c2) = if bias_correction {
+            (lr / (1.0 - b1.powi(step as i32)), 1.0 / (1.0 - b2.powi(step as i32)).sqrt())
         } else {
-            (p - ((&m * lr)? / (v.sqrt()? + eps)?)?)?
+            (lr, 1.0)
         };
+        let scalar = |v: f32| Array::scalar_as(v as f64, p.dtype());
+        let inputs = [p.clone(), g.clone(), m0, v0, scalar(c1)?, scalar(c2)?];
+        let out = match &self.fused_adam {
+            Some(fused) => fused.call(&inputs)?,
+            None => adam_update(&inputs, betas, eps)?,
+        };
+        let [new, m, v]: [Array; 3] = out.try_into().map_err(|_| Error::InvalidParameter("Adam: three outputs".into()))?;
         self.state.insert(name.to_string(), [("m", m), ("v", v)].into());
         Ok(new)
     }
@@ -323,15 +314,17 @@ impl Optimizer {
 }
 
 /// `(p, g, m, v, c1, c2) → (p − (m'·c1) / (√v'·c2 + eps), m', v')` with `m' = β₁m + (1−β₁)g` and
-/// `v' = β₂v + (1−β₂)g²`: Adam's update of one parameter, compiled once for all shapes.
+/// `v' = β₂v + (1−β₂)g²`: Adam's update of one parameter (`c1 = lr`, `c2 = 1` without bias
+/// correction), run op by op or compiled by [`fused_adam`].
+fn adam_update(x: &[Array], (b1, b2): (f32, f32), eps: f32) -> rmlx::Result<Vec<Array>> {
+    let (p, g, m0, v0, c1, c2) = (&x[0], &x[1], &x[2], &x[3], &x[4], &x[5]);
+    let m = ((m0 * b1)? + (g * (1.0 - b1))?)?;
+    let v = ((v0 * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
+    let new = (p - ((&m * c1)? / ((v.sqrt()? * c2)? + eps)?)?)?;
+    Ok(vec![new, m, v])
+}
+
+/// [`adam_update`] compiled once for all shapes: one fused kernel per parameter.
 fn fused_adam(betas: (f32, f32), eps: f32) -> Compiled {
-    let (b1, b2) = betas;
-    let f = move |x: &[Array]| -> rmlx::Result<Vec<Array>> {
-        let (p, g, m0, v0, c1, c2) = (&x[0], &x[1], &x[2], &x[3], &x[4], &x[5]);
-        let m = ((m0 * b1)? + (g * (1.0 - b1))?)?;
-        let v = ((v0 * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
-        let new = (p - ((&m * c1)? / ((v.sqrt()? * c2)? + eps)?)?)?;
-        Ok(vec![new, m, v])
-    };
-    compile_with(f, CompileOptions { shapeless: true, name: Some("adam update".into()) })
+    compile_with(move |x: &[Array]| adam_update(x, betas, eps), CompileOptions { shapeless: true, name: Some("adam update".into()) })
 }
