@@ -29,44 +29,60 @@ pub fn batch_loss(model: &dyn Model, tokens: &Array, mask: &Array) -> Result<(Ar
 }
 
 /// The loss of a batch, the targets it counted, and the gradient of the loss for each parameter
-/// named in `trainable` (the rest of the model is a constant).
+/// named in `trainable` (the rest of the model is a constant), with the values it was taken at.
 pub struct LossAndGrad {
     pub loss: Array,
     pub ntoks: Array,
     pub grads: HashMap<String, Array>,
+    /// The trainable parameters' values the gradient was taken at (what an optimizer updates).
+    pub params: HashMap<String, Array>,
+}
+
+impl LossAndGrad {
+    fn new(trainable: &[String], params: Vec<Array>, outputs: Vec<Array>, grads: Vec<Array>) -> LossAndGrad {
+        let mut outputs = outputs.into_iter();
+        let (loss, ntoks) = (outputs.next().expect("the loss"), outputs.next().expect("the count"));
+        let named = |arrays: Vec<Array>| trainable.iter().cloned().zip(arrays).collect();
+        LossAndGrad { loss, ntoks, grads: named(grads), params: named(params) }
+    }
+}
+
+/// The current values of the parameters named in `trainable`, in that order.
+fn trainable_values(model: &dyn Model, trainable: &[String]) -> Result<Vec<Array>> {
+    if trainable.is_empty() {
+        return Err(Error::InvalidParameter("there is nothing to train: no trainable parameter".into()));
+    }
+    let mut current: HashMap<String, Array> = model.parameters("").into_iter().collect();
+    trainable
+        .iter()
+        .map(|n| current.remove(n).ok_or_else(|| Error::InvalidParameter(format!("no parameter named `{n}`"))))
+        .collect()
+}
+
+/// `[loss, targets]` of `model` with `params` set as the parameters named `names`, in training
+/// mode (LoRA dropout active): the function whose gradient is taken.
+fn loss_at(model: &mut dyn Model, names: &[String], params: &[Array], tokens: &Array, mask: &Array) -> rmlx::Result<Vec<Array>> {
+    let set: HashMap<String, Array> = names.iter().cloned().zip(params.iter().cloned()).collect();
+    model.update("", set).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
+    let (loss, ntoks) =
+        crate::nn::with_training(|| batch_loss(model, tokens, mask)).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
+    Ok(vec![loss, ntoks])
 }
 
 /// Differentiates [`batch_loss`] with respect to the parameters named in `trainable`. The model
 /// holds its own parameters again when this returns (also after an error).
 pub fn loss_and_grad(model: &mut dyn Model, trainable: &[String], batch: &Batch) -> Result<LossAndGrad> {
-    if trainable.is_empty() {
-        return Err(Error::InvalidParameter("there is nothing to train: no trainable parameter".into()));
-    }
-    let mut current: HashMap<String, Array> = model.parameters("").into_iter().collect();
-    let values: Vec<Array> = trainable
-        .iter()
-        .map(|n| current.remove(n).ok_or_else(|| Error::InvalidParameter(format!("no parameter named `{n}`"))))
-        .collect::<Result<_>>()?;
+    let values = trainable_values(model, trainable)?;
     let (tokens, mask) = (batch.to_array()?, batch.mask_array()?);
     let cell = RefCell::new(&mut *model);
-    let f = |params: &[Array]| -> rmlx::Result<Vec<Array>> {
-        let mut m = cell.borrow_mut();
-        let set: HashMap<String, Array> = trainable.iter().cloned().zip(params.iter().cloned()).collect();
-        m.update("", set).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
-        // Training mode: LoRA dropout is active while the gradient is taken.
-        let (loss, ntoks) = crate::nn::with_training(|| batch_loss(&**m, &tokens, &mask))
-            .map_err(|e| rmlx::Error::Callback(e.to_string()))?;
-        Ok(vec![loss, ntoks])
-    };
+    let f = |params: &[Array]| loss_at(&mut **cell.borrow_mut(), trainable, params, &tokens, &mask);
     let argnums: Vec<usize> = (0..values.len()).collect();
     let result = rmlx::transforms::value_and_grad(f, &argnums)(&values);
     // Put the real parameters back in place of the tracers the function set.
-    let restore: HashMap<String, Array> = trainable.iter().cloned().zip(values).collect();
+    let restore: HashMap<String, Array> = trainable.iter().cloned().zip(values.iter().cloned()).collect();
     cell.into_inner().update("", restore)?;
     let (outs, grads) = result?;
-    let mut outs = outs.into_iter();
-    let (loss, ntoks) = (outs.next().expect("two outputs"), outs.next().expect("two outputs"));
-    Ok(LossAndGrad { loss, ntoks, grads: trainable.iter().cloned().zip(grads).collect() })
+    Ok(LossAndGrad::new(trainable, values, outs, grads))
 }
 
 /// [`loss_and_grad`] as one compiled function, as mlx-lm compiles its training step: the forward
@@ -86,21 +102,13 @@ pub struct CompiledLossAndGrad {
 impl CompiledLossAndGrad {
     /// Compiles the loss of `model` and its gradient for the parameters named in `trainable`.
     pub fn new(model: &dyn Model, trainable: &[String]) -> Result<Self> {
-        if trainable.is_empty() {
-            return Err(Error::InvalidParameter("there is nothing to train: no trainable parameter".into()));
-        }
+        trainable_values(model, trainable)?;
         let copy = RefCell::new(model.boxed_clone());
         let names = trainable.to_vec();
         let n = names.len();
         let step = move |inputs: &[Array]| -> rmlx::Result<Vec<Array>> {
             let (tokens, mask, key) = (&inputs[n], &inputs[n + 1], &inputs[n + 2]);
-            let loss = |params: &[Array]| -> rmlx::Result<Vec<Array>> {
-                let mut m = copy.borrow_mut();
-                let set: HashMap<String, Array> = names.iter().cloned().zip(params.iter().cloned()).collect();
-                m.update("", set).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
-                let (loss, ntoks) = batch_loss(&**m, tokens, mask).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
-                Ok(vec![loss, ntoks])
-            };
+            let loss = |params: &[Array]| loss_at(&mut **copy.borrow_mut(), &names, params, tokens, mask);
             let argnums: Vec<usize> = (0..n).collect();
             let (outs, grads) =
                 crate::nn::with_dropout_key(key.clone(), || rmlx::transforms::value_and_grad(loss, &argnums)(&inputs[..n]))?;
@@ -114,19 +122,12 @@ impl CompiledLossAndGrad {
     /// `model` (the model given to [`CompiledLossAndGrad::new`] or one with the same frozen arrays)
     /// and LoRA dropout drawn from `dropout_key` ([`rmlx::random::key`]).
     pub fn call(&self, model: &dyn Model, batch: &Batch, dropout_key: &Array) -> Result<LossAndGrad> {
-        let mut current: HashMap<String, Array> = model.parameters("").into_iter().collect();
-        let mut inputs: Vec<Array> = self
-            .trainable
-            .iter()
-            .map(|n| current.remove(n).ok_or_else(|| Error::InvalidParameter(format!("no parameter named `{n}`"))))
-            .collect::<Result<_>>()?;
-        inputs.push(batch.to_array()?);
-        inputs.push(batch.mask_array()?);
-        inputs.push(dropout_key.clone());
-        let out = crate::nn::with_training(|| self.f.call(&inputs))?;
-        let mut out = out.into_iter();
-        let (loss, ntoks) = (out.next().expect("the loss"), out.next().expect("the count"));
-        Ok(LossAndGrad { loss, ntoks, grads: self.trainable.iter().cloned().zip(out).collect() })
+        let values = trainable_values(model, &self.trainable)?;
+        let inputs: Vec<Array> =
+            values.iter().cloned().chain([batch.to_array()?, batch.mask_array()?, dropout_key.clone()]).collect();
+        let mut out = self.f.call(&inputs)?;
+        let grads = out.split_off(2);
+        Ok(LossAndGrad::new(&self.trainable, values, out, grads))
     }
 
     /// How many batch shapes have been traced.

@@ -280,9 +280,8 @@ pub fn train(
                 grads
             };
             pending = 0;
-            let current: HashMap<String, Array> =
-                model.parameters("").into_iter().filter(|(n, _)| grads.contains_key(n)).collect();
-            let new = optimizer.update(&current, &grads)?;
+            // The parameters have not changed since the gradient was taken.
+            let new = optimizer.update(&step.params, &grads)?;
             // Each parameter's new value and optimizer state, from the first block to the last:
             // MLX's scheduler then runs the last blocks' updates first, as the backward pass
             // reaches them, and frees their saved activations early (an H100 measured 10.1 GB peak
