@@ -7,7 +7,7 @@ mod common;
 use common::fixture_with_tokenizer;
 use rmlx::{Array, Dtype};
 use rmlx_lm::nn::ModuleExt;
-use rmlx_lm::tuner::{apply_lora, batch_loss, lora_parameter_names, loss_and_grad, Batch, LoraConfig, Sequence};
+use rmlx_lm::tuner::{apply_lora, batch_loss, lora_parameter_names, loss_and_grad, Batch, LoraConfig, LossAndGrad, Sequence};
 use rmlx_lm::{Error, LoadOptions, LoadedModel};
 use std::collections::HashMap;
 
@@ -217,29 +217,28 @@ fn compiled_loss_and_grad_equal_the_eager_ones() {
         }
         let eager = loss_and_grad(lm.model.as_mut(), &trainable, b).unwrap();
         let fast = compiled.call(lm.model.as_ref(), b, &rmlx::random::key(0).unwrap()).unwrap();
-        let (le, lf) = (eager.loss.item::<f32>().unwrap(), fast.loss.item::<f32>().unwrap());
-        assert!((le - lf).abs() <= 1e-5 * le.abs(), "round {round}: loss {lf} vs {le}");
-        assert_eq!(fast.ntoks.item::<f32>().unwrap(), eager.ntoks.item::<f32>().unwrap());
-        for name in &trainable {
-            let (e, f) = (vals(&eager.grads[name]), vals(&fast.grads[name]));
-            let scale = e.iter().fold(0f32, |m, v| m.max(v.abs()));
-            assert!(scale > 0.0, "{name}: no gradient");
-            let err = e.iter().zip(&f).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(err <= 1e-4 * scale, "round {round}, {name}: max |Δ| {err} of {scale}");
-        }
+        assert_same_step(&eager, &fast, &trainable, &format!("round {round}"));
     }
     assert_eq!(compiled.traces(), 2, "one trace per batch shape");
     // With gradient checkpointing traced into the step.
     let checkpointed = rmlx_lm::tuner::CompiledLossAndGrad::new(lm.model.as_ref(), &trainable).unwrap();
     let fast = rmlx_lm::nn::with_grad_checkpoint(true, || checkpointed.call(lm.model.as_ref(), &batch(), &rmlx::random::key(0).unwrap())).unwrap();
     let eager = loss_and_grad(lm.model.as_mut(), &trainable, &batch()).unwrap();
+    assert_same_step(&eager, &fast, &trainable, "checkpointed");
+}
+
+/// The compiled step's loss (within 1e-5), target count (exactly) and every gradient (within 1e-4
+/// of its largest entry, which must not be zero) against the op-by-op step's.
+fn assert_same_step(eager: &LossAndGrad, fast: &LossAndGrad, trainable: &[String], what: &str) {
     let (le, lf) = (eager.loss.item::<f32>().unwrap(), fast.loss.item::<f32>().unwrap());
-    assert!((le - lf).abs() <= 1e-5 * le.abs(), "checkpointed: loss {lf} vs {le}");
-    for name in &trainable {
+    assert!((le - lf).abs() <= 1e-5 * le.abs(), "{what}: loss {lf} vs {le}");
+    assert_eq!(fast.ntoks.item::<f32>().unwrap(), eager.ntoks.item::<f32>().unwrap(), "{what}");
+    for name in trainable {
         let (e, f) = (vals(&eager.grads[name]), vals(&fast.grads[name]));
         let scale = e.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{what}, {name}: no gradient");
         let err = e.iter().zip(&f).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(err <= 1e-4 * scale, "checkpointed, {name}: max |Δ| {err} of {scale}");
+        assert!(err <= 1e-4 * scale, "{what}, {name}: max |Δ| {err} of {scale}");
     }
 }
 
