@@ -199,18 +199,9 @@ fn fuzz_safetensors_header() {
 // ---------------------------------------------------------------------------------------------
 // config.json.
 
-/// Fields set to random values (rope_scaling's fields included through `rope_scaling.*`).
-const CONFIG_FIELDS: &[&str] = &[
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "max_position_embeddings",
-    "sliding_window",
-    "sliding_window_pattern",
+/// Fields set to random values besides [`common::CONFIG_SIZE_FIELDS`] (rope_scaling's fields
+/// included through `rope_scaling.*`).
+const OTHER_CONFIG_FIELDS: &[&str] = &[
     "rms_norm_eps",
     "rope_theta",
     "rope_local_base_freq",
@@ -313,7 +304,8 @@ fn check_accepted(cfg: &ModelConfig) -> Result<(), TestCaseError> {
 #[test]
 fn fuzz_config_parsing() {
     let base = base_config();
-    let strategy = proptest::collection::vec((proptest::sample::select(CONFIG_FIELDS), json_value()), 1..4);
+    let fields: Vec<&str> = common::CONFIG_SIZE_FIELDS.iter().chain(OTHER_CONFIG_FIELDS).copied().collect();
+    let strategy = proptest::collection::vec((proptest::sample::select(fields), json_value()), 1..4);
     proptest::test_runner::TestRunner::new(config(5000))
         .run(&strategy, |edits| {
             let mut c = base.clone();

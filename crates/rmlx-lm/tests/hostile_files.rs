@@ -189,19 +189,7 @@ fn config_sizes_zero_negative_huge_or_mistyped() {
             .unwrap(),
     )
     .unwrap();
-    let fields = [
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "max_position_embeddings",
-        "sliding_window",
-        "sliding_window_pattern",
-    ];
-    for field in fields {
+    for &field in common::CONFIG_SIZE_FIELDS {
         for (v, words) in [
             (json!(0), "must be positive, got 0"),
             (json!(-3), "must be positive, got -3"),

@@ -6,6 +6,21 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+/// The config.json sizes that must be positive integers below a bound (what a hostile or fuzzed
+/// config sets first).
+pub const CONFIG_SIZE_FIELDS: &[&str] = &[
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "sliding_window",
+    "sliding_window_pattern",
+];
+
 /// `tests/fixtures/models/<name>`.
 pub fn fixture_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name)
