@@ -3,7 +3,7 @@ same model folders, data, batch, rank, layers and sequence length (BENCHMARKS.md
 
 Usage (on the GPU machine, after `source .gpu/b/device-setup`):
     python3 scripts/bench_lora.py --rmlx .gpu/bin/rmlx /root/models/qwen3-0.6b /root/models/qwen3-0.6b-q4 \
-        [--iters 60] [--grad-checkpoint both|off|on] [--repeats 1]
+        [--iters 60] [--grad-checkpoint both|off|on] [--repeats 1] [--rmlx-variant OTHER_BINARY]
 
 Data: 256 training and 8 validation `{"text"}` examples of 380-420 words from a fixed seed; each word
 is one token of a word-level tokenizer written into the model folder when it has none (random-weight
@@ -81,9 +81,9 @@ def peer(a):
     print(json.dumps(reports))
 
 
-def run_rmlx(a, model, data, checkpoint, uncompiled=False):
+def run_rmlx(a, model, data, checkpoint, uncompiled=False, binary=None):
     with tempfile.TemporaryDirectory() as adapters:
-        cmd = [a.rmlx, "lora", "--model", str(model), "--train", "--data", str(data), "--iters", str(a.iters),
+        cmd = [binary or a.rmlx, "lora", "--model", str(model), "--train", "--data", str(data), "--iters", str(a.iters),
                "--batch-size", "4", "--num-layers", str(a.num_layers), "--max-seq-length", "512", "--steps-per-report", "10",
                "--steps-per-eval", str(10**6), "--val-batches", "1", "--save-every", str(10**6),
                "--adapter-path", adapters, "--learning-rate", "1e-5", "--json"]
@@ -112,6 +112,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*")
     ap.add_argument("--rmlx", default="target/release/rmlx")
+    ap.add_argument("--rmlx-variant", action="append", default=[], metavar="PATH",
+                    help="another rmlx binary to run beside --rmlx (an A/B of a change); repeatable")
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--grad-checkpoint", default="off", choices=["off", "on", "both"])
     ap.add_argument("--repeats", type=int, default=1)
@@ -137,6 +139,10 @@ def main():
                 if a.peer_uncompiled:
                     tools.append(("mlx-lm uncompiled", lambda a, m, d, c: run_peer(a, m, d, c, uncompiled=True)))
                     rows.setdefault("mlx-lm uncompiled", [])
+                for path in a.rmlx_variant:
+                    label = f"rmlx {pathlib.Path(path).name}"
+                    tools.append((label, lambda a, m, d, c, path=path: run_rmlx(a, m, d, c, binary=path)))
+                    rows.setdefault(label, [])
                 if a.rmlx_uncompiled:
                     tools.append(("rmlx uncompiled", lambda a, m, d, c: run_rmlx(a, m, d, c, uncompiled=True)))
                     rows.setdefault("rmlx uncompiled", [])
@@ -150,6 +156,11 @@ def main():
                                       "final_train_loss": round(reports[-1]["train_loss"], 4),
                                       "wall_s": round(time.time() - t0, 1)}), flush=True)
             best = {t: (max(r[0] for r in v), max(r[1] for r in v)) for t, v in rows.items()}
+            for label in rows:
+                if label.startswith("rmlx "):
+                    print(json.dumps({"variant": label, "model": m.name, "grad_checkpoint": ckpt,
+                                      "tok_s": round(best[label][0]), "speedup": round(best[label][0] / best["mlx-lm"][0], 3),
+                                      "peak_gb": round(best[label][1], 2)}), flush=True)
             print(json.dumps({"summary": m.name, "grad_checkpoint": ckpt,
                               "mlx_lm_tok_s": round(best["mlx-lm"][0]), "rmlx_tok_s": round(best["rmlx"][0]),
                               "speedup": round(best["rmlx"][0] / best["mlx-lm"][0], 3),

@@ -8,8 +8,8 @@ pub enum Error {
     #[error(transparent)]
     Mlx(#[from] rmlx::Error),
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: String, error: std::io::Error },
     /// A configuration (config.json, GGUF metadata, generation_config.json) is missing a field or
     /// holds an invalid value.
     #[error("invalid config: {0}")]
@@ -60,6 +60,6 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     /// Wraps an I/O error with the path it concerns.
     pub fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
-        Error::Io { path: path.as_ref().display().to_string(), source }
+        Error::Io { path: path.as_ref().display().to_string(), error: source }
     }
 }

@@ -39,8 +39,8 @@ pub enum Error {
     #[error("unsupported: {0}")]
     Unsupported(String),
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: String, error: std::io::Error },
 }
 
 /// `Result` with [`Error`].

@@ -43,7 +43,7 @@ fn path_str(path: &Path) -> Result<&str> {
 }
 
 fn check_readable(path: &Path) -> Result<()> {
-    std::fs::metadata(path).map(|_| ()).map_err(|source| Error::Io { path: path.display().to_string(), source })
+    std::fs::metadata(path).map(|_| ()).map_err(|error| Error::Io { path: path.display().to_string(), error })
 }
 
 fn arrays_of(names: Vec<String>, arrays: &rmlx_sys::cxx::UniquePtr<ffi::ArrayVec>) -> BTreeMap<String, Array> {

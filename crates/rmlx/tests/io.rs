@@ -144,7 +144,7 @@ fn missing_files_are_io_errors() {
     let path = TempFile::new("safetensors");
     assert!(!path.0.exists());
     match io::load_safetensors(&path.0) {
-        Err(Error::Io { path: p, source }) => {
+        Err(Error::Io { path: p, error: source }) => {
             assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
             assert!(p.contains("rmlx-io-test-"), "path in error: {p}");
         }
@@ -152,6 +152,11 @@ fn missing_files_are_io_errors() {
     }
     assert!(matches!(io::load_gguf(&path.0), Err(Error::Io { .. })));
     assert!(matches!(io::load_npy(&path.0), Err(Error::Io { .. })));
+    // The reason is in the message once: it is not also the error's source, which a report
+    // that prints the whole chain (anyhow's `{:#}`) would print a second time.
+    let e = io::load_safetensors(&path.0).unwrap_err();
+    assert!(std::error::Error::source(&e).is_none());
+    assert_eq!(e.to_string().matches("(os error 2)").count(), 1, "{e}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use super::llama::output_head;
 use super::{softcap, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
+use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm};
 use crate::{Error, Result};
 use rmlx::Array;
 
@@ -120,6 +120,13 @@ impl super::Model for Model {
         match self.cfg.final_logit_softcapping {
             Some(cap) if cap > 0.0 => softcap(&logits, cap),
             _ => Ok(logits),
+        }
+    }
+
+    fn linear_head(&self) -> Option<Head<'_>> {
+        match self.cfg.final_logit_softcapping {
+            Some(cap) if cap > 0.0 => None,
+            _ => Head::of(self.lm_head.as_ref(), &self.embed_tokens),
         }
     }
 

@@ -6,7 +6,7 @@ use super::attention::{Attention, AttentionSpec};
 use super::{uniform_caches, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Linear, Module, RmsNorm};
+use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm};
 use crate::Result;
 use rmlx::Array;
 
@@ -103,6 +103,10 @@ impl super::Model for Model {
             Some(head) => head.forward(hidden),
             None => self.embed_tokens.as_linear(hidden),
         }
+    }
+
+    fn linear_head(&self) -> Option<Head<'_>> {
+        Head::of(self.lm_head.as_ref(), &self.embed_tokens)
     }
 
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {

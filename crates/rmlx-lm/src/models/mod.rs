@@ -30,6 +30,13 @@ pub trait Model: Module + Send {
     /// Hidden states → logits `[..., vocab]` (the output head).
     fn logits(&self, hidden: &Array) -> Result<Array>;
 
+    /// The output head when [`Model::logits`] is exactly a linear map of the hidden states (no
+    /// softcapping, no adapter): the training loss then takes the logits' gradient itself, a few
+    /// rows at a time, without keeping the `[B, L, vocab]` logits ([`crate::tuner::batch_loss`]).
+    fn linear_head(&self) -> Option<crate::nn::Head<'_>> {
+        None
+    }
+
     /// Fresh caches, one per layer. `context_limit` bounds every cache to that many positions
     /// (rotating, keeping the first 4); sliding-window layers are always bounded by their window.
     /// Bounds of [`crate::cache::MAX_POSITIONS`] or more bound nothing ([`KvCache::bounded`]).

@@ -4,10 +4,12 @@
 //! its parameters are listed and replaced by the checkpoint's names.
 
 mod grad_checkpoint;
+mod head;
 mod lora;
 mod module;
 
 pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
+pub use head::Head;
 pub use lora::{training, with_dropout_key, with_training, Lora};
 pub use module::{join, Module, ModuleExt};
 pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
@@ -188,15 +190,7 @@ impl Embedding {
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match &self.weight {
             Weight::Dense(w) => Ok(w.take(ids, Some(0))?),
-            Weight::Quantized(q) => {
-                let rows = Quantized {
-                    weight: q.weight.take(ids, Some(0))?,
-                    scales: q.scales.take(ids, Some(0))?,
-                    biases: q.biases.as_ref().map(|b| b.take(ids, Some(0))).transpose()?,
-                    ..q.clone()
-                };
-                Ok(dequantize(&rows, Some(self.dtype))?)
-            }
+            Weight::Quantized(q) => quantized_rows(q, ids, self.dtype),
         }
     }
 
@@ -207,6 +201,17 @@ impl Embedding {
             Weight::Quantized(q) => Ok(quantized_matmul(x, q, true)?),
         }
     }
+}
+
+/// Rows `ids` of a quantised matrix, dequantised to `dtype`.
+fn quantized_rows(q: &Quantized, ids: &Array, dtype: Dtype) -> Result<Array> {
+    let rows = Quantized {
+        weight: q.weight.take(ids, Some(0))?,
+        scales: q.scales.take(ids, Some(0))?,
+        biases: q.biases.as_ref().map(|b| b.take(ids, Some(0))).transpose()?,
+        ..q.clone()
+    };
+    Ok(dequantize(&rows, Some(dtype))?)
 }
 
 impl Module for Embedding {

@@ -3,9 +3,9 @@
 
 use super::Batch;
 use crate::models::Model;
-use crate::nn::ModuleExt;
+use crate::nn::{Head, ModuleExt};
 use crate::{Error, Result};
-use rmlx::{Array, Axes, Dtype};
+use rmlx::{ops, Array, Axes, Dtype};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -15,16 +15,119 @@ use std::collections::HashMap;
 /// As in mlx-lm, each target's cross-entropy is taken in the logits' dtype (MLX's `logsumexp`
 /// accumulates in float32 whatever its input) and summed in float32: a float32 copy of the
 /// `[B, L, vocab]` logits would cost 4 bytes per logit, and as much again for its gradient.
+/// When the model's head is linear ([`Model::linear_head`]) the logits are made a few rows at a
+/// time ([`with_loss_chunk_rows`]), so they never exist whole.
 pub fn batch_loss(model: &dyn Model, tokens: &Array, mask: &Array) -> Result<(Array, Array)> {
+    match (model.linear_head(), chunk_rows(model)) {
+        (Some(head), Some(rows)) => chunked_loss(model, head, tokens, mask, rows, false),
+        _ => logits_loss(model, tokens, mask),
+    }
+}
+
+/// [`batch_loss`] from the whole `[B, L - 1, vocab]` logits at once.
+pub fn logits_loss(model: &dyn Model, tokens: &Array, mask: &Array) -> Result<(Array, Array)> {
     let s = tokens.shape();
     let (rows, len) = (s[0], s[1]);
     let inputs = tokens.slice_axis(1, 0, len - 1, 1)?;
     let targets = tokens.slice_axis(1, 1, len, 1)?;
     let logits = model.forward(&inputs, &mut model.new_caches(None))?;
-    let picked = rmlx::ops::take_along_axis(&logits, &targets.reshape(&[rows, len - 1, 1])?, Some(-1))?;
+    let picked = ops::take_along_axis(&logits, &targets.reshape(&[rows, len - 1, 1])?, Some(-1))?;
     let ce = (logits.logsumexp(-1, true)? - picked)?.reshape(&[rows, len - 1])?;
     let ntoks = mask.sum(Axes::All, false)?;
     let loss = ((ce * mask)?.astype(Dtype::Float32)?.sum(Axes::All, false)? / &ntoks)?;
+    Ok((loss, ntoks))
+}
+
+/// Logits per chunk of the chunked loss: 32 Mi (64 MiB in bfloat16).
+const CHUNK_LOGITS: usize = 1 << 25;
+
+thread_local! {
+    static CHUNK_ROWS: std::cell::Cell<Option<Option<usize>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the losses of this module taking `rows` targets per chunk of logits (`None`:
+/// the whole logits at once, [`logits_loss`]), instead of as many as make 32 Mi logits. For
+/// tests and memory experiments; the result is the same up to float rounding.
+pub fn with_loss_chunk_rows<T>(rows: Option<usize>, f: impl FnOnce() -> T) -> T {
+    let before = CHUNK_ROWS.with(|c| c.replace(Some(rows)));
+    let out = f();
+    CHUNK_ROWS.with(|c| c.set(before));
+    out
+}
+
+fn chunk_rows(model: &dyn Model) -> Option<usize> {
+    let vocab = model.config().vocab_size.max(1) as usize;
+    CHUNK_ROWS.with(|c| c.get()).unwrap_or(Some((CHUNK_LOGITS / vocab).max(1)))
+}
+
+/// The loss whose gradient is taken: [`batch_loss`], with the gradient of the chunked
+/// cross-entropy written by hand when the head is frozen (see [`chunked_loss`]).
+fn training_loss(model: &dyn Model, trainable: &[String], tokens: &Array, mask: &Array) -> Result<(Array, Array)> {
+    let head = model.linear_head().filter(|h| {
+        let prefix = format!("{}.", h.path());
+        !trainable.iter().any(|n| n.starts_with(&prefix))
+    });
+    match (head, chunk_rows(model)) {
+        (Some(head), Some(rows)) => chunked_loss(model, head, tokens, mask, rows, true),
+        _ => batch_loss(model, tokens, mask),
+    }
+}
+
+/// The cross-entropy of [`logits_loss`] over chunks of `chunk` targets: each chunk's logits are
+/// made, reduced and dropped before the next chunk's.
+///
+/// With `own_gradient`, each chunk also yields the loss's gradient with respect to its hidden
+/// states, `(softmax(logits) - onehot(target)) · mask / ntoks · W` (the head's transpose and one
+/// row of `W`), so the backward pass never rebuilds the logits. The loss returned is then
+/// `stop_gradient(loss) + Σ h·stop_gradient(dh) - stop_gradient(Σ h·dh)`: its value is the loss, its
+/// gradient with respect to `h` is `dh`, and no gradient reaches the (frozen) head.
+fn chunked_loss(
+    model: &dyn Model,
+    head: Head<'_>,
+    tokens: &Array,
+    mask: &Array,
+    chunk: usize,
+    own_gradient: bool,
+) -> Result<(Array, Array)> {
+    let s = tokens.shape();
+    let (rows, len) = (s[0], s[1]);
+    let n = rows * (len - 1);
+    let inputs = tokens.slice_axis(1, 0, len - 1, 1)?;
+    let targets = tokens.slice_axis(1, 1, len, 1)?.reshape(&[n])?;
+    let h = model.forward_hidden(&inputs, &mut model.new_caches(None))?;
+    let flat = h.reshape(&[n, *h.shape().last().expect("[B, L, hidden]")])?;
+    let flat = if own_gradient { ops::stop_gradient(&flat)? } else { flat };
+    let mask = mask.reshape(&[n])?;
+    let ntoks = mask.sum(Axes::All, false)?;
+    let (mut total, mut grads) = (None::<Array>, Vec::new());
+    for start in (0..n).step_by(chunk) {
+        let stop = (start + chunk as i32).min(n);
+        let (hc, tc, mc) = (flat.slice_axis(0, start, stop, 1)?, targets.slice_axis(0, start, stop, 1)?, mask.slice_axis(0, start, stop, 1)?);
+        let logits = head.apply(&hc)?;
+        let lse = logits.logsumexp(-1, true)?;
+        let picked = ops::take_along_axis(&logits, &tc.reshape(&[-1, 1])?, Some(-1))?;
+        let ce = (&lse - picked)?.reshape(&[-1])?;
+        let sum = (ce * &mc)?.astype(Dtype::Float32)?.sum(Axes::All, false)?;
+        if own_gradient {
+            let weight = (&mc / &ntoks)?.astype(logits.dtype())?.reshape(&[-1, 1])?;
+            let softmax = (&logits - &lse)?.exp()?;
+            let dh = head.transpose(&(softmax * &weight)?)?;
+            let dh = (&dh - (head.rows(&tc, dh.dtype())? * &weight)?)?;
+            // The chunk's loss first, so that its logits are freed once `dh` is made.
+            grads.push(ops::depends(&[&dh], &[&sum])?.remove(0));
+        }
+        total = Some(match total {
+            Some(t) => (t + sum)?,
+            None => sum,
+        });
+    }
+    let loss = (total.expect("at least one target") / &ntoks)?;
+    if !own_gradient {
+        return Ok((loss, ntoks));
+    }
+    let dh = ops::concatenate(&grads.iter().collect::<Vec<_>>(), 0)?.reshape(h.shape())?.astype(h.dtype())?;
+    let dot = (&h * ops::stop_gradient(&dh)?)?.astype(Dtype::Float32)?.sum(Axes::All, false)?;
+    let loss = (ops::stop_gradient(&loss)? + (&dot - ops::stop_gradient(&dot)?)?)?;
     Ok((loss, ntoks))
 }
 
@@ -64,8 +167,8 @@ fn trainable_values(model: &dyn Model, trainable: &[String]) -> Result<Vec<Array
 fn loss_at(model: &mut dyn Model, names: &[String], params: &[Array], tokens: &Array, mask: &Array) -> rmlx::Result<Vec<Array>> {
     let set: HashMap<String, Array> = names.iter().cloned().zip(params.iter().cloned()).collect();
     model.update("", set).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
-    let (loss, ntoks) =
-        crate::nn::with_training(|| batch_loss(model, tokens, mask)).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
+    let (loss, ntoks) = crate::nn::with_training(|| training_loss(model, names, tokens, mask))
+        .map_err(|e| rmlx::Error::Callback(e.to_string()))?;
     Ok(vec![loss, ntoks])
 }
 

@@ -19,5 +19,5 @@ pub mod trainer;
 pub use batch::{Batch, BatchOrder};
 pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};
 pub use lora::{apply_dora, apply_lora, full_parameter_names, lora_parameter_names, LoraConfig};
-pub use loss::{batch_loss, loss_and_grad, CompiledLossAndGrad, LossAndGrad};
+pub use loss::{batch_loss, logits_loss, loss_and_grad, with_loss_chunk_rows, CompiledLossAndGrad, LossAndGrad};
 pub use trainer::{evaluate, train, Report, TrainConfig, TrainState, TrainSummary};

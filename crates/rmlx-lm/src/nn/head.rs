@@ -1,0 +1,80 @@
+//! The output head as a loss that computes its own gradient needs it: `logits = h Wᵀ (+ b)`
+//! applied to some rows of hidden states, its transpose `g ↦ g W` (the gradient with respect to
+//! `h`), and single rows of `W` (the one-hot part of the cross-entropy's gradient), for a dense or
+//! quantised `lm_head` or a tied embedding.
+
+use super::{quantized_rows, Embedding, Linear, LinearWeight};
+use crate::weights::Weight;
+use crate::Result;
+use rmlx::quantization::quantized_matmul;
+use rmlx::{Array, Dtype};
+
+/// A linear output head: see [`crate::models::Model::linear_head`].
+#[derive(Clone, Copy)]
+pub enum Head<'a> {
+    /// An `lm_head` layer without adapter.
+    Linear(&'a Linear),
+    /// The input embedding, tied.
+    Tied(&'a Embedding),
+}
+
+impl Head<'_> {
+    /// The head's own layer or the embedding if `lm_head` is `None` and adapter-free; `None` when
+    /// `lm_head` carries an adapter (its gradient is not the transpose of its weight alone).
+    pub fn of<'a>(lm_head: Option<&'a Linear>, embedding: &'a Embedding) -> Option<Head<'a>> {
+        match lm_head {
+            Some(l) if l.lora.is_some() => None,
+            Some(l) => Some(Head::Linear(l)),
+            None => Some(Head::Tied(embedding)),
+        }
+    }
+
+    /// Where its parameters are named (the prefix of `lm_head.weight` or the embedding's).
+    pub fn path(&self) -> &'static str {
+        match self {
+            Head::Linear(_) => "lm_head",
+            Head::Tied(_) => "model.embed_tokens",
+        }
+    }
+
+    /// `h: [..., hidden]` → logits `[..., vocab]`.
+    pub fn apply(&self, h: &Array) -> Result<Array> {
+        match self {
+            Head::Linear(l) => l.forward(h),
+            Head::Tied(e) => e.as_linear(h),
+        }
+    }
+
+    /// `g: [..., vocab]` → `g W`: `[..., hidden]`.
+    pub fn transpose(&self, g: &Array) -> Result<Array> {
+        let (dense, quantized) = match self {
+            Head::Linear(l) => match &l.weight {
+                LinearWeight::Dense { w, .. } => (Some(w), None),
+                LinearWeight::Quantized(q) => (None, Some(q)),
+            },
+            Head::Tied(e) => match &e.weight {
+                Weight::Dense(w) => (Some(w), None),
+                Weight::Quantized(q) => (None, Some(q)),
+            },
+        };
+        match (dense, quantized) {
+            (Some(w), _) => Ok(g.matmul(w)?),
+            (_, Some(q)) => Ok(quantized_matmul(g, q, false)?),
+            _ => unreachable!("a weight is dense or quantised"),
+        }
+    }
+
+    /// Rows `ids: [n]` of `W`: `[n, hidden]`, in `dtype`.
+    pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
+        match self {
+            Head::Linear(l) => match &l.weight {
+                LinearWeight::Dense { w, .. } => Ok(w.take(ids, Some(0))?.astype(dtype)?),
+                LinearWeight::Quantized(q) => quantized_rows(q, ids, dtype),
+            },
+            Head::Tied(e) => match &e.weight {
+                Weight::Dense(w) => Ok(w.take(ids, Some(0))?.astype(dtype)?),
+                Weight::Quantized(q) => quantized_rows(q, ids, dtype),
+            },
+        }
+    }
+}

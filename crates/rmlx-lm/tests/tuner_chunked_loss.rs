@@ -1,0 +1,114 @@
+//! The chunked cross-entropy (logits made a few rows at a time, their gradient written by hand)
+//! against the cross-entropy of the whole logits, differentiated by MLX: same loss, same
+//! gradients, for tied and untied, dense and quantised heads, and when the head itself trains.
+
+mod common;
+
+use common::fixture_with_tokenizer;
+use rmlx::{Array, Dtype};
+use rmlx_lm::nn::ModuleExt;
+use rmlx_lm::tuner::{
+    apply_lora, batch_loss, full_parameter_names, logits_loss, lora_parameter_names, loss_and_grad, with_loss_chunk_rows,
+    Batch, LoraConfig, LossAndGrad, Sequence,
+};
+use rmlx_lm::{LoadOptions, LoadedModel};
+use std::collections::HashMap;
+
+fn load(name: &str, dequantize: bool) -> (common::TempDir, LoadedModel) {
+    let dir = fixture_with_tokenizer(name);
+    let opts = LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(dequantize), ..LoadOptions::default() };
+    let lm = rmlx_lm::load(dir.path(), &opts).unwrap();
+    (dir, lm)
+}
+
+fn vals(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+}
+
+/// Three rows of different lengths (padding, a prompt mask): 3 × 8 = 24 targets, 14 counted.
+fn batch() -> Batch {
+    let a = Sequence { tokens: vec![3, 17, 42, 8, 99, 5, 61, 2, 77], offset: 3 };
+    let b = Sequence { tokens: vec![12, 7, 88, 23], offset: 0 };
+    let c = Sequence { tokens: vec![4, 4, 90, 31, 15, 6], offset: 1 };
+    Batch::new(&[&a, &b, &c], 2048)
+}
+
+/// LoRA on every linear, with B moved away from zero so that every gradient is non-zero.
+fn with_lora(lm: &mut LoadedModel) -> Vec<String> {
+    let cfg = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None };
+    apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 3).unwrap();
+    let trainable = lora_parameter_names(lm.model.as_ref());
+    let params: HashMap<String, Array> = lm.model.parameters("").into_iter().collect();
+    let moved: HashMap<String, Array> = trainable
+        .iter()
+        .filter(|n| n.ends_with(".lora_b"))
+        .enumerate()
+        .map(|(i, n)| {
+            let key = rmlx::random::key(100 + i as u64).unwrap();
+            (n.clone(), rmlx::random::normal(params[n].shape(), Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap())
+        })
+        .collect();
+    lm.model.update("", moved).unwrap();
+    trainable
+}
+
+fn step(lm: &mut LoadedModel, trainable: &[String], rows: Option<usize>) -> LossAndGrad {
+    with_loss_chunk_rows(rows, || loss_and_grad(lm.model.as_mut(), trainable, &batch()).unwrap())
+}
+
+/// Loss within 1e-6 relative; every gradient within 2e-5 of its largest entry.
+fn assert_same(what: &str, whole: &LossAndGrad, chunked: &LossAndGrad) {
+    let (a, b) = (whole.loss.item::<f32>().unwrap(), chunked.loss.item::<f32>().unwrap());
+    assert!((a - b).abs() <= 1e-6 * a.abs(), "{what}: loss {a} whole, {b} chunked");
+    assert_eq!(whole.ntoks.item::<f32>().unwrap(), 14.0);
+    assert_eq!(whole.grads.len(), chunked.grads.len());
+    for (name, g) in &whole.grads {
+        let (g, h) = (vals(g), vals(&chunked.grads[name]));
+        let scale = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{what}: {name} has a zero gradient");
+        let diff = g.iter().zip(&h).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 2e-5 * scale, "{what}: {name} differs by {diff} (largest entry {scale})");
+    }
+}
+
+#[test]
+fn chunked_gradients_equal_those_of_the_whole_logits() {
+    // Tied dense, untied dense, tied quantised, untied quantised, Gemma 3 (scaled embedding).
+    for (name, dequantize) in
+        [("llama_gqa", true), ("qwen3", true), ("llama_gqa_q4", false), ("qwen3_q4", false), ("gemma3_text", true)]
+    {
+        let (_d, mut lm) = load(name, dequantize);
+        assert!(lm.model.linear_head().is_some(), "{name}: a linear head");
+        let trainable = with_lora(&mut lm);
+        let whole = step(&mut lm, &trainable, None);
+        for rows in [1, 5, 24, 1000] {
+            assert_same(&format!("{name}, {rows} rows per chunk"), &whole, &step(&mut lm, &trainable, Some(rows)));
+        }
+    }
+}
+
+#[test]
+fn a_trained_head_gets_its_gradient() {
+    // Full fine-tuning of every parameter, the untied output head included: the chunked loss
+    // must not cut the head off the gradient.
+    let (_d, mut lm) = load("qwen3", true);
+    let trainable = full_parameter_names(lm.model.as_ref(), None).unwrap();
+    assert!(trainable.iter().any(|n| n == "lm_head.weight"), "{trainable:?}");
+    let whole = step(&mut lm, &trainable, None);
+    assert_same("qwen3, full", &whole, &step(&mut lm, &trainable, Some(5)));
+}
+
+#[test]
+fn chunked_loss_equals_the_loss_of_the_whole_logits() {
+    let (_d, lm) = load("llama_gqa_q4", false);
+    let b = batch();
+    let (tokens, mask) = (b.to_array().unwrap(), b.mask_array().unwrap());
+    let (whole, n) = logits_loss(lm.model.as_ref(), &tokens, &mask).unwrap();
+    assert_eq!(n.item::<f32>().unwrap(), 14.0);
+    let whole = whole.item::<f32>().unwrap();
+    for rows in [None, Some(1), Some(7)] {
+        let (chunked, _) = with_loss_chunk_rows(rows, || batch_loss(lm.model.as_ref(), &tokens, &mask)).unwrap();
+        let chunked = chunked.item::<f32>().unwrap();
+        assert!((chunked - whole).abs() <= 1e-6 * whole, "{rows:?} rows: {chunked} against {whole}");
+    }
+}
