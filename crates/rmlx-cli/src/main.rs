@@ -1,4 +1,4 @@
-//! `rmlx`: generate, chat, perplexity and bench with large language models on MLX.
+//! `rmlx`: generate, chat, perplexity, bench, fine-tune and serve large language models on MLX.
 //!
 //! Text goes to stdout, progress, statistics and errors to stderr; `--json` prints one
 //! machine-readable object to stdout instead of the text.
@@ -12,6 +12,7 @@ mod interrupt;
 mod lora;
 mod lora_config;
 mod perplexity;
+mod serve;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
@@ -37,6 +38,8 @@ enum Command {
     Lora(lora::Args),
     /// Merge LoRA adapters into the base weights and write a Hugging Face folder.
     Fuse(fuse::Args),
+    /// Serve the model over HTTP with OpenAI's API (chat and text completions, streamed or not).
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -53,6 +56,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Lora(a) => lora::run(a, lora_matches),
         Command::Fuse(a) => fuse::run(a),
+        Command::Serve(a) => serve::run(a),
     });
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,217 @@
+//! OpenAI's shapes: the chat and text completion requests (the fields rmlx reads; others are
+//! ignored, as OpenAI-compatible servers do), the responses and stream chunks, and the error body.
+
+use rmlx_lm::chat::Message;
+use rmlx_lm::sample::SamplerConfig;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+
+/// An error as OpenAI returns it: an HTTP status and `{"error": {message, type, param, code}}`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError { status: 400, message: message.into(), param }
+    }
+
+    pub fn body(&self) -> Value {
+        let kind = match self.status {
+            401 => "authentication_error",
+            404 => "not_found_error",
+            429 | 503 => "server_overloaded",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request_error",
+        };
+        json!({"error": {"message": self.message, "type": kind, "param": self.param, "code": Value::Null}})
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The fields both endpoints share.
+#[derive(Deserialize)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<OneOrMany>,
+    pub n: Option<usize>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub logit_bias: Option<HashMap<String, f32>>,
+    pub logprobs: Option<Value>,
+    pub response_format: Option<Value>,
+}
+
+/// What a request asks the engine for, checked.
+pub struct Settings {
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl Common {
+    /// The generation settings, or a 400 naming the field that cannot be honoured. OpenAI's
+    /// defaults: temperature 1, top_p 1; `max_tokens` defaults to `default_max_tokens`.
+    pub fn settings(self, default_max_tokens: usize) -> Result<Settings, ApiError> {
+        let unsupported = |param: &'static str, what: &str| Err(ApiError::bad_request(format!("{what} is not supported yet"), Some(param)));
+        if self.n.unwrap_or(1) != 1 {
+            return unsupported("n", "n other than 1");
+        }
+        if self.logprobs.as_ref().is_some_and(|v| !(v.is_null() || v == &Value::Bool(false))) {
+            return unsupported("logprobs", "logprobs");
+        }
+        if self.presence_penalty.unwrap_or(0.0) != 0.0 {
+            return unsupported("presence_penalty", "presence_penalty");
+        }
+        if self.frequency_penalty.unwrap_or(0.0) != 0.0 {
+            return unsupported("frequency_penalty", "frequency_penalty");
+        }
+        if let Some(f) = &self.response_format {
+            if f.get("type").and_then(Value::as_str) != Some("text") {
+                return unsupported("response_format", "response_format other than {\"type\": \"text\"}");
+            }
+        }
+        let mut logit_bias = Vec::new();
+        for (id, bias) in self.logit_bias.unwrap_or_default() {
+            let id = id.parse::<u32>().map_err(|_| ApiError::bad_request(format!("logit_bias key `{id}` is not a token id"), Some("logit_bias")))?;
+            logit_bias.push((id, bias));
+        }
+        logit_bias.sort_by_key(|&(id, _)| id);
+        let defaults = SamplerConfig::default();
+        let sampler = SamplerConfig {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_p: self.top_p.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(0),
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            logit_bias,
+            seed: self.seed,
+            ..defaults
+        };
+        sampler.validate().map_err(|e| ApiError::bad_request(e.to_string(), None))?;
+        Ok(Settings {
+            max_tokens: self.max_completion_tokens.or(self.max_tokens).unwrap_or(default_max_tokens),
+            sampler,
+            stop: self.stop.map(OneOrMany::into_vec).unwrap_or_default(),
+            stream: self.stream,
+            include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+        })
+    }
+}
+
+/// A message's content: a string, or a list of parts of which the text ones are joined.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+impl ChatRequest {
+    pub fn messages(&self) -> Result<Vec<Message>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
+        }
+        self.messages
+            .iter()
+            .map(|m| {
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t.clone(),
+                    Some(Content::Parts(parts)) => {
+                        if let Some(p) = parts.iter().find(|p| p.kind != "text") {
+                            return Err(ApiError::bad_request(format!("content parts of type `{}` are not supported", p.kind), Some("messages")));
+                        }
+                        parts.iter().filter_map(|p| p.text.as_deref()).collect()
+                    }
+                };
+                Ok(Message::new(m.role.clone(), content))
+            })
+            .collect()
+    }
+}
+
+#[derive(Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: OneOrMany,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+impl CompletionRequest {
+    pub fn prompt(&self) -> Result<String, ApiError> {
+        match &self.prompt {
+            OneOrMany::One(s) => Ok(s.clone()),
+            OneOrMany::Many(v) if v.len() == 1 => Ok(v[0].clone()),
+            OneOrMany::Many(_) => Err(ApiError::bad_request("a list of several prompts is not supported yet", Some("prompt"))),
+        }
+    }
+}
+
+/// `usage`, with the prompt tokens reused from a cache (none yet).
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    })
+}

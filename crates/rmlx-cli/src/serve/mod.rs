@@ -1,0 +1,335 @@
+//! `rmlx serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of the generation
+//! loop of [`engine`]: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as
+//! server-sent events or whole), `GET /v1/models`, `GET /health` and Prometheus text at
+//! `GET /metrics`. Errors come in OpenAI's shape with their status.
+
+mod api;
+mod engine;
+
+use crate::common::{count, ModelArgs};
+use anyhow::{Context, Result};
+use api::{ApiError, ChatRequest, CompletionRequest, Settings};
+use axum::extract::rejection::JsonRejection;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Args as ClapArgs;
+use engine::{Event, Job, Prompt, Stats};
+use futures_util::stream::{self, Stream};
+use rmlx_lm::GenerateOptions;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the address is printed to stderr).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// A file holding the API key clients must send as `Authorization: Bearer KEY`.
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// Requests that may wait for the model; more are refused with 503 and `Retry-After`.
+    #[arg(long, default_value_t = 64, value_parser = count)]
+    max_queue: usize,
+    /// `max_tokens` of requests that do not set it.
+    #[arg(long, default_value_t = 512, value_parser = count)]
+    default_max_tokens: usize,
+    /// The context, in tokens (default: the model's `max_position_embeddings`, else 32768).
+    #[arg(long, value_parser = count)]
+    context: Option<usize>,
+}
+
+/// What the handlers share. No MLX in here: only the queue to the engine and counters.
+struct Shared {
+    model_id: String,
+    created: u64,
+    jobs: SyncSender<Job>,
+    stats: Arc<Stats>,
+    api_key: Option<String>,
+    default_max_tokens: usize,
+    next_id: AtomicU64,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let api_key = match &a.api_key_file {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string()),
+        None => None,
+    };
+    let lm = a.model.load()?;
+    let context = a.context.or(lm.model.config().max_position_embeddings).unwrap_or(32768).max(1);
+    let model_id = match &a.model.model {
+        Some(p) => p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string()),
+        // "SmolLM2-135M-Instruct (Q4_1 GGUF, ...)": the name before the description.
+        None => rmlx_lm::registry::DEFAULT_MODEL_NAME.split(" (").next().unwrap_or_default().to_string(),
+    };
+    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port)).with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    listener.set_nonblocking(true)?;
+    eprintln!("serving {model_id} on http://{}", listener.local_addr()?);
+    let (jobs, queue) = std::sync::mpsc::sync_channel(a.max_queue);
+    let stats = Arc::new(Stats::default());
+    let shared = Arc::new(Shared {
+        model_id,
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        jobs,
+        stats: stats.clone(),
+        api_key,
+        default_max_tokens: a.default_max_tokens,
+        next_id: AtomicU64::new(1),
+    });
+    // HTTP on tokio's threads; the model stays on this one (the evaluation thread).
+    let http = std::thread::Builder::new().name("rmlx-http".into()).spawn(move || -> Result<()> {
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            axum::serve(listener, router(shared)).with_graceful_shutdown(shutdown_signal()).await?;
+            Ok(())
+        })
+    })?;
+    engine::run(&lm, queue, context, stats);
+    http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
+}
+
+async fn shutdown_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+    eprintln!("shutting down");
+}
+
+fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .fallback(|| async { error(ApiError { status: 404, message: "no such endpoint".into(), param: None }) })
+        .with_state(shared)
+}
+
+fn error(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (status, Json(e.body())).into_response();
+    if e.status == 503 {
+        response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    }
+    response
+}
+
+fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &s.api_key else { return Ok(()) };
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(g) if g.trim() == key => Ok(()),
+        _ => Err(ApiError { status: 401, message: "invalid or missing API key (Authorization: Bearer KEY)".into(), param: None }),
+    }
+}
+
+async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return error(e);
+    }
+    Json(json!({"object": "list", "data": [{"id": s.model_id, "object": "model", "created": s.created, "owned_by": "rmlx"}]}))
+        .into_response()
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> String {
+    let st = &s.stats;
+    let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    format!(
+        "# TYPE rmlx_requests_total counter\nrmlx_requests_total {}\n\
+         # TYPE rmlx_requests_failed_total counter\nrmlx_requests_failed_total {}\n\
+         # TYPE rmlx_requests_cancelled_total counter\nrmlx_requests_cancelled_total {}\n\
+         # TYPE rmlx_prompt_tokens_total counter\nrmlx_prompt_tokens_total {}\n\
+         # TYPE rmlx_completion_tokens_total counter\nrmlx_completion_tokens_total {}\n\
+         # TYPE rmlx_time_to_first_token_seconds_total counter\nrmlx_time_to_first_token_seconds_total {}\n\
+         # TYPE rmlx_queue_length gauge\nrmlx_queue_length {}\n\
+         # TYPE rmlx_batch_size gauge\nrmlx_batch_size {}\n\
+         # TYPE rmlx_peak_memory_bytes gauge\nrmlx_peak_memory_bytes {}\n",
+        c(&st.requests),
+        c(&st.failed),
+        c(&st.cancelled),
+        c(&st.prompt_tokens),
+        c(&st.completion_tokens),
+        c(&st.ttft_micros_total) as f64 / 1e6,
+        st.queued.load(Ordering::Relaxed),
+        st.running.load(Ordering::Relaxed),
+        c(&st.peak_memory),
+    )
+}
+
+/// Which endpoint a response is for: the object names and where the text goes.
+#[derive(Clone, Copy)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Result<Json<ChatRequest>, JsonRejection>) -> Response {
+    let request = match body {
+        Ok(Json(r)) => r,
+        Err(e) => return error(ApiError::bad_request(e.body_text(), None)),
+    };
+    let prompt = request.messages().map(Prompt::Chat);
+    respond(s, headers, Kind::Chat, prompt, request.common).await
+}
+
+async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {
+    let request = match body {
+        Ok(Json(r)) => r,
+        Err(e) => return error(ApiError::bad_request(e.body_text(), None)),
+    };
+    let prompt = request.prompt().map(Prompt::Text);
+    respond(s, headers, Kind::Text, prompt, request.common).await
+}
+
+async fn respond(s: Arc<Shared>, headers: HeaderMap, kind: Kind, prompt: Result<Prompt, ApiError>, common: api::Common) -> Response {
+    if let Err(e) = authorize(&s, &headers) {
+        return error(e);
+    }
+    if let Some(m) = &common.model {
+        if m != &s.model_id {
+            return error(ApiError { status: 404, message: format!("model `{m}` does not exist; this server has `{}`", s.model_id), param: Some("model") });
+        }
+    }
+    let (prompt, settings) = match (prompt, common.settings(s.default_max_tokens)) {
+        (Ok(p), Ok(settings)) => (p, settings),
+        (Err(e), _) | (_, Err(e)) => return error(e),
+    };
+    let (tx, mut rx) = unbounded_channel();
+    let options = GenerateOptions {
+        max_tokens: settings.max_tokens,
+        sampler: settings.sampler.clone(),
+        stop_strings: settings.stop.clone(),
+        ..GenerateOptions::default()
+    };
+    s.stats.queued.fetch_add(1, Ordering::Relaxed);
+    if let Err(e) = s.jobs.try_send(Job { prompt, options, events: tx }) {
+        s.stats.queued.fetch_sub(1, Ordering::Relaxed);
+        let message = match e {
+            TrySendError::Full(_) => "the server is busy: too many requests are waiting; retry later",
+            TrySendError::Disconnected(_) => "the server is shutting down",
+        };
+        return error(ApiError { status: 503, message: message.into(), param: None });
+    }
+    // The first event says whether the prompt was accepted: errors keep their status even
+    // for streamed requests.
+    let prompt_tokens = match rx.recv().await {
+        Some(Event::Started { prompt_tokens }) => prompt_tokens,
+        Some(Event::Failed(e)) => return error(e),
+        _ => return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
+    };
+    let id = format!("{}-{}", if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
+    let head = Head { id, created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0), model: s.model_id.clone(), kind };
+    if settings.stream {
+        return Sse::new(stream_events(head, rx, settings)).into_response();
+    }
+    let mut text = String::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Token(t) => text.push_str(&t),
+            Event::Done { finish_reason, completion_tokens, .. } => {
+                let choice = match kind {
+                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": Value::Null, "finish_reason": finish_reason}),
+                    Kind::Text => json!({"index": 0, "text": text, "logprobs": Value::Null, "finish_reason": finish_reason}),
+                };
+                let mut body = head.object(false);
+                body["choices"] = json!([choice]);
+                body["usage"] = api::usage(prompt_tokens, completion_tokens);
+                return Json(body).into_response();
+            }
+            Event::Failed(e) => return error(e),
+            Event::Started { .. } => {}
+        }
+    }
+    error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None })
+}
+
+/// The fields every response and chunk of one request repeats.
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+}
+
+impl Head {
+    fn object(&self, chunk: bool) -> Value {
+        let object = match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Text, _) => "text_completion",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model})
+    }
+
+    /// A chunk with one choice: `delta` (chat) or `text` (completions), and a finish reason.
+    fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
+        let mut chunk = self.object(true);
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = json!({});
+                if first {
+                    delta["role"] = json!("assistant");
+                }
+                if let Some(t) = text {
+                    delta["content"] = json!(t);
+                }
+                json!({"index": 0, "delta": delta, "logprobs": Value::Null, "finish_reason": finish_reason})
+            }
+            Kind::Text => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": Value::Null, "finish_reason": finish_reason}),
+        };
+        chunk["choices"] = json!([choice]);
+        chunk
+    }
+}
+
+/// The server-sent events of a streamed request: a chunk per piece of text, a last chunk with
+/// the finish reason, the usage chunk when asked for, then `[DONE]`.
+fn stream_events(head: Head, rx: UnboundedReceiver<Event>, settings: Settings) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
+    let opening = matches!(head.kind, Kind::Chat).then(|| data(head.chunk(Some(""), true, None)));
+    let state = (head, rx, false);
+    let body = stream::unfold(state, move |(head, mut rx, done)| async move {
+        if done {
+            return None;
+        }
+        loop {
+            let items: Vec<Result<SseEvent, Infallible>> = match rx.recv().await {
+                Some(Event::Token(t)) if t.is_empty() => continue,
+                Some(Event::Token(t)) => vec![data(head.chunk(Some(&t), false, None))],
+                Some(Event::Done { finish_reason, prompt_tokens, completion_tokens }) => {
+                    let mut items = vec![data(head.chunk(None, false, Some(finish_reason)))];
+                    if settings.include_usage {
+                        let mut usage = head.object(true);
+                        usage["choices"] = json!([]);
+                        usage["usage"] = api::usage(prompt_tokens, completion_tokens);
+                        items.push(data(usage));
+                    }
+                    items.push(Ok(SseEvent::default().data("[DONE]")));
+                    return Some((stream::iter(items), (head, rx, true)));
+                }
+                Some(Event::Failed(e)) => {
+                    vec![data(e.body()), Ok(SseEvent::default().data("[DONE]"))]
+                }
+                Some(Event::Started { .. }) => continue,
+                None => return None,
+            };
+            return Some((stream::iter(items), (head, rx, false)));
+        }
+    });
+    use futures_util::StreamExt;
+    stream::iter(opening).chain(body.flatten())
+}

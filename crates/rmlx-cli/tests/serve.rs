@@ -1,0 +1,243 @@
+//! `rmlx serve` over real HTTP (a plain TCP client here, HTTP/1.1), with the default model:
+//! greedy completions equal `rmlx generate`'s tokens, streamed chunks add up to the same text,
+//! and bad requests get OpenAI's error shape with the right status.
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const RMLX: &str = env!("CARGO_BIN_EXE_rmlx");
+const MODEL: &str = "SmolLM2-135M-Instruct";
+
+/// A running server; killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let mut child = Command::new(RMLX)
+            .args(["serve", "--port", "0"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines.next().expect("the server exited before listening").unwrap();
+            if let Some(at) = line.find(" on http://") {
+                break line[at + " on http://".len()..].trim().to_string();
+            }
+        };
+        // Keep draining stderr so that the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, addr }
+    }
+
+    /// `(status, body)` of one request.
+    fn request(&self, method: &str, path: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> (u16, String) {
+        let mut stream = TcpStream::connect(&self.addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n", self.addr, body.len());
+        if !body.is_empty() {
+            head.push_str("Content-Type: application/json\r\n");
+        }
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        stream.write_all(format!("{head}\r\n{body}").as_bytes()).unwrap();
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).unwrap();
+        let raw = String::from_utf8(raw).unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+        (status, if chunked { dechunk(body) } else { body.to_string() })
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.request("POST", path, Some(body), &[]);
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The body of a chunked transfer.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = body.split_once("\r\n").unwrap();
+        let size = usize::from_str_radix(size.trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.push_str(&rest[..size]);
+        body = &rest[size + 2..];
+    }
+}
+
+/// `rmlx generate --json` for the same prompt: (text, generated tokens, prompt tokens).
+fn generate(prompt: &str, raw: bool, max_tokens: usize) -> (String, u64, u64) {
+    let max_tokens = max_tokens.to_string();
+    let mut args = vec!["generate", "--prompt", prompt, "--max-tokens", &max_tokens, "--json"];
+    if raw {
+        args.push("--raw");
+    }
+    let out = Command::new(RMLX).args(&args).stdin(Stdio::null()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    (v["text"].as_str().unwrap().to_string(), v["generation_tokens"].as_u64().unwrap(), v["prompt_tokens"].as_u64().unwrap())
+}
+
+fn error_of(v: &Value) -> (&str, &str) {
+    (v["error"]["type"].as_str().unwrap_or_default(), v["error"]["message"].as_str().unwrap_or_default())
+}
+
+#[test]
+fn completions_equal_generate_and_streams_add_up() {
+    let server = Server::start(&[]);
+    let (status, health) = server.request("GET", "/health", None, &[]);
+    assert_eq!((status, health.as_str()), (200, r#"{"status":"ok"}"#));
+    let (status, models) = server.request("GET", "/v1/models", None, &[]);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!((status, models["data"][0]["id"].as_str()), (200, Some(MODEL)));
+
+    // Chat, greedy, whole: the same text and counts as `rmlx generate` (chat template on).
+    let (text, generated, prompt_tokens) = generate("What is the capital of France?", false, 12);
+    let request = json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                         "max_tokens": 12, "temperature": 0});
+    let (status, v) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"].as_str().unwrap(), text);
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(generated));
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(prompt_tokens));
+    assert_eq!(v["usage"]["total_tokens"].as_u64(), Some(generated + prompt_tokens));
+    let reason = if generated == 12 { "length" } else { "stop" };
+    assert_eq!(v["choices"][0]["finish_reason"], reason);
+
+    // The same request streamed: role first, deltas adding up to the text, the finish reason,
+    // the usage chunk, then [DONE].
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, body) = server.request("POST", "/v1/chat/completions", Some(&streamed), &[]);
+    assert_eq!(status, 200);
+    let events: Vec<&str> = body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let joined: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(joined, text);
+    let n = chunks.len();
+    assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], reason);
+    assert_eq!(chunks[n - 1]["choices"], json!([]));
+    assert_eq!(chunks[n - 1]["usage"]["completion_tokens"].as_u64(), Some(generated));
+
+    // Text completion of a raw prompt, with a stop string cutting the text.
+    let (text, generated, _) = generate("The capital of France is", true, 8);
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((v["object"].as_str(), v["choices"][0]["text"].as_str()), (Some("text_completion"), Some(text.as_str())));
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(generated));
+    let cut = text.split_whitespace().nth(1).expect("two words").to_string();
+    let (status, v) =
+        server.post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": [cut.clone()]}));
+    assert_eq!(status, 200, "{v}");
+    let stopped = v["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(stopped, &text[..text.find(&cut).unwrap()]);
+
+    // A seeded sampled request gives the same text twice.
+    let seeded = json!({"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.9, "seed": 7});
+    let (a, b) = (server.post("/v1/completions", &seeded).1, server.post("/v1/completions", &seeded).1);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+
+    let (_, metrics) = server.request("GET", "/metrics", None, &[]);
+    assert!(metrics.contains("rmlx_requests_total 6\n"), "{metrics}");
+}
+
+#[test]
+fn bad_requests_get_openai_errors() {
+    let dir = std::env::temp_dir().join(format!("rmlx-serve-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("key.txt"), "sekret\n").unwrap();
+    let server = Server::start(&["--context", "16", "--api-key-file", dir.join("key.txt").to_str().unwrap()]);
+    let auth = [("Authorization", "Bearer sekret")];
+    let send = |body: &str, with_key: bool| -> (u16, Value) {
+        let mut stream = TcpStream::connect(&server.addr).unwrap();
+        let key = if with_key { "Authorization: Bearer sekret\r\n" } else { "" };
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{key}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(req.as_bytes()).unwrap();
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        (head.split(' ').nth(1).unwrap().parse().unwrap(), serde_json::from_str(body).unwrap_or(Value::Null))
+    };
+    let ok = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}"#;
+    let (status, v) = send(ok, false);
+    assert_eq!((status, error_of(&v).0), (401, "authentication_error"));
+    let (status, v) = send(r#"{"messages": [}"#, true);
+    assert_eq!((status, error_of(&v).0), (400, "invalid_request_error"), "{v}");
+    assert!(error_of(&v).1.contains("JSON"), "{v}");
+    let (status, v) = send(r#"{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}"#, true);
+    assert_eq!((status, error_of(&v).0), (404, "not_found_error"));
+    assert!(error_of(&v).1.contains("gpt-4o"), "{v}");
+    let (status, v) = send(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#, true);
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("n")));
+    let (status, v) = send(r#"{"messages": []}"#, true);
+    assert_eq!(status, 400, "{v}");
+    let (status, v) = send(r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}"#, true);
+    assert_eq!(status, 400, "{v}");
+    // The chat template alone is more than 16 tokens: refused with the numbers.
+    let (status, v) = send(ok, true);
+    assert_eq!(status, 400, "{v}");
+    let message = error_of(&v).1;
+    assert!(message.contains("this model's context is 16 tokens") && message.contains("the prompt is"), "{message}");
+    let (status, _) = server.request("GET", "/v1/models", None, &auth);
+    assert_eq!(status, 200);
+    let (status, text) = server.request("GET", "/v2/nothing", None, &auth);
+    assert_eq!(status, 404, "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_client_that_goes_away_does_not_stop_the_server() {
+    let server = Server::start(&[]);
+    let request = json!({"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 2000,
+                         "temperature": 0, "stream": true});
+    let body = request.to_string();
+    {
+        let mut stream = TcpStream::connect(&server.addr).unwrap();
+        let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+        stream.write_all(format!("{head}{body}").as_bytes()).unwrap();
+        let mut first = [0u8; 256];
+        let n = stream.read(&mut first).unwrap();
+        assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    } // dropped: the connection closes mid-stream
+    // The next request is served at once, not after 2000 tokens of the abandoned one.
+    let started = std::time::Instant::now();
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0}));
+    assert_eq!(status, 200, "{v}");
+    assert!(started.elapsed() < Duration::from_secs(60), "waited {:?}", started.elapsed());
+    let (_, metrics) = server.request("GET", "/metrics", None, &[]);
+    assert!(metrics.contains("rmlx_requests_cancelled_total 1\n"), "{metrics}");
+    assert!(metrics.contains("rmlx_requests_total 2\n"), "{metrics}");
+}
