@@ -241,3 +241,23 @@ fn a_client_that_goes_away_does_not_stop_the_server() {
     assert!(metrics.contains("rmlx_requests_cancelled_total 1\n"), "{metrics}");
     assert!(metrics.contains("rmlx_requests_total 2\n"), "{metrics}");
 }
+
+#[test]
+fn sigterm_and_ctrl_c_stop_the_server_cleanly() {
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let mut server = Server::start(&[]);
+        let (status, _) = server.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2}));
+        assert_eq!(status, 200);
+        // SAFETY: kill(2) on the child's pid, which has not been waited for yet.
+        assert_eq!(unsafe { libc::kill(server.child.id() as libc::pid_t, signal) }, 0);
+        let started = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(started.elapsed() < Duration::from_secs(30), "still running after signal {signal}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.code(), Some(0), "signal {signal}");
+    }
+}

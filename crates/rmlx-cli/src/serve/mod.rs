@@ -103,7 +103,24 @@ pub fn run(a: Args) -> Result<()> {
     http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
 }
 
+/// Ctrl-C or SIGTERM (how service managers stop a server): stop accepting, finish what runs.
 async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
     eprintln!("shutting down");
 }
