@@ -41,30 +41,40 @@ impl Server {
 
     /// `(status, body)` of one request.
     fn request(&self, method: &str, path: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> (u16, String) {
-        let mut stream = TcpStream::connect(&self.addr).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-        let body = body.map(|b| b.to_string()).unwrap_or_default();
-        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Length: {}\r\n", self.addr, body.len());
-        if !body.is_empty() {
-            head.push_str("Content-Type: application/json\r\n");
-        }
-        for (k, v) in headers {
-            head.push_str(&format!("{k}: {v}\r\n"));
-        }
-        stream.write_all(format!("{head}\r\n{body}").as_bytes()).unwrap();
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).unwrap();
-        let raw = String::from_utf8(raw).unwrap();
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-        let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-        (status, if chunked { dechunk(body) } else { body.to_string() })
+        request(&self.addr, method, path, body, headers)
     }
 
     fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, text) = self.request("POST", path, Some(body), &[]);
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+        post(&self.addr, path, body)
     }
+}
+
+/// `(status, body)` of one HTTP/1.1 request to `addr`.
+fn request(addr: &str, method: &str, path: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    if !body.is_empty() {
+        head.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    stream.write_all(format!("{head}\r\n{body}").as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    (status, if chunked { dechunk(body) } else { body.to_string() })
+}
+
+/// A JSON POST: `(status, JSON body)`.
+fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = request(addr, "POST", path, Some(body), &[]);
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
 }
 
 impl Drop for Server {
@@ -260,4 +270,49 @@ fn sigterm_and_ctrl_c_stop_the_server_cleanly() {
         };
         assert_eq!(status.code(), Some(0), "signal {signal}");
     }
+}
+
+/// Opens a streamed chat request and returns the connection once the response has started (the
+/// engine is running it); dropping the stream abandons the request.
+fn start_stream(server: &Server, max_tokens: usize) -> TcpStream {
+    let body = json!({"messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+                      "max_tokens": max_tokens, "temperature": 0, "stream": true})
+    .to_string();
+    let mut stream = TcpStream::connect(&server.addr).unwrap();
+    let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+    stream.write_all(format!("{head}{body}").as_bytes()).unwrap();
+    let mut first = [0u8; 64];
+    let n = stream.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    stream
+}
+
+#[test]
+fn a_full_queue_answers_503_with_retry_after() {
+    let server = Server::start(&["--max-queue", "1"]);
+    let running = start_stream(&server, 2000);
+    // One request waits in the queue (its own connection, on a thread)...
+    let addr = server.addr.clone();
+    let waiting = std::thread::spawn(move || post(&addr, "/v1/completions", &json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0})));
+    // ...until the queue shows it, then one more is refused.
+    let started = std::time::Instant::now();
+    while !server.request("GET", "/metrics", None, &[]).1.contains("rmlx_queue_length 1\n") {
+        assert!(started.elapsed() < Duration::from_secs(30), "the second request never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut stream = TcpStream::connect(&server.addr).unwrap();
+    let body = r#"{"prompt": "Hi", "max_tokens": 2}"#;
+    let req = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    stream.write_all(req.as_bytes()).unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    let v: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(error_of(&v).0, "server_overloaded");
+    // The running request goes away; the queued one is then served.
+    drop(running);
+    let (status, v) = waiting.join().unwrap();
+    assert_eq!(status, 200, "{v}");
 }
