@@ -166,7 +166,7 @@ impl StandardCache {
     fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
         let prev = self.offset as i32;
         let len = dim(k, 2);
-        if prev + len > self.capacity() as i32 {
+        if self.keys.is_none() || prev + len > self.capacity() as i32 {
             let extra = (len + STEP - 1) / STEP * STEP;
             self.keys = Some(grow(self.keys.take(), k, prev, extra)?);
             self.values = Some(grow(self.values.take(), v, prev, extra)?);

@@ -112,3 +112,27 @@ fn chunked_loss_equals_the_loss_of_the_whole_logits() {
         assert!((chunked - whole).abs() <= 1e-6 * whole, "{rows:?} rows: {chunked} against {whole}");
     }
 }
+
+#[test]
+fn a_batch_without_targets_is_an_error() {
+    let (_d, lm) = load("llama_gqa", true);
+    let tokens = Array::from_slice(&[3i32, 17], &[2, 1]).unwrap();
+    let mask = Array::from_slice::<f32>(&[], &[2, 0]).unwrap();
+    for rows in [None, Some(4)] {
+        match with_loss_chunk_rows(rows, || batch_loss(lm.model.as_ref(), &tokens, &mask)) {
+            Err(rmlx_lm::Error::InvalidParameter(m)) => {
+                assert_eq!(m, "a batch needs at least one row of two tokens, not the shape [2, 1]")
+            }
+            other => panic!("expected InvalidParameter, got {:?}", other.map(|_| ())),
+        }
+    }
+}
+
+#[test]
+fn a_forward_pass_over_no_tokens_does_not_panic() {
+    // It used to panic in the KV cache (a write into a buffer never allocated).
+    let (_d, lm) = load("llama_gqa", true);
+    let ids = Array::from_slice::<i32>(&[], &[1, 0]).unwrap();
+    let out = lm.model.forward(&ids, &mut lm.model.new_caches(None)).map(|l| l.shape().to_vec());
+    assert_eq!(out.unwrap(), vec![1, 0, 384]);
+}

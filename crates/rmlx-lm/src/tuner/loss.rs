@@ -24,10 +24,17 @@ pub fn batch_loss(model: &dyn Model, tokens: &Array, mask: &Array) -> Result<(Ar
     }
 }
 
+/// `(B, L)` of `tokens`, which must hold at least one row of two positions (one target).
+fn batch_shape(tokens: &Array) -> Result<(i32, i32)> {
+    match tokens.shape() {
+        &[rows, len] if rows >= 1 && len >= 2 => Ok((rows, len)),
+        s => Err(Error::InvalidParameter(format!("a batch needs at least one row of two tokens, not the shape {s:?}"))),
+    }
+}
+
 /// [`batch_loss`] from the whole `[B, L - 1, vocab]` logits at once.
 pub fn logits_loss(model: &dyn Model, tokens: &Array, mask: &Array) -> Result<(Array, Array)> {
-    let s = tokens.shape();
-    let (rows, len) = (s[0], s[1]);
+    let (rows, len) = batch_shape(tokens)?;
     let inputs = tokens.slice_axis(1, 0, len - 1, 1)?;
     let targets = tokens.slice_axis(1, 1, len, 1)?;
     let logits = model.forward(&inputs, &mut model.new_caches(None))?;
@@ -89,8 +96,7 @@ fn chunked_loss(
     chunk: usize,
     own_gradient: bool,
 ) -> Result<(Array, Array)> {
-    let s = tokens.shape();
-    let (rows, len) = (s[0], s[1]);
+    let (rows, len) = batch_shape(tokens)?;
     let n = rows * (len - 1);
     let inputs = tokens.slice_axis(1, 0, len - 1, 1)?;
     let targets = tokens.slice_axis(1, 1, len, 1)?.reshape(&[n])?;
@@ -121,7 +127,7 @@ fn chunked_loss(
             None => sum,
         });
     }
-    let loss = (total.expect("at least one target") / &ntoks)?;
+    let loss = (total.expect("n > 0 targets") / &ntoks)?;
     if !own_gradient {
         return Ok((loss, ntoks));
     }
