@@ -7,13 +7,12 @@
 
 mod common;
 
-use common::fixture_with_tokenizer;
+use common::{fixture_with_tokenizer, move_lora_b};
 use rmlx::{Array, Dtype};
 use rmlx_lm::nn::{with_grad_checkpoint, with_training, ModuleExt};
 use rmlx_lm::tuner::{apply_lora, batch_loss, full_parameter_names, lora_parameter_names, loss_and_grad};
 use rmlx_lm::tuner::{Batch, LoraConfig, LossAndGrad, Sequence};
 use rmlx_lm::{LoadOptions, LoadedModel};
-use std::collections::HashMap;
 
 fn load(name: &str) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);
@@ -40,17 +39,7 @@ fn with_lora(lm: &mut LoadedModel, dropout: f32, dora: bool) -> Vec<String> {
     let attach = if dora { rmlx_lm::tuner::apply_dora } else { apply_lora };
     attach(lm.model.as_mut(), Some(layers - 1), &cfg, Dtype::Float32, 5).unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());
-    let current: HashMap<String, Array> = lm.model.parameters("").into_iter().collect();
-    let moved: HashMap<String, Array> = trainable
-        .iter()
-        .filter(|n| n.ends_with(".lora_b"))
-        .enumerate()
-        .map(|(i, n)| {
-            let key = rmlx::random::key(300 + i as u64).unwrap();
-            (n.clone(), rmlx::random::normal(current[n].shape(), Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap())
-        })
-        .collect();
-    lm.model.update("", moved).unwrap();
+    move_lora_b(lm, &trainable, 300);
     trainable
 }
 

@@ -4,25 +4,19 @@
 
 mod common;
 
-use common::fixture_with_tokenizer;
+use common::{assert_same_step, fixture_with_tokenizer, move_lora_b};
 use rmlx::{Array, Dtype};
-use rmlx_lm::nn::ModuleExt;
 use rmlx_lm::tuner::{
     apply_lora, batch_loss, full_parameter_names, logits_loss, lora_parameter_names, loss_and_grad, with_loss_chunk_rows,
     Batch, LoraConfig, LossAndGrad, Sequence,
 };
 use rmlx_lm::{LoadOptions, LoadedModel};
-use std::collections::HashMap;
 
 fn load(name: &str, dequantize: bool) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);
     let opts = LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(dequantize), ..LoadOptions::default() };
     let lm = rmlx_lm::load(dir.path(), &opts).unwrap();
     (dir, lm)
-}
-
-fn vals(a: &Array) -> Vec<f32> {
-    a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
 }
 
 /// Three rows of different lengths (padding, a prompt mask): 3 × 8 = 24 targets, 14 counted.
@@ -38,17 +32,7 @@ fn with_lora(lm: &mut LoadedModel) -> Vec<String> {
     let cfg = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None };
     apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 3).unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());
-    let params: HashMap<String, Array> = lm.model.parameters("").into_iter().collect();
-    let moved: HashMap<String, Array> = trainable
-        .iter()
-        .filter(|n| n.ends_with(".lora_b"))
-        .enumerate()
-        .map(|(i, n)| {
-            let key = rmlx::random::key(100 + i as u64).unwrap();
-            (n.clone(), rmlx::random::normal(params[n].shape(), Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap())
-        })
-        .collect();
-    lm.model.update("", moved).unwrap();
+    move_lora_b(lm, &trainable, 100);
     trainable
 }
 
@@ -58,17 +42,8 @@ fn step(lm: &mut LoadedModel, trainable: &[String], rows: Option<usize>) -> Loss
 
 /// Loss within 1e-6 relative; every gradient within 2e-5 of its largest entry.
 fn assert_same(what: &str, whole: &LossAndGrad, chunked: &LossAndGrad) {
-    let (a, b) = (whole.loss.item::<f32>().unwrap(), chunked.loss.item::<f32>().unwrap());
-    assert!((a - b).abs() <= 1e-6 * a.abs(), "{what}: loss {a} whole, {b} chunked");
     assert_eq!(whole.ntoks.item::<f32>().unwrap(), 14.0);
-    assert_eq!(whole.grads.len(), chunked.grads.len());
-    for (name, g) in &whole.grads {
-        let (g, h) = (vals(g), vals(&chunked.grads[name]));
-        let scale = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-        assert!(scale > 0.0, "{what}: {name} has a zero gradient");
-        let diff = g.iter().zip(&h).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        assert!(diff <= 2e-5 * scale, "{what}: {name} differs by {diff} (largest entry {scale})");
-    }
+    assert_same_step(what, whole, chunked, 1e-6, 2e-5);
 }
 
 #[test]

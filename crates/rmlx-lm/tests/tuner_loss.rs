@@ -4,12 +4,11 @@
 
 mod common;
 
-use common::fixture_with_tokenizer;
+use common::{assert_same_step, fixture_with_tokenizer, move_lora_b};
 use rmlx::{Array, Dtype};
 use rmlx_lm::nn::ModuleExt;
-use rmlx_lm::tuner::{apply_lora, batch_loss, lora_parameter_names, loss_and_grad, Batch, LoraConfig, LossAndGrad, Sequence};
+use rmlx_lm::tuner::{apply_lora, batch_loss, lora_parameter_names, loss_and_grad, Batch, LoraConfig, Sequence};
 use rmlx_lm::{Error, LoadOptions, LoadedModel};
-use std::collections::HashMap;
 
 fn load() -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer("llama_gqa");
@@ -93,21 +92,6 @@ fn set(lm: &mut LoadedModel, name: &str, index: usize, value: f32) {
     v[index] = value;
     let new = Array::from_slice(&v, p.shape()).unwrap();
     lm.model.update("", [(name.to_string(), new)].into_iter().collect()).unwrap();
-}
-
-/// Replaces every adapter's B with small normal values (keys from `seed` on), away from zero.
-fn move_lora_b(lm: &mut LoadedModel, trainable: &[String], seed: u64) {
-    let moved: HashMap<String, Array> = trainable
-        .iter()
-        .filter(|n| n.ends_with(".lora_b"))
-        .enumerate()
-        .map(|(i, n)| {
-            let p = lm.model.parameters("").into_iter().find(|(m, _)| m == n).unwrap().1;
-            let key = rmlx::random::key(seed + i as u64).unwrap();
-            (n.clone(), rmlx::random::normal(p.shape(), Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap())
-        })
-        .collect();
-    lm.model.update("", moved).unwrap();
 }
 
 /// Asserts that `grad` (the gradient of `name`) equals central finite differences of the loss on
@@ -217,29 +201,14 @@ fn compiled_loss_and_grad_equal_the_eager_ones() {
         }
         let eager = loss_and_grad(lm.model.as_mut(), &trainable, b).unwrap();
         let fast = compiled.call(lm.model.as_ref(), b, &rmlx::random::key(0).unwrap()).unwrap();
-        assert_same_step(&eager, &fast, &trainable, &format!("round {round}"));
+        assert_same_step(&format!("round {round}"), &eager, &fast, 1e-5, 1e-4);
     }
     assert_eq!(compiled.traces(), 2, "one trace per batch shape");
     // With gradient checkpointing traced into the step.
     let checkpointed = rmlx_lm::tuner::CompiledLossAndGrad::new(lm.model.as_ref(), &trainable).unwrap();
     let fast = rmlx_lm::nn::with_grad_checkpoint(true, || checkpointed.call(lm.model.as_ref(), &batch(), &rmlx::random::key(0).unwrap())).unwrap();
     let eager = loss_and_grad(lm.model.as_mut(), &trainable, &batch()).unwrap();
-    assert_same_step(&eager, &fast, &trainable, "checkpointed");
-}
-
-/// The compiled step's loss (within 1e-5), target count (exactly) and every gradient (within 1e-4
-/// of its largest entry, which must not be zero) against the op-by-op step's.
-fn assert_same_step(eager: &LossAndGrad, fast: &LossAndGrad, trainable: &[String], what: &str) {
-    let (le, lf) = (eager.loss.item::<f32>().unwrap(), fast.loss.item::<f32>().unwrap());
-    assert!((le - lf).abs() <= 1e-5 * le.abs(), "{what}: loss {lf} vs {le}");
-    assert_eq!(fast.ntoks.item::<f32>().unwrap(), eager.ntoks.item::<f32>().unwrap(), "{what}");
-    for name in trainable {
-        let (e, f) = (vals(&eager.grads[name]), vals(&fast.grads[name]));
-        let scale = e.iter().fold(0f32, |m, v| m.max(v.abs()));
-        assert!(scale > 0.0, "{what}, {name}: no gradient");
-        let err = e.iter().zip(&f).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(err <= 1e-4 * scale, "{what}, {name}: max |Δ| {err} of {scale}");
-    }
+    assert_same_step("checkpointed", &eager, &fast, 1e-5, 1e-4);
 }
 
 /// With LoRA dropout the compiled step draws its masks from the key it is given (an input, not a
