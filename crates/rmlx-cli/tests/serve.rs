@@ -51,9 +51,14 @@ impl Server {
 
 /// `(status, body)` of one HTTP/1.1 request to `addr`.
 fn request(addr: &str, method: &str, path: &str, body: Option<&Value>, headers: &[(&str, &str)]) -> (u16, String) {
+    let (head, body) = exchange(addr, method, path, &body.map(|b| b.to_string()).unwrap_or_default(), headers);
+    (head.split(' ').nth(1).unwrap().parse().unwrap(), body)
+}
+
+/// The response head and (de-chunked) body of one HTTP/1.1 request with a raw `body` (JSON or not).
+fn exchange(addr: &str, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (String, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
     if !body.is_empty() {
         head.push_str("Content-Type: application/json\r\n");
@@ -66,9 +71,8 @@ fn request(addr: &str, method: &str, path: &str, body: Option<&Value>, headers: 
     stream.read_to_end(&mut raw).unwrap();
     let raw = String::from_utf8(raw).unwrap();
     let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    (status, if chunked { dechunk(body) } else { body.to_string() })
+    (head.to_string(), if chunked { dechunk(body) } else { body.to_string() })
 }
 
 /// A JSON POST: `(status, JSON body)`.
@@ -189,17 +193,9 @@ fn bad_requests_get_openai_errors() {
     let server = Server::start(&["--context", "16", "--api-key-file", dir.join("key.txt").to_str().unwrap()]);
     let auth = [("Authorization", "Bearer sekret")];
     let send = |body: &str, with_key: bool| -> (u16, Value) {
-        let mut stream = TcpStream::connect(&server.addr).unwrap();
-        let key = if with_key { "Authorization: Bearer sekret\r\n" } else { "" };
-        let req = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{key}Content-Length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        stream.write_all(req.as_bytes()).unwrap();
-        let mut raw = String::new();
-        stream.read_to_string(&mut raw).unwrap();
-        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-        (head.split(' ').nth(1).unwrap().parse().unwrap(), serde_json::from_str(body).unwrap_or(Value::Null))
+        let headers: &[(&str, &str)] = if with_key { &auth } else { &[] };
+        let (head, body) = exchange(&server.addr, "POST", "/v1/chat/completions", body, headers);
+        (head.split(' ').nth(1).unwrap().parse().unwrap(), serde_json::from_str(&body).unwrap_or(Value::Null))
     };
     let ok = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}"#;
     let (status, v) = send(ok, false);
@@ -231,17 +227,7 @@ fn bad_requests_get_openai_errors() {
 #[test]
 fn a_client_that_goes_away_does_not_stop_the_server() {
     let server = Server::start(&[]);
-    let request = json!({"messages": [{"role": "user", "content": "Write a long story about a dragon."}], "max_tokens": 2000,
-                         "temperature": 0, "stream": true});
-    let body = request.to_string();
-    {
-        let mut stream = TcpStream::connect(&server.addr).unwrap();
-        let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
-        stream.write_all(format!("{head}{body}").as_bytes()).unwrap();
-        let mut first = [0u8; 256];
-        let n = stream.read(&mut first).unwrap();
-        assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
-    } // dropped: the connection closes mid-stream
+    drop(start_stream(&server, 2000)); // the connection closes mid-stream
     // The next request is served at once, not after 2000 tokens of the abandoned one.
     let started = std::time::Instant::now();
     let (status, v) = server.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0}));
@@ -300,16 +286,10 @@ fn a_full_queue_answers_503_with_retry_after() {
         assert!(started.elapsed() < Duration::from_secs(30), "the second request never queued");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut stream = TcpStream::connect(&server.addr).unwrap();
-    let body = r#"{"prompt": "Hi", "max_tokens": 2}"#;
-    let req = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
-    stream.write_all(req.as_bytes()).unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let (head, body) = exchange(&server.addr, "POST", "/v1/completions", r#"{"prompt": "Hi", "max_tokens": 2}"#, &[]);
     assert!(head.starts_with("HTTP/1.1 503"), "{head}");
     assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
-    let v: Value = serde_json::from_str(body).unwrap();
+    let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(error_of(&v).0, "server_overloaded");
     // The running request goes away; the queued one is then served.
     drop(running);

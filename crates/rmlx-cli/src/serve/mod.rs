@@ -195,21 +195,22 @@ enum Kind {
 }
 
 async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Result<Json<ChatRequest>, JsonRejection>) -> Response {
-    let request = match body {
-        Ok(Json(r)) => r,
-        Err(e) => return error(ApiError::bad_request(e.body_text(), None)),
-    };
-    let prompt = request.messages().map(Prompt::Chat);
-    respond(s, headers, Kind::Chat, prompt, request.common).await
+    match body {
+        Ok(Json(request)) => respond(s, headers, Kind::Chat, request.messages().map(Prompt::Chat), request.common).await,
+        Err(e) => malformed(e),
+    }
 }
 
 async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {
-    let request = match body {
-        Ok(Json(r)) => r,
-        Err(e) => return error(ApiError::bad_request(e.body_text(), None)),
-    };
-    let prompt = request.prompt().map(Prompt::Text);
-    respond(s, headers, Kind::Text, prompt, request.common).await
+    match body {
+        Ok(Json(request)) => respond(s, headers, Kind::Text, request.prompt().map(Prompt::Text), request.common).await,
+        Err(e) => malformed(e),
+    }
+}
+
+/// A body that is not JSON or not the request's shape: 400 with serde's reason.
+fn malformed(e: JsonRejection) -> Response {
+    error(ApiError::bad_request(e.body_text(), None))
 }
 
 async fn respond(s: Arc<Shared>, headers: HeaderMap, kind: Kind, prompt: Result<Prompt, ApiError>, common: api::Common) -> Response {
