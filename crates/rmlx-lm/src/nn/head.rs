@@ -6,7 +6,7 @@
 use super::{quantized_rows, Embedding, Linear, LinearWeight};
 use crate::weights::Weight;
 use crate::Result;
-use rmlx::quantization::quantized_matmul;
+use rmlx::quantization::{quantized_matmul, Quantized};
 use rmlx::{Array, Dtype};
 
 /// A linear output head: see [`crate::models::Model::linear_head`].
@@ -47,34 +47,36 @@ impl Head<'_> {
 
     /// `g: [..., vocab]` → `g W`: `[..., hidden]`.
     pub fn transpose(&self, g: &Array) -> Result<Array> {
-        let (dense, quantized) = match self {
-            Head::Linear(l) => match &l.weight {
-                LinearWeight::Dense { w, .. } => (Some(w), None),
-                LinearWeight::Quantized(q) => (None, Some(q)),
-            },
-            Head::Tied(e) => match &e.weight {
-                Weight::Dense(w) => (Some(w), None),
-                Weight::Quantized(q) => (None, Some(q)),
-            },
-        };
-        match (dense, quantized) {
-            (Some(w), _) => Ok(g.matmul(w)?),
-            (_, Some(q)) => Ok(quantized_matmul(g, q, false)?),
-            _ => unreachable!("a weight is dense or quantised"),
+        match self.weight() {
+            HeadWeight::Dense(w) => Ok(g.matmul(w)?),
+            HeadWeight::Quantized(q) => Ok(quantized_matmul(g, q, false)?),
         }
     }
 
     /// Rows `ids: [n]` of `W`: `[n, hidden]`, in `dtype`.
     pub fn rows(&self, ids: &Array, dtype: Dtype) -> Result<Array> {
+        match self.weight() {
+            HeadWeight::Dense(w) => Ok(w.take(ids, Some(0))?.astype(dtype)?),
+            HeadWeight::Quantized(q) => quantized_rows(q, ids, dtype),
+        }
+    }
+
+    /// `W` `[vocab, hidden]`, whichever layer holds it.
+    fn weight(&self) -> HeadWeight<'_> {
         match self {
             Head::Linear(l) => match &l.weight {
-                LinearWeight::Dense { w, .. } => Ok(w.take(ids, Some(0))?.astype(dtype)?),
-                LinearWeight::Quantized(q) => quantized_rows(q, ids, dtype),
+                LinearWeight::Dense { w, .. } => HeadWeight::Dense(w),
+                LinearWeight::Quantized(q) => HeadWeight::Quantized(q),
             },
             Head::Tied(e) => match &e.weight {
-                Weight::Dense(w) => Ok(w.take(ids, Some(0))?.astype(dtype)?),
-                Weight::Quantized(q) => quantized_rows(q, ids, dtype),
+                Weight::Dense(w) => HeadWeight::Dense(w),
+                Weight::Quantized(q) => HeadWeight::Quantized(q),
             },
         }
     }
+}
+
+enum HeadWeight<'a> {
+    Dense(&'a Array),
+    Quantized(&'a Quantized),
 }
