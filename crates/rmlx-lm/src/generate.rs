@@ -7,7 +7,7 @@ use crate::cache::KvCache;
 use crate::chat::Message;
 use crate::loader::LoadedModel;
 use crate::sample::{Sampler, SamplerConfig};
-use crate::tokenizer::StreamDecoder;
+use crate::text_stream::TextStream;
 use crate::{Error, Result};
 use rmlx::{Array, Dtype};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -157,9 +157,7 @@ pub struct Generation<'m> {
     history: Vec<u32>,
     /// The sampled token, possibly still being computed (see [`Step`]).
     pending: Option<Step>,
-    decoder: StreamDecoder,
-    /// Decoded text not yet handed out because it may begin a stop string.
-    held: String,
+    text: TextStream,
     cancel: CancelHandle,
     finish: Option<FinishReason>,
     metrics: Metrics,
@@ -196,8 +194,7 @@ impl<'m> Generation<'m> {
             sampler: Sampler::new(opts.sampler.clone())?,
             history: prompt.to_vec(),
             pending: None,
-            decoder: lm.tokenizer.stream(),
-            held: String::new(),
+            text: TextStream::new(lm.tokenizer.stream(), opts.stop_strings.clone()),
             cancel: CancelHandle::default(),
             finish: None,
             metrics: Metrics { prompt_tokens: prompt.len(), ..Metrics::default() },
@@ -303,43 +300,17 @@ impl<'m> Generation<'m> {
         if !self.pipelined && budget_left {
             self.queue(&ids_array(&[id])?)?;
         }
-        self.held.push_str(&self.decoder.push(id)?);
-        if !budget_left {
+        let mut text = self.text.push(id)?;
+        if !budget_left && !self.text.stopped() {
+            text.push_str(&self.text.finish()?);
+        }
+        if self.text.stopped() {
+            self.finish = Some(FinishReason::StopString);
+            self.pending = None;
+        } else if !budget_left {
             self.finish = Some(FinishReason::Length);
-            self.held.push_str(&self.decoder.finish()?);
         }
-        let text = self.release_text();
         Ok(Some(Token { id, text, logprob }))
-    }
-
-    /// The decoded text that can be handed out: up to a stop string (which ends generation), else
-    /// all but a tail that could still grow into one.
-    fn release_text(&mut self) -> String {
-        for s in &self.opts.stop_strings {
-            if let Some(at) = self.held.find(s.as_str()) {
-                self.finish = Some(FinishReason::StopString);
-                self.pending = None;
-                let out = self.held[..at].to_string();
-                self.held.clear();
-                return out;
-            }
-        }
-        if self.finish.is_some() {
-            return std::mem::take(&mut self.held);
-        }
-        let keep = self
-            .opts
-            .stop_strings
-            .iter()
-            .flat_map(|s| (1..s.len()).filter(|&n| s.is_char_boundary(n)).map(move |n| &s[..n]))
-            .filter(|prefix| self.held.ends_with(prefix))
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
-        let cut = self.held.len() - keep;
-        let out = self.held[..cut].to_string();
-        self.held.drain(..cut);
-        out
     }
 }
 

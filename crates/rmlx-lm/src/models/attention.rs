@@ -78,8 +78,8 @@ impl Attention {
         let q = heads(&self.q_proj, self.heads, &self.q_norm)?;
         let k = heads(&self.k_proj, self.kv_heads, &self.k_norm)?;
         let v = heads(&self.v_proj, self.kv_heads, &None)?;
-        let offset = cache.offset();
-        let (q, k) = (self.rope.apply(&q, offset)?, self.rope.apply(&k, offset)?);
+        let offset = cache.rope_offset()?;
+        let (q, k) = (self.rope.apply(&q, &offset)?, self.rope.apply(&k, &offset)?);
         let o = cached_attention(&q, &k, &v, cache, self.scale)?;
         self.o_proj.forward(&merge_heads(&o)?)
     }

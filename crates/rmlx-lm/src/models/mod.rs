@@ -7,7 +7,7 @@ pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, Offset};
 use crate::config::{llama3_rope_divisors, Architecture, ModelConfig, RopeScaling};
 use crate::nn::{Builder, Module};
 use crate::Result;
@@ -156,13 +156,17 @@ impl Rope {
         Ok(Rope { dims: d, base: cfg.rope_theta, divisors: Some(Array::from_slice(&divisors, &[d / 2])?), scale: 1.0 })
     }
 
-    /// Rotates `x: [B, H, L, D]` at positions `offset..offset + L`.
-    pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
+    /// Rotates `x: [B, H, L, D]` at positions `offset..offset + L` (per row of `B` for
+    /// [`Offset::PerRow`]).
+    pub fn apply(&self, x: &Array, offset: &Offset) -> Result<Array> {
         let freqs = match &self.divisors {
             Some(d) => RopeFreqs::Explicit(d),
             None => RopeFreqs::Base(self.base),
         };
-        Ok(fast::rope(x, self.dims, false, freqs, self.scale, offset as i32)?)
+        Ok(match offset {
+            Offset::Uniform(o) => fast::rope(x, self.dims, false, freqs, self.scale, *o as i32)?,
+            Offset::PerRow(o) => fast::rope(x, self.dims, false, freqs, self.scale, o)?,
+        })
     }
 }
 

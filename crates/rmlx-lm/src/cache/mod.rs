@@ -10,6 +10,10 @@
 //! reasons about positions. The buffers and the offset are plain fields a compiled, static-shape
 //! decode step can take over: the write position is `offset`, the valid length `offset + 1`.
 
+mod batch;
+
+pub use batch::BatchCache;
+
 use crate::Result;
 use rmlx::fast::AttentionMask;
 use rmlx::{ops, Array};
@@ -48,6 +52,16 @@ pub enum KvCache {
     Standard(StandardCache),
     /// Bounded to a window of positions.
     Rotating(RotatingCache),
+    /// Several sequences of different lengths (continuous batching).
+    Batch(BatchCache),
+}
+
+/// Where the rotary embedding of a layer's new positions starts.
+pub enum Offset {
+    /// The same position for every sequence.
+    Uniform(usize),
+    /// One position per sequence, `[batch]` int32.
+    PerRow(Array),
 }
 
 impl KvCache {
@@ -77,14 +91,35 @@ impl KvCache {
         match self {
             KvCache::Standard(_) => KvCache::standard(),
             KvCache::Rotating(c) => KvCache::rotating(c.max_size, c.keep),
+            KvCache::Batch(c) => KvCache::Batch(BatchCache::new(c.rows(), c.window())),
         }
     }
 
-    /// Positions seen so far (the RoPE offset of the next token).
+    /// Positions seen so far (the RoPE offset of the next token); for a batch, the positions
+    /// written, padding included.
     pub fn offset(&self) -> usize {
         match self {
             KvCache::Standard(c) => c.offset,
             KvCache::Rotating(c) => c.offset,
+            KvCache::Batch(c) => c.width(),
+        }
+    }
+
+    /// The RoPE offset of the next position of each sequence.
+    pub fn rope_offset(&self) -> Result<Offset> {
+        Ok(match self {
+            KvCache::Batch(c) => Offset::PerRow(c.offsets()?),
+            _ => Offset::Uniform(self.offset()),
+        })
+    }
+
+    /// The sliding window of this layer's positions (`None`: unbounded), as a batch cache of it
+    /// must apply it ([`BatchCache::new`]).
+    pub fn window(&self) -> Option<usize> {
+        match self {
+            KvCache::Standard(_) => None,
+            KvCache::Rotating(c) => Some(c.max_size),
+            KvCache::Batch(c) => c.window(),
         }
     }
 
@@ -94,6 +129,7 @@ impl KvCache {
         match self {
             KvCache::Standard(c) => c.update(k, v),
             KvCache::Rotating(c) => c.update(k, v),
+            KvCache::Batch(c) => c.update(k, v),
         }
     }
 
@@ -104,6 +140,7 @@ impl KvCache {
             KvCache::Rotating(c) => {
                 *c = RotatingCache::new(c.max_size, c.keep);
             }
+            KvCache::Batch(c) => *c = BatchCache::new(c.rows(), c.window()),
         }
     }
 
@@ -112,6 +149,7 @@ impl KvCache {
         let (k, v) = match self {
             KvCache::Standard(c) => (&c.keys, &c.values),
             KvCache::Rotating(c) => (&c.keys, &c.values),
+            KvCache::Batch(c) => return c.state(),
         };
         k.iter().chain(v.iter()).collect()
     }

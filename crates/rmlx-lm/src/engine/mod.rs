@@ -1,0 +1,532 @@
+//! Continuous batching: many requests decoded together, joining and leaving the batch at token
+//! boundaries. What `rmlx serve` and `rmlx batch` run.
+//!
+//! Each [`Engine::step`] spends up to [`EngineOptions::prefill_tokens`] prompt tokens on the
+//! requests waiting to start (one sequence at a time, resuming a long prompt over several steps),
+//! then decodes one token for every running sequence in a single forward pass. A sequence whose
+//! prompt is done joins the running batch ([`crate::cache::BatchCache`]); one that ends leaves it,
+//! its keys and values kept in the [`PromptCache`] for later prompts that begin the same way.
+//! Every sequence samples with its own settings and its own random key, so a seeded request gives
+//! the same tokens alone or in a batch.
+//!
+//! ```
+//! # fn main() -> rmlx_lm::Result<()> {
+//! use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
+//! use rmlx_lm::GenerateOptions;
+//! let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &Default::default())?;
+//! let mut engine = Engine::new(&lm, EngineOptions::default());
+//! let options = GenerateOptions { max_tokens: 4, ..Default::default() };
+//! for text in ["The capital of France is", "One, two, three,"] {
+//!     let prompt = lm.encode_prompt(text, true, None)?;
+//!     engine.submit(Request { prompt, options: options.clone(), top_logprobs: 0 })?;
+//! }
+//! let mut finished = 0;
+//! while !engine.is_idle() {
+//!     for update in engine.step()? {
+//!         if let Update::Finished { usage, .. } = update {
+//!             assert_eq!(usage.completion_tokens, 4);
+//!             finished += 1;
+//!         }
+//!     }
+//! }
+//! assert_eq!(finished, 2);
+//! # Ok(()) }
+//! ```
+
+mod prompt_cache;
+mod sequence;
+
+pub use prompt_cache::PromptCache;
+
+use crate::cache::{BatchCache, KvCache};
+use crate::generate::{FinishReason, GenerateOptions};
+use crate::loader::LoadedModel;
+use crate::sample::log_softmax;
+use crate::{Error, Result};
+use rmlx::{ops, Array, Dtype};
+use sequence::Sequence;
+use std::collections::{HashSet, VecDeque};
+use std::time::Duration;
+
+/// A request's handle in the engine.
+pub type SeqId = u64;
+
+/// How the engine batches and what it may hold.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Most sequences decoded together; more wait.
+    pub max_batch: usize,
+    /// Prompt tokens computed per step, before the step's decoding: bounds how long running
+    /// sequences wait for a newcomer's prompt.
+    pub prefill_tokens: usize,
+    /// Bytes of the prompt cache (0: off).
+    pub prompt_cache_bytes: usize,
+    /// Bytes the running batch's keys and values may take (`None`: unbounded). A request that
+    /// would pass it waits; one that cannot fit even alone is refused at [`Engine::submit`].
+    pub max_kv_bytes: Option<usize>,
+    /// Positions a sequence may reach (prompt plus generated tokens); `None`: the model's
+    /// `max_position_embeddings`.
+    pub context: Option<usize>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            max_batch: 32,
+            prefill_tokens: 512,
+            prompt_cache_bytes: 1 << 30,
+            max_kv_bytes: None,
+            context: None,
+        }
+    }
+}
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Token ids of the prompt.
+    pub prompt: Vec<u32>,
+    /// Token budget, sampling, stop strings (`prefill_chunk` and `context_limit` are the
+    /// engine's: [`EngineOptions`]).
+    pub options: GenerateOptions,
+    /// How many of the most likely tokens to report beside each sampled one (0: none).
+    pub top_logprobs: usize,
+}
+
+/// Token counts and timing of a finished request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prompt cache.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    /// From submission to the first sampled token.
+    pub time_to_first_token: Option<Duration>,
+}
+
+/// What a step produced for one request.
+#[derive(Debug)]
+pub enum Update {
+    /// The prompt starts being computed (`cached_tokens` of it come from the prompt cache).
+    Started { seq: SeqId, prompt_tokens: usize, cached_tokens: usize },
+    /// A sampled token, the text it completes (possibly empty), its log-probability and, when
+    /// asked for, the most likely tokens with theirs.
+    Token { seq: SeqId, id: u32, text: String, logprob: f32, top: Vec<(u32, f32)> },
+    /// Text held back until the end (an incomplete character, a possible stop string).
+    Text { seq: SeqId, text: String },
+    /// The request ended; nothing more comes for it.
+    Finished { seq: SeqId, reason: FinishReason, usage: Usage },
+    /// The request failed (its logits overflowed); nothing more comes for it.
+    Failed { seq: SeqId, error: Error },
+}
+
+/// A prompt being computed, one chunk per step.
+struct Prefill {
+    seq: Sequence,
+    caches: Vec<KvCache>,
+    done: usize,
+}
+
+/// The batch scheduler: owns the running sequences' caches; not thread-safe (MLX work stays on
+/// the thread that calls [`Engine::step`]).
+pub struct Engine<'m> {
+    lm: &'m LoadedModel,
+    opts: EngineOptions,
+    next_id: SeqId,
+    waiting: VecDeque<Sequence>,
+    prefill: Option<Prefill>,
+    running: Vec<Sequence>,
+    /// One per layer, a row per running sequence.
+    caches: Vec<KvCache>,
+    windows: Vec<Option<usize>>,
+    cancelled: HashSet<SeqId>,
+    prompt_cache: PromptCache,
+    context: usize,
+    kv_bytes_per_position: usize,
+}
+
+impl<'m> Engine<'m> {
+    pub fn new(lm: &'m LoadedModel, opts: EngineOptions) -> Engine<'m> {
+        let cfg = lm.model.config();
+        let windows: Vec<Option<usize>> = lm.model.new_caches(None).iter().map(KvCache::window).collect();
+        let context = opts.context.or(cfg.max_position_embeddings).unwrap_or(crate::cache::MAX_POSITIONS);
+        let per_layer = 2 * cfg.kv_heads() as usize * cfg.head_dim() as usize * lm.dtype.size();
+        Engine {
+            lm,
+            prompt_cache: PromptCache::new(opts.prompt_cache_bytes),
+            opts,
+            next_id: 0,
+            waiting: VecDeque::new(),
+            prefill: None,
+            running: Vec::new(),
+            caches: windows.iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect(),
+            kv_bytes_per_position: per_layer * windows.len(),
+            windows,
+            cancelled: HashSet::new(),
+            context,
+        }
+    }
+
+    /// Queues a request; its updates come from later [`Engine::step`]s.
+    ///
+    /// Errors: [`Error::Prompt`] for an empty prompt, one with an id the model has no embedding
+    /// for, one that leaves no room in the context, or one whose keys and values cannot fit in
+    /// [`EngineOptions::max_kv_bytes`]; [`Error::InvalidParameter`] for bad sampler settings.
+    pub fn submit(&mut self, request: Request) -> Result<SeqId> {
+        let n = request.prompt.len();
+        if n == 0 {
+            return Err(Error::Prompt("the prompt is empty".into()));
+        }
+        self.lm.vocab.check(&request.prompt)?;
+        request.options.sampler.validate()?;
+        if n >= self.context {
+            return Err(Error::Prompt(format!(
+                "the prompt has {n} tokens; the context is {} tokens, with room for at least one more",
+                self.context
+            )));
+        }
+        let max_tokens = request.options.max_tokens.min(self.context - n);
+        if let Some(limit) = self.opts.max_kv_bytes {
+            let need = (n + max_tokens) * self.kv_bytes_per_position;
+            if need > limit {
+                return Err(Error::Prompt(format!(
+                    "{n} prompt tokens and {max_tokens} to generate need {} of keys and values; the limit is {}",
+                    human_bytes(need),
+                    human_bytes(limit)
+                )));
+            }
+        }
+        let id = self.next_id;
+        let seq = Sequence::new(self.lm, id, request, max_tokens)?;
+        self.next_id += 1;
+        self.waiting.push_back(seq);
+        Ok(id)
+    }
+
+    /// Ends request `seq` at the next step (its keys and values are freed then).
+    pub fn cancel(&mut self, seq: SeqId) {
+        self.cancelled.insert(seq);
+    }
+
+    /// Whether no request is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.prefill.is_none() && self.running.is_empty()
+    }
+
+    /// Sequences decoding, and requests not started yet (including the one being prefilled).
+    pub fn load(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting.len() + usize::from(self.prefill.is_some()))
+    }
+
+    /// The prompt cache's bytes and entries.
+    pub fn prompt_cache_usage(&self) -> (usize, usize) {
+        (self.prompt_cache.bytes(), self.prompt_cache.len())
+    }
+
+    /// Bytes held by the running batch's keys and values.
+    pub fn kv_bytes(&self) -> usize {
+        self.caches.iter().map(|c| if let KvCache::Batch(b) = c { b.nbytes() } else { 0 }).sum()
+    }
+
+    /// Prefills what the budget allows, then decodes one token for every running sequence.
+    ///
+    /// An error leaves the engine without requests (every one of them gets a
+    /// [`Update::Finished`] with [`FinishReason::Cancelled`] in [`Engine::abort`]).
+    pub fn step(&mut self) -> Result<Vec<Update>> {
+        let mut out = Vec::new();
+        self.drop_cancelled(&mut out)?;
+        self.prefill_some(&mut out)?;
+        self.decode(&mut out)?;
+        Ok(out)
+    }
+
+    /// Ends every request (after an error): the updates that say so.
+    pub fn abort(&mut self) -> Vec<Update> {
+        let mut out = Vec::new();
+        let all = self.running.drain(..).chain(self.prefill.take().map(|p| p.seq)).chain(self.waiting.drain(..));
+        for mut s in all.collect::<Vec<_>>() {
+            let _ = s.end(FinishReason::Cancelled, &mut out);
+        }
+        self.caches = self.windows.iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect();
+        self.cancelled.clear();
+        out
+    }
+
+    fn drop_cancelled(&mut self, out: &mut Vec<Update>) -> Result<()> {
+        if self.cancelled.is_empty() {
+            return Ok(());
+        }
+        let cancelled = std::mem::take(&mut self.cancelled);
+        let (mut gone, waiting): (Vec<_>, Vec<_>) = self.waiting.drain(..).partition(|s| cancelled.contains(&s.id));
+        self.waiting = waiting.into();
+        for seq in &mut gone {
+            seq.end(FinishReason::Cancelled, out)?;
+        }
+        if self.prefill.as_ref().is_some_and(|p| cancelled.contains(&p.seq.id)) {
+            let mut p = self.prefill.take().expect("checked");
+            p.seq.end(FinishReason::Cancelled, out)?;
+        }
+        let keep: Vec<usize> = (0..self.running.len()).filter(|&i| !cancelled.contains(&self.running[i].id)).collect();
+        if keep.len() < self.running.len() {
+            for s in self.running.iter_mut().filter(|s| cancelled.contains(&s.id)) {
+                s.end(FinishReason::Cancelled, out)?;
+            }
+            self.keep_rows(&keep)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `seq` can join the running batch without passing the key/value budget, counting
+    /// every running sequence at its longest.
+    fn fits(&self, seq: &Sequence) -> bool {
+        let Some(limit) = self.opts.max_kv_bytes else { return true };
+        let width = self.caches.first().map_or(0, KvCache::offset).max(seq.history.len());
+        let longest_rest = self.running.iter().chain([seq]).map(|s| s.max_tokens - s.generated).max().unwrap_or(0);
+        (self.running.len() + 1) * (width + longest_rest) * self.kv_bytes_per_position <= limit
+    }
+
+    fn prefill_some(&mut self, out: &mut Vec<Update>) -> Result<()> {
+        let mut budget = self.opts.prefill_tokens.max(1);
+        while budget > 0 {
+            if self.prefill.is_none() {
+                let ready = self.running.len() < self.opts.max_batch.max(1)
+                    && self.waiting.front().is_some_and(|s| self.fits(s));
+                if !ready {
+                    return Ok(());
+                }
+                let seq = self.waiting.pop_front().expect("checked");
+                self.prefill = Some(self.start(seq, out)?);
+            }
+            let p = self.prefill.as_mut().expect("set above");
+            let prompt_len = p.seq.history.len();
+            let n = (prompt_len - p.done).min(budget);
+            let ids = ids_array(&p.seq.history[p.done..p.done + n], 1)?;
+            let h = self.lm.model.forward_hidden(&ids, &mut p.caches)?;
+            p.done += n;
+            budget -= n;
+            if p.done < prompt_len {
+                rmlx::eval(p.caches.iter().flat_map(KvCache::state))?;
+                continue;
+            }
+            let p = self.prefill.take().expect("set above");
+            self.first_token(p, &h, out)?;
+        }
+        Ok(())
+    }
+
+    /// Begins `seq`'s prompt from the longest cached beginning of it.
+    fn start(&mut self, mut seq: Sequence, out: &mut Vec<Update>) -> Result<Prefill> {
+        let hit = self.prompt_cache.lookup(&seq.history);
+        let (done, caches) = match hit {
+            Some(hit) => {
+                let caches = hit.layers.iter().zip(&self.windows);
+                (hit.tokens, caches.map(|((k, v), &w)| KvCache::Batch(BatchCache::from_prefix(k, v, w))).collect())
+            }
+            None => (0, self.windows.iter().map(|&w| KvCache::Batch(BatchCache::new(1, w))).collect()),
+        };
+        seq.cached_tokens = done;
+        out.push(Update::Started { seq: seq.id, prompt_tokens: seq.prompt_tokens, cached_tokens: done });
+        Ok(Prefill { seq, caches, done })
+    }
+
+    /// Samples the first token from the prompt's last hidden state; the sequence then joins the
+    /// running batch, or ends.
+    fn first_token(&mut self, mut p: Prefill, h: &Array, out: &mut Vec<Update>) -> Result<()> {
+        let len = h.shape()[1];
+        let logits = self.lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?.reshape(&[1, -1])?;
+        let sampled = sample_rows(self.lm, std::slice::from_mut(&mut p.seq), &logits)?;
+        rmlx::eval(sampled.arrays().chain(p.caches.iter().flat_map(KvCache::state)))?;
+        let read = sampled.read()?;
+        let seq = &mut p.seq;
+        if !read.finite[0] {
+            return Err(non_finite(seq));
+        }
+        seq.accept(self.lm, read.tokens[0], read.logprobs[0], read.top(0), out)?;
+        if seq.finish.is_some() {
+            return remember(&mut self.prompt_cache, seq, &p.caches, 0);
+        }
+        for (mine, theirs) in self.caches.iter_mut().zip(p.caches) {
+            let (KvCache::Batch(mine), KvCache::Batch(theirs)) = (mine, theirs) else { unreachable!("batch caches") };
+            mine.extend(theirs)?;
+        }
+        self.running.push(p.seq);
+        Ok(())
+    }
+
+    fn decode(&mut self, out: &mut Vec<Update>) -> Result<()> {
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let next: Vec<u32> = self.running.iter().map(|s| s.next.expect("running sequences have a next token")).collect();
+        let ids = ids_array(&next, next.len() as i32)?.reshape(&[next.len() as i32, 1])?;
+        let h = self.lm.model.forward_hidden(&ids, &mut self.caches)?;
+        let logits = self.lm.model.logits(&h)?.reshape(&[next.len() as i32, -1])?;
+        let sampled = sample_rows(self.lm, &mut self.running, &logits)?;
+        rmlx::eval(sampled.arrays().chain(self.caches.iter().flat_map(KvCache::state)))?;
+        let read = sampled.read()?;
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if !read.finite[i] {
+                seq.finish = Some(FinishReason::Cancelled);
+                out.push(Update::Failed { seq: seq.id, error: non_finite(seq) });
+                continue;
+            }
+            seq.accept(self.lm, read.tokens[i], read.logprobs[i], read.top(i), out)?;
+        }
+        let ended: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].finish.is_some()).collect();
+        if ended.is_empty() {
+            return Ok(());
+        }
+        for &i in &ended {
+            remember(&mut self.prompt_cache, &self.running[i], &self.caches, i)?;
+        }
+        let keep: Vec<usize> = (0..self.running.len()).filter(|i| !ended.contains(i)).collect();
+        self.keep_rows(&keep)
+    }
+
+    /// Keeps running rows `keep` (their sequences and cache rows).
+    fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
+        for c in &mut self.caches {
+            let KvCache::Batch(b) = c else { unreachable!("batch caches") };
+            b.filter(keep)?;
+        }
+        let mut old: Vec<Option<Sequence>> = self.running.drain(..).map(Some).collect();
+        self.running = keep.iter().map(|&i| old[i].take().expect("each row kept once")).collect();
+        Ok(())
+    }
+}
+
+/// Puts row `row` of `caches` (sequence `seq`) in the prompt cache.
+fn remember(cache: &mut PromptCache, seq: &Sequence, caches: &[KvCache], row: usize) -> Result<()> {
+    if cache.budget() == 0 {
+        return Ok(());
+    }
+    let mut layers = Vec::with_capacity(caches.len());
+    for c in caches {
+        let KvCache::Batch(b) = c else { unreachable!("batch caches") };
+        match b.extract(row)? {
+            Some(kv) => layers.push(kv),
+            None => return Ok(()),
+        }
+    }
+    rmlx::eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
+    let positions = layers[0].0.shape()[2] as usize;
+    let tokens = seq.history[..positions.min(seq.history.len())].to_vec();
+    if tokens.len() == positions {
+        cache.insert(tokens, layers);
+    }
+    Ok(())
+}
+
+/// `1.5 GB`, `14.3 kB`.
+fn human_bytes(n: usize) -> String {
+    let n = n as f64;
+    match n {
+        n if n >= 1e9 => format!("{:.2} GB", n / 1e9),
+        n if n >= 1e6 => format!("{:.1} MB", n / 1e6),
+        n => format!("{:.1} kB", n / 1e3),
+    }
+}
+
+fn non_finite(seq: &Sequence) -> Error {
+    Error::NonFinite(format!(
+        "the logits of token {} of request {} are NaN or infinite (the weights or activations overflow)",
+        seq.generated + 1,
+        seq.id
+    ))
+}
+
+fn ids_array(ids: &[u32], rows: i32) -> Result<Array> {
+    let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    Ok(Array::from_slice(&v, &[rows, v.len() as i32 / rows])?)
+}
+
+/// One step's sampled tokens for every row, lazily: evaluate [`Sampled::arrays`] together with
+/// the caches, then [`Sampled::read`].
+struct Sampled {
+    tokens: Array,
+    logprobs: Array,
+    finite: Array,
+    /// The `k` most likely ids and their log-probabilities, `[rows, k]` each.
+    top: Option<(Array, Array)>,
+    wanted: Vec<usize>,
+}
+
+struct Read {
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    finite: Vec<bool>,
+    top: Option<(Vec<u32>, Vec<f32>, usize)>,
+    wanted: Vec<usize>,
+}
+
+impl Sampled {
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        [&self.tokens, &self.logprobs, &self.finite].into_iter().chain(self.top.iter().flat_map(|(i, v)| [i, v]))
+    }
+
+    fn read(&self) -> Result<Read> {
+        let top = match &self.top {
+            Some((ids, values)) => Some((ids.to_vec::<u32>()?, values.to_vec::<f32>()?, ids.shape()[1] as usize)),
+            None => None,
+        };
+        Ok(Read {
+            tokens: self.tokens.to_vec::<u32>()?,
+            logprobs: self.logprobs.to_vec::<f32>()?,
+            finite: self.finite.to_vec::<bool>()?,
+            top,
+            wanted: self.wanted.clone(),
+        })
+    }
+}
+
+impl Read {
+    /// Row `i`'s most likely tokens, most likely first, as many as its request asked for.
+    fn top(&self, i: usize) -> Vec<(u32, f32)> {
+        let Some((ids, values, k)) = &self.top else { return Vec::new() };
+        let mut row: Vec<(u32, f32)> = (0..*k).map(|j| (ids[i * k + j], values[i * k + j])).collect();
+        row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        row.truncate(self.wanted[i]);
+        row
+    }
+}
+
+/// Samples a token for each row of `logits: [rows, vocab]` with each sequence's own sampler. Rows
+/// without logit processors share one log-softmax (and one argmax when greedy); the others, and
+/// every random draw, go row by row with the sequence's own history and key.
+fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Array) -> Result<Sampled> {
+    let rows = seqs.len() as i32;
+    let finite = ops::isfinite(logits)?.all(rmlx::Axes::from(-1), false)?;
+    let logits = lm.vocab.mask_logits(&logits.astype(Dtype::Float32)?)?;
+    let shared = log_softmax(&logits)?;
+    let all_greedy = seqs.iter().all(|s| s.sampler.config().is_greedy() && !s.processes_logits());
+    let (tokens, logprobs) = if all_greedy {
+        (shared.argmax(Some(-1), false)?.astype(Dtype::Uint32)?, shared)
+    } else {
+        let mut tokens = Vec::with_capacity(seqs.len());
+        let mut rows_lp = Vec::with_capacity(seqs.len());
+        let any_processed = seqs.iter().any(Sequence::processes_logits);
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let i = i as i32;
+            let lp = if s.processes_logits() {
+                s.sampler.logprobs(&logits.slice_axis(0, i, i + 1, 1)?, &s.history)?
+            } else {
+                shared.slice_axis(0, i, i + 1, 1)?
+            };
+            tokens.push(s.sampler.sample_logprobs(&lp)?.reshape(&[1])?);
+            rows_lp.push(lp);
+        }
+        let lp = if any_processed { ops::concatenate(&rows_lp.iter().collect::<Vec<_>>(), 0)? } else { shared };
+        (ops::concatenate(&tokens.iter().collect::<Vec<_>>(), 0)?, lp)
+    };
+    let chosen = ops::take_along_axis(&logprobs, &tokens.astype(Dtype::Int32)?.reshape(&[rows, 1])?, Some(-1))?;
+    let wanted: Vec<usize> = seqs.iter().map(|s| s.top_logprobs).collect();
+    let k = wanted.iter().copied().max().unwrap_or(0).min(logprobs.shape()[1] as usize) as i32;
+    let top = if k > 0 {
+        let ids = ops::argpartition(&logprobs.negative()?, k - 1, Some(-1))?.slice_axis(-1, 0, k, 1)?;
+        let values = ops::take_along_axis(&logprobs, &ids, Some(-1))?;
+        Some((ids.astype(Dtype::Uint32)?, values))
+    } else {
+        None
+    };
+    Ok(Sampled { tokens, logprobs: chosen.reshape(&[rows])?, finite, top, wanted })
+}

@@ -1,0 +1,105 @@
+//! Keys and values of earlier sequences, kept so that a new prompt sharing their beginning (a
+//! system prompt, the earlier turns of a conversation) does not recompute it. Bounded by a byte
+//! budget: an entry that would pass it evicts the least recently used ones first, and an entry
+//! larger than the whole budget is not kept.
+
+use rmlx::Array;
+
+/// One layer's keys and values, `[1, kv_heads, positions, head_dim]` each.
+pub type LayerKv = (Array, Array);
+
+struct Entry {
+    tokens: Vec<u32>,
+    layers: Vec<LayerKv>,
+    bytes: usize,
+    last_used: u64,
+}
+
+/// The entries, their bytes and the budget.
+pub struct PromptCache {
+    entries: Vec<Entry>,
+    budget: usize,
+    bytes: usize,
+    clock: u64,
+}
+
+/// What a lookup found: the keys and values of the first `tokens` positions of the prompt.
+pub struct Hit {
+    pub tokens: usize,
+    pub layers: Vec<LayerKv>,
+}
+
+impl PromptCache {
+    /// An empty cache holding at most `budget` bytes (0: nothing is kept).
+    pub fn new(budget: usize) -> PromptCache {
+        PromptCache { entries: Vec::new(), budget, bytes: 0, clock: 0 }
+    }
+
+    /// The most bytes it holds.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The longest cached beginning of `prompt`, leaving at least its last token to compute (the
+    /// next token's logits need it): `None` when no entry shares a token with it.
+    pub fn lookup(&mut self, prompt: &[u32]) -> Option<Hit> {
+        let usable = prompt.len().saturating_sub(1);
+        let (best, shared) = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable)))
+            .max_by_key(|&(_, n)| n)?;
+        if shared == 0 {
+            return None;
+        }
+        self.clock += 1;
+        let e = &mut self.entries[best];
+        e.last_used = self.clock;
+        let n = shared as i32;
+        let cut = |a: &Array| a.slice_axis(2, 0, n, 1);
+        let layers = e.layers.iter().map(|(k, v)| Ok((cut(k)?, cut(v)?))).collect::<rmlx::Result<Vec<_>>>().ok()?;
+        Some(Hit { tokens: shared, layers })
+    }
+
+    /// Keeps the keys and values of `tokens` (evaluated arrays, not views of a larger buffer).
+    /// Entries that are a beginning of `tokens` are dropped (this one covers them).
+    pub fn insert(&mut self, tokens: Vec<u32>, layers: Vec<LayerKv>) {
+        let bytes: usize = layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum();
+        if tokens.is_empty() || bytes > self.budget {
+            return;
+        }
+        self.entries.retain(|e| {
+            let covered = e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens);
+            if covered {
+                self.bytes -= e.bytes;
+            }
+            !covered
+        });
+        if self.entries.iter().any(|e| e.tokens.starts_with(&tokens)) {
+            return;
+        }
+        while self.bytes + bytes > self.budget {
+            let oldest = (0..self.entries.len()).min_by_key(|&i| self.entries[i].last_used).expect("bytes > 0");
+            self.bytes -= self.entries.swap_remove(oldest).bytes;
+        }
+        self.clock += 1;
+        self.bytes += bytes;
+        self.entries.push(Entry { tokens, layers, bytes, last_used: self.clock });
+    }
+}

@@ -1,0 +1,103 @@
+//! One request inside the engine: its sampler, its text stream, its counters, and what happens to
+//! each token it is given (end of sequence, stop string, budget).
+
+use super::{Request, SeqId, Update, Usage};
+use crate::generate::FinishReason;
+use crate::loader::LoadedModel;
+use crate::sample::Sampler;
+use crate::text_stream::TextStream;
+use crate::Result;
+use std::time::Instant;
+
+pub(super) struct Sequence {
+    pub id: SeqId,
+    /// The prompt, then every generated token fed back (what the cache holds, in order).
+    pub history: Vec<u32>,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub generated: usize,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub top_logprobs: usize,
+    pub sampler: Sampler,
+    pub text: TextStream,
+    /// The last sampled token, to feed at the next step.
+    pub next: Option<u32>,
+    pub submitted: Instant,
+    pub first_token: Option<Instant>,
+    pub finish: Option<FinishReason>,
+}
+
+impl Sequence {
+    pub fn new(lm: &LoadedModel, id: SeqId, request: Request, max_tokens: usize) -> Result<Sequence> {
+        let opts = request.options;
+        Ok(Sequence {
+            id,
+            prompt_tokens: request.prompt.len(),
+            history: request.prompt,
+            cached_tokens: 0,
+            generated: 0,
+            max_tokens,
+            ignore_eos: opts.ignore_eos,
+            top_logprobs: request.top_logprobs,
+            sampler: Sampler::new(opts.sampler)?,
+            text: TextStream::new(lm.tokenizer.stream(), opts.stop_strings),
+            next: None,
+            submitted: Instant::now(),
+            first_token: None,
+            finish: None,
+        })
+    }
+
+    /// Whether sampling needs more than the shared log-softmax of the logits (a bias or a
+    /// repetition penalty of its own).
+    pub fn processes_logits(&self) -> bool {
+        let cfg = self.sampler.config();
+        !cfg.logit_bias.is_empty() || cfg.repetition_penalty != 1.0
+    }
+
+    /// Takes the sampled token `id`: pushes the updates it makes, and sets `finish` when it ends
+    /// the sequence.
+    pub fn accept(&mut self, lm: &LoadedModel, id: u32, logprob: f32, top: Vec<(u32, f32)>, out: &mut Vec<Update>) -> Result<()> {
+        self.first_token.get_or_insert_with(Instant::now);
+        if !self.ignore_eos && lm.eos_ids.contains(&id) {
+            self.end(FinishReason::Eos, out)?;
+            return Ok(());
+        }
+        self.generated += 1;
+        self.history.push(id);
+        let text = self.text.push(id)?;
+        out.push(Update::Token { seq: self.id, id, text, logprob, top });
+        if self.text.stopped() {
+            self.end(FinishReason::StopString, out)?;
+        } else if self.generated >= self.max_tokens {
+            self.end(FinishReason::Length, out)?;
+        } else {
+            self.next = Some(id);
+        }
+        Ok(())
+    }
+
+    /// Ends the sequence for `reason`, flushing the text still held.
+    pub fn end(&mut self, reason: FinishReason, out: &mut Vec<Update>) -> Result<()> {
+        if reason != FinishReason::Cancelled {
+            let rest = self.text.finish()?;
+            if !rest.is_empty() {
+                out.push(Update::Text { seq: self.id, text: rest });
+            }
+        }
+        self.finish = Some(reason);
+        self.next = None;
+        out.push(Update::Finished { seq: self.id, reason, usage: self.usage() });
+        Ok(())
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+            completion_tokens: self.generated,
+            time_to_first_token: self.first_token.map(|t| t - self.submitted),
+        }
+    }
+}

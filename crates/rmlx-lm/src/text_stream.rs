@@ -1,0 +1,87 @@
+//! A request's text as its tokens arrive: incremental detokenisation and stop strings. The text
+//! that could still grow into a stop string is held back; a stop string ends the text before it.
+//!
+//! ```
+//! # fn main() -> rmlx_lm::Result<()> {
+//! # let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &Default::default())?;
+//! use rmlx_lm::text_stream::TextStream;
+//! let ids = lm.tokenizer.encode("one. two. three.", false)?;
+//! let mut text = TextStream::new(lm.tokenizer.stream(), vec![" two".into()]);
+//! let mut out = String::new();
+//! for &id in &ids {
+//!     out += &text.push(id)?;
+//!     if text.stopped() {
+//!         break;
+//!     }
+//! }
+//! assert_eq!(out, "one.");
+//! # Ok(()) }
+//! ```
+
+use crate::tokenizer::StreamDecoder;
+use crate::Result;
+
+pub struct TextStream {
+    decoder: StreamDecoder,
+    /// Decoded text not handed out yet: it may begin a stop string.
+    held: String,
+    stop_strings: Vec<String>,
+    stopped: bool,
+}
+
+impl TextStream {
+    /// A stream decoding with `decoder` and ending at the first of `stop_strings`.
+    pub fn new(decoder: StreamDecoder, stop_strings: Vec<String>) -> TextStream {
+        TextStream { decoder, held: String::new(), stop_strings, stopped: false }
+    }
+
+    /// Adds token `id`; returns the text that can be handed out now (possibly empty).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.held.push_str(&self.decoder.push(id)?);
+        Ok(self.release(false))
+    }
+
+    /// The text still held (an incomplete character, a possible stop string's beginning): what
+    /// is left when generation ends for another reason than a stop string.
+    pub fn finish(&mut self) -> Result<String> {
+        if self.stopped {
+            return Ok(String::new());
+        }
+        self.held.push_str(&self.decoder.finish()?);
+        Ok(self.release(true))
+    }
+
+    /// Whether a stop string was met (the text ended before it).
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    fn release(&mut self, all: bool) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        for s in &self.stop_strings {
+            if let Some(at) = self.held.find(s.as_str()) {
+                self.stopped = true;
+                let out = self.held[..at].to_string();
+                self.held.clear();
+                return out;
+            }
+        }
+        if all {
+            return std::mem::take(&mut self.held);
+        }
+        let keep = self
+            .stop_strings
+            .iter()
+            .flat_map(|s| (1..s.len()).filter(|&n| s.is_char_boundary(n)).map(move |n| &s[..n]))
+            .filter(|prefix| self.held.ends_with(prefix))
+            .map(str::len)
+            .max()
+            .unwrap_or(0);
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        out
+    }
+}

@@ -1,0 +1,280 @@
+//! The continuous-batching engine on the fixtures: a batch decodes exactly what each request
+//! decodes alone (greedy and seeded sampling, requests joining mid-way, chunked prompts, Gemma 3's
+//! sliding windows), the prompt cache reuses keys and values without changing the output and stays
+//! in its byte budget, cancellation frees the batch, and bad requests get errors.
+
+mod common;
+
+use common::{fixture_with_tokenizer, ids, reference};
+use rmlx_lm::engine::{Engine, EngineOptions, Request, SeqId, Update, Usage};
+use rmlx_lm::sample::SamplerConfig;
+use rmlx_lm::{Error, FinishReason, GenerateOptions, LoadOptions, LoadedModel};
+use std::collections::HashMap;
+
+fn load(name: &str) -> (common::TempDir, LoadedModel) {
+    let dir = fixture_with_tokenizer(name);
+    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    (dir, lm)
+}
+
+fn options(max_tokens: usize, sampler: SamplerConfig) -> GenerateOptions {
+    GenerateOptions { max_tokens, ignore_eos: true, sampler, ..GenerateOptions::default() }
+}
+
+fn seeded(seed: u64) -> SamplerConfig {
+    SamplerConfig { temperature: 1.0, top_k: 20, seed: Some(seed), ..SamplerConfig::default() }
+}
+
+#[derive(Debug, Default)]
+struct Outcome {
+    tokens: Vec<u32>,
+    logprobs: Vec<f32>,
+    top: Vec<Vec<(u32, f32)>>,
+    text: String,
+    finish: Option<FinishReason>,
+    usage: Usage,
+    cached: Option<usize>,
+}
+
+/// Steps until idle, collecting each request's updates.
+fn drain(engine: &mut Engine, outcomes: &mut HashMap<SeqId, Outcome>) {
+    while !engine.is_idle() {
+        step(engine, outcomes);
+    }
+}
+
+fn step(engine: &mut Engine, outcomes: &mut HashMap<SeqId, Outcome>) {
+    for u in engine.step().unwrap() {
+        match u {
+            Update::Started { seq, cached_tokens, .. } => outcomes.entry(seq).or_default().cached = Some(cached_tokens),
+            Update::Token { seq, id, text, logprob, top } => {
+                let o = outcomes.entry(seq).or_default();
+                o.tokens.push(id);
+                o.logprobs.push(logprob);
+                o.top.push(top);
+                o.text += &text;
+            }
+            Update::Text { seq, text } => outcomes.entry(seq).or_default().text += &text,
+            Update::Finished { seq, reason, usage } => {
+                let o = outcomes.entry(seq).or_default();
+                assert!(o.finish.is_none(), "request {seq} finished twice");
+                o.finish = Some(reason);
+                o.usage = usage;
+            }
+            Update::Failed { seq, error } => panic!("request {seq} failed: {error}"),
+        }
+    }
+}
+
+fn request(prompt: &[u32], opts: GenerateOptions) -> Request {
+    Request { prompt: prompt.to_vec(), options: opts, top_logprobs: 0 }
+}
+
+/// What `rmlx generate`'s loop produces for one prompt alone.
+fn alone(lm: &LoadedModel, prompt: &[u32], opts: &GenerateOptions) -> Vec<u32> {
+    lm.generate(prompt, opts).unwrap().map(|t| t.unwrap().id).collect()
+}
+
+/// Prompts of 24, 7, 15 and 3 tokens: the reference prompt and pieces of it shuffled.
+fn prompts(reference_prompt: &[u32]) -> Vec<Vec<u32>> {
+    let p = reference_prompt;
+    vec![p.to_vec(), p[3..10].to_vec(), p[2..17].iter().rev().copied().collect(), vec![p[5], p[1], p[9]]]
+}
+
+fn small_steps() -> EngineOptions {
+    // Prompts over several steps, and sequences joining a batch that already decodes.
+    EngineOptions { prefill_tokens: 5, ..EngineOptions::default() }
+}
+
+#[test]
+fn a_batch_decodes_what_each_request_decodes_alone() {
+    let (_d, lm) = load("llama_gqa");
+    let r = reference("llama_gqa");
+    let prompts = prompts(&ids(&r["prompt_ids"]));
+    let greedy = options(12, SamplerConfig::default());
+    let mut engine = Engine::new(&lm, small_steps());
+    let mut out = HashMap::new();
+    // Two start together; two more join after a few steps, one longer than the running batch.
+    let mut seqs = vec![engine.submit(request(&prompts[1], greedy.clone())).unwrap()];
+    seqs.push(engine.submit(request(&prompts[3], greedy.clone())).unwrap());
+    for _ in 0..4 {
+        step(&mut engine, &mut out);
+    }
+    seqs.push(engine.submit(request(&prompts[0], greedy.clone())).unwrap());
+    seqs.push(engine.submit(request(&prompts[2], greedy.clone())).unwrap());
+    drain(&mut engine, &mut out);
+    for (seq, prompt) in seqs.iter().zip([&prompts[1], &prompts[3], &prompts[0], &prompts[2]]) {
+        let o = &out[seq];
+        assert_eq!(o.tokens, alone(&lm, prompt, &greedy), "prompt of {} tokens", prompt.len());
+        assert_eq!(o.finish, Some(FinishReason::Length));
+        assert_eq!((o.usage.prompt_tokens, o.usage.completion_tokens), (prompt.len(), 12));
+        assert_eq!(o.text, lm.tokenizer.decode(&o.tokens, true).unwrap());
+    }
+    // The reference prompt continues as transformers computed.
+    assert_eq!(out[&seqs[2]].tokens, ids(&r["greedy"]));
+    assert_eq!(engine.kv_bytes(), 0, "the batch is empty once every request ended");
+}
+
+#[test]
+fn seeded_sampling_is_the_same_alone_or_in_a_batch() {
+    let (_d, lm) = load("llama_gqa");
+    let prompts = prompts(&ids(&reference("llama_gqa")["prompt_ids"]));
+    let opts = |seed| options(10, seeded(seed));
+    let mut engine = Engine::new(&lm, small_steps());
+    let mut out = HashMap::new();
+    let batched: Vec<SeqId> = prompts.iter().enumerate().map(|(i, p)| engine.submit(request(p, opts(i as u64))).unwrap()).collect();
+    // A greedy request and one with a repetition penalty share the batch.
+    let penalised = SamplerConfig { repetition_penalty: 1.3, ..seeded(99) };
+    let extra = engine.submit(request(&prompts[0], options(10, penalised.clone()))).unwrap();
+    engine.submit(request(&prompts[1], options(10, SamplerConfig::default()))).unwrap();
+    drain(&mut engine, &mut out);
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(out[&batched[i]].tokens, alone(&lm, p, &opts(i as u64)), "seed {i}");
+    }
+    assert_eq!(out[&extra].tokens, alone(&lm, &prompts[0], &options(10, penalised)));
+    // Different seeds draw different tokens (the test would not see a shared key otherwise).
+    assert_ne!(out[&batched[0]].tokens, alone(&lm, &prompts[0], &opts(1)));
+}
+
+#[test]
+fn sliding_window_layers_in_a_batch() {
+    // Gemma 3 fixture: local layers see 8 positions; prompts of 20 and 11 tokens and 16 generated.
+    let (_d, lm) = load("gemma3_text");
+    let a: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 256).collect();
+    let b: Vec<u32> = (0..11).map(|i| (i * 53 + 7) % 256).collect();
+    let greedy = options(16, SamplerConfig::default());
+    let mut engine = Engine::new(&lm, small_steps());
+    let mut out = HashMap::new();
+    let sa = engine.submit(request(&a, greedy.clone())).unwrap();
+    step(&mut engine, &mut out);
+    let sb = engine.submit(request(&b, greedy.clone())).unwrap();
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&sa].tokens, alone(&lm, &a, &greedy));
+    assert_eq!(out[&sb].tokens, alone(&lm, &b, &greedy));
+}
+
+#[test]
+fn the_prompt_cache_reuses_a_shared_beginning() {
+    let (_d, lm) = load("llama_gqa");
+    let prompt = ids(&reference("llama_gqa")["prompt_ids"]);
+    let greedy = options(6, SamplerConfig::default());
+    let mut engine = Engine::new(&lm, EngineOptions::default());
+    let mut out = HashMap::new();
+    let first = engine.submit(request(&prompt, greedy.clone())).unwrap();
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&first].cached, Some(0));
+    let generated = out[&first].tokens.clone();
+    // The next turn: the prompt, the answer, two more tokens. The cache holds the prompt and the
+    // five answer tokens fed back (the sixth was never an input).
+    let next: Vec<u32> = prompt.iter().chain(&generated).chain(&[3, 4]).copied().collect();
+    let second = engine.submit(request(&next, greedy.clone())).unwrap();
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&second].cached, Some(prompt.len() + 5));
+    assert_eq!(out[&second].usage.cached_tokens, prompt.len() + 5);
+    assert_eq!(out[&second].tokens, alone(&lm, &next, &greedy));
+    // The same prompt again: all but its last token come from the cache.
+    let third = engine.submit(request(&next, greedy.clone())).unwrap();
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&third].cached, Some(next.len() - 1));
+    assert_eq!(out[&third].tokens, out[&second].tokens);
+}
+
+#[test]
+fn the_prompt_cache_stays_in_its_budget() {
+    let (_d, lm) = load("llama_gqa");
+    let prompt = ids(&reference("llama_gqa")["prompt_ids"]);
+    // Room for about two entries of ~30 positions.
+    let per_position = {
+        let mut engine = Engine::new(&lm, EngineOptions::default());
+        engine.submit(request(&prompt, options(1, SamplerConfig::default()))).unwrap();
+        drain(&mut engine, &mut HashMap::new());
+        engine.prompt_cache_usage().0 / prompt.len()
+    };
+    let budget = per_position * 65;
+    let mut engine = Engine::new(&lm, EngineOptions { prompt_cache_bytes: budget, ..EngineOptions::default() });
+    let mut out = HashMap::new();
+    for i in 0..6u32 {
+        let p: Vec<u32> = prompt.iter().map(|t| (t + i * 7) % 256).collect();
+        engine.submit(request(&p, options(4, SamplerConfig::default()))).unwrap();
+        drain(&mut engine, &mut out);
+        let (bytes, entries) = engine.prompt_cache_usage();
+        assert!(bytes <= budget, "{bytes} bytes held over a budget of {budget}");
+        assert!(entries <= 2, "{entries} entries");
+    }
+    assert_eq!(engine.prompt_cache_usage().1, 2);
+    // The least recently used went first: the first prompt is no longer cached, the last one is.
+    let first = engine.submit(request(&prompt, options(1, SamplerConfig::default()))).unwrap();
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&first].cached, Some(0));
+    let off = Engine::new(&lm, EngineOptions { prompt_cache_bytes: 0, ..EngineOptions::default() });
+    assert_eq!(off.prompt_cache_usage(), (0, 0));
+}
+
+#[test]
+fn cancelled_requests_leave_the_batch() {
+    let (_d, lm) = load("llama_gqa");
+    let prompts = prompts(&ids(&reference("llama_gqa")["prompt_ids"]));
+    let greedy = options(10, SamplerConfig::default());
+    let mut engine = Engine::new(&lm, EngineOptions { max_batch: 2, ..EngineOptions::default() });
+    let mut out = HashMap::new();
+    let seqs: Vec<SeqId> = prompts.iter().map(|p| engine.submit(request(p, greedy.clone())).unwrap()).collect();
+    step(&mut engine, &mut out);
+    step(&mut engine, &mut out);
+    assert_eq!(engine.load(), (2, 2), "two decode, two wait for a free row");
+    engine.cancel(seqs[0]); // running
+    engine.cancel(seqs[3]); // waiting
+    drain(&mut engine, &mut out);
+    for s in [seqs[0], seqs[3]] {
+        assert_eq!(out[&s].finish, Some(FinishReason::Cancelled));
+    }
+    assert!(out[&seqs[0]].tokens.len() < 10);
+    for i in [1, 2] {
+        assert_eq!(out[&seqs[i]].tokens, alone(&lm, &prompts[i], &greedy));
+    }
+    assert_eq!(engine.kv_bytes(), 0);
+}
+
+#[test]
+fn top_logprobs_and_token_logprobs() {
+    let (_d, lm) = load("llama_gqa");
+    let prompt = ids(&reference("llama_gqa")["prompt_ids"]);
+    let greedy = options(5, SamplerConfig::default());
+    let mut engine = Engine::new(&lm, EngineOptions::default());
+    let mut out = HashMap::new();
+    let seq = engine.submit(Request { top_logprobs: 3, ..request(&prompt, greedy.clone()) }).unwrap();
+    let plain = engine.submit(request(&prompt[..10], greedy.clone())).unwrap();
+    drain(&mut engine, &mut out);
+    let expected: Vec<f32> = lm.generate(&prompt, &greedy).unwrap().map(|t| t.unwrap().logprob).collect();
+    let o = &out[&seq];
+    for (i, top) in o.top.iter().enumerate() {
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0].0, o.tokens[i], "greedy takes the most likely token");
+        assert!(top[0].1 >= top[1].1 && top[1].1 >= top[2].1);
+        assert!((top[0].1 - o.logprobs[i]).abs() < 1e-6);
+        assert!((o.logprobs[i] - expected[i]).abs() < 1e-4, "{} vs {}", o.logprobs[i], expected[i]);
+    }
+    assert!(out[&plain].top.iter().all(Vec::is_empty));
+}
+
+fn engine_err(e: &mut Engine, r: Request) -> Error {
+    e.submit(r).unwrap_err()
+}
+
+#[test]
+fn bad_requests_are_refused() {
+    let (_d, lm) = load("llama_gqa");
+    let prompt = ids(&reference("llama_gqa")["prompt_ids"]);
+    let mut engine = Engine::new(&lm, EngineOptions { context: Some(30), max_kv_bytes: Some(10_000), ..EngineOptions::default() });
+    let greedy = options(4, SamplerConfig::default());
+    assert!(matches!(engine_err(&mut engine, request(&[], greedy.clone())), Error::Prompt(m) if m.contains("empty")));
+    let long: Vec<u32> = (0..30).collect();
+    assert!(matches!(engine_err(&mut engine, request(&long, greedy.clone())), Error::Prompt(m) if m.contains("context is 30")));
+    assert!(matches!(engine_err(&mut engine, request(&[1, 9999], greedy.clone())), Error::Prompt(_)));
+    let hot = options(4, SamplerConfig { temperature: -1.0, ..SamplerConfig::default() });
+    assert!(matches!(engine_err(&mut engine, request(&prompt, hot)), Error::InvalidParameter(m) if m.contains("temperature")));
+    // 24 + 4 positions of this fixture's keys and values: 2 layers × (k, v) × 2 heads × 16 × 4 bytes each.
+    let m = engine_err(&mut engine, request(&prompt, greedy.clone())).to_string();
+    assert!(m.contains("need 14.3 kB of keys and values; the limit is 10.0 kB"), "{m}");
+    assert_eq!(engine.submit(request(&prompt[..15], greedy.clone())).unwrap(), 0, "refusals take no id");
+    assert_eq!(engine.load(), (0, 1));
+}
