@@ -50,7 +50,9 @@ impl ModelArgs {
                 rmlx_lm::tuner::adapters::FineTuneType::Lora | rmlx_lm::tuner::adapters::FineTuneType::Dora => {
                     eprintln!("adapters: {} (rank {}, scale {})", dir.display(), cfg.lora.rank, cfg.lora.scale)
                 }
-                rmlx_lm::tuner::adapters::FineTuneType::Full => eprintln!("adapters: {} (fully fine-tuned weights)", dir.display()),
+                rmlx_lm::tuner::adapters::FineTuneType::Full => {
+                    eprintln!("adapters: {} (fully fine-tuned weights)", dir.display())
+                }
             }
         }
         Ok(lm)

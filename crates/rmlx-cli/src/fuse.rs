@@ -20,7 +20,11 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let source = a.model.model.clone().context("--model: fusing needs the base model's Hugging Face folder")?;
-    ensure!(source.is_dir(), "--model {}: fusing needs a Hugging Face folder (GGUF files are not supported)", source.display());
+    ensure!(
+        source.is_dir(),
+        "--model {}: fusing needs a Hugging Face folder (GGUF files are not supported)",
+        source.display()
+    );
     let adapters = a.model.adapter_path.clone().unwrap_or_else(|| PathBuf::from("adapters"));
     let args = ModelArgs { adapter_path: Some(adapters), keep_quantized: true, ..a.model.clone() };
     let mut lm = args.load()?;

@@ -10,12 +10,12 @@ use crate::common::{count, positive, ModelArgs};
 use crate::lora_config;
 use anyhow::{bail, ensure, Context, Result};
 use clap::{ArgMatches, Args as ClapArgs};
-use serde_json::Value;
+use rmlx::Dtype;
 use rmlx_lm::tuner::adapters::{self, AdapterConfig, FineTuneType};
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
 use rmlx_lm::tuner::{self, DataOptions, LoraConfig, Report, Sequence, TrainConfig};
 use serde_json::json;
-use rmlx::Dtype;
+use serde_json::Value;
 use std::path::PathBuf;
 
 #[derive(ClapArgs, Debug)]
@@ -137,7 +137,11 @@ fn apply_config(a: &mut Args, matches: Option<&ArgMatches>) -> Result<Extra> {
         "seed" => a.seed, "test_batches" => a.test_batches, "optimizer" => a.optimizer,
         "grad_accumulation_steps" => a.grad_accumulation_steps, "grad_checkpoint" => a.grad_checkpoint,
     );
-    for (key, field) in [("model", &mut a.model.model), ("adapter_path", &mut a.model.adapter_path), ("resume_adapter_file", &mut a.resume_adapter_file)] {
+    for (key, field) in [
+        ("model", &mut a.model.model),
+        ("adapter_path", &mut a.model.adapter_path),
+        ("resume_adapter_file", &mut a.resume_adapter_file),
+    ] {
         if !lora_config::given(matches, key) {
             if let Some(v) = lora_config::get::<PathBuf>(&cfg, key, &file)? {
                 *field = Some(v);
@@ -163,10 +167,32 @@ fn apply_config(a: &mut Args, matches: Option<&ArgMatches>) -> Result<Extra> {
     extra.schedule = lora_config::schedule(&cfg, &file)?;
     extra.optimizer = Some(lora_config::optimizer(&a.optimizer, &cfg, &file)?);
     const KNOWN: &[&str] = &[
-        "model", "train", "test", "data", "fine_tune_type", "num_layers", "batch_size", "iters", "epochs", "val_batches",
-        "learning_rate", "steps_per_report", "steps_per_eval", "save_every", "max_seq_length", "mask_prompt", "seed",
-        "test_batches", "optimizer", "grad_accumulation_steps", "grad_checkpoint", "adapter_path", "resume_adapter_file",
-        "lora_parameters", "optimizer_config", "lr_schedule",
+        "model",
+        "train",
+        "test",
+        "data",
+        "fine_tune_type",
+        "num_layers",
+        "batch_size",
+        "iters",
+        "epochs",
+        "val_batches",
+        "learning_rate",
+        "steps_per_report",
+        "steps_per_eval",
+        "save_every",
+        "max_seq_length",
+        "mask_prompt",
+        "seed",
+        "test_batches",
+        "optimizer",
+        "grad_accumulation_steps",
+        "grad_checkpoint",
+        "adapter_path",
+        "resume_adapter_file",
+        "lora_parameters",
+        "optimizer_config",
+        "lr_schedule",
     ];
     for key in cfg.keys().filter(|k| !KNOWN.contains(&k.as_str())) {
         eprintln!("warning: {}: ignoring `{key}` (not supported by rmlx lora)", file.display());
@@ -192,7 +218,11 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         "full" => FineTuneType::Full,
         other => bail!("--fine-tune-type {other} is unknown (lora, dora or full)"),
     };
-    ensure!(matches!(a.adapter_format.as_str(), "mlx" | "peft"), "--adapter-format {} is unknown (mlx or peft)", a.adapter_format);
+    ensure!(
+        matches!(a.adapter_format.as_str(), "mlx" | "peft"),
+        "--adapter-format {} is unknown (mlx or peft)",
+        a.adapter_format
+    );
     let num_layers = all_or(a.num_layers, "num-layers")?;
     let (val_batches, test_batches) = (all_or(a.val_batches, "val-batches")?, all_or(a.test_batches, "test-batches")?);
     let kind = match (&yaml.optimizer, a.optimizer.as_str()) {
@@ -215,12 +245,20 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         ensure!(!train.is_empty(), "no training data: {} is missing or empty", a.data.join("train.jsonl").display());
         let valid = tokenize(&splits.valid)?;
         if valid.is_empty() {
-            eprintln!("warning: no validation set ({}): training proceeds without validation", a.data.join("valid.jsonl").display());
+            eprintln!(
+                "warning: no validation set ({}): training proceeds without validation",
+                a.data.join("valid.jsonl").display()
+            );
         }
         let config = AdapterConfig {
             fine_tune_type,
             num_layers,
-            lora: LoraConfig { rank: a.lora_rank as i32, scale: a.lora_scale, dropout: yaml.dropout, keys: yaml.keys.clone() },
+            lora: LoraConfig {
+                rank: a.lora_rank as i32,
+                scale: a.lora_scale,
+                dropout: yaml.dropout,
+                keys: yaml.keys.clone(),
+            },
         };
         let trainable = match fine_tune_type {
             FineTuneType::Lora => {
@@ -237,7 +275,8 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         };
         let mut resume = None;
         if let Some(file) = &a.resume_adapter_file {
-            let arrays = rmlx::io::load_safetensors(file).with_context(|| format!("reading {}", file.display()))?.arrays;
+            let arrays =
+                rmlx::io::load_safetensors(file).with_context(|| format!("reading {}", file.display()))?.arrays;
             let n = rmlx_lm::nn::ModuleExt::update(lm.model.as_mut(), "", arrays.into_iter().collect())
                 .with_context(|| format!("resuming from {}", file.display()))?;
             // A checkpoint's training state (optimizer, batch order, iteration) continues the run
@@ -245,10 +284,18 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
             let state_path = tuner::TrainState::path_for(file);
             if state_path.exists() {
                 let state = tuner::TrainState::load(&state_path)?;
-                eprintln!("resuming at iteration {} from {} and {}", state.iteration + 1, file.display(), state_path.display());
+                eprintln!(
+                    "resuming at iteration {} from {} and {}",
+                    state.iteration + 1,
+                    file.display(),
+                    state_path.display()
+                );
                 resume = Some(state);
             } else {
-                eprintln!("resumed {n} arrays from {} (no training state beside it: the optimizer starts afresh)", file.display());
+                eprintln!(
+                    "resumed {n} arrays from {} (no training state beside it: the optimizer starts afresh)",
+                    file.display()
+                );
             }
         }
         let extra = json!({"model": lm.source.display().to_string(), "data": a.data.display().to_string(),
@@ -292,7 +339,16 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
             Report::Step { iter, .. } => bar.set(*iter as u64),
             r => reporter.print(r, &|line: &str| bar.println(line)),
         };
-        let result = tuner::train(lm.model.as_mut(), &trainable, &mut opt, &train, &valid, &cfg, &mut print, &crate::interrupt::requested);
+        let result = tuner::train(
+            lm.model.as_mut(),
+            &trainable,
+            &mut opt,
+            &train,
+            &valid,
+            &cfg,
+            &mut print,
+            &crate::interrupt::requested,
+        );
         bar.finish();
         result?;
         if a.adapter_format == "peft" {

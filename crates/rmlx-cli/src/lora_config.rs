@@ -20,9 +20,7 @@ fn to_json(y: &Yaml) -> Value {
         Yaml::Boolean(b) => Value::Bool(*b),
         Yaml::Array(a) => Value::Array(a.iter().map(to_json).collect()),
         Yaml::Hash(h) => Value::Object(
-            h.iter()
-                .map(|(k, v)| (k.as_str().map_or_else(|| format!("{k:?}"), str::to_string), to_json(v)))
-                .collect(),
+            h.iter().map(|(k, v)| (k.as_str().map_or_else(|| format!("{k:?}"), str::to_string), to_json(v))).collect(),
         ),
         Yaml::Null | Yaml::BadValue | Yaml::Alias(_) => Value::Null,
     }
@@ -62,9 +60,16 @@ pub fn optimizer(name: &str, cfg: &Map<String, Value>, file: &Path) -> Result<Op
         "adam" => &["betas", "eps", "bias_correction"],
         "adamw" => &["betas", "eps", "weight_decay", "bias_correction"],
         "sgd" => &["momentum", "weight_decay", "dampening", "nesterov"],
-        "adafactor" => {
-            &["eps", "clip_threshold", "decay_rate", "beta_1", "weight_decay", "scale_parameter", "relative_step", "warmup_init"]
-        }
+        "adafactor" => &[
+            "eps",
+            "clip_threshold",
+            "decay_rate",
+            "beta_1",
+            "weight_decay",
+            "scale_parameter",
+            "relative_step",
+            "warmup_init",
+        ],
         other => bail!("unknown optimizer `{other}` (adam, adamw, sgd or adafactor; muon is not implemented yet)"),
     };
     let at = |k: &str| format!("{}: optimizer_config.{name}.{k}", file.display());
@@ -80,7 +85,8 @@ pub fn optimizer(name: &str, cfg: &Map<String, Value>, file: &Path) -> Result<Op
         own.get(k).map_or(Ok(default), |v| v.as_f64().with_context(|| format!("{} must be a number, got {v}", at(k))))
     };
     let flag = |k: &str, default: bool| -> Result<bool> {
-        own.get(k).map_or(Ok(default), |v| v.as_bool().with_context(|| format!("{} must be true or false, got {v}", at(k))))
+        own.get(k)
+            .map_or(Ok(default), |v| v.as_bool().with_context(|| format!("{} must be true or false, got {v}", at(k))))
     };
     let pair = |k: &str, default: (f64, f64)| -> Result<(f64, f64)> {
         match own.get(k) {
@@ -93,7 +99,11 @@ pub fn optimizer(name: &str, cfg: &Map<String, Value>, file: &Path) -> Result<Op
     };
     let betas = || -> Result<(f32, f32)> { pair("betas", (0.9, 0.999)).map(|(a, b)| (a as f32, b as f32)) };
     Ok(match name {
-        "adam" => OptimizerKind::Adam { betas: betas()?, eps: num("eps", 1e-8)? as f32, bias_correction: flag("bias_correction", false)? },
+        "adam" => OptimizerKind::Adam {
+            betas: betas()?,
+            eps: num("eps", 1e-8)? as f32,
+            bias_correction: flag("bias_correction", false)?,
+        },
         "adamw" => OptimizerKind::AdamW {
             betas: betas()?,
             eps: num("eps", 1e-8)? as f32,
@@ -129,7 +139,10 @@ pub fn optimizer(name: &str, cfg: &Map<String, Value>, file: &Path) -> Result<Op
 /// `lr_schedule`, when the config has one.
 pub fn schedule(cfg: &Map<String, Value>, file: &Path) -> Result<Option<Schedule>> {
     let Some(s) = cfg.get("lr_schedule").filter(|v| !v.is_null()) else { return Ok(None) };
-    let name = s.get("name").and_then(Value::as_str).with_context(|| format!("{}: lr_schedule needs a `name`", file.display()))?;
+    let name = s
+        .get("name")
+        .and_then(Value::as_str)
+        .with_context(|| format!("{}: lr_schedule needs a `name`", file.display()))?;
     let arguments: Vec<f64> = s
         .get("arguments")
         .and_then(Value::as_array)
@@ -137,7 +150,10 @@ pub fn schedule(cfg: &Map<String, Value>, file: &Path) -> Result<Option<Schedule
         .with_context(|| format!("{}: lr_schedule needs `arguments` (a list of numbers)", file.display()))?;
     let warmup = s.get("warmup").and_then(Value::as_u64).unwrap_or(0);
     let warmup_init = s.get("warmup_init").and_then(Value::as_f64).unwrap_or(0.0) as f32;
-    Ok(Some(Schedule::from_config(name, &arguments, warmup, warmup_init).with_context(|| format!("{}: lr_schedule", file.display()))?))
+    Ok(Some(
+        Schedule::from_config(name, &arguments, warmup, warmup_init)
+            .with_context(|| format!("{}: lr_schedule", file.display()))?,
+    ))
 }
 
 #[cfg(test)]
@@ -155,7 +171,10 @@ mod tests {
     fn adafactor_settings_apply_to_mlx_defaults() {
         assert_eq!(parse("adafactor", "optimizer: adafactor\n").unwrap(), OptimizerKind::adafactor());
         assert_eq!(parse("adafactor", "optimizer_config:\n  adafactor: {}\n").unwrap(), OptimizerKind::adafactor());
-        assert_eq!(parse("adafactor", "optimizer_config:\n  adafactor:\n    beta_1: null\n").unwrap(), OptimizerKind::adafactor());
+        assert_eq!(
+            parse("adafactor", "optimizer_config:\n  adafactor:\n    beta_1: null\n").unwrap(),
+            OptimizerKind::adafactor()
+        );
         let yaml = "optimizer_config:\n  adam:\n    eps: 1.0\n  adafactor:\n    eps: [1e-30, 2.0e-3]\n    clip_threshold: 2\n    \
                     decay_rate: -0.5\n    beta_1: 0.9\n    weight_decay: 0.01\n    scale_parameter: false\n    relative_step: false\n    \
                     warmup_init: true\n";
@@ -178,7 +197,10 @@ mod tests {
     fn unknown_keys_and_wrong_types_are_errors_naming_them() {
         let err = |name: &str, yaml: &str| format!("{:#}", parse(name, yaml).unwrap_err());
         let e = err("adafactor", "optimizer_config:\n  adafactor:\n    beta1: 0.9\n");
-        assert!(e.contains("lora.yaml: optimizer_config.adafactor.beta1 is no setting of MLX's adafactor optimizer"), "{e}");
+        assert!(
+            e.contains("lora.yaml: optimizer_config.adafactor.beta1 is no setting of MLX's adafactor optimizer"),
+            "{e}"
+        );
         assert!(e.contains("beta_1"), "lists the settings: {e}");
         let e = err("adafactor", "optimizer_config:\n  adafactor:\n    relative_step: \"no\"\n");
         assert!(e.contains("optimizer_config.adafactor.relative_step must be true or false, got \"no\""), "{e}");

@@ -54,41 +54,100 @@ fn train_then_test_then_generate_with_the_adapters() {
     let w = workspace("train");
     let (model, data, adapters) = (w.join("model"), w.join("data"), w.join("adapters"));
     let out = rmlx(&[
-        "lora", "--model", s(&model), "--dtype", "float32", "--train", "--test", "--data", s(&data), "--adapter-path", s(&adapters),
-        "--iters", "30", "--batch-size", "4", "--learning-rate", "1e-2", "--steps-per-report", "10", "--steps-per-eval", "15",
-        "--save-every", "20", "--num-layers", "-1", "--val-batches", "-1", "--lora-rank", "4", "--lora-scale", "2", "--json",
-        "--adapter-format", "peft",
+        "lora",
+        "--model",
+        s(&model),
+        "--dtype",
+        "float32",
+        "--train",
+        "--test",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&adapters),
+        "--iters",
+        "30",
+        "--batch-size",
+        "4",
+        "--learning-rate",
+        "1e-2",
+        "--steps-per-report",
+        "10",
+        "--steps-per-eval",
+        "15",
+        "--save-every",
+        "20",
+        "--num-layers",
+        "-1",
+        "--val-batches",
+        "-1",
+        "--lora-rank",
+        "4",
+        "--lora-scale",
+        "2",
+        "--json",
+        "--adapter-format",
+        "peft",
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let reports: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let val: Vec<(u64, f64)> = reports.iter().filter_map(|r| Some((r["iter"].as_u64()?, r["val_loss"].as_f64()?))).collect();
+    let reports: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let val: Vec<(u64, f64)> =
+        reports.iter().filter_map(|r| Some((r["iter"].as_u64()?, r["val_loss"].as_f64()?))).collect();
     assert_eq!(val.iter().map(|v| v.0).collect::<Vec<_>>(), vec![1, 15, 30]);
     assert!(val[2].1 < 0.8 * val[0].1, "validation loss {val:?}");
     let train: Vec<&Value> = reports.iter().filter(|r| r.get("train_loss").is_some()).collect();
     assert_eq!(train.iter().map(|r| r["iter"].as_u64().unwrap()).collect::<Vec<_>>(), vec![10, 20, 30]);
     // Loss targets (mlx-lm's count): 9 of each 10-token example; every token in the other rate.
     assert_eq!(train[2]["trained_tokens"].as_u64(), Some(30 * 4 * 9));
-    let (loss_rate, all_rate) = (train[2]["tokens_per_sec"].as_f64().unwrap(), train[2]["all_tokens_per_sec"].as_f64().unwrap());
+    let (loss_rate, all_rate) =
+        (train[2]["tokens_per_sec"].as_f64().unwrap(), train[2]["all_tokens_per_sec"].as_f64().unwrap());
     assert!((all_rate / loss_rate - 10.0 / 9.0).abs() < 1e-6, "{loss_rate} {all_rate}");
     assert_eq!(train[0]["learning_rate"].as_f64(), Some(0.01f32 as f64));
     let test_loss = reports.last().unwrap()["test_loss"].as_f64().expect("the test report comes last");
     for f in ["adapters.safetensors", "adapter_config.json", "0000020_adapters.safetensors"] {
         assert!(adapters.join(f).exists(), "{f}");
     }
-    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap()).unwrap();
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!(cfg["fine_tune_type"], "lora");
     assert_eq!(cfg["num_layers"], -1);
     assert_eq!(cfg["lora_parameters"]["rank"], 4);
     assert_eq!(cfg["lora_parameters"]["scale"], 2.0);
     // Testing from the saved folder gives the same loss as right after training.
-    let out = rmlx(&["lora", "--model", s(&model), "--dtype", "float32", "--test", "--data", s(&data), "--adapter-path", s(&adapters), "--json"]);
+    let out = rmlx(&[
+        "lora",
+        "--model",
+        s(&model),
+        "--dtype",
+        "float32",
+        "--test",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&adapters),
+        "--json",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let again: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
     assert_eq!(again["test_loss"].as_f64(), Some(test_loss));
     // generate with the adapters: announced, and the continuation differs from the base model's.
     let gen = |extra: &[&str]| {
-        let mut args = vec!["generate", "--model", s(&model), "--dtype", "float32", "--prompt", "t2 t5 t8 t11", "--raw", "--max-tokens", "6", "--temp", "0"];
+        let mut args = vec![
+            "generate",
+            "--model",
+            s(&model),
+            "--dtype",
+            "float32",
+            "--prompt",
+            "t2 t5 t8 t11",
+            "--raw",
+            "--max-tokens",
+            "6",
+            "--temp",
+            "0",
+        ];
         args.extend_from_slice(extra);
         let out = rmlx(&args);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -146,14 +205,31 @@ fn the_default_model_learns_a_small_task() {
         let lines: Vec<String> = (0..n)
             .map(|_| {
                 let (a, b) = (next(), next());
-                json!({"prompt": format!("What is {a} plus {b}?"), "completion": format!("The answer is {}.", a + b)}).to_string()
+                json!({"prompt": format!("What is {a} plus {b}?"), "completion": format!("The answer is {}.", a + b)})
+                    .to_string()
             })
             .collect();
         std::fs::write(data.join(format!("{name}.jsonl")), lines.join("\n") + "\n").unwrap();
     }
     let out = rmlx(&[
-        "lora", "--train", "--data", s(&data), "--adapter-path", s(&dir.join("adapters")), "--iters", "30",
-        "--learning-rate", "1e-4", "--num-layers", "4", "--steps-per-eval", "30", "--val-batches", "-1", "--mask-prompt", "--json",
+        "lora",
+        "--train",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&dir.join("adapters")),
+        "--iters",
+        "30",
+        "--learning-rate",
+        "1e-4",
+        "--num-layers",
+        "4",
+        "--steps-per-eval",
+        "30",
+        "--val-batches",
+        "-1",
+        "--mask-prompt",
+        "--json",
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let val: Vec<f64> = String::from_utf8_lossy(&out.stdout)
@@ -172,16 +248,39 @@ fn full_fine_tuning_of_the_last_block() {
     let w = workspace("full");
     let (model, data, out_dir) = (w.join("model"), w.join("data"), w.join("full"));
     let out = rmlx(&[
-        "lora", "--model", s(&model), "--dtype", "float32", "--train", "--test", "--data", s(&data), "--adapter-path", s(&out_dir),
-        "--fine-tune-type", "full", "--num-layers", "1", "--iters", "20", "--learning-rate", "1e-3", "--steps-per-eval", "20",
-        "--val-batches", "-1", "--json",
+        "lora",
+        "--model",
+        s(&model),
+        "--dtype",
+        "float32",
+        "--train",
+        "--test",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&out_dir),
+        "--fine-tune-type",
+        "full",
+        "--num-layers",
+        "1",
+        "--iters",
+        "20",
+        "--learning-rate",
+        "1e-3",
+        "--steps-per-eval",
+        "20",
+        "--val-batches",
+        "-1",
+        "--json",
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let reports: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let reports: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let val: Vec<f64> = reports.iter().filter_map(|r| r["val_loss"].as_f64()).collect();
     assert!(val.len() == 2 && val[1] < val[0], "validation loss {val:?}");
     let test_loss = reports.last().unwrap()["test_loss"].as_f64().unwrap();
-    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("adapter_config.json")).unwrap()).unwrap();
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!((cfg["fine_tune_type"].as_str(), cfg["num_layers"].as_i64()), (Some("full"), Some(1)));
     // The fixture has 2 blocks of 9 arrays each: the file holds block 1's.
     let header = std::fs::read(out_dir.join("adapters.safetensors")).unwrap();
@@ -191,7 +290,19 @@ fn full_fine_tuning_of_the_last_block() {
     names.sort();
     assert_eq!(names.len(), 9);
     assert!(names.iter().all(|n| n.starts_with("model.layers.1.")), "{names:?}");
-    let out = rmlx(&["lora", "--model", s(&model), "--dtype", "float32", "--test", "--data", s(&data), "--adapter-path", s(&out_dir), "--json"]);
+    let out = rmlx(&[
+        "lora",
+        "--model",
+        s(&model),
+        "--dtype",
+        "float32",
+        "--test",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&out_dir),
+        "--json",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let again: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
     assert_eq!(again["test_loss"].as_f64(), Some(test_loss));
@@ -204,8 +315,21 @@ fn epochs_set_the_iteration_count() {
     let w = workspace("epochs");
     let (model, data) = (w.join("model"), w.join("data"));
     let out = rmlx(&[
-        "lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&w.join("a")), "--epochs", "2",
-        "--grad-accumulation-steps", "2", "--learning-rate", "1e-3", "--json",
+        "lora",
+        "--model",
+        s(&model),
+        "--train",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&w.join("a")),
+        "--epochs",
+        "2",
+        "--grad-accumulation-steps",
+        "2",
+        "--learning-rate",
+        "1e-3",
+        "--json",
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let iters: Vec<u64> = String::from_utf8_lossy(&out.stdout)
@@ -241,7 +365,8 @@ fn yaml_config_sets_what_the_flags_do_not() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("ignoring `wandb`"), "{err}");
-    let reports: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let reports: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let lrs: Vec<f64> = reports.iter().filter_map(|r| r["learning_rate"].as_f64()).collect();
     // The flag's 4 iterations, not the file's 8; warm-up 0 -> 1e-2 over 2 steps, then cosine from 1e-2.
     let want = [0.0, 5e-3, 1e-2, 1e-2];
@@ -250,15 +375,26 @@ fn yaml_config_sets_what_the_flags_do_not() {
         assert!((got - want).abs() < 1e-7, "learning rates {lrs:?}");
     }
     let cfg: Value = serde_json::from_str(&std::fs::read_to_string(w.join("a/adapter_config.json")).unwrap()).unwrap();
-    assert_eq!(cfg["lora_parameters"], json!({"rank": 2, "scale": 4.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}));
+    assert_eq!(
+        cfg["lora_parameters"],
+        json!({"rank": 2, "scale": 4.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]})
+    );
     assert_eq!(cfg["batch_size"], 2);
     // Settings it cannot honour are errors naming them.
     std::fs::write(&cfg_path, "optimizer: muon\n").unwrap();
     let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown optimizer `muon`"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unknown optimizer `muon`"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::write(&cfg_path, "batch_size: four\n").unwrap();
     let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("lora.yaml: `batch_size` has the wrong type"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("lora.yaml: `batch_size` has the wrong type"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&w);
 }
 
@@ -273,12 +409,35 @@ fn adafactor_from_the_flag_and_the_config() {
     let (model, data) = (w.join("model"), w.join("data"));
     let val_losses = |out: &Output| -> Vec<f64> {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()?.get("val_loss")?.as_f64()).collect()
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok()?.get("val_loss")?.as_f64())
+            .collect()
     };
     let out = rmlx(&[
-        "lora", "--model", s(&model), "--dtype", "float32", "--train", "--data", s(&data), "--adapter-path", s(&w.join("full")),
-        "--fine-tune-type", "full", "--num-layers", "1", "--optimizer", "adafactor", "--iters", "20", "--steps-per-eval", "20",
-        "--val-batches", "-1", "--json",
+        "lora",
+        "--model",
+        s(&model),
+        "--dtype",
+        "float32",
+        "--train",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&w.join("full")),
+        "--fine-tune-type",
+        "full",
+        "--num-layers",
+        "1",
+        "--optimizer",
+        "adafactor",
+        "--iters",
+        "20",
+        "--steps-per-eval",
+        "20",
+        "--val-batches",
+        "-1",
+        "--json",
     ]);
     let val = val_losses(&out);
     assert!(val.len() == 2 && val[1] < val[0], "validation loss {val:?}");
@@ -298,11 +457,18 @@ fn adafactor_from_the_flag_and_the_config() {
     let fixed = lora(false);
     assert!(fixed.len() == 2 && fixed[1] == fixed[0], "a learning rate of 0: {fixed:?}");
     let relative = lora(true);
-    assert!(relative.len() == 2 && relative[0] == fixed[0] && relative[1] != relative[0], "relative steps: {relative:?}");
+    assert!(
+        relative.len() == 2 && relative[0] == fixed[0] && relative[1] != relative[0],
+        "relative steps: {relative:?}"
+    );
     std::fs::write(&cfg_path, "optimizer: adafactor\noptimizer_config:\n  adafactor:\n    beta1: 0.9\n").unwrap();
     let out = rmlx(&["lora", "-c", s(&cfg_path), "--model", s(&model), "--train", "--data", s(&data)]);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("lora.yaml: optimizer_config.adafactor.beta1 is no setting of MLX's adafactor optimizer"), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains("lora.yaml: optimizer_config.adafactor.beta1 is no setting of MLX's adafactor optimizer"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&w);
 }
 
@@ -346,9 +512,33 @@ fn grad_checkpoint_trains_as_without_it() {
     let run = |name: &str, extra: &[&str]| -> (Vec<f64>, Value) {
         let dir = w.join(name);
         let mut args = vec![
-            "lora", "--model", s(&model), "--dtype", "float32", "--train", "--data", s(&data), "--adapter-path", s(&dir),
-            "--iters", "12", "--batch-size", "4", "--learning-rate", "1e-2", "--steps-per-report", "4", "--steps-per-eval", "12",
-            "--val-batches", "-1", "--num-layers", "-1", "--lora-rank", "4", "--json",
+            "lora",
+            "--model",
+            s(&model),
+            "--dtype",
+            "float32",
+            "--train",
+            "--data",
+            s(&data),
+            "--adapter-path",
+            s(&dir),
+            "--iters",
+            "12",
+            "--batch-size",
+            "4",
+            "--learning-rate",
+            "1e-2",
+            "--steps-per-report",
+            "4",
+            "--steps-per-eval",
+            "12",
+            "--val-batches",
+            "-1",
+            "--num-layers",
+            "-1",
+            "--lora-rank",
+            "4",
+            "--json",
         ];
         args.extend_from_slice(extra);
         let out = rmlx(&args);
@@ -376,7 +566,10 @@ fn grad_checkpoint_trains_as_without_it() {
     };
     let (with_dropout, _) = run("dropout", &["-c", s(&yaml(false))]);
     let (both, cfg) = run("dropout-checkpointed", &["-c", s(&yaml(true))]);
-    assert_eq!((cfg["grad_checkpoint"].as_bool(), cfg["lora_parameters"]["dropout"].as_f64()), (Some(true), Some(0.25)));
+    assert_eq!(
+        (cfg["grad_checkpoint"].as_bool(), cfg["lora_parameters"]["dropout"].as_f64()),
+        (Some(true), Some(0.25))
+    );
     assert_ne!(with_dropout, both);
     let _ = std::fs::remove_dir_all(&w);
 }

@@ -59,7 +59,8 @@ fn request(addr: &str, method: &str, path: &str, body: Option<&Value>, headers: 
 fn exchange(addr: &str, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> (String, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+    let mut head =
+        format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
     if !body.is_empty() {
         head.push_str("Content-Type: application/json\r\n");
     }
@@ -112,7 +113,11 @@ fn generate(prompt: &str, raw: bool, max_tokens: usize) -> (String, u64, u64) {
     let out = Command::new(RMLX).args(&args).stdin(Stdio::null()).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    (v["text"].as_str().unwrap().to_string(), v["generation_tokens"].as_u64().unwrap(), v["prompt_tokens"].as_u64().unwrap())
+    (
+        v["text"].as_str().unwrap().to_string(),
+        v["generation_tokens"].as_u64().unwrap(),
+        v["prompt_tokens"].as_u64().unwrap(),
+    )
 }
 
 fn error_of(v: &Value) -> (&str, &str) {
@@ -164,13 +169,19 @@ fn completions_equal_generate_and_streams_add_up() {
 
     // Text completion of a raw prompt, with a stop string cutting the text.
     let (text, generated, _) = generate("The capital of France is", true, 8);
-    let (status, v) = server.post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0}));
+    let (status, v) = server
+        .post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0}));
     assert_eq!(status, 200, "{v}");
-    assert_eq!((v["object"].as_str(), v["choices"][0]["text"].as_str()), (Some("text_completion"), Some(text.as_str())));
+    assert_eq!(
+        (v["object"].as_str(), v["choices"][0]["text"].as_str()),
+        (Some("text_completion"), Some(text.as_str()))
+    );
     assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(generated));
     let cut = text.split_whitespace().nth(1).expect("two words").to_string();
-    let (status, v) =
-        server.post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": [cut.clone()]}));
+    let (status, v) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": [cut.clone()]}),
+    );
     assert_eq!(status, 200, "{v}");
     let stopped = v["choices"][0]["text"].as_str().unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
@@ -183,6 +194,91 @@ fn completions_equal_generate_and_streams_add_up() {
 
     let (_, metrics) = server.request("GET", "/metrics", None, &[]);
     assert!(metrics.contains("rmlx_requests_total 6\n"), "{metrics}");
+}
+
+#[test]
+fn concurrent_requests_share_a_batch_and_decode_as_alone() {
+    let server = Server::start(&["--max-batch", "8", "--prefill-step", "16"]);
+    let prompts = [
+        "The capital of France is",
+        "Once upon a time",
+        "def fibonacci(n):",
+        "1, 2, 3, 4,",
+        "The sky is",
+        "Water boils at",
+    ];
+    let body = |i: usize| {
+        let mut b = json!({"prompt": prompts[i], "max_tokens": 16, "temperature": 0});
+        if i % 2 == 1 {
+            b = json!({"prompt": prompts[i], "max_tokens": 16, "temperature": 0.8, "seed": i});
+        }
+        b
+    };
+    let alone: Vec<Value> = (0..prompts.len()).map(|i| server.post("/v1/completions", &body(i)).1).collect();
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..prompts.len())
+            .map(|i| {
+                let addr = server.addr.clone();
+                let b = body(i);
+                scope.spawn(move || post(&addr, "/v1/completions", &b).1)
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for i in 0..prompts.len() {
+        assert_eq!(together[i]["choices"][0]["text"], alone[i]["choices"][0]["text"], "prompt {i}: {}", prompts[i]);
+        assert_eq!(together[i]["usage"]["completion_tokens"], alone[i]["usage"]["completion_tokens"]);
+    }
+    let (_, metrics) = server.request("GET", "/metrics", None, &[]);
+    let peak: usize = metrics.lines().find_map(|l| l.strip_prefix("rmlx_batch_size_peak ")).unwrap().parse().unwrap();
+    assert!(peak >= 3, "at most {peak} sequences decoded together\n{metrics}");
+}
+
+#[test]
+fn prompt_cache_and_logprobs() {
+    let server = Server::start(&[]);
+    let chat = json!({"messages": [{"role": "system", "content": "You are a terse assistant."},
+                                   {"role": "user", "content": "Name a colour."}],
+                      "max_tokens": 6, "temperature": 0, "logprobs": true, "top_logprobs": 3});
+    let (status, first) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // The same conversation again: every prompt token but the last comes from the cache.
+    let (_, second) = server.post("/v1/chat/completions", &chat);
+    let prompt_tokens = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(prompt_tokens - 1));
+    assert_eq!(second["choices"][0]["message"], first["choices"][0]["message"]);
+    // Greedy: each token is its own most likely alternative; three alternatives, best first.
+    let content = first["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len() as u64, first["usage"]["completion_tokens"].as_u64().unwrap());
+    for t in content {
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["token"], t["token"]);
+        assert_eq!(top[0]["logprob"], t["logprob"]);
+        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64() && t["logprob"].as_f64().unwrap() <= 0.0);
+        assert_eq!(t["bytes"], json!(t["token"].as_str().unwrap().as_bytes()));
+    }
+    // Completions' shape: parallel lists whose tokens spell the text.
+    let (status, v) = server
+        .post("/v1/completions", &json!({"prompt": "The sky is", "max_tokens": 5, "temperature": 0, "logprobs": 2}));
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(tokens.concat(), v["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), tokens.len());
+    assert!(lp["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|m| m.as_object().unwrap().len() <= 2 && !m.as_object().unwrap().is_empty()));
+    assert_eq!(lp["text_offset"][0], 0);
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": "Hi", "logprobs": 21}));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("top_logprobs")));
+    let (_, metrics) = server.request("GET", "/metrics", None, &[]);
+    let cached: u64 =
+        metrics.lines().find_map(|l| l.strip_prefix("rmlx_cached_prompt_tokens_total ")).unwrap().parse().unwrap();
+    assert!(cached >= prompt_tokens - 1, "{metrics}");
 }
 
 #[test]
@@ -216,7 +312,7 @@ fn bad_requests_get_openai_errors() {
     let (status, v) = send(ok, true);
     assert_eq!(status, 400, "{v}");
     let message = error_of(&v).1;
-    assert!(message.contains("this model's context is 16 tokens") && message.contains("the prompt is"), "{message}");
+    assert!(message.contains("the context is 16 tokens") && message.contains("the prompt has"), "{message}");
     let (status, _) = server.request("GET", "/v1/models", None, &auth);
     assert_eq!(status, 200);
     let (status, text) = server.request("GET", "/v2/nothing", None, &auth);
@@ -228,7 +324,7 @@ fn bad_requests_get_openai_errors() {
 fn a_client_that_goes_away_does_not_stop_the_server() {
     let server = Server::start(&[]);
     drop(start_stream(&server, 2000)); // the connection closes mid-stream
-    // The next request is served at once, not after 2000 tokens of the abandoned one.
+                                       // The next request is served at once, not after 2000 tokens of the abandoned one.
     let started = std::time::Instant::now();
     let (status, v) = server.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 4, "temperature": 0}));
     assert_eq!(status, 200, "{v}");
@@ -265,7 +361,10 @@ fn start_stream(server: &Server, max_tokens: usize) -> TcpStream {
                       "max_tokens": max_tokens, "temperature": 0, "stream": true})
     .to_string();
     let mut stream = TcpStream::connect(&server.addr).unwrap();
-    let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
     stream.write_all(format!("{head}{body}").as_bytes()).unwrap();
     let mut first = [0u8; 64];
     let n = stream.read(&mut first).unwrap();
@@ -279,7 +378,9 @@ fn a_full_queue_answers_503_with_retry_after() {
     let running = start_stream(&server, 2000);
     // One request waits in the queue (its own connection, on a thread)...
     let addr = server.addr.clone();
-    let waiting = std::thread::spawn(move || post(&addr, "/v1/completions", &json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0})));
+    let waiting = std::thread::spawn(move || {
+        post(&addr, "/v1/completions", &json!({"prompt": "Hello", "max_tokens": 2, "temperature": 0}))
+    });
     // ...until the queue shows it, then one more is refused.
     let started = std::time::Instant::now();
     while !server.request("GET", "/metrics", None, &[]).1.contains("rmlx_queue_length 1\n") {

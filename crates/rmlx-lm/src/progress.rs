@@ -28,11 +28,7 @@ impl Progress {
         }
         if std::io::stderr().is_terminal() {
             let bar = ProgressBar::new(total);
-            bar.set_style(
-                ProgressStyle::with_template(template)
-                    .expect("valid template")
-                    .progress_chars("=> "),
-            );
+            bar.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
             bar.set_message(what.to_string());
             Self { bar: Some(bar), plain: None }
         } else {
@@ -57,7 +53,12 @@ impl Progress {
 
     /// Moves to `pos` units done.
     pub fn set(&self, pos: u64) {
-        let done = self.bar.as_ref().map(ProgressBar::position).or_else(|| self.plain.as_ref().map(|p| p.2.get())).unwrap_or(0);
+        let done = self
+            .bar
+            .as_ref()
+            .map(ProgressBar::position)
+            .or_else(|| self.plain.as_ref().map(|p| p.2.get()))
+            .unwrap_or(0);
         if pos > done {
             self.inc(pos - done);
         }

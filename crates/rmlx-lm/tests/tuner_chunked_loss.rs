@@ -7,8 +7,8 @@ mod common;
 use common::{assert_same_step, fixture_with_tokenizer, move_lora_b};
 use rmlx::{Array, Dtype};
 use rmlx_lm::tuner::{
-    apply_lora, batch_loss, full_parameter_names, logits_loss, lora_parameter_names, loss_and_grad, with_loss_chunk_rows,
-    Batch, LoraConfig, LossAndGrad, Sequence,
+    apply_lora, batch_loss, full_parameter_names, logits_loss, lora_parameter_names, loss_and_grad,
+    with_loss_chunk_rows, Batch, LoraConfig, LossAndGrad, Sequence,
 };
 use rmlx_lm::{LoadOptions, LoadedModel};
 

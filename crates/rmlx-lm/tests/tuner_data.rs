@@ -35,12 +35,12 @@ fn tokenisation_matches_mlx_lm() {
     for family in ["qwen3", "llama3_1"] {
         let models = npm_models(family);
         let tok = Tokenizer::from_dir(&models).unwrap();
-        let template = ChatTemplate::from_dir(&models, tok.bos_token(), tok.eos_token()).unwrap().expect("a chat template");
+        let template =
+            ChatTemplate::from_dir(&models, tok.bos_token(), tok.eos_token()).unwrap().expect("a chat template");
         for (key, rows) in g[family].as_object().unwrap() {
             let (format, mode) = key.split_once('/').unwrap();
             let dir = TempDir::new("tuner-goldens");
-            let lines: Vec<String> =
-                g["examples"][format].as_array().unwrap().iter().map(|e| e.to_string()).collect();
+            let lines: Vec<String> = g["examples"][format].as_array().unwrap().iter().map(|e| e.to_string()).collect();
             let path = write_jsonl(dir.path(), "train.jsonl", &lines);
             let opts = DataOptions { mask_prompt: mode == "masked", ..DataOptions::default() };
             let data = Dataset::from_jsonl(&path, &opts).unwrap().unwrap();
@@ -52,7 +52,8 @@ fn tokenisation_matches_mlx_lm() {
             assert_eq!(data.format(), expected_format);
             let seqs = data.tokenize(&tok, &template).unwrap();
             for (i, (seq, want)) in seqs.iter().zip(rows.as_array().unwrap()).enumerate() {
-                let tokens: Vec<u32> = want["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+                let tokens: Vec<u32> =
+                    want["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
                 assert_eq!(seq.tokens, tokens, "{family} {key} example {i}: tokens");
                 assert_eq!(seq.offset, want["offset"].as_u64().unwrap() as usize, "{family} {key} example {i}: offset");
                 checked += 1;
@@ -169,6 +170,8 @@ fn batch_order_sorts_drops_the_remainder_and_shuffles_reproducibly() {
         assert_eq!(sorted, vec![0, 1, 2], "each epoch visits every batch once");
     }
     assert!(epochs.windows(2).any(|w| w[0] != w[1]), "epochs are shuffled anew");
-    assert!(matches!(BatchOrder::new(&[1, 2], 4, 0), Err(Error::InvalidParameter(m)) if m.contains("at least batch_size=4")));
+    assert!(
+        matches!(BatchOrder::new(&[1, 2], 4, 0), Err(Error::InvalidParameter(m)) if m.contains("at least batch_size=4"))
+    );
     assert!(BatchOrder::new(&[1], 0, 0).is_err());
 }

@@ -29,7 +29,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn fused_mlx_lm_adapter_gives_mlx_lm_logits() {
     let adapter_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters/llama_gqa_all");
-    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(adapter_dir.join("reference.json")).unwrap()).unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter_dir.join("reference.json")).unwrap()).unwrap();
     let src = fixture_with_tokenizer("llama_gqa");
     let mut lm = load(src.path());
     adapters::load(lm.model.as_mut(), &adapter_dir, Dtype::Float32).unwrap();
@@ -42,7 +43,12 @@ fn fused_mlx_lm_adapter_gives_mlx_lm_logits() {
     }
     let fused = load(out.path());
     let ids: Vec<i32> = reference["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
-    let want: Vec<f32> = reference["logits"].as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+    let want: Vec<f32> = reference["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+        .collect();
     let d = max_diff(&logits(&fused, &ids), &want);
     assert!(d < 1e-4, "fused model against mlx-lm with the adapter: {d}");
     assert!(rmlx_lm::tuner::lora_parameter_names(fused.model.as_ref()).is_empty());
@@ -52,14 +58,20 @@ fn fused_mlx_lm_adapter_gives_mlx_lm_logits() {
 #[test]
 fn fused_dora_gives_mlx_lm_logits() {
     let adapter_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters/llama_gqa_dora");
-    let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(adapter_dir.join("reference.json")).unwrap()).unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(adapter_dir.join("reference.json")).unwrap()).unwrap();
     let src = fixture_with_tokenizer("llama_gqa");
     let mut lm = load(src.path());
     adapters::load(lm.model.as_mut(), &adapter_dir, Dtype::Float32).unwrap();
     let out = TempDir::new("fused-dora");
     assert_eq!(fuse(&mut lm, src.path(), out.path()).unwrap().fused, 7);
     let ids: Vec<i32> = reference["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
-    let want: Vec<f32> = reference["logits"].as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+    let want: Vec<f32> = reference["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+        .collect();
     let d = max_diff(&logits(&load(out.path()), &ids), &want);
     assert!(d < 1e-4, "fused DoRA against mlx-lm: {d}");
 }
@@ -69,12 +81,17 @@ fn quantised_base_is_written_dequantised_and_gemma_norms_round_trip() {
     let ids = [1, 5, 9, 3];
     for name in ["llama_gqa_q4", "gemma3_text"] {
         let src = fixture_with_tokenizer(name);
-        let mut lm = rmlx_lm::load(src.path(), &LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(false), ..LoadOptions::default() }).unwrap();
+        let mut lm = rmlx_lm::load(
+            src.path(),
+            &LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(false), ..LoadOptions::default() },
+        )
+        .unwrap();
         let before = logits(&lm, &ids);
         let out = TempDir::new("fused-plain");
         let summary = fuse(&mut lm, src.path(), out.path()).unwrap();
         assert_eq!((summary.fused, summary.dequantized), (0, name.ends_with("q4")), "{name}");
-        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap()).unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap()).unwrap();
         assert!(cfg.get("quantization").is_none(), "{name}: the quantization block is gone");
         let d = max_diff(&logits(&load(out.path()), &ids), &before);
         assert!(d < 1e-4, "{name}: fused (no adapter) against the original: {d}");

@@ -62,10 +62,18 @@ fn loss_is_the_masked_mean_cross_entropy() {
 fn adapters_go_to_the_last_blocks_and_selected_keys() {
     let (_d, mut lm) = load();
     let layers = lm.model.config().num_hidden_layers;
-    let cfg = LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: Some(vec!["self_attn.q_proj".into(), "mlp.down_proj".into()]) };
+    let cfg = LoraConfig {
+        rank: 2,
+        scale: 2.0,
+        dropout: 0.0,
+        keys: Some(vec!["self_attn.q_proj".into(), "mlp.down_proj".into()]),
+    };
     let paths = apply_lora(lm.model.as_mut(), Some(1), &cfg, Dtype::Float32, 0).unwrap();
     let last = layers - 1;
-    assert_eq!(paths, vec![format!("model.layers.{last}.self_attn.q_proj"), format!("model.layers.{last}.mlp.down_proj")]);
+    assert_eq!(
+        paths,
+        vec![format!("model.layers.{last}.self_attn.q_proj"), format!("model.layers.{last}.mlp.down_proj")]
+    );
     assert_eq!(lora_parameter_names(lm.model.as_ref()).len(), 4);
     let (_d, mut lm) = load();
     let all = apply_lora(lm.model.as_mut(), None, &LoraConfig::default(), Dtype::Float32, 0).unwrap();
@@ -97,7 +105,13 @@ fn set(lm: &mut LoadedModel, name: &str, index: usize, value: f32) {
 /// Asserts that `grad` (the gradient of `name`) equals central finite differences of the loss on
 /// `b`, with steps of 1e-2, at `indices` (a function of the parameter's length); returns how many
 /// entries were compared.
-fn assert_finite_differences(lm: &mut LoadedModel, b: &Batch, name: &str, grad: &Array, indices: impl Fn(usize) -> Vec<usize>) -> usize {
+fn assert_finite_differences(
+    lm: &mut LoadedModel,
+    b: &Batch,
+    name: &str,
+    grad: &Array,
+    indices: impl Fn(usize) -> Vec<usize>,
+) -> usize {
     let p = vals(&lm.model.parameters("").into_iter().find(|(n, _)| n == name).unwrap().1);
     let grad = vals(grad);
     let eps = 1e-2f32;
@@ -138,7 +152,11 @@ fn gradients_equal_finite_differences() {
     assert!((g.loss.item::<f32>().unwrap() as f64 - base).abs() < 1e-6 * base, "the same loss as without gradients");
     assert_eq!(loss_of(&lm, &b), base, "the model holds its own parameters again");
     let mut compared = 0;
-    for name in ["model.layers.0.self_attn.q_proj.lora_a", "model.layers.1.mlp.down_proj.lora_b", "model.layers.0.self_attn.v_proj.lora_b"] {
+    for name in [
+        "model.layers.0.self_attn.q_proj.lora_a",
+        "model.layers.1.mlp.down_proj.lora_b",
+        "model.layers.0.self_attn.v_proj.lora_b",
+    ] {
         compared += assert_finite_differences(&mut lm, &b, name, &g.grads[name], |n| vec![0, n / 2, n - 1]);
     }
     assert_eq!(compared, 9);
@@ -155,7 +173,14 @@ fn qlora_gradients_through_a_quantised_base() {
     let mut quantized = 0;
     lm.model.visit_linears("", &mut |_, l| quantized += l.is_quantized() as usize);
     assert!(quantized > 0, "the base stays quantised");
-    apply_lora(lm.model.as_mut(), None, &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None }, Dtype::Float32, 3).unwrap();
+    apply_lora(
+        lm.model.as_mut(),
+        None,
+        &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None },
+        Dtype::Float32,
+        3,
+    )
+    .unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());
     let b = batch();
     move_lora_b(&mut lm, &trainable, 200);
@@ -170,8 +195,16 @@ fn qlora_gradients_through_a_quantised_base() {
 #[test]
 fn dora_magnitude_gradient_equals_finite_differences() {
     let dir = fixture_with_tokenizer("llama_gqa");
-    let mut lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
-    rmlx_lm::tuner::apply_dora(lm.model.as_mut(), Some(1), &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None }, Dtype::Float32, 1).unwrap();
+    let mut lm =
+        rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    rmlx_lm::tuner::apply_dora(
+        lm.model.as_mut(),
+        Some(1),
+        &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None },
+        Dtype::Float32,
+        1,
+    )
+    .unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());
     assert_eq!(trainable.iter().filter(|n| n.ends_with(".m")).count(), 7);
     let b = batch();
@@ -206,7 +239,10 @@ fn compiled_loss_and_grad_equal_the_eager_ones() {
     assert_eq!(compiled.traces(), 2, "one trace per batch shape");
     // With gradient checkpointing traced into the step.
     let checkpointed = rmlx_lm::tuner::CompiledLossAndGrad::new(lm.model.as_ref(), &trainable).unwrap();
-    let fast = rmlx_lm::nn::with_grad_checkpoint(true, || checkpointed.call(lm.model.as_ref(), &batch(), &rmlx::random::key(0).unwrap())).unwrap();
+    let fast = rmlx_lm::nn::with_grad_checkpoint(true, || {
+        checkpointed.call(lm.model.as_ref(), &batch(), &rmlx::random::key(0).unwrap())
+    })
+    .unwrap();
     let eager = loss_and_grad(lm.model.as_mut(), &trainable, &batch()).unwrap();
     assert_same_step("checkpointed", &eager, &fast, 1e-5, 1e-4);
 }

@@ -59,13 +59,29 @@ fn adam_reference(lr: impl Fn(usize) -> f64, wd: f64, bias_correction: bool) -> 
 
 #[test]
 fn adam_and_adamw_follow_mlx() {
-    close(&run(&mut Optimizer::new(OptimizerKind::adam(), Schedule::Constant(0.01))), &adam_reference(|_| 0.01, 0.0, false), "adam");
+    close(
+        &run(&mut Optimizer::new(OptimizerKind::adam(), Schedule::Constant(0.01))),
+        &adam_reference(|_| 0.01, 0.0, false),
+        "adam",
+    );
     let bc = OptimizerKind::Adam { betas: (0.9, 0.999), eps: 1e-8, bias_correction: true };
-    close(&run(&mut Optimizer::new(bc, Schedule::Constant(0.01))), &adam_reference(|_| 0.01, 0.0, true), "adam, bias correction");
-    close(&run(&mut Optimizer::new(OptimizerKind::adamw(), Schedule::Constant(0.01))), &adam_reference(|_| 0.01, 0.01, false), "adamw");
+    close(
+        &run(&mut Optimizer::new(bc, Schedule::Constant(0.01))),
+        &adam_reference(|_| 0.01, 0.0, true),
+        "adam, bias correction",
+    );
+    close(
+        &run(&mut Optimizer::new(OptimizerKind::adamw(), Schedule::Constant(0.01))),
+        &adam_reference(|_| 0.01, 0.01, false),
+        "adamw",
+    );
     // The schedule is read at the step count before each update.
     let sched = Schedule::Linear { init: 0.0, end: 0.03, steps: 3 };
-    close(&run(&mut Optimizer::new(OptimizerKind::adam(), sched)), &adam_reference(|s| 0.01 * s as f64, 0.0, false), "adam, scheduled");
+    close(
+        &run(&mut Optimizer::new(OptimizerKind::adam(), sched)),
+        &adam_reference(|s| 0.01 * s as f64, 0.0, false),
+        "adam, scheduled",
+    );
 }
 
 /// The compiled (fused) Adam update, which rmlx uses on GPUs, against the same references.
@@ -76,10 +92,18 @@ fn compiled_adam_and_adamw_follow_mlx() {
         opt.set_compiled(true);
         opt
     };
-    close(&run(&mut compiled(OptimizerKind::adam(), Schedule::Constant(0.01))), &adam_reference(|_| 0.01, 0.0, false), "adam");
+    close(
+        &run(&mut compiled(OptimizerKind::adam(), Schedule::Constant(0.01))),
+        &adam_reference(|_| 0.01, 0.0, false),
+        "adam",
+    );
     let bc = OptimizerKind::AdamW { betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.01, bias_correction: true };
     let sched = Schedule::Linear { init: 0.0, end: 0.03, steps: 3 };
-    close(&run(&mut compiled(bc, sched)), &adam_reference(|s| 0.01 * s as f64, 0.01, true), "adamw, bias correction, scheduled");
+    close(
+        &run(&mut compiled(bc, sched)),
+        &adam_reference(|s| 0.01 * s as f64, 0.01, true),
+        "adamw, bias correction, scheduled",
+    );
 }
 
 #[test]
@@ -95,7 +119,11 @@ fn sgd_variants_follow_mlx() {
                     g
                 } else {
                     v[i] = momentum * v[i] + if dampening > 0.0 { (1.0 - dampening) * g } else { g };
-                    if nesterov { g + momentum * v[i] } else { v[i] }
+                    if nesterov {
+                        g + momentum * v[i]
+                    } else {
+                        v[i]
+                    }
                 };
                 p[i] -= lr * update;
             }
@@ -103,9 +131,20 @@ fn sgd_variants_follow_mlx() {
         }
         out
     };
-    for (momentum, wd, dampening, nesterov) in [(0.0, 0.0, 0.0, false), (0.9, 0.0, 0.0, false), (0.9, 0.01, 0.0, true), (0.5, 0.0, 0.3, false)] {
-        let kind = OptimizerKind::Sgd { momentum: momentum as f32, weight_decay: wd as f32, dampening: dampening as f32, nesterov };
-        close(&run(&mut Optimizer::new(kind, Schedule::Constant(lr as f32))), &reference(momentum, wd, dampening, nesterov), &format!("sgd {momentum} {wd} {dampening} {nesterov}"));
+    for (momentum, wd, dampening, nesterov) in
+        [(0.0, 0.0, 0.0, false), (0.9, 0.0, 0.0, false), (0.9, 0.01, 0.0, true), (0.5, 0.0, 0.3, false)]
+    {
+        let kind = OptimizerKind::Sgd {
+            momentum: momentum as f32,
+            weight_decay: wd as f32,
+            dampening: dampening as f32,
+            nesterov,
+        };
+        close(
+            &run(&mut Optimizer::new(kind, Schedule::Constant(lr as f32))),
+            &reference(momentum, wd, dampening, nesterov),
+            &format!("sgd {momentum} {wd} {dampening} {nesterov}"),
+        );
     }
 }
 
@@ -121,7 +160,13 @@ fn schedules_follow_mlx() {
     // warmup + 1, after which the main schedule starts from its own step 0.
     let warm = Schedule::from_config("cosine_decay", &[1e-3, 100.0], 10, 1e-4).unwrap();
     let at: Vec<f32> = [0u64, 5, 10, 11, 12].iter().map(|&s| warm.at(s)).collect();
-    let want = [1e-4, 1e-4 + 0.5 * (1e-3 - 1e-4), 1e-3, 1e-3, (0.5 * (1.0 + (std::f64::consts::PI / 100.0).cos()) * 1e-3) as f32];
+    let want = [
+        1e-4,
+        1e-4 + 0.5 * (1e-3 - 1e-4),
+        1e-3,
+        1e-3,
+        (0.5 * (1.0 + (std::f64::consts::PI / 100.0).cos()) * 1e-3) as f32,
+    ];
     for (a, w) in at.iter().zip(want) {
         assert!((a - w).abs() < 1e-9, "{at:?} against {want:?}");
     }
@@ -151,7 +196,10 @@ fn resuming_from_saved_state_continues_exactly() {
     assert_eq!(last, straight[2], "bit-identical to the uninterrupted run");
     assert!(resumed.update(&p, &[("x".to_string(), p["w"].clone())].into_iter().collect()).is_err());
     // Adam's state does not fit SGD with momentum.
-    let mut sgd = Optimizer::new(OptimizerKind::Sgd { momentum: 0.9, weight_decay: 0.0, dampening: 0.0, nesterov: false }, Schedule::Constant(0.1));
+    let mut sgd = Optimizer::new(
+        OptimizerKind::Sgd { momentum: 0.9, weight_decay: 0.0, dampening: 0.0, nesterov: false },
+        Schedule::Constant(0.1),
+    );
     assert!(sgd.load_state(&state, step).is_err());
 }
 
@@ -184,7 +232,8 @@ mod adafactor {
             .unwrap()
             .iter()
             .map(|(k, v)| {
-                let shape: Vec<i32> = shapes[k].as_array().unwrap().iter().map(|d| d.as_i64().unwrap() as i32).collect();
+                let shape: Vec<i32> =
+                    shapes[k].as_array().unwrap().iter().map(|d| d.as_i64().unwrap() as i32).collect();
                 (k.clone(), Array::from_slice(&floats(v), &shape).unwrap().astype(dtype).unwrap())
             })
             .collect()
@@ -212,7 +261,11 @@ mod adafactor {
         }
         let lr = &case["learning_rate"];
         let schedule = match lr.as_array() {
-            Some(a) => Schedule::Linear { init: a[0].as_f64().unwrap() as f32, end: a[1].as_f64().unwrap() as f32, steps: a[2].as_u64().unwrap() },
+            Some(a) => Schedule::Linear {
+                init: a[0].as_f64().unwrap() as f32,
+                end: a[1].as_f64().unwrap() as f32,
+                steps: a[2].as_u64().unwrap(),
+            },
             None => Schedule::Constant(lr.as_f64().unwrap() as f32),
         };
         Optimizer::new(kind, schedule)
@@ -242,7 +295,13 @@ mod adafactor {
         }
     }
 
-    fn step_all(doc: &Value, opt: &mut Optimizer, p: HashMap<String, Array>, grads: &[Value], dtype: Dtype) -> HashMap<String, Array> {
+    fn step_all(
+        doc: &Value,
+        opt: &mut Optimizer,
+        p: HashMap<String, Array>,
+        grads: &[Value],
+        dtype: Dtype,
+    ) -> HashMap<String, Array> {
         grads.iter().fold(p, |p, g| opt.update(&p, &arrays(doc, g, dtype)).unwrap())
     }
 
@@ -265,7 +324,11 @@ mod adafactor {
             let (state, step) = opt.state_arrays();
             assert_eq!(step, 4);
             let want = case["state"].as_object().unwrap();
-            assert_eq!(state.keys().collect::<Vec<_>>(), want.keys().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>(), "{name}: state names");
+            assert_eq!(
+                state.keys().collect::<Vec<_>>(),
+                want.keys().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>(),
+                "{name}: state names"
+            );
             for (k, a) in &state {
                 close(&values(a), &floats(&want[k]), rtol, &format!("{name}, state {k}"));
             }
@@ -286,7 +349,11 @@ mod adafactor {
             let p = step_all(&doc, &mut first, p0, &grads[..2], Dtype::Float32);
             let (state, step) = first.state_arrays();
             assert_eq!(step, 2);
-            assert!(state.contains_key("w.exp_avg_sq_row") && state.contains_key("b.exp_avg_sq") && state.contains_key("u.exp_avg"));
+            assert!(
+                state.contains_key("w.exp_avg_sq_row")
+                    && state.contains_key("b.exp_avg_sq")
+                    && state.contains_key("u.exp_avg")
+            );
             // Through a file, as the trainer's checkpoints keep it.
             let file = std::env::temp_dir().join(format!("rmlx-adafactor-state-{}.safetensors", std::process::id()));
             rmlx::io::save_safetensors(&file, &state, &BTreeMap::new()).unwrap();
@@ -306,21 +373,34 @@ mod adafactor {
     fn state_of_other_settings_is_refused() {
         let doc = goldens();
         let grads = doc["grads"].as_array().unwrap();
-        let mut with_moment = Optimizer::new(OptimizerKind::Adafactor(Adafactor { beta_1: Some(0.9), ..Adafactor::default() }), Schedule::Constant(1e-5));
-        let p = step_all(&doc, &mut with_moment, arrays(&doc, &doc["params"], Dtype::Float32), &grads[..1], Dtype::Float32);
+        let mut with_moment = Optimizer::new(
+            OptimizerKind::Adafactor(Adafactor { beta_1: Some(0.9), ..Adafactor::default() }),
+            Schedule::Constant(1e-5),
+        );
+        let p =
+            step_all(&doc, &mut with_moment, arrays(&doc, &doc["params"], Dtype::Float32), &grads[..1], Dtype::Float32);
         let (state, step) = with_moment.state_arrays();
         // A first moment that this optimizer does not keep, and Adam's state.
-        let err = Optimizer::new(OptimizerKind::adafactor(), Schedule::Constant(1e-5)).load_state(&state, step).unwrap_err();
+        let err =
+            Optimizer::new(OptimizerKind::adafactor(), Schedule::Constant(1e-5)).load_state(&state, step).unwrap_err();
         assert!(err.to_string().contains("exp_avg, exp_avg_sq"), "{err}");
         let mut adam = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-5));
         adam.update(&p, &arrays(&doc, &grads[1], Dtype::Float32)).unwrap();
         let (adam_state, _) = adam.state_arrays();
-        assert!(Optimizer::new(OptimizerKind::adafactor(), Schedule::Constant(1e-5)).load_state(&adam_state, 1).is_err());
+        assert!(Optimizer::new(OptimizerKind::adafactor(), Schedule::Constant(1e-5))
+            .load_state(&adam_state, 1)
+            .is_err());
         assert!(Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-5)).load_state(&state, 1).is_err());
         // The factored state of the matrix `w` saved under the vector `b`'s name fits no update of `b`.
-        let swapped: BTreeMap<String, Array> =
-            state.iter().filter(|(k, _)| k.starts_with("w.")).map(|(k, a)| (k.replacen("w.", "b.", 1), a.clone())).collect();
-        let mut opt = Optimizer::new(OptimizerKind::Adafactor(Adafactor { beta_1: Some(0.9), ..Adafactor::default() }), Schedule::Constant(1e-5));
+        let swapped: BTreeMap<String, Array> = state
+            .iter()
+            .filter(|(k, _)| k.starts_with("w."))
+            .map(|(k, a)| (k.replacen("w.", "b.", 1), a.clone()))
+            .collect();
+        let mut opt = Optimizer::new(
+            OptimizerKind::Adafactor(Adafactor { beta_1: Some(0.9), ..Adafactor::default() }),
+            Schedule::Constant(1e-5),
+        );
         opt.load_state(&swapped, 1).unwrap();
         let b: HashMap<String, Array> = [("b".to_string(), p["b"].clone())].into_iter().collect();
         let err = opt.update(&b, &b).unwrap_err();

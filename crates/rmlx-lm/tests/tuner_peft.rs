@@ -44,7 +44,8 @@ fn mlx_lm_adapters_through_peft_layout_keep_mlx_lm_logits() {
     assert_eq!(a.shape(), &[4, hidden]);
     let b = &saved["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"];
     assert_eq!(b.shape(), &[hidden, 4]);
-    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.path().join("adapter_config.json")).unwrap()).unwrap();
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!(cfg["peft_type"], "LORA");
     assert_eq!((cfg["r"].as_i64(), cfg["lora_alpha"].as_f64()), (Some(4), Some(12.0)), "alpha = scale (3) x r (4)");
     let targets: Vec<&str> = cfg["target_modules"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
@@ -55,7 +56,12 @@ fn mlx_lm_adapters_through_peft_layout_keep_mlx_lm_logits() {
     let got = adapters::load(fresh.model.as_mut(), out.path(), Dtype::Float32).unwrap();
     assert_eq!((got.lora.rank, got.lora.scale), (4, 3.0));
     let ids: Vec<i32> = reference["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
-    let want: Vec<f32> = reference["logits"].as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+    let want: Vec<f32> = reference["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+        .collect();
     let d = logits(&fresh, &ids).iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
     assert!(d < 1e-4, "{d}");
 }
@@ -113,11 +119,16 @@ fn broken_peft_weights_are_named() {
     }
     let a = arrays["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"].clone();
     arrays.insert("base_model.model.model.layers.0.self_attn.qkv.lora_A.weight".into(), a.clone());
-    arrays.insert("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".into(), rmlx::ops::zeros(&[a.shape()[1], 4], Dtype::Float32).unwrap());
+    arrays.insert(
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight".into(),
+        rmlx::ops::zeros(&[a.shape()[1], 4], Dtype::Float32).unwrap(),
+    );
     rmlx::io::save_safetensors(&path, &arrays, &Default::default()).unwrap();
     let (_d, mut lm) = model();
     match adapters::load(lm.model.as_mut(), dir.path(), Dtype::Float32) {
-        Err(Error::Config(m)) => assert!(m.contains("`model.layers.0.self_attn.qkv` is no linear layer of this model"), "{m}"),
+        Err(Error::Config(m)) => {
+            assert!(m.contains("`model.layers.0.self_attn.qkv` is no linear layer of this model"), "{m}")
+        }
         other => panic!("expected a config error, got {other:?}"),
     }
 }

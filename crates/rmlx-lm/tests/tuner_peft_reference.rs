@@ -33,7 +33,8 @@ fn reference(case: &str) -> (Value, HashMap<String, Array>) {
 /// The fixture model in float32 with the PEFT adapter of `adapter_dir` attached.
 fn model_with(fixture: &str, adapter_dir: &Path) -> (TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(fixture);
-    let mut lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let mut lm =
+        rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
     peft::load(lm.model.as_mut(), adapter_dir, Dtype::Float32).unwrap();
     (dir, lm)
 }
@@ -145,14 +146,20 @@ fn check_rmlx_trained(case: &str) {
     let json: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("peft_logits.json")).unwrap()).unwrap();
     let (_d, lm) = model_with("llama_gqa", &dir);
     let ids = ids_of(&json);
-    let want: Vec<f32> = json["logits"].as_array().unwrap().iter().flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+    let want: Vec<f32> = json["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+        .collect();
     let vocab = (want.len() / ids.len()) as i32;
     let want = Array::from_slice(&want, &[ids.len() as i32, vocab]).unwrap();
     let err = max_abs_diff(&logits(&lm, &ids), &want);
     assert!(err < 5e-4, "{case}: max |Δlogit| = {err}");
     // Trained, not fresh: the adapter changes the logits.
     let base_dir = fixture_with_tokenizer("llama_gqa");
-    let base = rmlx_lm::load(base_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let base =
+        rmlx_lm::load(base_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
     assert!(max_abs_diff(&logits(&base, &ids), &want) > 1e-2);
 }
 
@@ -170,7 +177,8 @@ fn make_rmlx_trained_peft_fixtures() {
 
 fn make_rmlx_trained(case: &str, dora: bool) {
     let src = fixture_with_tokenizer("llama_gqa");
-    let mut lm = rmlx_lm::load(src.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let mut lm =
+        rmlx_lm::load(src.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
     let config = tuner::LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
     if dora {
         tuner::apply_dora(lm.model.as_mut(), None, &config, Dtype::Float32, 7).unwrap();
@@ -178,7 +186,9 @@ fn make_rmlx_trained(case: &str, dora: bool) {
         tuner::apply_lora(lm.model.as_mut(), None, &config, Dtype::Float32, 7).unwrap();
     }
     let trainable = tuner::lora_parameter_names(lm.model.as_ref());
-    let seqs: Vec<Sequence> = (0..2u32).map(|r| Sequence { tokens: (0..20).map(|i| 1 + (i * 13 + r * 5) % 60).collect(), offset: 0 }).collect();
+    let seqs: Vec<Sequence> = (0..2u32)
+        .map(|r| Sequence { tokens: (0..20).map(|i| 1 + (i * 13 + r * 5) % 60).collect(), offset: 0 })
+        .collect();
     let batch = Batch::new(&seqs.iter().collect::<Vec<_>>(), 2048);
     let mut opt = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-2));
     for _ in 0..20 {

@@ -58,30 +58,55 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
     };
     let mut opt = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-2));
     let mut reports = Vec::new();
-    let summary = train(lm.model.as_mut(), &trainable, &mut opt, &train_set, &valid_set, &cfg, &mut |r| reports.push(r.clone()), &|| false).unwrap();
+    let summary = train(
+        lm.model.as_mut(),
+        &trainable,
+        &mut opt,
+        &train_set,
+        &valid_set,
+        &cfg,
+        &mut |r| reports.push(r.clone()),
+        &|| false,
+    )
+    .unwrap();
     // Loss targets: 11 of each 12-token example.
     assert_eq!((summary.iterations, summary.trained_tokens), (40, 40 * 4 * 11));
     let after = evaluate(lm.model.as_ref(), &valid_set, 4, None, 2048).unwrap().0;
     assert!(after < 0.6 * before, "validation loss {before} -> {after}");
     // As in mlx-lm, the last validation runs at the start of the last iteration, before its step.
     assert!(summary.last_val_loss.is_some_and(|v| v < before && v > after), "{:?}", summary.last_val_loss);
-    let train_iters: Vec<usize> = reports.iter().filter_map(|r| if let Report::Train { iter, .. } = r { Some(*iter) } else { None }).collect();
-    let val_iters: Vec<usize> = reports.iter().filter_map(|r| if let Report::Val { iter, .. } = r { Some(*iter) } else { None }).collect();
+    let train_iters: Vec<usize> =
+        reports.iter().filter_map(|r| if let Report::Train { iter, .. } = r { Some(*iter) } else { None }).collect();
+    let val_iters: Vec<usize> =
+        reports.iter().filter_map(|r| if let Report::Val { iter, .. } = r { Some(*iter) } else { None }).collect();
     assert_eq!((train_iters, val_iters), (vec![10, 20, 30, 40], vec![1, 20, 40]));
-    assert!(reports.iter().any(|r| matches!(r, Report::Train { trained_tokens: 440, learning_rate, .. } if *learning_rate == 1e-2)));
+    assert!(reports
+        .iter()
+        .any(|r| matches!(r, Report::Train { trained_tokens: 440, learning_rate, .. } if *learning_rate == 1e-2)));
     assert!(out.path().join("0000025_adapters.safetensors").exists());
-    assert!(!out.path().join("0000040_adapters.safetensors").exists(), "the final save writes adapters.safetensors only");
+    assert!(
+        !out.path().join("0000040_adapters.safetensors").exists(),
+        "the final save writes adapters.safetensors only"
+    );
 
     // The file holds exactly the adapters, in mlx-lm's names and orientation.
     let saved = rmlx::io::load_safetensors(out.path().join(adapters::WEIGHTS)).unwrap().arrays;
-    assert_eq!(saved.keys().cloned().collect::<Vec<_>>(), { let mut t = trainable.clone(); t.sort(); t });
+    assert_eq!(saved.keys().cloned().collect::<Vec<_>>(), {
+        let mut t = trainable.clone();
+        t.sort();
+        t
+    });
     let hidden = lm.model.config().hidden_size;
     assert_eq!(saved["model.layers.0.self_attn.q_proj.lora_a"].shape(), &[hidden, 4]);
     // A fresh model with the adapters loaded gives the trained model's logits.
     let config = AdapterConfig { fine_tune_type: FineTuneType::Lora, num_layers: None, lora: lora.clone() };
     adapters::save_config(out.path(), &config, &serde_json::Map::new()).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.path().join(adapters::CONFIG)).unwrap()).unwrap();
-    assert_eq!((json["fine_tune_type"].as_str(), json["num_layers"].as_i64(), json["lora_parameters"]["rank"].as_i64()), (Some("lora"), Some(-1), Some(4)));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join(adapters::CONFIG)).unwrap()).unwrap();
+    assert_eq!(
+        (json["fine_tune_type"].as_str(), json["num_layers"].as_i64(), json["lora_parameters"]["rank"].as_i64()),
+        (Some("lora"), Some(-1), Some(4))
+    );
     let (_d2, mut fresh) = load();
     assert_eq!(adapters::load(fresh.model.as_mut(), out.path(), Dtype::Float32).unwrap(), config);
     let ids = [2, 5, 8, 11, 14];
@@ -91,10 +116,16 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
 #[test]
 fn a_stop_request_saves_and_ends_the_run() {
     let (_d, mut lm) = load();
-    apply_lora(lm.model.as_mut(), Some(1), &LoraConfig { rank: 2, ..LoraConfig::default() }, Dtype::Float32, 0).unwrap();
+    apply_lora(lm.model.as_mut(), Some(1), &LoraConfig { rank: 2, ..LoraConfig::default() }, Dtype::Float32, 0)
+        .unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());
     let out = TempDir::new("tuner-stop");
-    let cfg = TrainConfig { iters: 100, save_every: 50, adapter_dir: Some(out.path().to_path_buf()), ..TrainConfig::default() };
+    let cfg = TrainConfig {
+        iters: 100,
+        save_every: 50,
+        adapter_dir: Some(out.path().to_path_buf()),
+        ..TrainConfig::default()
+    };
     let mut opt = Optimizer::new(OptimizerKind::adamw(), Schedule::Constant(1e-3));
     let calls = Cell::new(0);
     let stop = || {
@@ -114,13 +145,21 @@ fn a_stop_request_saves_and_ends_the_run() {
 fn mlx_lm_adapters_give_mlx_lm_logits() {
     for case in ["llama_gqa_all", "qwen3_last_q_v", "llama_gqa_dora"] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters").join(case);
-        let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
         let model_dir = fixture_with_tokenizer(reference["model"].as_str().unwrap());
-        let mut lm = rmlx_lm::load(model_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+        let mut lm =
+            rmlx_lm::load(model_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+                .unwrap();
         let ids: Vec<i32> = reference["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
         let base = logits(&lm, &ids);
         let cfg = adapters::load(lm.model.as_mut(), &dir, Dtype::Float32).unwrap();
-        let want: Vec<f32> = reference["logits"].as_array().unwrap().iter().flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32)).collect();
+        let want: Vec<f32> = reference["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32))
+            .collect();
         let got = logits(&lm, &ids);
         let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         let effect = base.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
@@ -142,9 +181,22 @@ fn mlx_lm_adapters_give_mlx_lm_logits() {
 fn gradient_accumulation_equals_the_larger_batch() {
     let run = |batch_size: usize, accumulate: usize, iters: usize| {
         let (_d, mut lm) = load();
-        apply_lora(lm.model.as_mut(), None, &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None }, Dtype::Float32, 5).unwrap();
+        apply_lora(
+            lm.model.as_mut(),
+            None,
+            &LoraConfig { rank: 2, scale: 2.0, dropout: 0.0, keys: None },
+            Dtype::Float32,
+            5,
+        )
+        .unwrap();
         let trainable = lora_parameter_names(lm.model.as_ref());
-        let cfg = TrainConfig { iters, batch_size, grad_accumulation_steps: accumulate, save_every: 1000, ..TrainConfig::default() };
+        let cfg = TrainConfig {
+            iters,
+            batch_size,
+            grad_accumulation_steps: accumulate,
+            save_every: 1000,
+            ..TrainConfig::default()
+        };
         let mut opt = Optimizer::new(OptimizerKind::sgd(), Schedule::Constant(0.5));
         train(lm.model.as_mut(), &trainable, &mut opt, &data(8, 0), &[], &cfg, &mut |_| {}, &|| false).unwrap();
         assert_eq!(opt.step(), 1, "one optimizer update");
@@ -174,7 +226,15 @@ fn resume_exactly(dropout: f32) {
         let (_d, mut lm) = load();
         apply_lora(lm.model.as_mut(), None, &lora, Dtype::Float32, 9).unwrap();
         let trainable = lora_parameter_names(lm.model.as_ref());
-        let mut cfg = TrainConfig { iters: 12, batch_size: 2, steps_per_report: 1, save_every: 5, seed: 4, adapter_dir: Some(dir.to_path_buf()), ..TrainConfig::default() };
+        let mut cfg = TrainConfig {
+            iters: 12,
+            batch_size: 2,
+            steps_per_report: 1,
+            save_every: 5,
+            seed: 4,
+            adapter_dir: Some(dir.to_path_buf()),
+            ..TrainConfig::default()
+        };
         if let Some(ckpt) = resume_from {
             let arrays = rmlx::io::load_safetensors(ckpt).unwrap().arrays;
             rmlx_lm::nn::ModuleExt::update(lm.model.as_mut(), "", arrays.into_iter().collect()).unwrap();
@@ -182,11 +242,21 @@ fn resume_exactly(dropout: f32) {
         }
         let mut opt = Optimizer::new(OptimizerKind::adamw(), Schedule::Constant(5e-3));
         let mut losses = Vec::new();
-        train(lm.model.as_mut(), &trainable, &mut opt, &data(6, 0), &[], &cfg, &mut |r| {
-            if let Report::Train { iter, loss, trained_tokens, .. } = r {
-                losses.push((*iter, *loss, *trained_tokens));
-            }
-        }, &|| false).unwrap();
+        train(
+            lm.model.as_mut(),
+            &trainable,
+            &mut opt,
+            &data(6, 0),
+            &[],
+            &cfg,
+            &mut |r| {
+                if let Report::Train { iter, loss, trained_tokens, .. } = r {
+                    losses.push((*iter, *loss, *trained_tokens));
+                }
+            },
+            &|| false,
+        )
+        .unwrap();
         (losses, logits(&lm, &[2, 5, 8, 11]))
     };
     let (a, b) = (TempDir::new("resume-a"), TempDir::new("resume-b"));

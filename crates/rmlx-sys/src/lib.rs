@@ -222,17 +222,53 @@ pub mod ffi {
         unsafe fn clip(a: &Array, lo: *const Array, hi: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn astype(a: &Array, dtype: u8, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn view(a: &Array, dtype: u8, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn isclose(a: &Array, b: &Array, rtol: f64, atol: f64, equal_nan: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn isclose(
+            a: &Array,
+            b: &Array,
+            rtol: f64,
+            atol: f64,
+            equal_nan: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
         fn array_equal(a: &Array, b: &Array, equal_nan: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
 
         // ---- reductions -------------------------------------------------------------------------
-        fn reduce(op: ReduceOp, a: &Array, axes: &[i32], all_axes: bool, keepdims: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn reduce(
+            op: ReduceOp,
+            a: &Array,
+            axes: &[i32],
+            all_axes: bool,
+            keepdims: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
         fn argmax(a: &Array, axis: i32, all_axes: bool, keepdims: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn argmin(a: &Array, axis: i32, all_axes: bool, keepdims: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn var(a: &Array, axes: &[i32], all_axes: bool, keepdims: bool, ddof: i32, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn std(a: &Array, axes: &[i32], all_axes: bool, keepdims: bool, ddof: i32, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn var(
+            a: &Array,
+            axes: &[i32],
+            all_axes: bool,
+            keepdims: bool,
+            ddof: i32,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        fn std(
+            a: &Array,
+            axes: &[i32],
+            all_axes: bool,
+            keepdims: bool,
+            ddof: i32,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
         fn softmax(a: &Array, axes: &[i32], all_axes: bool, precise: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn scan(op: ScanOp, a: &Array, axis: i32, all_axes: bool, reverse: bool, inclusive: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn scan(
+            op: ScanOp,
+            a: &Array,
+            axis: i32,
+            all_axes: bool,
+            reverse: bool,
+            inclusive: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
 
         // ---- linear algebra ---------------------------------------------------------------------
         fn addmm(c: &Array, a: &Array, b: &Array, alpha: f32, beta: f32, s: StreamSpec) -> Result<UniquePtr<Array>>;
@@ -254,10 +290,24 @@ pub mod ffi {
         fn split_sections(a: &Array, num: i32, axis: i32, s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
         fn depends(inputs: &ArrayVec, dependencies: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
         fn split_indices(a: &Array, indices: &[i32], axis: i32, s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
-        fn pad(a: &Array, axes: &[i32], low: &[i32], high: &[i32], value: &Array, mode: &str, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn pad(
+            a: &Array,
+            axes: &[i32],
+            low: &[i32],
+            high: &[i32],
+            value: &Array,
+            mode: &str,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
         fn repeat(a: &Array, repeats: i32, axis: i32, all_axes: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn tile(a: &Array, reps: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn as_strided(a: &Array, shape: &[i32], strides: &[i64], offset: usize, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn as_strided(
+            a: &Array,
+            shape: &[i32],
+            strides: &[i64],
+            offset: usize,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
         fn contiguous(a: &Array, allow_col_major: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn flip(a: &Array, axes: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn roll(a: &Array, shift: i32, axis: i32, all_axes: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
@@ -266,15 +316,66 @@ pub mod ffi {
 
         // ---- indexing ---------------------------------------------------------------------------
         fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn slice_dynamic(a: &Array, start: &Array, axes: &[i32], sizes: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32], strides: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn slice_update_dynamic(src: &Array, update: &Array, start: &Array, axes: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn slice_dynamic(
+            a: &Array,
+            start: &Array,
+            axes: &[i32],
+            sizes: &[i32],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        fn slice_update(
+            src: &Array,
+            update: &Array,
+            start: &[i32],
+            stop: &[i32],
+            strides: &[i32],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        fn slice_update_dynamic(
+            src: &Array,
+            update: &Array,
+            start: &Array,
+            axes: &[i32],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
         fn take(a: &Array, indices: &Array, axis: i32, all_axes: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn take_along_axis(a: &Array, indices: &Array, axis: i32, all_axes: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn put_along_axis(a: &Array, indices: &Array, values: &Array, axis: i32, all_axes: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn scatter_add_axis(a: &Array, indices: &Array, values: &Array, axis: i32, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn scatter(a: &Array, indices: &ArrayVec, updates: &Array, axes: &[i32], add: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        fn gather(a: &Array, indices: &ArrayVec, axes: &[i32], slice_sizes: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
+        fn take_along_axis(
+            a: &Array,
+            indices: &Array,
+            axis: i32,
+            all_axes: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        fn put_along_axis(
+            a: &Array,
+            indices: &Array,
+            values: &Array,
+            axis: i32,
+            all_axes: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        fn scatter_add_axis(
+            a: &Array,
+            indices: &Array,
+            values: &Array,
+            axis: i32,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        fn scatter(
+            a: &Array,
+            indices: &ArrayVec,
+            updates: &Array,
+            axes: &[i32],
+            add: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        fn gather(
+            a: &Array,
+            indices: &ArrayVec,
+            axes: &[i32],
+            slice_sizes: &[i32],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
 
         // ---- sorting ----------------------------------------------------------------------------
         fn sort(a: &Array, axis: i32, all_axes: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
@@ -285,34 +386,157 @@ pub mod ffi {
 
         // ---- fast -------------------------------------------------------------------------------
         unsafe fn rms_norm(x: &Array, weight: *const Array, eps: f32, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn layer_norm(x: &Array, weight: *const Array, bias: *const Array, eps: f32, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn rope(x: &Array, dims: i32, traditional: bool, base: f32, has_base: bool, scale: f32, offset: i32, offset_array: *const Array, freqs: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn scaled_dot_product_attention(q: &Array, k: &Array, v: &Array, scale: f32, mask_mode: &str, mask: *const Array, sinks: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        unsafe fn layer_norm(
+            x: &Array,
+            weight: *const Array,
+            bias: *const Array,
+            eps: f32,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn rope(
+            x: &Array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offset: i32,
+            offset_array: *const Array,
+            freqs: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn scaled_dot_product_attention(
+            q: &Array,
+            k: &Array,
+            v: &Array,
+            scale: f32,
+            mask_mode: &str,
+            mask: *const Array,
+            sinks: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
 
         // ---- quantization -----------------------------------------------------------------------
-        unsafe fn quantize(w: &Array, group_size: i32, bits: i32, mode: &str, global_scale: *const Array, s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
-        unsafe fn dequantize(w: &Array, scales: &Array, biases: *const Array, group_size: i32, bits: i32, mode: &str, global_scale: *const Array, dtype: i32, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn quantized_matmul(x: &Array, w: &Array, scales: &Array, biases: *const Array, transpose: bool, group_size: i32, bits: i32, mode: &str, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn gather_qmm(x: &Array, w: &Array, scales: &Array, biases: *const Array, lhs_indices: *const Array, rhs_indices: *const Array, transpose: bool, group_size: i32, bits: i32, mode: &str, sorted_indices: bool, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        unsafe fn quantize(
+            w: &Array,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+            global_scale: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<ArrayVec>>;
+        unsafe fn dequantize(
+            w: &Array,
+            scales: &Array,
+            biases: *const Array,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+            global_scale: *const Array,
+            dtype: i32,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn quantized_matmul(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: *const Array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn gather_qmm(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: *const Array,
+            lhs_indices: *const Array,
+            rhs_indices: *const Array,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+            mode: &str,
+            sorted_indices: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
 
         // ---- random -----------------------------------------------------------------------------
         fn random_seed(seed: u64);
         fn random_key(seed: u64) -> Result<UniquePtr<Array>>;
         fn random_split(key: &Array, num: i32, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_uniform(low: &Array, high: &Array, shape: &[i32], dtype: u8, key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_normal(shape: &[i32], dtype: u8, loc: f32, scale: f32, key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_truncated_normal(lower: &Array, upper: &Array, shape: &[i32], dtype: u8, key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_randint(low: &Array, high: &Array, shape: &[i32], dtype: u8, key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_bernoulli(p: &Array, shape: &[i32], key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_categorical(logits: &Array, axis: i32, num_samples: i32, key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_gumbel(shape: &[i32], dtype: u8, key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
-        unsafe fn random_permutation(x: &Array, axis: i32, key: *const Array, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        unsafe fn random_uniform(
+            low: &Array,
+            high: &Array,
+            shape: &[i32],
+            dtype: u8,
+            key: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn random_normal(
+            shape: &[i32],
+            dtype: u8,
+            loc: f32,
+            scale: f32,
+            key: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn random_truncated_normal(
+            lower: &Array,
+            upper: &Array,
+            shape: &[i32],
+            dtype: u8,
+            key: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn random_randint(
+            low: &Array,
+            high: &Array,
+            shape: &[i32],
+            dtype: u8,
+            key: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn random_bernoulli(
+            p: &Array,
+            shape: &[i32],
+            key: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn random_categorical(
+            logits: &Array,
+            axis: i32,
+            num_samples: i32,
+            key: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
+        unsafe fn random_gumbel(shape: &[i32], dtype: u8, key: *const Array, s: StreamSpec)
+            -> Result<UniquePtr<Array>>;
+        unsafe fn random_permutation(
+            x: &Array,
+            axis: i32,
+            key: *const Array,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
 
         // ---- io ---------------------------------------------------------------------------------
         fn load_safetensors(path: &str, s: StreamSpec) -> Result<NamedArrays>;
-        fn save_safetensors(path: &str, names: &[String], arrays: &ArrayVec, meta_keys: &[String], meta_values: &[String]) -> Result<()>;
+        fn save_safetensors(
+            path: &str,
+            names: &[String],
+            arrays: &ArrayVec,
+            meta_keys: &[String],
+            meta_values: &[String],
+        ) -> Result<()>;
         fn load_gguf(path: &str, s: StreamSpec) -> Result<NamedArrays>;
-        fn save_gguf(path: &str, names: &[String], arrays: &ArrayVec, meta: &[GgufMeta], meta_arrays: &ArrayVec) -> Result<()>;
+        fn save_gguf(
+            path: &str,
+            names: &[String],
+            arrays: &ArrayVec,
+            meta: &[GgufMeta],
+            meta_arrays: &ArrayVec,
+        ) -> Result<()>;
         fn load_npy(path: &str, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn save_npy(path: &str, a: &Array) -> Result<()>;
 

@@ -68,17 +68,45 @@ pub mod tffi {
         type OpBox;
 
         fn call_array_fn(f: &ArrayFn, args: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
-        fn call_vjp_fn(f: &VjpFn, primals: &ArrayVec, cotangents: &ArrayVec, outputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
-        fn call_jvp_fn(f: &JvpFn, primals: &ArrayVec, tangents: &ArrayVec, argnums: &[i32]) -> Result<UniquePtr<ArrayVec>>;
-        fn call_vmap_fn(f: &VmapFn, inputs: &ArrayVec, axes: &[i32], out_axes: &mut Vec<i32>) -> Result<UniquePtr<ArrayVec>>;
+        fn call_vjp_fn(
+            f: &VjpFn,
+            primals: &ArrayVec,
+            cotangents: &ArrayVec,
+            outputs: &ArrayVec,
+        ) -> Result<UniquePtr<ArrayVec>>;
+        fn call_jvp_fn(
+            f: &JvpFn,
+            primals: &ArrayVec,
+            tangents: &ArrayVec,
+            argnums: &[i32],
+        ) -> Result<UniquePtr<ArrayVec>>;
+        fn call_vmap_fn(
+            f: &VmapFn,
+            inputs: &ArrayVec,
+            axes: &[i32],
+            out_axes: &mut Vec<i32>,
+        ) -> Result<UniquePtr<ArrayVec>>;
 
         fn op_name(op: &OpBox) -> String;
         fn op_output_specs(op: &OpBox, inputs: &[ShapeDtype]) -> Result<Vec<ShapeDtype>>;
         fn op_eval_cpu(op: &OpBox, inputs: &[CpuBuffer], outputs: &[CpuBuffer], token: usize);
-        fn op_gpu_kernel(op: &OpBox, backend: u8, inputs: &[ShapeDtype], outputs: &[ShapeDtype], spec: &mut KernelSpec) -> Result<bool>;
-        fn op_vjp(op: &OpBox, primals: &ArrayVec, cotangents: &ArrayVec, argnums: &[i32], outputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
+        fn op_gpu_kernel(
+            op: &OpBox,
+            backend: u8,
+            inputs: &[ShapeDtype],
+            outputs: &[ShapeDtype],
+            spec: &mut KernelSpec,
+        ) -> Result<bool>;
+        fn op_vjp(
+            op: &OpBox,
+            primals: &ArrayVec,
+            cotangents: &ArrayVec,
+            argnums: &[i32],
+            outputs: &ArrayVec,
+        ) -> Result<UniquePtr<ArrayVec>>;
         fn op_jvp(op: &OpBox, primals: &ArrayVec, tangents: &ArrayVec, argnums: &[i32]) -> Result<UniquePtr<ArrayVec>>;
-        fn op_vmap(op: &OpBox, inputs: &ArrayVec, axes: &[i32], out_axes: &mut Vec<i32>) -> Result<UniquePtr<ArrayVec>>;
+        fn op_vmap(op: &OpBox, inputs: &ArrayVec, axes: &[i32], out_axes: &mut Vec<i32>)
+            -> Result<UniquePtr<ArrayVec>>;
         fn op_equivalent(op: &OpBox, other: &OpBox) -> bool;
     }
 
@@ -98,7 +126,13 @@ pub mod tffi {
         fn vjp(f: &ArrayFn, primals: &ArrayVec, cotangents: &ArrayVec, s: StreamSpec) -> Result<TransformOut>;
         fn jvp(f: &ArrayFn, primals: &ArrayVec, tangents: &ArrayVec, s: StreamSpec) -> Result<TransformOut>;
         fn value_and_grad(f: &ArrayFn, inputs: &ArrayVec, argnums: &[i32], s: StreamSpec) -> Result<TransformOut>;
-        fn vmap(f: &ArrayFn, inputs: &ArrayVec, in_axes: &[i32], out_axes: &[i32], s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
+        fn vmap(
+            f: &ArrayFn,
+            inputs: &ArrayVec,
+            in_axes: &[i32],
+            out_axes: &[i32],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<ArrayVec>>;
         fn checkpoint(f: Box<ArrayFn>) -> UniquePtr<ArrayFunction>;
         fn custom_function(
             f: Box<ArrayFn>,
@@ -124,8 +158,18 @@ pub mod tffi {
 
         /// 0 = no GPU backend, 1 = CUDA, 2 = Metal.
         fn gpu_backend() -> u8;
-        fn custom_kernel(spec: &KernelSpec, inputs: &ArrayVec, outputs: &[ShapeDtype], s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
-        fn custom_primitive(op: Box<OpBox>, inputs: &ArrayVec, outputs: &[ShapeDtype], s: StreamSpec) -> Result<UniquePtr<ArrayVec>>;
+        fn custom_kernel(
+            spec: &KernelSpec,
+            inputs: &ArrayVec,
+            outputs: &[ShapeDtype],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<ArrayVec>>;
+        fn custom_primitive(
+            op: Box<OpBox>,
+            inputs: &ArrayVec,
+            outputs: &[ShapeDtype],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<ArrayVec>>;
         fn array_primitive_name(a: &Array) -> String;
     }
 
@@ -158,7 +202,12 @@ pub trait PrimitiveCallbacks: Send + Sync + 'static {
     fn name(&self) -> String;
     fn output_specs(&self, inputs: &[ShapeDtype]) -> Result<Vec<ShapeDtype>, String>;
     fn eval_cpu(&self, inputs: &[CpuBuffer], outputs: &[CpuBuffer]) -> Result<(), String>;
-    fn gpu_kernel(&self, backend: u8, inputs: &[ShapeDtype], outputs: &[ShapeDtype]) -> Result<Option<KernelSpec>, String>;
+    fn gpu_kernel(
+        &self,
+        backend: u8,
+        inputs: &[ShapeDtype],
+        outputs: &[ShapeDtype],
+    ) -> Result<Option<KernelSpec>, String>;
     fn vjp(&self, primals: &ArrayVec, cotangents: &ArrayVec, argnums: &[i32], outputs: &ArrayVec) -> CallbackResult;
     fn jvp(&self, primals: &ArrayVec, tangents: &ArrayVec, argnums: &[i32]) -> CallbackResult;
     fn vmap(&self, inputs: &ArrayVec, axes: &[i32]) -> Result<(UniquePtr<ArrayVec>, Vec<i32>), String>;
@@ -251,7 +300,13 @@ fn op_eval_cpu(op: &OpBox, inputs: &[CpuBuffer], outputs: &[CpuBuffer], token: u
     }
 }
 
-fn op_gpu_kernel(op: &OpBox, backend: u8, inputs: &[ShapeDtype], outputs: &[ShapeDtype], spec: &mut KernelSpec) -> Result<bool, String> {
+fn op_gpu_kernel(
+    op: &OpBox,
+    backend: u8,
+    inputs: &[ShapeDtype],
+    outputs: &[ShapeDtype],
+    spec: &mut KernelSpec,
+) -> Result<bool, String> {
     match guarded("a primitive's gpu_kernel", || op.0.gpu_kernel(backend, inputs, outputs))? {
         Some(s) => {
             *spec = s;
@@ -261,7 +316,13 @@ fn op_gpu_kernel(op: &OpBox, backend: u8, inputs: &[ShapeDtype], outputs: &[Shap
     }
 }
 
-fn op_vjp(op: &OpBox, primals: &ArrayVec, cotangents: &ArrayVec, argnums: &[i32], outputs: &ArrayVec) -> CallbackResult {
+fn op_vjp(
+    op: &OpBox,
+    primals: &ArrayVec,
+    cotangents: &ArrayVec,
+    argnums: &[i32],
+    outputs: &ArrayVec,
+) -> CallbackResult {
     guarded("a primitive's vjp", || op.0.vjp(primals, cotangents, argnums, outputs))
 }
 

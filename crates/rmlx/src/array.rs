@@ -56,10 +56,7 @@ impl Array {
     pub fn from_slice<T: Element>(data: &[T], shape: &[i32]) -> Result<Array> {
         let n: i64 = shape.iter().map(|&d| d as i64).product();
         if shape.iter().any(|&d| d < 0) || n != data.len() as i64 {
-            return Err(Error::InvalidArgument(format!(
-                "{} elements cannot fill shape {shape:?}",
-                data.len()
-            )));
+            return Err(Error::InvalidArgument(format!("{} elements cannot fill shape {shape:?}", data.len())));
         }
         // SAFETY: `Element` guarantees a plain, fully initialised layout of `size_of::<T>()` bytes.
         let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };

@@ -43,8 +43,8 @@ use rmlx_sys::cxx::UniquePtr;
 use rmlx_sys::tffi;
 use std::cell::Cell;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// Options of [`compile_with`].
 #[derive(Clone, Debug, Default)]
@@ -97,7 +97,10 @@ pub fn compile_with(f: impl Fn(&[Array]) -> Result<Vec<Array>> + Sync + 'static,
 /// assert_eq!(y[0].to_vec::<f32>()?, vec![2.0, 3.0]);
 /// # Ok::<(), rmlx::Error>(())
 /// ```
-pub fn compile_with_constants(f: impl Fn(&[Array]) -> Result<Vec<Array>> + 'static, options: CompileOptions) -> Compiled {
+pub fn compile_with_constants(
+    f: impl Fn(&[Array]) -> Result<Vec<Array>> + 'static,
+    options: CompileOptions,
+) -> Compiled {
     build(Box::new(f), options, true)
 }
 

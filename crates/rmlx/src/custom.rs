@@ -78,7 +78,13 @@ pub trait CustomPrimitive: Send + Sync + 'static {
     }
 
     /// Vector-Jacobian products: one array per entry of `argnums` (the primals to differentiate).
-    fn vjp(&self, _primals: &[Array], _cotangents: &[Array], _argnums: &[usize], _outputs: &[Array]) -> Result<Vec<Array>> {
+    fn vjp(
+        &self,
+        _primals: &[Array],
+        _cotangents: &[Array],
+        _argnums: &[usize],
+        _outputs: &[Array],
+    ) -> Result<Vec<Array>> {
         Err(Error::Unsupported(format!("{} has no vjp", self.name())))
     }
 
@@ -247,7 +253,13 @@ impl<P: CustomPrimitive> PrimitiveCallbacks for Adapter<P> {
         }
     }
 
-    fn vjp(&self, primals: &ffi::ArrayVec, cotangents: &ffi::ArrayVec, argnums: &[i32], outputs: &ffi::ArrayVec) -> CallbackResult {
+    fn vjp(
+        &self,
+        primals: &ffi::ArrayVec,
+        cotangents: &ffi::ArrayVec,
+        argnums: &[i32],
+        outputs: &ffi::ArrayVec,
+    ) -> CallbackResult {
         let (p, c, o) = (arrays(primals), arrays(cotangents), arrays(outputs));
         returned(callback::guard(|| self.0.vjp(&p, &c, &usizes(argnums), &o)))
     }

@@ -139,8 +139,7 @@ fn evaluator() -> Option<&'static Evaluator> {
         if !wanted() {
             return None;
         }
-        let e: &'static Evaluator =
-            Box::leak(Box::new(Evaluator {
+        let e: &'static Evaluator = Box::leak(Box::new(Evaluator {
             slot: Mutex::default(),
             posted: Condvar::new(),
             finished: Condvar::new(),

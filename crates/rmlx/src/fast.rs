@@ -71,7 +71,18 @@ pub fn rope<'a>(
         RopeOffset::Array(a) => (0, Some(a)),
     };
     wrap(|| unsafe {
-        ffi::rope(x.raw(), dims, traditional, base, has_base, scale, off, Array::ptr(off_arr), Array::ptr(freqs), current())
+        ffi::rope(
+            x.raw(),
+            dims,
+            traditional,
+            base,
+            has_base,
+            scale,
+            off,
+            Array::ptr(off_arr),
+            Array::ptr(freqs),
+            current(),
+        )
     })
 }
 
@@ -101,6 +112,15 @@ pub fn scaled_dot_product_attention(
         AttentionMask::Array(a) => ("array", Some(a)),
     };
     wrap(|| unsafe {
-        ffi::scaled_dot_product_attention(q.raw(), k.raw(), v.raw(), scale, mode, Array::ptr(arr), std::ptr::null(), current())
+        ffi::scaled_dot_product_attention(
+            q.raw(),
+            k.raw(),
+            v.raw(),
+            scale,
+            mode,
+            Array::ptr(arr),
+            std::ptr::null(),
+            current(),
+        )
     })
 }

@@ -113,7 +113,11 @@ pub fn load_gguf(path: impl AsRef<Path>) -> Result<Gguf> {
 }
 
 /// Writes arrays and metadata to a GGUF file.
-pub fn save_gguf(path: impl AsRef<Path>, arrays: &BTreeMap<String, Array>, metadata: &BTreeMap<String, GgufValue>) -> Result<()> {
+pub fn save_gguf(
+    path: impl AsRef<Path>,
+    arrays: &BTreeMap<String, Array>,
+    metadata: &BTreeMap<String, GgufValue>,
+) -> Result<()> {
     let names: Vec<String> = arrays.keys().cloned().collect();
     let mut meta_arrays = Vec::new();
     let meta: Vec<ffi::GgufMeta> = metadata

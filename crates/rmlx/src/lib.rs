@@ -69,8 +69,8 @@ pub use device::{
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
 pub use evaluator::{evaluation_thread, on_evaluation_thread};
-pub use mode::{execution_mode, set_execution_mode, with_execution_mode, Executable, ExecutionMode};
 pub use half::{bf16, f16};
+pub use mode::{execution_mode, set_execution_mode, with_execution_mode, Executable, ExecutionMode};
 pub use num_complex::Complex32;
 pub use ops::Axes;
 

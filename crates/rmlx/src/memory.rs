@@ -2,8 +2,8 @@
 //!
 //! These numbers are process-wide (shared by all threads).
 
-use crate::Result;
 use crate::lock::locked;
+use crate::Result;
 use rmlx_sys::ffi;
 
 /// Bytes held by live arrays (not counting the cache).

@@ -292,4 +292,3 @@ impl CustomFunction {
         }))
     }
 }
-

@@ -36,16 +36,8 @@ fn from_slice_round_trips_every_dtype() -> Result<()> {
     round_trip([i16::MIN, -1, 0, i16::MAX], Dtype::Int16, 2)?;
     round_trip([i32::MIN, -1, 0, i32::MAX], Dtype::Int32, 4)?;
     round_trip([i64::MIN, -1, 1 << 50, i64::MAX], Dtype::Int64, 8)?;
-    round_trip(
-        [f16::from_f32(1.5), f16::from_f32(-0.25), f16::MAX, f16::from_f32(1.0009765625)],
-        Dtype::Float16,
-        2,
-    )?;
-    round_trip(
-        [bf16::from_f32(1.5), bf16::from_f32(-0.25), bf16::MAX, bf16::from_f32(3.0e38)],
-        Dtype::Bfloat16,
-        2,
-    )?;
+    round_trip([f16::from_f32(1.5), f16::from_f32(-0.25), f16::MAX, f16::from_f32(1.0009765625)], Dtype::Float16, 2)?;
+    round_trip([bf16::from_f32(1.5), bf16::from_f32(-0.25), bf16::MAX, bf16::from_f32(3.0e38)], Dtype::Bfloat16, 2)?;
     round_trip([1.5f32, -0.1, f32::MAX, f32::MIN_POSITIVE], Dtype::Float32, 4)?;
     round_trip([0.1f64, -1e300, f64::MAX, std::f64::consts::PI], Dtype::Float64, 8)?;
     round_trip(
@@ -296,11 +288,10 @@ fn astype_float_to_int_truncates_toward_zero() -> Result<()> {
     let i = Array::from_slice(&[-1i32, 0, 3], &[3])?;
     assert_eq!(i.astype(Dtype::Float32)?.to_vec::<f32>()?, vec![-1.0, 0.0, 3.0]);
     assert_eq!(i.astype(Dtype::Bool)?.to_vec::<bool>()?, vec![true, false, true]);
-    assert_eq!(i.astype(Dtype::Complex64)?.to_vec::<Complex32>()?, vec![
-        Complex32::new(-1.0, 0.0),
-        Complex32::new(0.0, 0.0),
-        Complex32::new(3.0, 0.0)
-    ]);
+    assert_eq!(
+        i.astype(Dtype::Complex64)?.to_vec::<Complex32>()?,
+        vec![Complex32::new(-1.0, 0.0), Complex32::new(0.0, 0.0), Complex32::new(3.0, 0.0)]
+    );
     // Same dtype: the same array.
     assert_eq!(i.astype(Dtype::Int32)?.id(), i.id());
     Ok(())

@@ -183,7 +183,8 @@ fn sigmoid_erf_erfinv() -> Result<()> {
     // erfinv against known values, and erf(erfinv(y)) = y.
     let y = [-0.9f32, -0.5, 0.0, 0.25, 0.5, 0.99];
     let inv = ops::erfinv(&f32s(&y)?)?.to_vec::<f32>()?;
-    let known = [-1.1630871536766741, -0.4769362762044699, 0.0, 0.2253120550121781, 0.4769362762044699, 1.8213863677184496];
+    let known =
+        [-1.1630871536766741, -0.4769362762044699, 0.0, 0.2253120550121781, 0.4769362762044699, 1.8213863677184496];
     assert_close_tol(&inv, &known, 1e-5, 1e-6, "erfinv");
     let back: Vec<f32> = inv.iter().map(|&v| erf(v as f64) as f32).collect();
     assert_close_tol(&back, &y.map(|v| v as f64), 1e-5, 1e-6, "erf(erfinv)");
@@ -252,10 +253,7 @@ fn complex_parts() -> Result<()> {
     assert_eq!(re.dtype(), Dtype::Float32);
     assert_eq!(re.to_vec::<f32>()?, vec![1.0, -3.5]);
     assert_eq!(ops::imag(&z)?.to_vec::<f32>()?, vec![-2.0, 0.5]);
-    assert_eq!(
-        ops::conjugate(&z)?.to_vec::<Complex32>()?,
-        vec![Complex32::new(1.0, 2.0), Complex32::new(-3.5, -0.5)]
-    );
+    assert_eq!(ops::conjugate(&z)?.to_vec::<Complex32>()?, vec![Complex32::new(1.0, 2.0), Complex32::new(-3.5, -0.5)]);
     let p = ops::multiply(&z, &z)?; // (1-2i)^2 = -3-4i ; (-3.5+0.5i)^2 = 12-3.5i
     assert_eq!(p.to_vec::<Complex32>()?, vec![Complex32::new(-3.0, -4.0), Complex32::new(12.0, -3.5)]);
     assert_eq!(ops::abs(&z)?.to_vec::<f32>()?[0], 5.0f32.sqrt());
@@ -618,8 +616,7 @@ fn silu() -> Result<()> {
 fn gelu_exact_and_approx() -> Result<()> {
     let exact = |v: f64| 0.5 * v * (1.0 + erf(v / 2f64.sqrt()));
     check_unary(ops::gelu, &ACT_X, exact, "gelu")?;
-    let approx =
-        |v: f64| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh());
+    let approx = |v: f64| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh());
     check_unary(ops::gelu_approx, &ACT_X, approx, "gelu_approx")?;
     // The two agree to ~1e-3 on this range.
     let e = f32s(&ACT_X)?.gelu()?.to_vec::<f32>()?;

@@ -9,7 +9,9 @@ const TOL: f64 = 1e-5;
 
 /// Deterministic pseudo-random values in about [-1.5, 1.5].
 fn data(n: usize, seed: f64) -> Vec<f32> {
-    (0..n).map(|i| ((i as f64 * 0.731 + seed).sin() * 1.3 + (i as f64 * 0.117 + 2.0 * seed).cos() * 0.2) as f32).collect()
+    (0..n)
+        .map(|i| ((i as f64 * 0.731 + seed).sin() * 1.3 + (i as f64 * 0.117 + 2.0 * seed).cos() * 0.2) as f32)
+        .collect()
 }
 
 fn arr(v: &[f32], shape: &[i32]) -> Array {
@@ -165,7 +167,15 @@ fn rope_non_traditional_and_traditional() {
     for traditional in [false, true] {
         for (scale, offset) in [(1.0f32, 0i32), (1.0, 7), (0.5, 3)] {
             let y = fast::rope(&x, 16, traditional, RopeFreqs::Base(base), scale, offset).unwrap();
-            let want = rope_ref(&xv, ROPE_SHAPE, 16, traditional, &inv_freqs(base as f64, 16), scale as f64, &[offset as f64; 2]);
+            let want = rope_ref(
+                &xv,
+                ROPE_SHAPE,
+                16,
+                traditional,
+                &inv_freqs(base as f64, 16),
+                scale as f64,
+                &[offset as f64; 2],
+            );
             assert_close(&y, &want, &shape_i32(), TOL, &format!("rope trad={traditional} scale={scale} off={offset}"));
         }
     }
@@ -270,7 +280,7 @@ fn rope_explicit_freqs_equal_base() {
 enum RefMask<'a> {
     None,
     Causal,
-    Add(&'a [f64]),  // [L, S]
+    Add(&'a [f64]),   // [L, S]
     Keep(&'a [bool]), // [L, S]
 }
 
@@ -433,7 +443,9 @@ fn sdpa_grouped_query_attention() {
     let (b, hq, hkv, l, s, d) = (2, 4, 2, 3, 5, 16);
     let t = qkv(b, hq, hkv, l, s, d);
     let scale = 1.0 / (d as f32).sqrt();
-    for (mask, rm, name) in [(AttentionMask::None, RefMask::None, "gqa"), (AttentionMask::Causal, RefMask::Causal, "gqa causal")] {
+    for (mask, rm, name) in
+        [(AttentionMask::None, RefMask::None, "gqa"), (AttentionMask::Causal, RefMask::Causal, "gqa causal")]
+    {
         let y = fast::scaled_dot_product_attention(&t.q, &t.k, &t.v, scale, mask).unwrap();
         let want = sdpa_ref(&t.qv, &t.kv, &t.vv, b, hq, hkv, l, s, d, scale as f64, &rm);
         assert_close(&y, &want, &[b as i32, hq as i32, l as i32, d as i32], TOL, name);

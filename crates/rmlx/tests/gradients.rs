@@ -638,7 +638,8 @@ fn gpu_float32_gradients_agree_with_cpu_float64() {
         return;
     }
     let mut failures = Vec::new();
-    let cases: [fn(Dtype) -> Case; 7] = [matmul_chain, softmax_xent, linear_xent, layer_norm, rms_norm, rope_sdpa, custom_cube];
+    let cases: [fn(Dtype) -> Case; 7] =
+        [matmul_chain, softmax_xent, linear_xent, layer_norm, rms_norm, rope_sdpa, custom_cube];
     for build in cases {
         let (name, want) = on_cpu(|| {
             let case = build(Dtype::Float64);

@@ -28,7 +28,10 @@ fn sample_arrays() -> BTreeMap<String, Array> {
     let h: Vec<f16> = [0.5f32, -1.25, 65504.0, 0.0].iter().map(|&x| f16::from_f32(x)).collect();
     let b: Vec<bf16> = [1.0f32, -3.5, 1e30, 0.0078125, 2.0, -0.0].iter().map(|&x| bf16::from_f32(x)).collect();
     BTreeMap::from([
-        ("f32".to_string(), Array::from_slice(&[1.5f32, -2.0, 3.25, f32::MAX, f32::MIN_POSITIVE, -0.0], &[2, 3]).unwrap()),
+        (
+            "f32".to_string(),
+            Array::from_slice(&[1.5f32, -2.0, 3.25, f32::MAX, f32::MIN_POSITIVE, -0.0], &[2, 3]).unwrap(),
+        ),
         ("f16".to_string(), Array::from_slice(&h, &[4]).unwrap()),
         ("bf16".to_string(), Array::from_slice(&b, &[3, 1, 2]).unwrap()),
         ("i32".to_string(), Array::from_slice(&[i32::MIN, -1, 0, 1, i32::MAX, 42], &[6]).unwrap()),
@@ -235,10 +238,7 @@ fn npy_round_trip() {
     let back_t = io::load_npy(&t_path.0).unwrap();
     assert_eq!(back_t.shape(), &[4, 3]);
     assert_eq!(back_t.dtype(), Dtype::Float32);
-    assert_eq!(
-        back_t.to_vec::<f32>().unwrap(),
-        vec![0.0, 4.0, 8.0, 1.0, 5.0, 9.0, 2.0, 6.0, 10.0, 3.0, 7.0, 11.0]
-    );
+    assert_eq!(back_t.to_vec::<f32>().unwrap(), vec![0.0, 4.0, 8.0, 1.0, 5.0, 9.0, 2.0, 6.0, 10.0, 3.0, 7.0, 11.0]);
 
     // Other dtypes and a scalar.
     let s_path = TempFile::new("npy");

@@ -107,7 +107,11 @@ fn affine_round_trip_error_bounded() {
                 }
                 let (m_scale, m_bias, m_deq) = affine_model(orig, bits);
                 // the stored scale and bias are MLX's (nudged) ones
-                assert!((sv[gi] - m_scale).abs() <= 1e-6 * m_scale.abs(), "{what} #{gi}: scale {} vs {m_scale}", sv[gi]);
+                assert!(
+                    (sv[gi] - m_scale).abs() <= 1e-6 * m_scale.abs(),
+                    "{what} #{gi}: scale {} vs {m_scale}",
+                    sv[gi]
+                );
                 assert_eq!(biv[gi], m_bias, "{what} #{gi}: bias");
                 assert!((m_scale.abs() - nominal).abs() <= nominal / n_bins.max(2.0) + 1e-7, "{what}: nudge too large");
                 // the dequantized values are the model's
@@ -373,7 +377,6 @@ fn invalid_parameters_are_mlx_errors() {
     let x = ops::ones(&[2, 128], Dtype::Float32).unwrap();
     assert!(matches!(quantized_matmul(&x, &q, true), Err(Error::Mlx(_))));
 }
-
 
 #[test]
 fn zero_bits_or_group_are_not_silently_recorded() {

@@ -32,7 +32,13 @@ fn iota(n: i32, shape: &[i32]) -> Result<Array> {
 
 /// A reference reduction of row-major `data` of `shape` over `axes` (non-negative, any order).
 /// Returns the values (row-major) and the shape without the reduced axes.
-fn reference(data: &[f64], shape: &[usize], axes: &[usize], init: f64, f: impl Fn(f64, f64) -> f64) -> (Vec<f64>, Vec<i32>) {
+fn reference(
+    data: &[f64],
+    shape: &[usize],
+    axes: &[usize],
+    init: f64,
+    f: impl Fn(f64, f64) -> f64,
+) -> (Vec<f64>, Vec<i32>) {
     let out_shape: Vec<usize> = (0..shape.len()).filter(|d| !axes.contains(d)).map(|d| shape[d]).collect();
     let out_len: usize = out_shape.iter().product();
     let mut out = vec![init; out_len];
@@ -427,10 +433,7 @@ fn cummax_cummin_variants() -> Result<()> {
     assert_eq!(ops::cummax(&a, Some(0), true, true)?.to_vec::<f32>()?, vec![5.0, 5.0, 5.0, 5.0, 4.0]);
     assert_eq!(ops::cummin(&a, Some(0), true, true)?.to_vec::<f32>()?, vec![1.0, 2.0, 2.0, 4.0, 4.0]);
     // Exclusive scans start from the identity: -inf for max, +inf for min.
-    assert_eq!(
-        ops::cummax(&a, Some(0), false, false)?.to_vec::<f32>()?,
-        vec![f32::NEG_INFINITY, 1.0, 3.0, 3.0, 5.0]
-    );
+    assert_eq!(ops::cummax(&a, Some(0), false, false)?.to_vec::<f32>()?, vec![f32::NEG_INFINITY, 1.0, 3.0, 3.0, 5.0]);
     assert_eq!(ops::cummin(&a, Some(0), true, false)?.to_vec::<f32>()?, vec![2.0, 2.0, 4.0, 4.0, f32::INFINITY]);
     // Integers: the identity is the dtype's extreme.
     let i = Array::from_slice(&[3i32, -1, 4, -5], &[4])?;

@@ -169,11 +169,7 @@ fn pad_constant_and_edge() {
     let z = ops::pad(&a, &[(0, 1), (1, 1)], &Array::scalar(0i32), PadMode::Constant).unwrap();
     check_i(&z, &[3, 4], &[0, 1, 2, 0, 0, 3, 4, 0, 0, 0, 0, 0]);
     let e = ops::pad(&a, &[(1, 1), (1, 2)], &Array::scalar(0i32), PadMode::Edge).unwrap();
-    check_i(
-        &e,
-        &[4, 5],
-        &[1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4, 3, 3, 4, 4, 4],
-    );
+    check_i(&e, &[4, 5], &[1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4, 3, 3, 4, 4, 4]);
     let f = ops::pad(&fa(&[1.5, 2.5], &[2]), &[(2, 1)], &Array::scalar(-1.0f32), PadMode::Constant).unwrap();
     check_f(&f, &[5], &[-1.0, -1.0, 1.5, 2.5, -1.0]);
     assert!(matches!(ops::pad(&a, &[(1, 1)], &Array::scalar(0i32), PadMode::Constant), Err(Error::InvalidArgument(_))));
@@ -185,11 +181,7 @@ fn repeat_and_tile() {
     check_i(&ops::repeat(&a, 2, Some(1)).unwrap(), &[2, 4], &[1, 1, 2, 2, 3, 3, 4, 4]);
     check_i(&ops::repeat(&a, 2, Some(0)).unwrap(), &[4, 2], &[1, 2, 1, 2, 3, 4, 3, 4]);
     check_i(&ops::repeat(&a, 3, None).unwrap(), &[12], &[1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]);
-    check_i(
-        &ops::tile(&a, &[2, 2]).unwrap(),
-        &[4, 4],
-        &[1, 2, 1, 2, 3, 4, 3, 4, 1, 2, 1, 2, 3, 4, 3, 4],
-    );
+    check_i(&ops::tile(&a, &[2, 2]).unwrap(), &[4, 4], &[1, 2, 1, 2, 3, 4, 3, 4, 1, 2, 1, 2, 3, 4, 3, 4]);
     check_i(&ops::tile(&ia(&[1, 2], &[2]), &[3]).unwrap(), &[6], &[1, 2, 1, 2, 1, 2]);
     // reps longer than ndim prepends axes
     check_i(&ops::tile(&ia(&[1, 2], &[2]), &[2, 1]).unwrap(), &[2, 2], &[1, 2, 1, 2]);
@@ -468,8 +460,8 @@ fn scatter_and_scatter_add() {
     let u = fa(&[5.0, 6.0, 7.0], &[3, 1, 1]);
     let sa2 = ops::scatter_add(&z3, &[&r, &c], &u, &[0, 1]).unwrap();
     check_f(&sa2, &[3, 3], &[0.0, 12.0, 0.0, 0.0, 0.0, 0.0, 6.0, 0.0, 0.0]);
-    let s2 = ops::scatter(&z3, &[&ia(&[0, 2], &[2]), &ia(&[1, 0], &[2])], &fa(&[5.0, 6.0], &[2, 1, 1]), &[0, 1])
-        .unwrap();
+    let s2 =
+        ops::scatter(&z3, &[&ia(&[0, 2], &[2]), &ia(&[1, 0], &[2])], &fa(&[5.0, 6.0], &[2, 1, 1]), &[0, 1]).unwrap();
     check_f(&s2, &[3, 3], &[0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 6.0, 0.0, 0.0]);
 }
 

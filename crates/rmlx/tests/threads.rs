@@ -90,7 +90,10 @@ fn independent_graphs_on_four_threads() {
                     results.push(s.item::<i64>().unwrap());
                     let m = Array::from_slice(&[t as f32, 1.0, 2.0, 3.0], &[2, 2]).unwrap();
                     let mm = m.matmul(&m).unwrap();
-                    assert_eq!(mm.to_vec::<f32>().unwrap(), vec![(t * t + 2) as f32, t as f32 + 3.0, 2.0 * t as f32 + 6.0, 11.0]);
+                    assert_eq!(
+                        mm.to_vec::<f32>().unwrap(),
+                        vec![(t * t + 2) as f32, t as f32 + 3.0, 2.0 * t as f32 + 6.0, 11.0]
+                    );
                 }
                 (t, n, results)
             })
@@ -184,8 +187,12 @@ fn new_stream_on_cpu() {
     assert_eq!(z.to_vec::<f32>().unwrap(), vec![3.5, 5.0, 7.5, 11.0]);
 
     // Work on two streams combined on the default one.
-    let a = rmlx::with_stream(s, || ops::arange(0.0, 100.0, 1.0, Dtype::Int32).unwrap().sum(rmlx::Axes::All, false).unwrap());
-    let b = rmlx::with_stream(s2, || ops::arange(0.0, 10.0, 1.0, Dtype::Int32).unwrap().sum(rmlx::Axes::All, false).unwrap());
+    let a = rmlx::with_stream(s, || {
+        ops::arange(0.0, 100.0, 1.0, Dtype::Int32).unwrap().sum(rmlx::Axes::All, false).unwrap()
+    });
+    let b = rmlx::with_stream(s2, || {
+        ops::arange(0.0, 10.0, 1.0, Dtype::Int32).unwrap().sum(rmlx::Axes::All, false).unwrap()
+    });
     let c = (&a + &b).unwrap();
     assert_eq!(c.item::<i32>().unwrap(), 4950 + 45);
     s2.synchronize().unwrap();
@@ -306,7 +313,10 @@ fn evaluation_thread_is_on_unless_turned_off() {
         let out = cmd.output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(out.status.success(), "child failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-        stdout.lines().find_map(|l| l.split("EVALUATION_THREAD=").nth(1).map(|v| v.trim().to_owned())).expect("the child's report")
+        stdout
+            .lines()
+            .find_map(|l| l.split("EVALUATION_THREAD=").nth(1).map(|v| v.trim().to_owned()))
+            .expect("the child's report")
     };
     assert_eq!(report(None), "true");
     assert_eq!(report(Some("1")), "true");

@@ -477,10 +477,7 @@ fn gpu_kernel_description() {
         assert_eq!(kernel.backend(), backend);
         assert_eq!((launch.grid, launch.threadgroup), ([21, 1, 1], [256, 1, 1]));
         assert_eq!(launch.outputs, vec![spec.clone()]);
-        assert_eq!(
-            launch.template,
-            vec![("T".to_string(), TemplateArg::Dtype(Dtype::Float32))]
-        );
+        assert_eq!(launch.template, vec![("T".to_string(), TemplateArg::Dtype(Dtype::Float32))]);
         for half in [Dtype::Float16, Dtype::Bfloat16] {
             let h = TensorSpec::new(&[5], half);
             assert!(op.gpu_kernel(backend, &[h.clone(), h.clone()], &[h]).is_some());

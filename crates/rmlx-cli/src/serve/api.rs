@@ -74,9 +74,15 @@ pub struct Common {
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     pub logit_bias: Option<HashMap<String, f32>>,
+    /// Chat: `true` for each token's log-probability; completions: how many alternatives.
     pub logprobs: Option<Value>,
+    /// Chat: how many alternatives per token (0 to 20), with `logprobs: true`.
+    pub top_logprobs: Option<usize>,
     pub response_format: Option<Value>,
 }
+
+/// The most alternatives per token a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// What a request asks the engine for, checked.
 pub struct Settings {
@@ -85,18 +91,38 @@ pub struct Settings {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Alternatives per token when log-probabilities are asked for.
+    pub logprobs: Option<usize>,
 }
 
 impl Common {
     /// The generation settings, or a 400 naming the field that cannot be honoured. OpenAI's
     /// defaults: temperature 1, top_p 1; `max_tokens` defaults to `default_max_tokens`.
     pub fn settings(self, default_max_tokens: usize) -> Result<Settings, ApiError> {
-        let unsupported = |param: &'static str, what: &str| Err(ApiError::bad_request(format!("{what} is not supported yet"), Some(param)));
+        let unsupported = |param: &'static str, what: &str| {
+            Err(ApiError::bad_request(format!("{what} is not supported yet"), Some(param)))
+        };
         if self.n.unwrap_or(1) != 1 {
             return unsupported("n", "n other than 1");
         }
-        if self.logprobs.as_ref().is_some_and(|v| !(v.is_null() || v == &Value::Bool(false))) {
-            return unsupported("logprobs", "logprobs");
+        let logprobs = match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+            Some(Value::Bool(true)) => Some(self.top_logprobs.unwrap_or(0)),
+            Some(v) => match v.as_u64() {
+                Some(n) => Some(n as usize),
+                None => {
+                    return Err(ApiError::bad_request(
+                        format!("logprobs must be a boolean (chat) or a count (completions), got {v}"),
+                        Some("logprobs"),
+                    ))
+                }
+            },
+        };
+        if let Some(n) = logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::bad_request(
+                format!("at most {MAX_TOP_LOGPROBS} alternatives per token, got {n}"),
+                Some("top_logprobs"),
+            ));
         }
         if self.presence_penalty.unwrap_or(0.0) != 0.0 {
             return unsupported("presence_penalty", "presence_penalty");
@@ -111,7 +137,9 @@ impl Common {
         }
         let mut logit_bias = Vec::new();
         for (id, bias) in self.logit_bias.unwrap_or_default() {
-            let id = id.parse::<u32>().map_err(|_| ApiError::bad_request(format!("logit_bias key `{id}` is not a token id"), Some("logit_bias")))?;
+            let id = id.parse::<u32>().map_err(|_| {
+                ApiError::bad_request(format!("logit_bias key `{id}` is not a token id"), Some("logit_bias"))
+            })?;
             logit_bias.push((id, bias));
         }
         logit_bias.sort_by_key(|&(id, _)| id);
@@ -133,6 +161,7 @@ impl Common {
             stop: self.stop.map(OneOrMany::into_vec).unwrap_or_default(),
             stream: self.stream,
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+            logprobs,
         })
     }
 }
@@ -178,7 +207,10 @@ impl ChatRequest {
                     Some(Content::Text(t)) => t.clone(),
                     Some(Content::Parts(parts)) => {
                         if let Some(p) = parts.iter().find(|p| p.kind != "text") {
-                            return Err(ApiError::bad_request(format!("content parts of type `{}` are not supported", p.kind), Some("messages")));
+                            return Err(ApiError::bad_request(
+                                format!("content parts of type `{}` are not supported", p.kind),
+                                Some("messages"),
+                            ));
                         }
                         parts.iter().filter_map(|p| p.text.as_deref()).collect()
                     }
@@ -201,17 +233,50 @@ impl CompletionRequest {
         match &self.prompt {
             OneOrMany::One(s) => Ok(s.clone()),
             OneOrMany::Many(v) if v.len() == 1 => Ok(v[0].clone()),
-            OneOrMany::Many(_) => Err(ApiError::bad_request("a list of several prompts is not supported yet", Some("prompt"))),
+            OneOrMany::Many(_) => {
+                Err(ApiError::bad_request("a list of several prompts is not supported yet", Some("prompt")))
+            }
         }
     }
 }
 
-/// `usage`, with the prompt tokens reused from a cache (none yet).
-pub fn usage(prompt: usize, completion: usize) -> Value {
+/// `usage`, with the prompt tokens whose keys and values came from the prompt cache.
+pub fn usage(u: &rmlx_lm::engine::Usage) -> Value {
     json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+/// Chat's `logprobs` of some tokens: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
+pub fn chat_logprobs(tokens: &[&super::engine::TokenLogprob]) -> Value {
+    let entry = |t: &str, lp: f32| json!({"token": t, "logprob": lp, "bytes": t.as_bytes()});
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut e = entry(&t.token, t.logprob);
+            e["top_logprobs"] = t.top.iter().map(|(s, lp)| entry(s, *lp)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// Completions' `logprobs`: parallel lists of tokens, their log-probabilities, the alternatives
+/// (a map per token) and each token's offset in the text.
+pub fn text_logprobs(tokens: &[&super::engine::TokenLogprob], start: usize) -> Value {
+    let mut offset = start;
+    let mut offsets = Vec::new();
+    for t in tokens {
+        offsets.push(offset);
+        offset += t.token.len();
+    }
+    json!({
+        "tokens": tokens.iter().map(|t| t.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": tokens.iter().map(|t| t.top.iter().map(|(s, lp)| (s.clone(), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "text_offset": offsets,
     })
 }

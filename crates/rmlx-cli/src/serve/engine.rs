@@ -1,13 +1,15 @@
-//! The generation loop: the one thread that owns the model and MLX. HTTP handlers hand it
-//! [`Job`]s through a bounded queue and read [`Event`]s back; a handler that goes away (the client
-//! disconnected) makes the next send fail, and the job is cancelled at that token.
-//!
-//! Requests run one after another for now: no batching, no prompt cache.
+//! The generation loop: the one thread that owns the model and MLX, running the continuous
+//! batching [`Engine`]. HTTP handlers hand it [`Job`]s through a bounded queue and read [`Event`]s
+//! back; a handler that goes away (the client disconnected) makes the next send fail, and the
+//! request is cancelled at the next step, its cache rows freed.
 
 use super::api::ApiError;
 use rmlx_lm::chat::Message;
+use rmlx_lm::engine::{Engine, EngineOptions, Request, SeqId, Update, Usage};
 use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -20,17 +22,37 @@ pub enum Prompt {
 }
 
 pub struct Job {
+    /// The response's id (`chatcmpl-7`), in the logs.
+    pub id: String,
     pub prompt: Prompt,
     pub options: GenerateOptions,
+    /// Most likely alternatives to report per token; `None`: no log-probabilities at all.
+    pub logprobs: Option<usize>,
     pub events: UnboundedSender<Event>,
+}
+
+/// A token's log-probability and the most likely alternatives, with their texts.
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
 }
 
 pub enum Event {
     /// The prompt is encoded and fits: generation starts.
-    Started { prompt_tokens: usize },
-    /// The text of the next token (may be empty while a character or stop string is pending).
-    Token(String),
-    Done { finish_reason: &'static str, prompt_tokens: usize, completion_tokens: usize },
+    Started {
+        prompt_tokens: usize,
+    },
+    /// The text of the next token (may be empty while a character or stop string is pending),
+    /// with its log-probability when the request asked for them.
+    Token {
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Done {
+        finish_reason: &'static str,
+        usage: Usage,
+    },
     Failed(ApiError),
 }
 
@@ -42,68 +64,156 @@ pub struct Stats {
     /// Requests whose client went away before the end.
     pub cancelled: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
+    /// Requests handed to the loop and not started yet.
     pub queued: AtomicUsize,
+    /// Sequences in the running batch.
     pub running: AtomicUsize,
+    /// The most sequences that ran together.
+    pub peak_batch: AtomicUsize,
     pub ttft_micros_total: AtomicU64,
     pub peak_memory: AtomicU64,
+    pub kv_bytes: AtomicU64,
+    pub prompt_cache_bytes: AtomicU64,
+}
+
+/// A request in the engine: where its events go.
+struct Live {
+    id: String,
+    events: UnboundedSender<Event>,
+    logprobs: bool,
 }
 
 /// Serves jobs until every sender is gone. Runs on the evaluation thread.
-pub fn run(lm: &LoadedModel, jobs: std::sync::mpsc::Receiver<Job>, context: usize, stats: Arc<Stats>) {
-    for job in jobs {
-        stats.queued.fetch_sub(1, Ordering::Relaxed);
-        stats.running.store(1, Ordering::Relaxed);
-        let events = job.events.clone();
-        if let Err(e) = serve(lm, job, context, &stats) {
-            stats.failed.fetch_add(1, Ordering::Relaxed);
-            let _ = events.send(Event::Failed(e));
+pub fn run(lm: &LoadedModel, jobs: Receiver<Job>, opts: EngineOptions, stats: Arc<Stats>) {
+    let max_batch = opts.max_batch.max(1);
+    let mut engine = Engine::new(lm, opts);
+    let mut live: HashMap<SeqId, Live> = HashMap::new();
+    loop {
+        if engine.is_idle() {
+            match jobs.recv() {
+                Ok(job) => admit(lm, &mut engine, &mut live, job, &stats),
+                Err(_) => return,
+            }
         }
-        stats.running.store(0, Ordering::Relaxed);
+        // Take what can start soon; the rest waits in the bounded queue (503 when it is full).
+        while engine.load().1 < max_batch {
+            match jobs.try_recv() {
+                Ok(job) => admit(lm, &mut engine, &mut live, job, &stats),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) if engine.is_idle() => return,
+                Err(TryRecvError::Disconnected) => break,
+            }
+        }
+        let updates = match engine.step() {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::error!("generation step failed: {e}");
+                let failure = ApiError { status: 500, message: format!("generation failed: {e}"), param: None };
+                for (_, l) in live.drain() {
+                    stats.failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = l.events.send(Event::Failed(failure.clone()));
+                }
+                engine.abort();
+                continue;
+            }
+        };
+        for u in updates {
+            route(lm, &mut engine, &mut live, u, &stats);
+        }
+        stats.running.store(engine.load().0, Ordering::Relaxed);
+        stats.peak_batch.fetch_max(engine.load().0, Ordering::Relaxed);
+        stats.kv_bytes.store(engine.kv_bytes() as u64, Ordering::Relaxed);
+        stats.prompt_cache_bytes.store(engine.prompt_cache_usage().0 as u64, Ordering::Relaxed);
+        stats.peak_memory.fetch_max(rmlx::memory::peak_memory() as u64, Ordering::Relaxed);
     }
 }
 
-fn serve(lm: &LoadedModel, job: Job, context: usize, stats: &Stats) -> Result<(), ApiError> {
+/// Encodes a job's prompt and submits it; refusals go back to the handler as 400s.
+fn admit(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>, job: Job, stats: &Stats) {
+    stats.queued.fetch_sub(1, Ordering::Relaxed);
     let prompt = match &job.prompt {
         Prompt::Chat(messages) => lm.chat_prompt(messages),
         Prompt::Text(text) => lm.encode_prompt(text, true, None),
-    }
-    .map_err(|e| ApiError::bad_request(format!("{e}"), None))?;
-    if prompt.is_empty() {
-        return Err(ApiError::bad_request("the prompt is empty", None));
-    }
-    if prompt.len() + 1 > context {
-        let message = format!("the prompt is {} tokens; this model's context is {context} tokens", prompt.len());
-        return Err(ApiError::bad_request(message, Some("messages")));
-    }
-    let mut options = job.options;
-    options.max_tokens = options.max_tokens.min(context - prompt.len());
-    let internal = |e: rmlx_lm::Error| ApiError { status: 500, message: format!("generation failed: {e}"), param: None };
-    let mut generation = lm.generate(&prompt, &options).map_err(internal)?;
-    if job.events.send(Event::Started { prompt_tokens: prompt.len() }).is_err() {
-        return Ok(());
-    }
-    let cancel = generation.cancel_handle();
-    for token in generation.by_ref() {
-        let token = token.map_err(internal)?;
-        if job.events.send(Event::Token(token.text)).is_err() {
-            cancel.cancel();
-        }
-    }
-    let metrics = generation.metrics().clone();
-    stats.requests.fetch_add(1, Ordering::Relaxed);
-    stats.prompt_tokens.fetch_add(metrics.prompt_tokens as u64, Ordering::Relaxed);
-    stats.completion_tokens.fetch_add(metrics.generated_tokens as u64, Ordering::Relaxed);
-    stats.ttft_micros_total.fetch_add(metrics.time_to_first_token.as_micros() as u64, Ordering::Relaxed);
-    stats.peak_memory.fetch_max(metrics.peak_memory as u64, Ordering::Relaxed);
-    let finish_reason = match generation.finish_reason() {
-        Some(FinishReason::Length) => "length",
-        Some(FinishReason::Cancelled) => {
-            stats.cancelled.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
-        }
-        _ => "stop",
     };
-    let _ = job.events.send(Event::Done { finish_reason, prompt_tokens: metrics.prompt_tokens, completion_tokens: metrics.generated_tokens });
-    Ok(())
+    let request =
+        prompt.map(|prompt| Request { prompt, options: job.options, top_logprobs: job.logprobs.unwrap_or(0) });
+    let submitted = request.and_then(|r| {
+        let n = r.prompt.len();
+        engine.submit(r).map(|seq| (seq, n))
+    });
+    match submitted {
+        Ok((seq, prompt_tokens)) => {
+            tracing::debug!(request = %job.id, prompt_tokens, "queued");
+            if job.events.send(Event::Started { prompt_tokens }).is_err() {
+                engine.cancel(seq);
+            }
+            live.insert(seq, Live { id: job.id, events: job.events, logprobs: job.logprobs.is_some() });
+        }
+        Err(e) => {
+            tracing::info!(request = %job.id, error = %e, "refused");
+            let param = matches!(e, rmlx_lm::Error::Prompt(_)).then_some("messages");
+            let _ = job.events.send(Event::Failed(ApiError::bad_request(e.to_string(), param)));
+        }
+    }
+}
+
+fn route(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>, u: Update, stats: &Stats) {
+    let (seq, event) = match u {
+        Update::Started { .. } => return,
+        Update::Token { seq, id, text, logprob, top } => {
+            let Some(l) = live.get(&seq) else { return };
+            let piece = |id: u32| lm.tokenizer.decode(&[id], false).unwrap_or_default();
+            let logprob = l.logprobs.then(|| TokenLogprob {
+                token: piece(id),
+                logprob,
+                top: top.into_iter().map(|(t, lp)| (piece(t), lp)).collect(),
+            });
+            (seq, Event::Token { text, logprob })
+        }
+        Update::Text { seq, text } => (seq, Event::Token { text, logprob: None }),
+        Update::Finished { seq, reason, usage } => {
+            let Some(l) = live.remove(&seq) else { return };
+            let ttft_ms = usage.time_to_first_token.map(|d| d.as_secs_f64() * 1e3);
+            stats.requests.fetch_add(1, Ordering::Relaxed);
+            let finish_reason = match reason {
+                FinishReason::Length => "length",
+                FinishReason::Cancelled => {
+                    tracing::info!(request = %l.id, completion_tokens = usage.completion_tokens, "cancelled (client gone)");
+                    stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                FinishReason::Eos | FinishReason::StopString => "stop",
+            };
+            tracing::info!(
+                request = %l.id,
+                prompt_tokens = usage.prompt_tokens,
+                cached_tokens = usage.cached_tokens,
+                completion_tokens = usage.completion_tokens,
+                ttft_ms = ttft_ms.unwrap_or(0.0),
+                finish_reason,
+                "done"
+            );
+            stats.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Ordering::Relaxed);
+            stats.cached_tokens.fetch_add(usage.cached_tokens as u64, Ordering::Relaxed);
+            stats.completion_tokens.fetch_add(usage.completion_tokens as u64, Ordering::Relaxed);
+            let ttft = usage.time_to_first_token.unwrap_or_default().as_micros() as u64;
+            stats.ttft_micros_total.fetch_add(ttft, Ordering::Relaxed);
+            let _ = l.events.send(Event::Done { finish_reason, usage });
+            return;
+        }
+        Update::Failed { seq, error } => {
+            stats.failed.fetch_add(1, Ordering::Relaxed);
+            let Some(l) = live.remove(&seq) else { return };
+            tracing::error!(request = %l.id, error = %error, "failed");
+            let _ = l.events.send(Event::Failed(ApiError { status: 500, message: error.to_string(), param: None }));
+            return;
+        }
+    };
+    if let Some(l) = live.get(&seq) {
+        if l.events.send(event).is_err() {
+            engine.cancel(seq);
+        }
+    }
 }

@@ -17,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args as ClapArgs;
-use engine::{Event, Job, Prompt, Stats};
+use engine::{Event, Job, Prompt, Stats, TokenLogprob};
 use futures_util::stream::{self, Stream};
 use rmlx_lm::GenerateOptions;
 use serde_json::{json, Value};
@@ -51,6 +51,21 @@ pub struct Args {
     /// The context, in tokens (default: the model's `max_position_embeddings`, else 32768).
     #[arg(long, value_parser = count)]
     context: Option<usize>,
+    /// Most sequences decoded together (continuous batching); more wait in the queue.
+    #[arg(long, default_value_t = 32, value_parser = count)]
+    max_batch: usize,
+    /// Prompt tokens computed per decoding step: a newcomer's prompt is spread over steps so
+    /// that running streams keep going.
+    #[arg(long, default_value_t = 512, value_parser = count)]
+    prefill_step: usize,
+    /// Gigabytes of keys and values kept for reuse by prompts that begin the same way (LRU;
+    /// 0 turns the prompt cache off).
+    #[arg(long, default_value_t = 2.0)]
+    prompt_cache_gb: f64,
+    /// Gigabytes the running batch's keys and values may take; requests that would pass it wait,
+    /// and one that cannot fit alone is refused (default: unbounded).
+    #[arg(long)]
+    max_kv_gb: Option<f64>,
 }
 
 /// What the handlers share. No MLX in here: only the queue to the engine and counters.
@@ -66,9 +81,15 @@ struct Shared {
 
 pub fn run(a: Args) -> Result<()> {
     let api_key = match &a.api_key_file {
-        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string()),
+        Some(p) => {
+            Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string())
+        }
         None => None,
     };
+    // Structured logs (one line per request, with its id) on stderr; `RMLX_LOG` filters them
+    // (`RMLX_LOG=debug`, `RMLX_LOG=warn`).
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RMLX_LOG").unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).with_target(false).init();
     let lm = a.model.load()?;
     let context = a.context.or(lm.model.config().max_position_embeddings).unwrap_or(32768).max(1);
     let model_id = match &a.model.model {
@@ -76,7 +97,8 @@ pub fn run(a: Args) -> Result<()> {
         // "SmolLM2-135M-Instruct (Q4_1 GGUF, ...)": the name before the description.
         None => rmlx_lm::registry::DEFAULT_MODEL_NAME.split(" (").next().unwrap_or_default().to_string(),
     };
-    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port)).with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
     listener.set_nonblocking(true)?;
     eprintln!("serving {model_id} on http://{}", listener.local_addr()?);
     let (jobs, queue) = std::sync::mpsc::sync_channel(a.max_queue);
@@ -99,7 +121,15 @@ pub fn run(a: Args) -> Result<()> {
             Ok(())
         })
     })?;
-    engine::run(&lm, queue, context, stats);
+    let gb = |g: f64| (g.max(0.0) * 1e9) as usize;
+    let options = rmlx_lm::engine::EngineOptions {
+        max_batch: a.max_batch,
+        prefill_tokens: a.prefill_step,
+        prompt_cache_bytes: gb(a.prompt_cache_gb),
+        max_kv_bytes: a.max_kv_gb.map(gb),
+        context: Some(context),
+    };
+    engine::run(&lm, queue, options, stats);
     http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
 }
 
@@ -147,10 +177,15 @@ fn error(e: ApiError) -> Response {
 
 fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &s.api_key else { return Ok(()) };
-    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let given =
+        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     match given {
         Some(g) if g.trim() == key => Ok(()),
-        _ => Err(ApiError { status: 401, message: "invalid or missing API key (Authorization: Bearer KEY)".into(), param: None }),
+        _ => Err(ApiError {
+            status: 401,
+            message: "invalid or missing API key (Authorization: Bearer KEY)".into(),
+            param: None,
+        }),
     }
 }
 
@@ -170,20 +205,28 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
          # TYPE rmlx_requests_failed_total counter\nrmlx_requests_failed_total {}\n\
          # TYPE rmlx_requests_cancelled_total counter\nrmlx_requests_cancelled_total {}\n\
          # TYPE rmlx_prompt_tokens_total counter\nrmlx_prompt_tokens_total {}\n\
+         # TYPE rmlx_cached_prompt_tokens_total counter\nrmlx_cached_prompt_tokens_total {}\n\
          # TYPE rmlx_completion_tokens_total counter\nrmlx_completion_tokens_total {}\n\
          # TYPE rmlx_time_to_first_token_seconds_total counter\nrmlx_time_to_first_token_seconds_total {}\n\
          # TYPE rmlx_queue_length gauge\nrmlx_queue_length {}\n\
          # TYPE rmlx_batch_size gauge\nrmlx_batch_size {}\n\
-         # TYPE rmlx_peak_memory_bytes gauge\nrmlx_peak_memory_bytes {}\n",
+         # TYPE rmlx_batch_size_peak gauge\nrmlx_batch_size_peak {}\n\
+         # TYPE rmlx_peak_memory_bytes gauge\nrmlx_peak_memory_bytes {}\n\
+         # TYPE rmlx_kv_cache_bytes gauge\nrmlx_kv_cache_bytes {}\n\
+         # TYPE rmlx_prompt_cache_bytes gauge\nrmlx_prompt_cache_bytes {}\n",
         c(&st.requests),
         c(&st.failed),
         c(&st.cancelled),
         c(&st.prompt_tokens),
+        c(&st.cached_tokens),
         c(&st.completion_tokens),
         c(&st.ttft_micros_total) as f64 / 1e6,
         st.queued.load(Ordering::Relaxed),
         st.running.load(Ordering::Relaxed),
+        st.peak_batch.load(Ordering::Relaxed),
         c(&st.peak_memory),
+        c(&st.kv_bytes),
+        c(&st.prompt_cache_bytes),
     )
 }
 
@@ -194,14 +237,24 @@ enum Kind {
     Text,
 }
 
-async fn chat(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Result<Json<ChatRequest>, JsonRejection>) -> Response {
+async fn chat(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Result<Json<ChatRequest>, JsonRejection>,
+) -> Response {
     match body {
-        Ok(Json(request)) => respond(s, headers, Kind::Chat, request.messages().map(Prompt::Chat), request.common).await,
+        Ok(Json(request)) => {
+            respond(s, headers, Kind::Chat, request.messages().map(Prompt::Chat), request.common).await
+        }
         Err(e) => malformed(e),
     }
 }
 
-async fn completions(State(s): State<Arc<Shared>>, headers: HeaderMap, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {
+async fn completions(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Response {
     match body {
         Ok(Json(request)) => respond(s, headers, Kind::Text, request.prompt().map(Prompt::Text), request.common).await,
         Err(e) => malformed(e),
@@ -213,13 +266,23 @@ fn malformed(e: JsonRejection) -> Response {
     error(ApiError::bad_request(e.body_text(), None))
 }
 
-async fn respond(s: Arc<Shared>, headers: HeaderMap, kind: Kind, prompt: Result<Prompt, ApiError>, common: api::Common) -> Response {
+async fn respond(
+    s: Arc<Shared>,
+    headers: HeaderMap,
+    kind: Kind,
+    prompt: Result<Prompt, ApiError>,
+    common: api::Common,
+) -> Response {
     if let Err(e) = authorize(&s, &headers) {
         return error(e);
     }
     if let Some(m) = &common.model {
         if m != &s.model_id {
-            return error(ApiError { status: 404, message: format!("model `{m}` does not exist; this server has `{}`", s.model_id), param: Some("model") });
+            return error(ApiError {
+                status: 404,
+                message: format!("model `{m}` does not exist; this server has `{}`", s.model_id),
+                param: Some("model"),
+            });
         }
     }
     let (prompt, settings) = match (prompt, common.settings(s.default_max_tokens)) {
@@ -233,8 +296,13 @@ async fn respond(s: Arc<Shared>, headers: HeaderMap, kind: Kind, prompt: Result<
         stop_strings: settings.stop.clone(),
         ..GenerateOptions::default()
     };
+    let id = format!(
+        "{}-{}",
+        if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" },
+        s.next_id.fetch_add(1, Ordering::Relaxed)
+    );
     s.stats.queued.fetch_add(1, Ordering::Relaxed);
-    if let Err(e) = s.jobs.try_send(Job { prompt, options, events: tx }) {
+    if let Err(e) = s.jobs.try_send(Job { id: id.clone(), prompt, options, logprobs: settings.logprobs, events: tx }) {
         s.stats.queued.fetch_sub(1, Ordering::Relaxed);
         let message = match e {
             TrySendError::Full(_) => "the server is busy: too many requests are waiting; retry later",
@@ -249,23 +317,41 @@ async fn respond(s: Arc<Shared>, headers: HeaderMap, kind: Kind, prompt: Result<
         Some(Event::Failed(e)) => return error(e),
         _ => return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
     };
-    let id = format!("{}-{}", if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" }, s.next_id.fetch_add(1, Ordering::Relaxed));
-    let head = Head { id, created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0), model: s.model_id.clone(), kind };
+    let head = Head {
+        id,
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        model: s.model_id.clone(),
+        kind,
+    };
     if settings.stream {
         return Sse::new(stream_events(head, rx, settings)).into_response();
     }
+    let _ = prompt_tokens;
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
-            Event::Token(t) => text.push_str(&t),
-            Event::Done { finish_reason, completion_tokens, .. } => {
+            Event::Token { text: t, logprob } => {
+                text.push_str(&t);
+                logprobs.extend(logprob);
+            }
+            Event::Done { finish_reason, usage } => {
+                let lp = |kind| match (settings.logprobs, kind) {
+                    (None, _) => Value::Null,
+                    (Some(_), Kind::Chat) => api::chat_logprobs(&logprobs.iter().collect::<Vec<_>>()),
+                    (Some(_), Kind::Text) => api::text_logprobs(&logprobs.iter().collect::<Vec<_>>(), 0),
+                };
                 let choice = match kind {
-                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": Value::Null, "finish_reason": finish_reason}),
-                    Kind::Text => json!({"index": 0, "text": text, "logprobs": Value::Null, "finish_reason": finish_reason}),
+                    Kind::Chat => {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp(kind), "finish_reason": finish_reason})
+                    }
+                    Kind::Text => {
+                        json!({"index": 0, "text": text, "logprobs": lp(kind), "finish_reason": finish_reason})
+                    }
                 };
                 let mut body = head.object(false);
                 body["choices"] = json!([choice]);
-                body["usage"] = api::usage(prompt_tokens, completion_tokens);
+                body["usage"] = api::usage(&usage);
                 return Json(body).into_response();
             }
             Event::Failed(e) => return error(e),
@@ -295,6 +381,23 @@ impl Head {
 
     /// A chunk with one choice: `delta` (chat) or `text` (completions), and a finish reason.
     fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
+        self.chunk_with(text, first, finish_reason, None, 0)
+    }
+
+    /// A chunk whose token carries its log-probability (`offset`: where its text starts).
+    fn chunk_with(
+        &self,
+        text: Option<&str>,
+        first: bool,
+        finish_reason: Option<&str>,
+        logprob: Option<&TokenLogprob>,
+        offset: usize,
+    ) -> Value {
+        let lp = match (logprob, self.kind) {
+            (None, _) => Value::Null,
+            (Some(t), Kind::Chat) => api::chat_logprobs(&[t]),
+            (Some(t), Kind::Text) => api::text_logprobs(&[t], offset),
+        };
         let mut chunk = self.object(true);
         let choice = match self.kind {
             Kind::Chat => {
@@ -305,9 +408,11 @@ impl Head {
                 if let Some(t) = text {
                     delta["content"] = json!(t);
                 }
-                json!({"index": 0, "delta": delta, "logprobs": Value::Null, "finish_reason": finish_reason})
+                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
             }
-            Kind::Text => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": Value::Null, "finish_reason": finish_reason}),
+            Kind::Text => {
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish_reason})
+            }
         };
         chunk["choices"] = json!([choice]);
         chunk
@@ -316,28 +421,35 @@ impl Head {
 
 /// The server-sent events of a streamed request: a chunk per piece of text, a last chunk with
 /// the finish reason, the usage chunk when asked for, then `[DONE]`.
-fn stream_events(head: Head, rx: UnboundedReceiver<Event>, settings: Settings) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+fn stream_events(
+    head: Head,
+    rx: UnboundedReceiver<Event>,
+    settings: Settings,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
     let opening = matches!(head.kind, Kind::Chat).then(|| data(head.chunk(Some(""), true, None)));
-    let state = (head, rx, false);
-    let body = stream::unfold(state, move |(head, mut rx, done)| async move {
+    let state = (head, rx, false, 0usize);
+    let body = stream::unfold(state, move |(head, mut rx, done, offset)| async move {
         if done {
             return None;
         }
         loop {
             let items: Vec<Result<SseEvent, Infallible>> = match rx.recv().await {
-                Some(Event::Token(t)) if t.is_empty() => continue,
-                Some(Event::Token(t)) => vec![data(head.chunk(Some(&t), false, None))],
-                Some(Event::Done { finish_reason, prompt_tokens, completion_tokens }) => {
+                Some(Event::Token { text, logprob: None }) if text.is_empty() => continue,
+                Some(Event::Token { text, logprob }) => {
+                    let chunk = head.chunk_with(Some(&text), false, None, logprob.as_ref(), offset);
+                    return Some((stream::iter(vec![data(chunk)]), (head, rx, false, offset + text.len())));
+                }
+                Some(Event::Done { finish_reason, usage }) => {
                     let mut items = vec![data(head.chunk(None, false, Some(finish_reason)))];
                     if settings.include_usage {
-                        let mut usage = head.object(true);
-                        usage["choices"] = json!([]);
-                        usage["usage"] = api::usage(prompt_tokens, completion_tokens);
-                        items.push(data(usage));
+                        let mut chunk = head.object(true);
+                        chunk["choices"] = json!([]);
+                        chunk["usage"] = api::usage(&usage);
+                        items.push(data(chunk));
                     }
                     items.push(Ok(SseEvent::default().data("[DONE]")));
-                    return Some((stream::iter(items), (head, rx, true)));
+                    return Some((stream::iter(items), (head, rx, true, offset)));
                 }
                 Some(Event::Failed(e)) => {
                     vec![data(e.body()), Ok(SseEvent::default().data("[DONE]"))]
@@ -345,7 +457,7 @@ fn stream_events(head: Head, rx: UnboundedReceiver<Event>, settings: Settings) -
                 Some(Event::Started { .. }) => continue,
                 None => return None,
             };
-            return Some((stream::iter(items), (head, rx, false)));
+            return Some((stream::iter(items), (head, rx, false, offset)));
         }
     });
     use futures_util::StreamExt;

@@ -357,7 +357,8 @@ impl<'m> Engine<'m> {
         if self.running.is_empty() {
             return Ok(());
         }
-        let next: Vec<u32> = self.running.iter().map(|s| s.next.expect("running sequences have a next token")).collect();
+        let next: Vec<u32> =
+            self.running.iter().map(|s| s.next.expect("running sequences have a next token")).collect();
         let ids = ids_array(&next, next.len() as i32)?.reshape(&[next.len() as i32, 1])?;
         let h = self.lm.model.forward_hidden(&ids, &mut self.caches)?;
         let logits = self.lm.model.logits(&h)?.reshape(&[next.len() as i32, -1])?;

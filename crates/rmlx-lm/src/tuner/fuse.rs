@@ -61,7 +61,8 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
         if name.ends_with(".lora_a") || name.ends_with(".lora_b") || name.ends_with(".m") {
             continue;
         }
-        if replaced.contains_key(&format!("{owner}.weight")) && (name.ends_with(".scales") || name.ends_with(".biases")) {
+        if replaced.contains_key(&format!("{owner}.weight")) && (name.ends_with(".scales") || name.ends_with(".biases"))
+        {
             continue; // a dequantised linear's quantisation arrays
         }
         let a = match replaced.get(&name) {
@@ -77,7 +78,8 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
     for name in packed {
         let prefix = name.strip_suffix(".weight").unwrap_or(&name).to_string();
         let (gs, bits) = lm.model.config().quantization_of(&prefix)?.unwrap_or((64, 4));
-        let scales = out.remove(&format!("{prefix}.scales")).ok_or_else(|| Error::MissingTensor(format!("{prefix}.scales")))?;
+        let scales =
+            out.remove(&format!("{prefix}.scales")).ok_or_else(|| Error::MissingTensor(format!("{prefix}.scales")))?;
         let q = Quantized {
             weight: out.remove(&name).expect("listed above"),
             biases: out.remove(&format!("{prefix}.biases")),
@@ -95,7 +97,10 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
 /// Writes the fused model of `lm` (loaded from the folder `source`) into `dest`.
 pub fn fuse(lm: &mut LoadedModel, source: &Path, dest: &Path) -> Result<FuseSummary> {
     if !source.is_dir() {
-        return Err(Error::Config(format!("{}: fusing needs a Hugging Face folder (GGUF files are not supported)", source.display())));
+        return Err(Error::Config(format!(
+            "{}: fusing needs a Hugging Face folder (GGUF files are not supported)",
+            source.display()
+        )));
     }
     let (tensors, fused, dequantized) = fused_tensors(lm)?;
     std::fs::create_dir_all(dest).map_err(|e| Error::io(dest, e))?;
@@ -103,14 +108,16 @@ pub fn fuse(lm: &mut LoadedModel, source: &Path, dest: &Path) -> Result<FuseSumm
     for entry in std::fs::read_dir(source).map_err(|e| Error::io(source, e))? {
         let p = entry.map_err(|e| Error::io(source, e))?.path();
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let weights = name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name.ends_with(".gguf");
+        let weights =
+            name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name.ends_with(".gguf");
         if p.is_file() && !weights && name != "config.json" {
             std::fs::copy(&p, dest.join(&name)).map_err(|e| Error::io(dest.join(&name), e))?;
         }
     }
     let config_path = source.join("config.json");
-    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?)
-        .map_err(|e| Error::Config(format!("{}: {e}", config_path.display())))?;
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?)
+            .map_err(|e| Error::Config(format!("{}: {e}", config_path.display())))?;
     if let Value::Object(o) = &mut config {
         o.remove("quantization");
         o.remove("quantization_config");

@@ -34,17 +34,36 @@ fn block_path(path: &str) -> Option<(usize, &str)> {
 /// Attaches fresh adapters to the linears of the last `num_layers` blocks (`None`: all blocks)
 /// that `config.keys` selects, with weights in `dtype` drawn from `seed`. Returns the adapted
 /// paths; an error when nothing matched or a key names no linear layer.
-pub fn apply_lora(model: &mut dyn Model, num_layers: Option<usize>, config: &LoraConfig, dtype: Dtype, seed: u64) -> Result<Vec<String>> {
+pub fn apply_lora(
+    model: &mut dyn Model,
+    num_layers: Option<usize>,
+    config: &LoraConfig,
+    dtype: Dtype,
+    seed: u64,
+) -> Result<Vec<String>> {
     attach(model, num_layers, config, dtype, seed, false)
 }
 
 /// [`apply_lora`] with DoRA adapters: each also learns a magnitude per output row (`<linear>.m`),
 /// initialised to the row norms of the base weight, as mlx-lm's `DoRALinear` does.
-pub fn apply_dora(model: &mut dyn Model, num_layers: Option<usize>, config: &LoraConfig, dtype: Dtype, seed: u64) -> Result<Vec<String>> {
+pub fn apply_dora(
+    model: &mut dyn Model,
+    num_layers: Option<usize>,
+    config: &LoraConfig,
+    dtype: Dtype,
+    seed: u64,
+) -> Result<Vec<String>> {
     attach(model, num_layers, config, dtype, seed, true)
 }
 
-fn attach(model: &mut dyn Model, num_layers: Option<usize>, config: &LoraConfig, dtype: Dtype, seed: u64, dora: bool) -> Result<Vec<String>> {
+fn attach(
+    model: &mut dyn Model,
+    num_layers: Option<usize>,
+    config: &LoraConfig,
+    dtype: Dtype,
+    seed: u64,
+    dora: bool,
+) -> Result<Vec<String>> {
     if !(0.0..1.0).contains(&config.dropout) {
         return Err(Error::InvalidParameter(format!("LoRA dropout must be in [0, 1), got {}", config.dropout)));
     }
@@ -84,7 +103,10 @@ fn attach(model: &mut dyn Model, num_layers: Option<usize>, config: &LoraConfig,
     if let Some(keys) = &config.keys {
         if let Some(k) = keys.iter().find(|k| !seen_keys.contains(*k)) {
             let known: Vec<&str> = seen_keys.iter().map(String::as_str).collect();
-            return Err(Error::InvalidParameter(format!("LoRA key `{k}` names no linear layer of a block (they are: {})", known.join(", "))));
+            return Err(Error::InvalidParameter(format!(
+                "LoRA key `{k}` names no linear layer of a block (they are: {})",
+                known.join(", ")
+            )));
         }
     }
     if adapted.is_empty() {

@@ -108,7 +108,11 @@ fn chunked_loss(
     let (mut total, mut grads) = (None::<Array>, Vec::new());
     for start in (0..n).step_by(chunk) {
         let stop = (start + chunk as i32).min(n);
-        let (hc, tc, mc) = (flat.slice_axis(0, start, stop, 1)?, targets.slice_axis(0, start, stop, 1)?, mask.slice_axis(0, start, stop, 1)?);
+        let (hc, tc, mc) = (
+            flat.slice_axis(0, start, stop, 1)?,
+            targets.slice_axis(0, start, stop, 1)?,
+            mask.slice_axis(0, start, stop, 1)?,
+        );
         let logits = head.apply(&hc)?;
         let lse = logits.logsumexp(-1, true)?;
         let picked = ops::take_along_axis(&logits, &tc.reshape(&[-1, 1])?, Some(-1))?;
@@ -170,7 +174,13 @@ fn trainable_values(model: &dyn Model, trainable: &[String]) -> Result<Vec<Array
 
 /// `[loss, targets]` of `model` with `params` set as the parameters named `names`, in training
 /// mode (LoRA dropout active): the function whose gradient is taken.
-fn loss_at(model: &mut dyn Model, names: &[String], params: &[Array], tokens: &Array, mask: &Array) -> rmlx::Result<Vec<Array>> {
+fn loss_at(
+    model: &mut dyn Model,
+    names: &[String],
+    params: &[Array],
+    tokens: &Array,
+    mask: &Array,
+) -> rmlx::Result<Vec<Array>> {
     let set: HashMap<String, Array> = names.iter().cloned().zip(params.iter().cloned()).collect();
     model.update("", set).map_err(|e| rmlx::Error::Callback(e.to_string()))?;
     let (loss, ntoks) = crate::nn::with_training(|| training_loss(model, names, tokens, mask))
@@ -219,12 +229,16 @@ impl CompiledLossAndGrad {
             let (tokens, mask, key) = (&inputs[n], &inputs[n + 1], &inputs[n + 2]);
             let loss = |params: &[Array]| loss_at(&mut **copy.borrow_mut(), &names, params, tokens, mask);
             let argnums: Vec<usize> = (0..n).collect();
-            let (outs, grads) =
-                crate::nn::with_dropout_key(key.clone(), || rmlx::transforms::value_and_grad(loss, &argnums)(&inputs[..n]))?;
+            let (outs, grads) = crate::nn::with_dropout_key(key.clone(), || {
+                rmlx::transforms::value_and_grad(loss, &argnums)(&inputs[..n])
+            })?;
             Ok(outs.into_iter().chain(grads).collect())
         };
         let options = rmlx::compile::CompileOptions { shapeless: false, name: Some("training step".into()) };
-        Ok(CompiledLossAndGrad { f: rmlx::compile::compile_with_constants(step, options), trainable: trainable.to_vec() })
+        Ok(CompiledLossAndGrad {
+            f: rmlx::compile::compile_with_constants(step, options),
+            trainable: trainable.to_vec(),
+        })
     }
 
     /// The loss of `batch` and the gradients, with the trainable parameters' current values in

@@ -39,15 +39,34 @@ const SLOT_NAMES: [&str; 7] = ["m", "v", "momentum", "exp_avg_sq_row", "exp_avg_
 pub enum Schedule {
     Constant(f32),
     /// `end + ½ (1 + cos(π min(step, decay_steps) / decay_steps)) (init − end)`.
-    CosineDecay { init: f32, decay_steps: u64, end: f32 },
+    CosineDecay {
+        init: f32,
+        decay_steps: u64,
+        end: f32,
+    },
     /// From `init` to `end` over `steps`, then `end`.
-    Linear { init: f32, end: f32, steps: u64 },
+    Linear {
+        init: f32,
+        end: f32,
+        steps: u64,
+    },
     /// `init · rate^step`.
-    Exponential { init: f32, rate: f32 },
+    Exponential {
+        init: f32,
+        rate: f32,
+    },
     /// `init · rate^(step / step_size)` (integer division).
-    StepDecay { init: f32, rate: f32, step_size: u64 },
+    StepDecay {
+        init: f32,
+        rate: f32,
+        step_size: u64,
+    },
     /// `first` before `boundary`, then `then` counted from the boundary.
-    Join { first: Box<Schedule>, boundary: u64, then: Box<Schedule> },
+    Join {
+        first: Box<Schedule>,
+        boundary: u64,
+        then: Box<Schedule>,
+    },
 }
 
 impl Schedule {
@@ -81,13 +100,17 @@ impl Schedule {
     pub fn from_config(name: &str, arguments: &[f64], warmup: u64, warmup_init: f32) -> Result<Schedule> {
         let arg = |i: usize| arguments.get(i).copied();
         let need = |i: usize| {
-            arg(i).ok_or_else(|| Error::InvalidParameter(format!("lr_schedule `{name}` needs at least {} arguments", i + 1)))
+            arg(i).ok_or_else(|| {
+                Error::InvalidParameter(format!("lr_schedule `{name}` needs at least {} arguments", i + 1))
+            })
         };
         let steps = |v: f64, what: &str| -> Result<u64> {
             if v >= 1.0 && v.fract() == 0.0 {
                 Ok(v as u64)
             } else {
-                Err(Error::InvalidParameter(format!("lr_schedule `{name}`: {what} must be a positive integer, got {v}")))
+                Err(Error::InvalidParameter(format!(
+                    "lr_schedule `{name}`: {what} must be a positive integer, got {v}"
+                )))
             }
         };
         let main = match name {
@@ -188,13 +211,19 @@ impl Optimizer {
 
     /// The new value of every parameter that has a gradient (lazy arrays). Parameters without a
     /// gradient are an error: training updates exactly the trainable set.
-    pub fn update(&mut self, params: &HashMap<String, Array>, grads: &HashMap<String, Array>) -> Result<HashMap<String, Array>> {
+    pub fn update(
+        &mut self,
+        params: &HashMap<String, Array>,
+        grads: &HashMap<String, Array>,
+    ) -> Result<HashMap<String, Array>> {
         let lr = self.schedule.at(self.step);
         self.step += 1;
         let step = self.step;
         let mut out = HashMap::with_capacity(grads.len());
         for (name, g) in grads {
-            let p = params.get(name).ok_or_else(|| Error::InvalidParameter(format!("a gradient for `{name}`, which is no parameter")))?;
+            let p = params
+                .get(name)
+                .ok_or_else(|| Error::InvalidParameter(format!("a gradient for `{name}`, which is no parameter")))?;
             let new = match &self.kind {
                 &OptimizerKind::Sgd { momentum, weight_decay, dampening, nesterov } => {
                     let g = if weight_decay != 0.0 { (g + (p * weight_decay)?)? } else { g.clone() };
@@ -202,13 +231,19 @@ impl Optimizer {
                         (p - (&g * lr)?)?
                     } else {
                         let [v0] = self.slots(name, ["momentum"], p)?;
-                        let v = if dampening > 0.0 { ((&v0 * momentum)? + (&g * (1.0 - dampening))?)? } else { ((&v0 * momentum)? + &g)? };
+                        let v = if dampening > 0.0 {
+                            ((&v0 * momentum)? + (&g * (1.0 - dampening))?)?
+                        } else {
+                            ((&v0 * momentum)? + &g)?
+                        };
                         let update = if nesterov { (&g + (&v * momentum)?)? } else { v.clone() };
                         self.state.insert(name.clone(), [("momentum", v)].into());
                         (p - (update * lr)?)?
                     }
                 }
-                &OptimizerKind::Adam { betas, eps, bias_correction } => self.adam(name, p, g, lr, step, betas, eps, bias_correction)?,
+                &OptimizerKind::Adam { betas, eps, bias_correction } => {
+                    self.adam(name, p, g, lr, step, betas, eps, bias_correction)?
+                }
                 &OptimizerKind::AdamW { betas, eps, weight_decay, bias_correction } => {
                     let decayed = (p * (1.0 - lr * weight_decay))?;
                     self.adam(name, &decayed, g, lr, step, betas, eps, bias_correction)?
@@ -224,7 +259,17 @@ impl Optimizer {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn adam(&mut self, name: &str, p: &Array, g: &Array, lr: f32, step: u64, betas: (f32, f32), eps: f32, bias_correction: bool) -> Result<Array> {
+    fn adam(
+        &mut self,
+        name: &str,
+        p: &Array,
+        g: &Array,
+        lr: f32,
+        step: u64,
+        betas: (f32, f32),
+        eps: f32,
+        bias_correction: bool,
+    ) -> Result<Array> {
         let (b1, b2) = betas;
         let [m0, v0] = self.slots(name, ["m", "v"], p)?;
         // The step's numbers as 0-d arrays in the parameter's dtype (for the compiled update: no
@@ -240,7 +285,8 @@ impl Optimizer {
             Some(fused) => fused.call(&inputs)?,
             None => adam_update(&inputs, betas, eps)?,
         };
-        let [new, m, v]: [Array; 3] = out.try_into().map_err(|_| Error::InvalidParameter("Adam: three outputs".into()))?;
+        let [new, m, v]: [Array; 3] =
+            out.try_into().map_err(|_| Error::InvalidParameter("Adam: three outputs".into()))?;
         self.state.insert(name.to_string(), [("m", m), ("v", v)].into());
         Ok(new)
     }
@@ -289,7 +335,8 @@ impl Optimizer {
     pub fn load_state(&mut self, arrays: &BTreeMap<String, Array>, step: u64) -> Result<()> {
         let mut state: HashMap<String, Slots> = HashMap::new();
         for (key, a) in arrays {
-            let (name, suffix) = key.rsplit_once('.').ok_or_else(|| Error::InvalidParameter(format!("optimizer state `{key}`")))?;
+            let (name, suffix) =
+                key.rsplit_once('.').ok_or_else(|| Error::InvalidParameter(format!("optimizer state `{key}`")))?;
             let suffix = SLOT_NAMES
                 .into_iter()
                 .find(|s| *s == suffix)
@@ -326,5 +373,8 @@ fn adam_update(x: &[Array], (b1, b2): (f32, f32), eps: f32) -> rmlx::Result<Vec<
 
 /// [`adam_update`] compiled once for all shapes: one fused kernel per parameter.
 fn fused_adam(betas: (f32, f32), eps: f32) -> Compiled {
-    compile_with(move |x: &[Array]| adam_update(x, betas, eps), CompileOptions { shapeless: true, name: Some("adam update".into()) })
+    compile_with(
+        move |x: &[Array]| adam_update(x, betas, eps),
+        CompileOptions { shapeless: true, name: Some("adam update".into()) },
+    )
 }

@@ -38,7 +38,10 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
     let cfg: Value = serde_json::from_str(&text).map_err(|e| Error::Config(format!("{file}: {e}")))?;
     let bad = |what: String| Error::Config(format!("{file}: {what}"));
     if cfg.get("peft_type").and_then(Value::as_str) != Some("LORA") {
-        return Err(bad(format!("peft_type {} is not supported (LORA is)", cfg.get("peft_type").unwrap_or(&Value::Null))));
+        return Err(bad(format!(
+            "peft_type {} is not supported (LORA is)",
+            cfg.get("peft_type").unwrap_or(&Value::Null)
+        )));
     }
     let dora = cfg.get("use_dora").and_then(Value::as_bool).unwrap_or(false);
     for (key, ok) in [("fan_in_fan_out", json!(false)), ("bias", json!("none"))] {
@@ -63,8 +66,13 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
     for (key, a) in std::mem::take(&mut arrays) {
         let path = key.strip_prefix(PREFIX).unwrap_or(&key);
         let suffixes = [".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector", ".lora_magnitude_vector.weight"];
-        let Some((module, slot)) = suffixes.iter().enumerate().find_map(|(i, suffix)| Some((path.strip_suffix(suffix)?, i.min(2)))) else {
-            return Err(Error::Corrupt { path: weights_path.display().to_string(), reason: format!("`{key}` is not a LoRA weight") });
+        let Some((module, slot)) =
+            suffixes.iter().enumerate().find_map(|(i, suffix)| Some((path.strip_suffix(suffix)?, i.min(2))))
+        else {
+            return Err(Error::Corrupt {
+                path: weights_path.display().to_string(),
+                reason: format!("`{key}` is not a LoRA weight"),
+            });
         };
         if slot == 2 && !dora {
             return Err(bad(format!("`{key}` is a DoRA magnitude, but `use_dora` is not true")));
@@ -76,7 +84,10 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
     model.visit_linears("", &mut |path, linear| {
         let Some([a, b, m]) = modules.get(path) else { return };
         if dora && m.is_none() {
-            failure = Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_magnitude_vector (in {})", weights_path.display())));
+            failure = Some(Error::MissingTensor(format!(
+                "{PREFIX}{path}.lora_magnitude_vector (in {})",
+                weights_path.display()
+            )));
             return;
         }
         let lora = match (a, b) {
@@ -89,7 +100,8 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
                     Ok(Lora { a, b, scale, dropout: 0.0, magnitude })
                 }),
             _ => {
-                failure = Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_A/lora_B (in {})", weights_path.display())));
+                failure =
+                    Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_A/lora_B (in {})", weights_path.display())));
                 return;
             }
         };
@@ -126,7 +138,9 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
         ranks.insert(l.rank());
         scales.push(l.scale);
         targets.insert(path.rsplit('.').next().unwrap_or(path).to_string());
-        if let Some(i) = path.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
+        if let Some(i) =
+            path.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok())
+        {
             layers.insert(i);
         }
         match (l.a.transpose(), l.b.transpose()) {
@@ -152,7 +166,11 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
     let dora = doras.contains(&true);
     let r = *ranks.iter().next().expect("one adapter at least");
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    rmlx::io::save_safetensors(dir.join(WEIGHTS), &arrays, &BTreeMap::from([("format".to_string(), "pt".to_string())]))?;
+    rmlx::io::save_safetensors(
+        dir.join(WEIGHTS),
+        &arrays,
+        &BTreeMap::from([("format".to_string(), "pt".to_string())]),
+    )?;
     let config = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

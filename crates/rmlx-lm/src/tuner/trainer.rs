@@ -66,7 +66,8 @@ const STATE_KEY: &str = "rmlx_train_state";
 impl TrainState {
     /// `NNNNNNN_state.safetensors` beside `NNNNNNN_adapters.safetensors`.
     pub fn path_for(checkpoint: &Path) -> PathBuf {
-        let name = checkpoint.file_name().map(|n| n.to_string_lossy().replace("_adapters.safetensors", "_state.safetensors"));
+        let name =
+            checkpoint.file_name().map(|n| n.to_string_lossy().replace("_adapters.safetensors", "_state.safetensors"));
         checkpoint.with_file_name(name.unwrap_or_else(|| "state.safetensors".into()))
     }
 
@@ -81,7 +82,8 @@ impl TrainState {
     /// Reads what [`TrainState::save`] wrote.
     pub fn load(path: &Path) -> Result<TrainState> {
         let file = rmlx::io::load_safetensors(path)?;
-        let bad = |what: &str| Error::Corrupt { path: path.display().to_string(), reason: format!("training state: {what}") };
+        let bad =
+            |what: &str| Error::Corrupt { path: path.display().to_string(), reason: format!("training state: {what}") };
         let meta: Value = serde_json::from_str(file.metadata.get(STATE_KEY).ok_or_else(|| bad("no metadata"))?)
             .map_err(|_| bad("metadata is not JSON"))?;
         let num = |k: &str| meta.get(k).and_then(Value::as_u64).ok_or_else(|| bad(k));
@@ -208,21 +210,22 @@ pub fn train(
     }
     // `adapters.safetensors`; with a checkpoint's state also `NNNNNNN_adapters.safetensors` and
     // `NNNNNNN_state.safetensors`.
-    let save = |model: &dyn Model, it: usize, state: Option<TrainState>, report: &mut dyn FnMut(&Report)| -> Result<()> {
-        let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
-        let main = dir.join(adapters::WEIGHTS);
-        adapters::save_weights(model, trainable, &main)?;
-        report(&Report::Saved { iter: it, path: main.clone() });
-        if let Some(state) = state {
-            let path = dir.join(format!("{it:07}_adapters.safetensors"));
-            adapters::save_weights(model, trainable, &path)?;
-            if state.iteration == it {
-                state.save(&TrainState::path_for(&path))?;
+    let save =
+        |model: &dyn Model, it: usize, state: Option<TrainState>, report: &mut dyn FnMut(&Report)| -> Result<()> {
+            let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
+            let main = dir.join(adapters::WEIGHTS);
+            adapters::save_weights(model, trainable, &main)?;
+            report(&Report::Saved { iter: it, path: main.clone() });
+            if let Some(state) = state {
+                let path = dir.join(format!("{it:07}_adapters.safetensors"));
+                adapters::save_weights(model, trainable, &path)?;
+                if state.iteration == it {
+                    state.save(&TrainState::path_for(&path))?;
+                }
+                report(&Report::Saved { iter: it, path });
             }
-            report(&Report::Saved { iter: it, path });
-        }
-        Ok(())
-    };
+            Ok(())
+        };
     if let Some(st) = &cfg.resume {
         it = st.iteration;
         trained_tokens = st.trained_tokens;
@@ -292,7 +295,9 @@ pub fn train(
             for n in names {
                 to_eval.push(new[n].clone());
                 let prefix = format!("{n}.");
-                to_eval.extend(state.range(prefix.clone()..).take_while(|(k, _)| k.starts_with(&prefix)).map(|(_, a)| a.clone()));
+                to_eval.extend(
+                    state.range(prefix.clone()..).take_while(|(k, _)| k.starts_with(&prefix)).map(|(_, a)| a.clone()),
+                );
             }
             rmlx::eval(&to_eval)?;
             model.update("", new)?;
@@ -329,7 +334,14 @@ pub fn train(
             let (optimizer_state, optimizer_step) = optimizer.state_arrays();
             // With gradients pending, the state could not resume exactly: only the weights go.
             let iteration = if pending == 0 { it } else { 0 };
-            let state = TrainState { iteration, trained_tokens, optimizer_step, optimizer: optimizer_state, rng: order.rng_state(), queue: queue.clone() };
+            let state = TrainState {
+                iteration,
+                trained_tokens,
+                optimizer_step,
+                optimizer: optimizer_state,
+                rng: order.rng_state(),
+                queue: queue.clone(),
+            };
             save(model, it, Some(state), report)?;
         }
     }

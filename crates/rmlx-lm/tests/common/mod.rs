@@ -122,7 +122,13 @@ pub fn move_lora_b(lm: &mut rmlx_lm::LoadedModel, trainable: &[String], seed: u6
 /// Asserts that two loss-and-gradient steps agree: the loss within `loss_rel` (relative), the
 /// target count exactly, the same parameters, and every gradient within `grad_rel` of its largest
 /// entry in `a` (which must not be zero).
-pub fn assert_same_step(what: &str, a: &rmlx_lm::tuner::LossAndGrad, b: &rmlx_lm::tuner::LossAndGrad, loss_rel: f32, grad_rel: f32) {
+pub fn assert_same_step(
+    what: &str,
+    a: &rmlx_lm::tuner::LossAndGrad,
+    b: &rmlx_lm::tuner::LossAndGrad,
+    loss_rel: f32,
+    grad_rel: f32,
+) {
     let vals = |x: &rmlx::Array| x.astype(rmlx::Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
     let (la, lb) = (a.loss.item::<f32>().unwrap(), b.loss.item::<f32>().unwrap());
     assert!((la - lb).abs() <= loss_rel * la.abs(), "{what}: loss {lb} against {la}");

@@ -90,10 +90,7 @@ fn resolve(start: Option<i32>, stop: Option<i32>, step: i32, n: i32) -> (i32, i3
 pub fn index(a: &Array, spec: &[Idx]) -> Result<Array> {
     let consumed = spec.iter().filter(|i| !matches!(i, Idx::NewAxis)).count();
     if consumed > a.ndim() {
-        return Err(Error::InvalidArgument(format!(
-            "{consumed} indices for an array of {} dimensions",
-            a.ndim()
-        )));
+        return Err(Error::InvalidArgument(format!("{consumed} indices for an array of {} dimensions", a.ndim())));
     }
     let shape = a.shape().to_vec();
     let (mut start, mut stop, mut strides) = (Vec::new(), Vec::new(), Vec::new());

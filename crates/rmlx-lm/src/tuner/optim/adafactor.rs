@@ -94,7 +94,15 @@ impl Adafactor {
     /// The new value of parameter `name` (`p`, gradient `g`) at `step` (counted from 1), with the
     /// scheduled learning rate `lr` (used only without `relative_step`). `state` holds the
     /// parameter's state, empty before its first update, and is replaced by the new one.
-    pub(super) fn apply(&self, name: &str, p: &Array, g: &Array, lr: f32, step: u64, state: &mut Slots) -> Result<Array> {
+    pub(super) fn apply(
+        &self,
+        name: &str,
+        p: &Array,
+        g: &Array,
+        lr: f32,
+        step: u64,
+        state: &mut Slots,
+    ) -> Result<Array> {
         let shape = p.shape().to_vec();
         let factored = g.ndim() >= 2;
         let step_f = step as f32;
@@ -106,7 +114,8 @@ impl Adafactor {
             lr
         };
         let relative = weak(relative as f64, p)?;
-        let lr = if self.scale_parameter { (ops::maximum(&weak(self.eps.1, p)?, &rms(p)?)? * &relative)? } else { relative };
+        let lr =
+            if self.scale_parameter { (ops::maximum(&weak(self.eps.1, p)?, &rms(p)?)? * &relative)? } else { relative };
         let beta_2 = (1.0 - weak(step_f.powf(self.decay_rate as f32) as f64, p)?)?;
         let keep = (1.0 - &beta_2)?;
         let squared = (ops::square(g)? + weak(self.eps.0, g)?)?;
@@ -140,7 +149,8 @@ impl Adafactor {
             new_state.insert("exp_avg", m.clone());
             update = m;
         }
-        let p = if self.weight_decay != 0.0 { (p + (p * (weak(-self.weight_decay, &lr)? * &lr)?)?)? } else { p.clone() };
+        let p =
+            if self.weight_decay != 0.0 { (p + (p * (weak(-self.weight_decay, &lr)? * &lr)?)?)? } else { p.clone() };
         *state = new_state;
         Ok((p - update)?)
     }
