@@ -10,6 +10,44 @@
 use super::{grow, positions, write_at, Mask, STEP};
 use crate::{Error, Result};
 use rmlx::{ops, Array};
+use std::cell::RefCell;
+
+/// What a mask or an offsets array is computed from: every layer of a step asks for the same one.
+#[derive(PartialEq)]
+struct Key {
+    /// 0: a mask, 1: RoPE offsets.
+    kind: u8,
+    padding: Vec<i32>,
+    start: i32,
+    len: i32,
+    window: Option<i32>,
+}
+
+/// How many masks and offsets arrays are remembered (Gemma's local and global layers alternate).
+const MEMO_SIZE: usize = 4;
+
+thread_local! {
+    /// The last masks and offsets built on this thread, reused by the step's other layers (one
+    /// set of small ops per step instead of one per layer).
+    static MEMO: RefCell<Vec<(Key, Array)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `build()`, or the array built on this thread for the same `key` if it is still remembered.
+fn memoized(key: Key, build: impl FnOnce() -> Result<Array>) -> Result<Array> {
+    let hit = MEMO.with(|m| m.borrow().iter().find(|(k, _)| *k == key).map(|(_, a)| a.clone()));
+    if let Some(a) = hit {
+        return Ok(a);
+    }
+    let a = build()?;
+    MEMO.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() == MEMO_SIZE {
+            m.remove(0);
+        }
+        m.push((key, a.clone()));
+    });
+    Ok(a)
+}
 
 /// The keys and values of `rows` sequences, `[rows, kv_heads, capacity, head_dim]`.
 pub struct BatchCache {
@@ -63,8 +101,11 @@ impl BatchCache {
 
     /// The RoPE offset of each row's next position, `[rows]` int32.
     pub fn offsets(&self) -> Result<Array> {
-        let o: Vec<i32> = self.padding.iter().map(|&p| self.written - p).collect();
-        Ok(Array::from_slice(&o, &[o.len() as i32])?)
+        let key = Key { kind: 1, padding: self.padding.clone(), start: self.written, len: 0, window: None };
+        memoized(key, || {
+            let o: Vec<i32> = self.padding.iter().map(|&p| self.written - p).collect();
+            Ok(Array::from_slice(&o, &[o.len() as i32])?)
+        })
     }
 
     /// Bytes held by the buffers.
@@ -108,15 +149,19 @@ impl BatchCache {
         if !padded && !windowed {
             return Ok(if len == 1 { Mask::None } else { Mask::Causal });
         }
-        let end = start + len;
-        let key = ops::arange(0.0, end as f64, 1.0, rmlx::Dtype::Int32)?.reshape(&[1, 1, 1, end])?;
-        let query = ops::arange(start as f64, end as f64, 1.0, rmlx::Dtype::Int32)?.reshape(&[1, 1, len, 1])?;
-        let pad = Array::from_slice(&self.padding, &[self.rows() as i32, 1, 1, 1])?;
-        let mut visible = key.greater_equal(&pad)?.logical_and(&key.less_equal(&query)?)?;
-        if let Some(w) = self.window {
-            visible = visible.logical_and(&(&query - &key)?.less(&Array::scalar(w))?)?;
-        }
-        Ok(Mask::Array(visible.logical_or(&key.equal(&query)?)?))
+        let memo = Key { kind: 0, padding: self.padding.clone(), start, len, window: self.window };
+        let mask = memoized(memo, || {
+            let end = start + len;
+            let key = ops::arange(0.0, end as f64, 1.0, rmlx::Dtype::Int32)?.reshape(&[1, 1, 1, end])?;
+            let query = ops::arange(start as f64, end as f64, 1.0, rmlx::Dtype::Int32)?.reshape(&[1, 1, len, 1])?;
+            let pad = Array::from_slice(&self.padding, &[self.rows() as i32, 1, 1, 1])?;
+            let mut visible = key.greater_equal(&pad)?.logical_and(&key.less_equal(&query)?)?;
+            if let Some(w) = self.window {
+                visible = visible.logical_and(&(&query - &key)?.less(&Array::scalar(w))?)?;
+            }
+            Ok(visible.logical_or(&key.equal(&query)?)?)
+        })?;
+        Ok(Mask::Array(mask))
     }
 
     /// Keeps the rows `keep` (in that order) and drops the padding no row needs any more.

@@ -1,0 +1,180 @@
+"""Serving throughput and latency: `rmlx serve` against `mlx_lm.server`, side by side on the same
+model folder (BENCHMARKS.md's serving rows). Standard library only.
+
+Usage (on the GPU machine, after `source .gpu/b/device-setup`):
+    python3 scripts/bench_serve.py --rmlx /root/rmlx /root/models/qwen3-0.6b [--clients 32]
+        [--max-tokens 256] [--rounds 2] [--skip-peer]
+
+Each of N clients runs `--rounds` streamed `/v1/completions` requests one after another, all at
+once: the prompt is a shared ~300-word "system" text plus the client's own question (and, from the
+second round, its previous answer), as a chat with a shared system prompt would be; greedy, a fixed
+`max_tokens`, and a word-level tokenizer over the whole vocabulary (random-weight checkpoints from
+make_model.py come without one). Tokens are counted from each stream's `usage` chunk. Reported per
+server: aggregate completion tokens per second over the whole run (wall clock from the first request
+to the last token), time to first token p50/p99, failed requests, and the GPU memory in use at the
+end (nvidia-smi). Prints one JSON line per server and a summary line.
+"""
+import argparse, json, os, pathlib, random, signal, socket, statistics, subprocess, sys, threading, time
+import http.client
+
+WORDS = 2000
+
+
+def ensure_tokenizer(model: pathlib.Path):
+    """A word-level tokenizer covering the whole embedding (every id decodes to a word), whose
+    end-of-sequence token is id 0."""
+    vocab_size = json.loads((model / "config.json").read_text()).get("vocab_size", WORDS)
+    path = model / "tokenizer.json"
+    if path.exists() and len(json.loads(path.read_text())["model"]["vocab"]) >= vocab_size:
+        return
+    vocab = {"<eos>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": 0, "content": "<eos>", "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}],
+        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
+    }
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "model_max_length": 1 << 20}))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port, proc, timeout=600):
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/v1/models")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("server did not start")
+
+
+def stream_completion(port, prompt, max_tokens):
+    """One streamed request: (time to first token, tokens, text, ok)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        return None, 0, r.read().decode(errors="replace"), False
+    ttft, tokens, text = None, 0, []
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        for ch in chunk.get("choices", []):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(ch.get("text") or "")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    return ttft, tokens, "".join(text), True
+
+
+def gpu_memory_mb():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_load(port, a):
+    rng = random.Random(0)
+    system = " ".join(f"w{rng.randint(1, WORDS - 1)}" for _ in range(300))
+    questions = [" ".join(f"w{rng.randint(1, WORDS - 1)}" for _ in range(20)) for _ in range(a.clients)]
+    # Warm-up (compilation, allocator): one request alone.
+    stream_completion(port, system + " " + questions[0], 8)
+    ttfts, tokens, failures = [], [0] * a.clients, [0]
+    lock = threading.Lock()
+
+    def client(i):
+        history = system + " " + questions[i]
+        for _ in range(a.rounds):
+            ttft, n, text, ok = stream_completion(port, history, a.max_tokens)
+            with lock:
+                if not ok or ttft is None:
+                    failures[0] += 1
+                    continue
+                ttfts.append(ttft)
+                tokens[i] += n
+            history = history + " " + text + " " + questions[(i + 1) % a.clients]
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    ttfts.sort()
+    q = lambda p: ttfts[min(len(ttfts) - 1, int(round(p * (len(ttfts) - 1))))] if ttfts else None
+    return {"clients": a.clients, "rounds": a.rounds, "max_tokens": a.max_tokens, "completion_tokens": sum(tokens),
+            "wall_s": round(wall, 2), "tokens_per_sec": round(sum(tokens) / wall, 1),
+            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "failed": failures[0], "gpu_memory_mb": gpu_memory_mb()}
+
+
+def serve(cmd, port, a, label):
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(port, proc)
+        result = run_load(port, a)
+        result["server"] = label
+        print(json.dumps(result), flush=True)
+        return result
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--rmlx", default="target/release/rmlx")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--rmlx-args", default="", help="extra arguments for rmlx serve")
+    a = ap.parse_args()
+    model = pathlib.Path(a.model)
+    ensure_tokenizer(model)
+    results = {}
+    port = free_port()
+    results["rmlx"] = serve([a.rmlx, "serve", "--model", str(model), "--port", str(port),
+                             "--max-batch", str(a.clients), *a.rmlx_args.split()], port, a, "rmlx")
+    if not a.skip_peer:
+        port = free_port()
+        results["mlx-lm"] = serve([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port),
+                                   "--decode-concurrency", str(a.clients)], port, a, "mlx-lm")
+        r, m = results["rmlx"], results["mlx-lm"]
+        print(json.dumps({"summary": model.name, "clients": a.clients,
+                          "rmlx_tok_s": r["tokens_per_sec"], "mlx_lm_tok_s": m["tokens_per_sec"],
+                          "speedup": round(r["tokens_per_sec"] / max(m["tokens_per_sec"], 1e-9), 3),
+                          "rmlx_ttft_p99": r["ttft_p99_s"], "mlx_lm_ttft_p99": m["ttft_p99_s"],
+                          "rmlx_ttft_p50": r["ttft_p50_s"], "mlx_lm_ttft_p50": m["ttft_p50_s"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
