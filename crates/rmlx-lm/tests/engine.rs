@@ -165,13 +165,13 @@ fn the_prompt_cache_reuses_a_shared_beginning() {
     drain(&mut engine, &mut out);
     assert_eq!(out[&first].cached, Some(0));
     let generated = out[&first].tokens.clone();
-    // The next turn: the prompt, the answer, two more tokens. The cache holds the prompt and the
-    // five answer tokens fed back (the sixth was never an input).
+    // The next turn: the prompt, the answer, two more tokens. The cache holds the prompt and all
+    // six answer tokens: the pipelined decoder fed the sixth before it read that it was the last.
     let next: Vec<u32> = prompt.iter().chain(&generated).chain(&[3, 4]).copied().collect();
     let second = engine.submit(request(&next, greedy.clone())).unwrap();
     drain(&mut engine, &mut out);
-    assert_eq!(out[&second].cached, Some(prompt.len() + 5));
-    assert_eq!(out[&second].usage.cached_tokens, prompt.len() + 5);
+    assert_eq!(out[&second].cached, Some(prompt.len() + 6));
+    assert_eq!(out[&second].usage.cached_tokens, prompt.len() + 6);
     assert_eq!(out[&second].tokens, alone(&lm, &next, &greedy));
     // The same prompt again: all but its last token come from the cache.
     let third = engine.submit(request(&next, greedy.clone())).unwrap();

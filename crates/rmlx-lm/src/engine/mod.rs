@@ -140,6 +140,8 @@ pub struct Engine<'m> {
     caches: Vec<KvCache>,
     windows: Vec<Option<usize>>,
     cancelled: HashSet<SeqId>,
+    /// The decoding step being computed: tokens for the first rows of `running`.
+    inflight: Option<Sampled>,
     prompt_cache: PromptCache,
     context: usize,
     kv_bytes_per_position: usize,
@@ -163,6 +165,7 @@ impl<'m> Engine<'m> {
             kv_bytes_per_position: per_layer * windows.len(),
             windows,
             cancelled: HashSet::new(),
+            inflight: None,
             context,
         }
     }
@@ -249,6 +252,7 @@ impl<'m> Engine<'m> {
         }
         self.caches = self.windows.iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect();
         self.cancelled.clear();
+        self.inflight = None;
         out
     }
 
@@ -353,19 +357,50 @@ impl<'m> Engine<'m> {
         Ok(())
     }
 
+    /// Decodes one token for every running sequence. The step is pipelined as mlx-lm's is: its
+    /// graph is built on the previous step's tokens before they are read (so the device never
+    /// waits for the host), unless a sequence's sampling needs its history on the host (a
+    /// repetition penalty). A sequence that ends was computed one step too far; that row is
+    /// dropped.
     fn decode(&mut self, out: &mut Vec<Update>) -> Result<()> {
+        let pipelined = !self.running.iter().any(Sequence::processes_logits);
+        if !pipelined {
+            self.read_inflight(None, out)?;
+        }
         if self.running.is_empty() {
             return Ok(());
         }
-        let next: Vec<u32> =
-            self.running.iter().map(|s| s.next.expect("running sequences have a next token")).collect();
-        let ids = ids_array(&next, next.len() as i32)?.reshape(&[next.len() as i32, 1])?;
-        let h = self.lm.model.forward_hidden(&ids, &mut self.caches)?;
-        let logits = self.lm.model.logits(&h)?.reshape(&[next.len() as i32, -1])?;
-        let sampled = sample_rows(self.lm, &mut self.running, &logits)?;
-        rmlx::eval(sampled.arrays().chain(self.caches.iter().flat_map(KvCache::state)))?;
-        let read = sampled.read()?;
-        for (i, seq) in self.running.iter_mut().enumerate() {
+        let rows = self.running.len() as i32;
+        let covered = self.inflight.as_ref().map_or(0, Sampled::rows);
+        let host: Vec<u32> = self.running[covered..]
+            .iter()
+            .map(|s| s.next.expect("a sequence not in flight has its next token"))
+            .collect();
+        let host = ids_array(&host, 1)?.reshape(&[-1])?;
+        let ids = match &self.inflight {
+            Some(prev) => ops::concatenate(&[&prev.tokens.astype(Dtype::Int32)?, &host], 0)?,
+            None => host,
+        };
+        let h = self.lm.model.forward_hidden(&ids.reshape(&[rows, 1])?, &mut self.caches)?;
+        let logits = self.lm.model.logits(&h)?.reshape(&[rows, -1])?;
+        let mut next = sample_rows(self.lm, &mut self.running, &logits)?;
+        rmlx::async_eval(next.arrays().chain(self.caches.iter().flat_map(KvCache::state)))?;
+        self.read_inflight(Some(&mut next), out)?;
+        if pipelined {
+            self.inflight = Some(next);
+        } else {
+            self.inflight = Some(next);
+            self.read_inflight(None, out)?;
+        }
+        Ok(())
+    }
+
+    /// Reads the step in flight and hands its tokens to their sequences; the sequences that end
+    /// leave the batch (and `newer`, a step built after it, loses their rows).
+    fn read_inflight(&mut self, mut newer: Option<&mut Sampled>, out: &mut Vec<Update>) -> Result<()> {
+        let Some(step) = self.inflight.take() else { return Ok(()) };
+        let read = step.read()?;
+        for (i, seq) in self.running.iter_mut().enumerate().take(step.rows()) {
             if !read.finite[i] {
                 seq.finish = Some(FinishReason::Cancelled);
                 out.push(Update::Failed { seq: seq.id, error: non_finite(seq) });
@@ -381,11 +416,21 @@ impl<'m> Engine<'m> {
             remember(&mut self.prompt_cache, &self.running[i], &self.caches, i)?;
         }
         let keep: Vec<usize> = (0..self.running.len()).filter(|i| !ended.contains(i)).collect();
+        if let Some(n) = newer.as_deref_mut() {
+            n.keep_rows(&keep)?;
+        }
         self.keep_rows(&keep)
     }
 
-    /// Keeps running rows `keep` (their sequences and cache rows).
+    /// Keeps running rows `keep` (their sequences, cache rows and tokens in flight).
     fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
+        if let Some(step) = &mut self.inflight {
+            let covered: Vec<usize> = keep.iter().copied().filter(|&i| i < step.rows()).collect();
+            step.keep_rows(&covered)?;
+            if step.rows() == 0 {
+                self.inflight = None;
+            }
+        }
         for c in &mut self.caches {
             let KvCache::Batch(b) = c else { unreachable!("batch caches") };
             b.filter(keep)?;
@@ -409,12 +454,14 @@ fn remember(cache: &mut PromptCache, seq: &Sequence, caches: &[KvCache], row: us
             None => return Ok(()),
         }
     }
+    // A pipelined step may have fed the end-of-sequence token too: keep what `history` names.
+    let positions = (layers[0].0.shape()[2] as usize).min(seq.history.len());
+    let layers = layers
+        .into_iter()
+        .map(|(k, v)| Ok((k.slice_axis(2, 0, positions as i32, 1)?, v.slice_axis(2, 0, positions as i32, 1)?)))
+        .collect::<Result<Vec<_>>>()?;
     rmlx::eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
-    let positions = layers[0].0.shape()[2] as usize;
-    let tokens = seq.history[..positions.min(seq.history.len())].to_vec();
-    if tokens.len() == positions {
-        cache.insert(tokens, layers);
-    }
+    cache.insert(seq.history[..positions].to_vec(), layers);
     Ok(())
 }
 
@@ -461,6 +508,25 @@ struct Read {
 }
 
 impl Sampled {
+    fn rows(&self) -> usize {
+        self.wanted.len()
+    }
+
+    /// Keeps rows `keep` (in order).
+    fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
+        let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
+        let idx = Array::from_slice(&idx, &[idx.len() as i32])?;
+        let take = |a: &Array| a.take(&idx, Some(0));
+        self.tokens = take(&self.tokens)?;
+        self.logprobs = take(&self.logprobs)?;
+        self.finite = take(&self.finite)?;
+        if let Some((ids, values)) = &self.top {
+            self.top = Some((take(ids)?, take(values)?));
+        }
+        self.wanted = keep.iter().map(|&i| self.wanted[i]).collect();
+        Ok(())
+    }
+
     fn arrays(&self) -> impl Iterator<Item = &Array> {
         [&self.tokens, &self.logprobs, &self.finite].into_iter().chain(self.top.iter().flat_map(|(i, v)| [i, v]))
     }
