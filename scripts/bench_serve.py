@@ -97,6 +97,13 @@ def gpu_memory_mb():
         return None
 
 
+def server_log_tail(label, lines=5):
+    try:
+        return open(f"/tmp/bench_serve_{label}.log").read().splitlines()[-lines:]
+    except OSError:
+        return []
+
+
 def run_load(port, a):
     rng = random.Random(0)
     system = " ".join(f"w{rng.randint(1, WORDS - 1)}" for _ in range(300))
@@ -133,11 +140,14 @@ def run_load(port, a):
 
 
 def serve(cmd, port, a, label):
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = open(f"/tmp/bench_serve_{label}.log", "w")  # the server's stderr (a pipe could fill and block it)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         wait_ready(port, proc)
         result = run_load(port, a)
         result["server"] = label
+        if result["failed"]:
+            result["log_tail"] = server_log_tail(label)
         print(json.dumps(result), flush=True)
         return result
     finally:
