@@ -63,14 +63,26 @@ def wait_ready(port, proc, timeout=600):
     raise SystemExit("server did not start")
 
 
+def connect_and_send(port, body, tries=50):
+    """The response to a POST, retrying refused or reset connections (a server's accept backlog
+    can overflow when every client connects at once; mlx_lm.server's holds 5)."""
+    for attempt in range(tries):
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            return c.getresponse()
+        except (ConnectionError, http.client.RemoteDisconnected):
+            time.sleep(0.05 * (attempt + 1))
+    raise ConnectionError(f"no connection after {tries} tries")
+
+
 def stream_completion(port, prompt, max_tokens):
-    """One streamed request: (time to first token, tokens, text, ok)."""
+    """One streamed request: (time to first token, tokens, text, ok). The time counts from the
+    first connection attempt."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                        "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    r = c.getresponse()
+    r = connect_and_send(port, body)
     if r.status != 200:
         return None, 0, r.read().decode(errors="replace"), False
     ttft, tokens, text = None, 0, []
@@ -97,6 +109,22 @@ def gpu_memory_mb():
         return None
 
 
+def peak_memory_gb(port):
+    """rmlx's own peak (its /metrics); None for a server without it."""
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("GET", "/metrics")
+        r = c.getresponse()
+        if r.status != 200:
+            return None
+        for line in r.read().decode().splitlines():
+            if line.startswith("rmlx_peak_memory_bytes "):
+                return round(int(line.split()[1]) / 1e9, 2)
+    except (OSError, http.client.HTTPException, ValueError):
+        pass
+    return None
+
+
 def server_log_tail(label, lines=5):
     try:
         return open(f"/tmp/bench_serve_{label}.log").read().splitlines()[-lines:]
@@ -116,7 +144,10 @@ def run_load(port, a):
     def client(i):
         history = system + " " + questions[i]
         for _ in range(a.rounds):
-            ttft, n, text, ok = stream_completion(port, history, a.max_tokens)
+            try:
+                ttft, n, text, ok = stream_completion(port, history, a.max_tokens)
+            except (OSError, http.client.HTTPException, ValueError):
+                ttft, n, text, ok = None, 0, "", False
             with lock:
                 if not ok or ttft is None:
                     failures[0] += 1
@@ -136,7 +167,8 @@ def run_load(port, a):
     q = lambda p: ttfts[min(len(ttfts) - 1, int(round(p * (len(ttfts) - 1))))] if ttfts else None
     return {"clients": a.clients, "rounds": a.rounds, "max_tokens": a.max_tokens, "completion_tokens": sum(tokens),
             "wall_s": round(wall, 2), "tokens_per_sec": round(sum(tokens) / wall, 1),
-            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "failed": failures[0], "gpu_memory_mb": gpu_memory_mb()}
+            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "failed": failures[0], "gpu_memory_mb": gpu_memory_mb(),
+            "server_peak_memory_gb": peak_memory_gb(port)}
 
 
 def serve(cmd, port, a, label):

@@ -165,13 +165,13 @@ fn the_prompt_cache_reuses_a_shared_beginning() {
     drain(&mut engine, &mut out);
     assert_eq!(out[&first].cached, Some(0));
     let generated = out[&first].tokens.clone();
-    // The next turn: the prompt, the answer, two more tokens. The cache holds the prompt and all
-    // six answer tokens: the pipelined decoder fed the sixth before it read that it was the last.
+    // The next turn: the prompt, the answer, two more tokens. The cache holds the prompt and the
+    // five answer tokens fed back (the sixth was never an input).
     let next: Vec<u32> = prompt.iter().chain(&generated).chain(&[3, 4]).copied().collect();
     let second = engine.submit(request(&next, greedy.clone())).unwrap();
     drain(&mut engine, &mut out);
-    assert_eq!(out[&second].cached, Some(prompt.len() + 6));
-    assert_eq!(out[&second].usage.cached_tokens, prompt.len() + 6);
+    assert_eq!(out[&second].cached, Some(prompt.len() + 5));
+    assert_eq!(out[&second].usage.cached_tokens, prompt.len() + 5);
     assert_eq!(out[&second].tokens, alone(&lm, &next, &greedy));
     // The same prompt again: all but its last token come from the cache.
     let third = engine.submit(request(&next, greedy.clone())).unwrap();
@@ -283,4 +283,39 @@ fn bad_requests_are_refused() {
     assert!(m.contains("need 14.3 kB of keys and values; the limit is 10.0 kB"), "{m}");
     assert_eq!(engine.submit(request(&prompt[..15], greedy.clone())).unwrap(), 0, "refusals take no id");
     assert_eq!(engine.load(), (0, 1));
+}
+
+#[test]
+fn pipelined_decoding_gives_the_same_tokens() {
+    let (_d, lm) = load("llama_gqa");
+    let prompts = prompts(&ids(&reference("llama_gqa")["prompt_ids"]));
+    let mut engine = Engine::new(&lm, EngineOptions { pipelined: true, ..small_steps() });
+    let mut out = HashMap::new();
+    let opts = |i: usize| match i {
+        0 => options(12, SamplerConfig::default()),
+        1 => options(7, seeded(3)),
+        // A repetition penalty needs the history on the host: those steps are not pipelined.
+        2 => options(9, SamplerConfig { repetition_penalty: 1.3, ..seeded(5) }),
+        _ => options(1, SamplerConfig::default()),
+    };
+    let seqs: Vec<SeqId> = (0..prompts.len()).map(|i| engine.submit(request(&prompts[i], opts(i))).unwrap()).collect();
+    step(&mut engine, &mut out);
+    let late = engine.submit(request(&prompts[0][..11], opts(0))).unwrap();
+    drain(&mut engine, &mut out);
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(out[&seqs[i]].tokens, alone(&lm, p, &opts(i)), "request {i}");
+        assert_eq!(out[&seqs[i]].finish, Some(FinishReason::Length));
+    }
+    assert_eq!(out[&late].tokens, alone(&lm, &prompts[0][..11], &opts(0)));
+    assert_eq!(engine.kv_bytes(), 0);
+    // Alone, a pipelined request has its step after the last token computed already: the cache
+    // holds all 12 answer tokens.
+    let mut engine = Engine::new(&lm, EngineOptions { pipelined: true, ..EngineOptions::default() });
+    let mut out = HashMap::new();
+    let first = engine.submit(request(&prompts[0], opts(0))).unwrap();
+    drain(&mut engine, &mut out);
+    let next: Vec<u32> = prompts[0].iter().chain(&out[&first].tokens).chain(&[3]).copied().collect();
+    let again = engine.submit(request(&next, opts(0))).unwrap();
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&again].cached, Some(prompts[0].len() + 12));
 }

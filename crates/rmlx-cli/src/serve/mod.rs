@@ -66,6 +66,10 @@ pub struct Args {
     /// and one that cannot fit alone is refused (default: unbounded).
     #[arg(long)]
     max_kv_gb: Option<f64>,
+    /// Build each decoding step before the previous one's tokens are read (experimental: slower
+    /// on CUDA so far, see BENCHMARKS.md).
+    #[arg(long, hide = true)]
+    pipelined_decode: bool,
 }
 
 /// What the handlers share. No MLX in here: only the queue to the engine and counters.
@@ -128,6 +132,7 @@ pub fn run(a: Args) -> Result<()> {
         prompt_cache_bytes: gb(a.prompt_cache_gb),
         max_kv_bytes: a.max_kv_gb.map(gb),
         context: Some(context),
+        pipelined: a.pipelined_decode,
     };
     engine::run(&lm, queue, options, stats);
     http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
