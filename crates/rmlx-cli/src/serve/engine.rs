@@ -74,6 +74,7 @@ pub struct Stats {
     pub peak_batch: AtomicUsize,
     pub ttft_micros_total: AtomicU64,
     pub peak_memory: AtomicU64,
+    pub active_memory: AtomicU64,
     pub kv_bytes: AtomicU64,
     pub prompt_cache_bytes: AtomicU64,
 }
@@ -127,6 +128,7 @@ pub fn run(lm: &LoadedModel, jobs: Receiver<Job>, opts: EngineOptions, stats: Ar
         stats.kv_bytes.store(engine.kv_bytes() as u64, Ordering::Relaxed);
         stats.prompt_cache_bytes.store(engine.prompt_cache_usage().0 as u64, Ordering::Relaxed);
         stats.peak_memory.fetch_max(rmlx::memory::peak_memory() as u64, Ordering::Relaxed);
+        stats.active_memory.store(rmlx::memory::active_memory() as u64, Ordering::Relaxed);
     }
 }
 

@@ -217,6 +217,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
          # TYPE rmlx_batch_size gauge\nrmlx_batch_size {}\n\
          # TYPE rmlx_batch_size_peak gauge\nrmlx_batch_size_peak {}\n\
          # TYPE rmlx_peak_memory_bytes gauge\nrmlx_peak_memory_bytes {}\n\
+         # TYPE rmlx_active_memory_bytes gauge\nrmlx_active_memory_bytes {}\n\
          # TYPE rmlx_kv_cache_bytes gauge\nrmlx_kv_cache_bytes {}\n\
          # TYPE rmlx_prompt_cache_bytes gauge\nrmlx_prompt_cache_bytes {}\n",
         c(&st.requests),
@@ -230,6 +231,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
         st.running.load(Ordering::Relaxed),
         st.peak_batch.load(Ordering::Relaxed),
         c(&st.peak_memory),
+        c(&st.active_memory),
         c(&st.kv_bytes),
         c(&st.prompt_cache_bytes),
     )
