@@ -171,12 +171,59 @@ def run_load(port, a):
             "server_peak_memory_gb": peak_memory_gb(port)}
 
 
+def metric(port, name):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("GET", "/metrics")
+    for line in c.getresponse().read().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def run_soak(port, a):
+    """`--soak N` requests of mixed prompt and answer lengths from `--clients` workers; rmlx's
+    active memory sampled every 100 requests (the curve) and at the end."""
+    rng = random.Random(1)
+    jobs = [(" ".join(f"w{rng.randint(1, WORDS - 1)}" for _ in range(rng.randint(1, 600))), rng.randint(1, 128))
+            for _ in range(a.soak)]
+    lock, done, failed, curve = threading.Lock(), [0], [0], []
+
+    def worker():
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                prompt, max_tokens = jobs.pop()
+            try:
+                _, n, _, ok = stream_completion(port, prompt, max_tokens)
+            except (OSError, http.client.HTTPException, ValueError):
+                ok = False
+            with lock:
+                done[0] += 1
+                failed[0] += 0 if ok else 1
+                if done[0] % 100 == 0:
+                    curve.append(round(metric(port, "rmlx_active_memory_bytes") / 1e9, 3))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(a.clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.5)
+    return {"soak_requests": a.soak, "failed": failed[0], "wall_s": round(time.perf_counter() - start, 1),
+            "active_memory_gb_every_100": curve, "active_memory_gb_end": round(metric(port, "rmlx_active_memory_bytes") / 1e9, 3),
+            "prompt_cache_gb_end": round(metric(port, "rmlx_prompt_cache_bytes") / 1e9, 3),
+            "kv_cache_gb_end": round(metric(port, "rmlx_kv_cache_bytes") / 1e9, 3),
+            "server_peak_memory_gb": peak_memory_gb(port)}
+
+
 def serve(cmd, port, a, label):
     log = open(f"/tmp/bench_serve_{label}.log", "w")  # the server's stderr (a pipe could fill and block it)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     try:
         wait_ready(port, proc)
-        result = run_load(port, a)
+        result = run_soak(port, a) if a.soak else run_load(port, a)
         result["server"] = label
         if result["failed"]:
             result["log_tail"] = server_log_tail(label)
@@ -198,6 +245,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--soak", type=int, default=0, help="rmlx only: this many mixed requests, memory curve")
     ap.add_argument("--rmlx-args", default="", help="extra arguments for rmlx serve")
     a = ap.parse_args()
     model = pathlib.Path(a.model)
@@ -206,7 +254,7 @@ def main():
     port = free_port()
     results["rmlx"] = serve([a.rmlx, "serve", "--model", str(model), "--port", str(port),
                              "--max-batch", str(a.clients), *a.rmlx_args.split()], port, a, "rmlx")
-    if not a.skip_peer:
+    if not a.skip_peer and not a.soak:
         port = free_port()
         results["mlx-lm"] = serve([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port),
                                    "--decode-concurrency", str(a.clients)], port, a, "mlx-lm")
