@@ -56,7 +56,7 @@ pub struct Args {
     max_batch: usize,
     /// Prompt tokens computed per decoding step: a newcomer's prompt is spread over steps so
     /// that running streams keep going.
-    #[arg(long, default_value_t = 512, value_parser = count)]
+    #[arg(long, default_value_t = 2048, value_parser = count)]
     prefill_step: usize,
     /// Gigabytes of keys and values kept for reuse by prompts that begin the same way (LRU;
     /// 0 turns the prompt cache off).

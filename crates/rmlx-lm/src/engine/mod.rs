@@ -80,7 +80,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             max_batch: 32,
-            prefill_tokens: 512,
+            prefill_tokens: 2048,
             prompt_cache_bytes: 1 << 30,
             max_kv_bytes: None,
             context: None,
