@@ -3,6 +3,7 @@
 //! Text goes to stdout, progress, statistics and errors to stderr; `--json` prints one
 //! machine-readable object to stdout instead of the text.
 
+mod batch;
 mod bench;
 mod chat;
 mod common;
@@ -40,6 +41,9 @@ enum Command {
     Fuse(fuse::Args),
     /// Serve the model over HTTP with OpenAI's API (chat and text completions, streamed or not).
     Serve(serve::Args),
+    /// Complete every prompt of a jsonl file, batched (or, with --classify, report each prompt's
+    /// next-token distribution); one jsonl result per prompt.
+    Batch(batch::Args),
 }
 
 fn main() {
@@ -57,6 +61,7 @@ fn main() {
         Command::Lora(a) => lora::run(a, lora_matches),
         Command::Fuse(a) => fuse::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Batch(a) => batch::run(a),
     });
     if let Err(e) = result {
         eprintln!("error: {e:#}");

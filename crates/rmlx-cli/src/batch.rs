@@ -1,0 +1,160 @@
+//! `rmlx batch`: a jsonl file of prompts through the continuous-batching engine, one jsonl result
+//! per prompt in input order; `--classify` stops after each prompt and reports the next token's
+//! most likely values instead.
+
+use crate::common::{count, ModelArgs, SamplingArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use rmlx_lm::chat::Message;
+use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
+use rmlx_lm::progress::Progress;
+use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(ClapArgs, Debug)]
+#[command(allow_negative_numbers = true)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A jsonl file: one `{"prompt": "..."}` (encoded as is) or `{"messages": [...]}` (chat
+    /// template) per line, optionally with `"id"`, `"max_tokens"`, `"temperature"`, `"seed"`.
+    #[arg(long)]
+    prompts: PathBuf,
+    /// Where the results go (default: stdout), one JSON object per prompt, in input order.
+    #[arg(long, short)]
+    output: Option<PathBuf>,
+    /// Most tokens per prompt, for lines that do not set it.
+    #[arg(long, short = 'm', default_value_t = 256, value_parser = count)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Stop when this string is generated (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Most prompts decoded together.
+    #[arg(long, default_value_t = 32, value_parser = count)]
+    max_batch: usize,
+    /// Report the next token's distribution after each prompt (its `--top` most likely tokens
+    /// with their log-probabilities) instead of generating.
+    #[arg(long)]
+    classify: bool,
+    /// Tokens reported per prompt with `--classify`.
+    #[arg(long, default_value_t = 5, value_parser = count)]
+    top: usize,
+}
+
+/// One line of the prompts file.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line {
+    id: Option<Value>,
+    prompt: Option<String>,
+    messages: Option<Vec<Message>>,
+    max_tokens: Option<usize>,
+    temperature: Option<f32>,
+    seed: Option<u64>,
+}
+
+/// Reads and checks every line before anything runs: an error names the line.
+fn read_lines(path: &PathBuf) -> Result<Vec<Line>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut lines = Vec::new();
+    for (i, raw) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let at = || format!("{}, line {}", path.display(), i + 1);
+        let line: Line = serde_json::from_str(raw).with_context(at)?;
+        match (&line.prompt, &line.messages) {
+            (Some(_), None) | (None, Some(_)) => {}
+            _ => bail!("{}: a line needs exactly one of \"prompt\" and \"messages\"", at()),
+        }
+        lines.push(line);
+    }
+    if lines.is_empty() {
+        bail!("{} holds no prompt", path.display());
+    }
+    Ok(lines)
+}
+
+fn encode(lm: &LoadedModel, line: &Line) -> rmlx_lm::Result<Vec<u32>> {
+    match (&line.prompt, &line.messages) {
+        (Some(p), _) => lm.encode_prompt(p, true, None),
+        (_, Some(m)) => lm.chat_prompt(m),
+        _ => unreachable!("checked when read"),
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let base = a.sampling.checked_config()?;
+    let lines = read_lines(&a.prompts)?;
+    let lm = a.model.load()?;
+    let mut engine = Engine::new(&lm, EngineOptions { max_batch: a.max_batch, ..EngineOptions::default() });
+    let mut index = HashMap::new();
+    for (i, line) in lines.iter().enumerate() {
+        let mut sampler = base.clone();
+        sampler.temperature = line.temperature.unwrap_or(sampler.temperature);
+        sampler.seed = line.seed.or(sampler.seed);
+        let (max_tokens, top_logprobs) =
+            if a.classify { (1, a.top) } else { (line.max_tokens.unwrap_or(a.max_tokens), 0) };
+        // Classifying reports the first token's distribution even when that token is an EOS.
+        let options = GenerateOptions {
+            max_tokens,
+            sampler,
+            stop_strings: a.stop.clone(),
+            ignore_eos: a.classify,
+            ..GenerateOptions::default()
+        };
+        let prompt = encode(&lm, line).with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
+        let seq = engine
+            .submit(Request { prompt, options, top_logprobs })
+            .with_context(|| format!("{}, prompt {}", a.prompts.display(), i + 1))?;
+        index.insert(seq, i);
+    }
+    let progress = Progress::new(true, if a.classify { "classifying" } else { "generating" }, lines.len() as u64);
+    let mut results: Vec<Value> = lines.iter().enumerate().map(|(i, l)| json!({"index": i, "id": l.id})).collect();
+    let mut texts = vec![String::new(); lines.len()];
+    while !engine.is_idle() {
+        for update in engine.step()? {
+            match update {
+                Update::Token { seq, text, top, .. } => {
+                    let i = index[&seq];
+                    texts[i].push_str(&text);
+                    if a.classify {
+                        let piece = |t: u32| lm.tokenizer.decode(&[t], false).unwrap_or_default();
+                        results[i]["top"] =
+                            top.iter().map(|&(t, lp)| json!({"id": t, "token": piece(t), "logprob": lp})).collect();
+                    }
+                }
+                Update::Text { seq, text } => texts[index[&seq]].push_str(&text),
+                Update::Finished { seq, reason, usage } => {
+                    let i = index[&seq];
+                    let r = &mut results[i];
+                    r["prompt_tokens"] = json!(usage.prompt_tokens);
+                    r["cached_tokens"] = json!(usage.cached_tokens);
+                    if !a.classify {
+                        r["text"] = json!(std::mem::take(&mut texts[i]));
+                        r["completion_tokens"] = json!(usage.completion_tokens);
+                        r["finish_reason"] = json!(if reason == FinishReason::Length { "length" } else { "stop" });
+                    }
+                    progress.inc(1);
+                }
+                Update::Failed { seq, error } => bail!("prompt {}: {error}", index[&seq] + 1),
+                Update::Started { .. } => {}
+            }
+        }
+    }
+    progress.finish();
+    let mut out: Box<dyn Write> = match &a.output {
+        Some(p) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    for r in &results {
+        writeln!(out, "{r}")?;
+    }
+    out.flush()?;
+    Ok(())
+}

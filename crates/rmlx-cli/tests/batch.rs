@@ -1,0 +1,95 @@
+//! `rmlx batch` with the default model: each result equals `rmlx generate`'s for the same prompt
+//! (raw and chat), in input order with the ids passed through; `--classify` reports the token
+//! `generate` would start with, as the most likely of `--top`; a bad line is named.
+
+use serde_json::{json, Value};
+use std::process::{Command, Output, Stdio};
+
+const RMLX: &str = env!("CARGO_BIN_EXE_rmlx");
+
+fn rmlx(args: &[&str]) -> Output {
+    Command::new(RMLX).args(args).stdin(Stdio::null()).output().unwrap()
+}
+
+/// `rmlx generate --json` (greedy): (text, token ids, prompt tokens).
+fn generate(prompt: &str, raw: bool, max_tokens: usize) -> (String, Vec<u64>, u64) {
+    let m = max_tokens.to_string();
+    let mut args = vec!["generate", "--prompt", prompt, "--max-tokens", &m, "--json"];
+    if raw {
+        args.push("--raw");
+    }
+    let out = rmlx(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ids = v["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    (v["text"].as_str().unwrap().to_string(), ids, v["prompt_tokens"].as_u64().unwrap())
+}
+
+fn write_prompts(name: &str, lines: &[Value]) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("rmlx-batch-{name}-{}.jsonl", std::process::id()));
+    std::fs::write(&p, lines.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    p
+}
+
+fn results(out: &Output) -> Vec<Value> {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout.clone()).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn batch_results_equal_generate_in_input_order() {
+    let prompts = write_prompts(
+        "gen",
+        &[
+            json!({"id": "capital", "prompt": "The capital of France is", "max_tokens": 10}),
+            json!({"id": 7, "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+            json!({"prompt": "Once upon a time", "max_tokens": 3}),
+        ],
+    );
+    let r = results(&rmlx(&["batch", "--prompts", prompts.to_str().unwrap(), "--max-tokens", "12", "--temp", "0"]));
+    assert_eq!(r.len(), 3);
+    let expected = [
+        generate("The capital of France is", true, 10),
+        generate("What is the capital of France?", false, 12),
+        generate("Once upon a time", true, 3),
+    ];
+    for (i, (text, ids, prompt_tokens)) in expected.iter().enumerate() {
+        assert_eq!(r[i]["index"], i);
+        assert_eq!(r[i]["text"].as_str().unwrap(), text, "prompt {i}");
+        assert_eq!(r[i]["completion_tokens"].as_u64(), Some(ids.len() as u64));
+        assert_eq!(r[i]["prompt_tokens"].as_u64(), Some(*prompt_tokens));
+    }
+    assert_eq!((r[0]["id"].clone(), r[1]["id"].clone(), r[2]["id"].clone()), (json!("capital"), json!(7), Value::Null));
+    assert_eq!(r[2]["finish_reason"], "length");
+
+    // --classify: the first token generate takes is the most likely; three, best first.
+    let out = rmlx(&["batch", "--prompts", prompts.to_str().unwrap(), "--classify", "--top", "3"]);
+    let c = results(&out);
+    for (i, (_, ids, _)) in expected.iter().enumerate() {
+        let top = c[i]["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["id"].as_u64(), Some(ids[0]), "prompt {i}");
+        assert!(
+            top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64()
+                && top[1]["logprob"].as_f64() >= top[2]["logprob"].as_f64()
+        );
+        assert!(c[i].get("text").is_none());
+    }
+    let _ = std::fs::remove_file(prompts);
+}
+
+#[test]
+fn a_bad_line_is_named_before_anything_runs() {
+    for (lines, expected) in [
+        (vec![json!({"prompt": "hi"}), json!({"promt": "typo"})], "line 2"),
+        (vec![json!({"prompt": "hi", "messages": []})], "exactly one of \"prompt\" and \"messages\""),
+    ] {
+        let p = write_prompts("bad", &lines);
+        let out = rmlx(&["batch", "--prompts", p.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains(expected), "{err}");
+        assert!(out.stdout.is_empty());
+        let _ = std::fs::remove_file(p);
+    }
+}
