@@ -51,6 +51,19 @@ fn main() {
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // `rmlx lora -c` needs to know which flags were given on the command line.
     let lora_matches = matches.subcommand_matches("lora").cloned();
+    // The library reports through `tracing`: the server writes structured lines (it sets that up
+    // itself); every other command prints the messages alone, as plain stderr lines.
+    if !matches!(cli.command, Command::Serve(_)) {
+        use std::io::IsTerminal;
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .without_time()
+            .with_level(false)
+            .with_target(false)
+            .with_max_level(tracing::Level::INFO)
+            .init();
+    }
     // Each command is one single-threaded loop over MLX: it runs where MLX evaluates, so that no
     // evaluation is handed from thread to thread.
     let result = rmlx::on_evaluation_thread(move || match cli.command {

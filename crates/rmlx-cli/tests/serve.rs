@@ -317,6 +317,22 @@ fn bad_requests_get_openai_errors() {
     assert_eq!(status, 200);
     let (status, text) = server.request("GET", "/v2/nothing", None, &auth);
     assert_eq!(status, 404, "{text}");
+    // A body over 8 MiB: 413 on its Content-Length, before it is read (the server may close the
+    // connection while the body is still being sent: the write's error is not the test's).
+    let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(9 << 20));
+    let mut stream = TcpStream::connect(&server.addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\n\r\n",
+        auth[0].1.trim_start_matches("Bearer "),
+        huge.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let _ = stream.write_all(huge.as_bytes());
+    let mut reply = String::new();
+    let _ = BufReader::new(stream).read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 413"), "{}", &reply[..reply.len().min(300)]);
+    assert!(reply.contains("larger than 8 MiB"), "{reply}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

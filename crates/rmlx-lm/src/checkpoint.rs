@@ -64,7 +64,7 @@ pub fn warn_unused(unused: &[String], source: &Path) {
     if unused.len() > LISTED {
         names.push_str(&format!(" and {} more", unused.len() - LISTED));
     }
-    eprintln!(
+    tracing::warn!(
         "warning: {}: {} tensor{} of the checkpoint not used by the model: {names}",
         source.display(),
         unused.len(),

