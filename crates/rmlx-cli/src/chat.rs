@@ -1,6 +1,9 @@
 //! `rmlx chat`: an interactive conversation that keeps its history. Commands: `/reset` forgets the
 //! conversation, `/stats` toggles speed statistics after each reply, `/exit` (or end of input) quits.
 //!
+//! The conversation's keys and values are kept between turns (the engine's prompt cache): a
+//! reply costs the new message's tokens, not the whole history again.
+//!
 //! A message that cannot be used (not UTF-8, longer than the context, a template error, a failure
 //! while generating) prints an error line and the session goes on without it. Ctrl-C stops the
 //! reply being generated; at the prompt it ends the session (see [`crate::interrupt`]).
@@ -10,8 +13,10 @@ use crate::interrupt::{self, Replying};
 use anyhow::Result;
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
-use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel, Metrics};
+use rmlx_lm::engine::{Engine, EngineOptions, Request, Update, Usage};
+use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
 use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
 
 #[derive(ClapArgs, Debug)]
 #[command(allow_negative_numbers = true)]
@@ -39,6 +44,8 @@ pub fn run(a: Args) -> Result<()> {
     let start: Vec<Message> = a.system.iter().map(|s| Message::system(s.as_str())).collect();
     let mut messages = start.clone();
     let mut stats = a.stats;
+    // One sequence at a time; the prompt cache holds the conversation so far.
+    let mut engine = Engine::new(&lm, EngineOptions { max_batch: 1, ..EngineOptions::default() });
     eprintln!("chatting with {} — /reset, /stats, /exit; Ctrl-C stops a reply", lm.source.display());
     let mut stdin = std::io::stdin().lock();
     let mut out = std::io::stdout();
@@ -69,16 +76,20 @@ pub fn run(a: Args) -> Result<()> {
             _ => {}
         }
         messages.push(Message::user(line));
-        match reply(&lm, &messages, &opts, &mut out) {
-            Ok((text, m)) => {
+        match reply(&lm, &mut engine, &messages, &opts, &mut out) {
+            Ok((text, usage, decode_time)) => {
                 if stats {
+                    let ttft = usage.time_to_first_token.unwrap_or_default().as_secs_f64().max(1e-9);
+                    let computed = usage.prompt_tokens - usage.cached_tokens;
+                    let decoded = usage.completion_tokens.saturating_sub(1) as f64;
                     eprintln!(
-                        "[prompt {} tokens at {:.1} tok/s, reply {} tokens at {:.1} tok/s, peak {:.3} GB]",
-                        m.prompt_tokens,
-                        m.prompt_tps(),
-                        m.generated_tokens,
-                        m.generation_tps(),
-                        gb(m.peak_memory)
+                        "[prompt {} tokens ({} from the cache) at {:.1} tok/s, reply {} tokens at {:.1} tok/s, peak {:.3} GB]",
+                        usage.prompt_tokens,
+                        usage.cached_tokens,
+                        computed as f64 / ttft,
+                        usage.completion_tokens,
+                        decoded / decode_time.as_secs_f64().max(1e-9),
+                        gb(rmlx::memory::peak_memory())
                     );
                 }
                 messages.push(Message::assistant(text.trim()));
@@ -93,43 +104,61 @@ pub fn run(a: Args) -> Result<()> {
 }
 
 /// Generates and streams the reply to `messages`; returns its text (what was shown, also when
-/// Ctrl-C stopped it) and the metrics.
+/// Ctrl-C stopped it), the token counts and the time from the first token to the last.
 fn reply(
     lm: &LoadedModel,
+    engine: &mut Engine,
     messages: &[Message],
     opts: &GenerateOptions,
     out: &mut impl Write,
-) -> Result<(String, Metrics)> {
+) -> Result<(String, Usage, Duration)> {
     let prompt = lm.chat_prompt(messages)?;
     let _replying = Replying::start();
-    let mut generation = lm.generate(&prompt, opts)?;
-    let cancel = generation.cancel_handle();
+    let seq = engine.submit(Request { prompt, options: opts.clone(), top_logprobs: 0 })?;
     let mut text = String::new();
-    let mut failed = None;
-    for token in generation.by_ref() {
-        match token {
-            Ok(t) => {
-                text.push_str(&t.text);
-                out.write_all(t.text.as_bytes())?;
-                out.flush()?;
-            }
+    let mut first: Option<Instant> = None;
+    let mut last = Instant::now();
+    let mut cancelled = false;
+    let (reason, usage) = 'run: loop {
+        let updates = match engine.step() {
+            Ok(u) => u,
             Err(e) => {
-                failed = Some(e);
-                break;
+                engine.abort();
+                if !text.is_empty() {
+                    writeln!(out)?;
+                }
+                return Err(e.into());
+            }
+        };
+        for u in updates {
+            match u {
+                Update::Token { text: t, .. } | Update::Text { text: t, .. } => {
+                    last = Instant::now();
+                    first.get_or_insert(last);
+                    text.push_str(&t);
+                    out.write_all(t.as_bytes())?;
+                    out.flush()?;
+                }
+                Update::Finished { reason, usage, .. } => break 'run (reason, usage),
+                Update::Failed { error, .. } => {
+                    if !text.is_empty() {
+                        writeln!(out)?;
+                    }
+                    return Err(error.into());
+                }
+                Update::Started { .. } => {}
             }
         }
-        if interrupt::requested() {
-            cancel.cancel();
+        if interrupt::requested() && !cancelled {
+            engine.cancel(seq);
+            cancelled = true;
         }
-    }
-    if !text.is_empty() || generation.finish_reason() == Some(FinishReason::Cancelled) {
+    };
+    if !text.is_empty() || reason == FinishReason::Cancelled {
         writeln!(out)?;
     }
-    if let Some(e) = failed {
-        return Err(e.into());
-    }
-    if generation.finish_reason() == Some(FinishReason::Cancelled) {
+    if reason == FinishReason::Cancelled {
         eprintln!("(reply stopped)");
     }
-    Ok((text, generation.metrics().clone()))
+    Ok((text, usage, first.map_or(Duration::ZERO, |f| last - f)))
 }

@@ -312,7 +312,7 @@ fn bad_requests_get_openai_errors() {
     let (status, v) = send(ok, true);
     assert_eq!(status, 400, "{v}");
     let message = error_of(&v).1;
-    assert!(message.contains("the context is 16 tokens") && message.contains("the prompt has"), "{message}");
+    assert!(message.contains("more than the context limit of 16") && message.contains("the prompt has"), "{message}");
     let (status, _) = server.request("GET", "/v1/models", None, &auth);
     assert_eq!(status, 200);
     let (status, text) = server.request("GET", "/v2/nothing", None, &auth);

@@ -270,9 +270,10 @@ fn bad_requests_are_refused() {
     let greedy = options(4, SamplerConfig::default());
     assert!(matches!(engine_err(&mut engine, request(&[], greedy.clone())), Error::Prompt(m) if m.contains("empty")));
     let long: Vec<u32> = (0..30).collect();
-    assert!(
-        matches!(engine_err(&mut engine, request(&long, greedy.clone())), Error::Prompt(m) if m.contains("context is 30"))
-    );
+    let m = engine_err(&mut engine, request(&long, greedy.clone())).to_string();
+    assert!(m.contains("the prompt has 30 tokens, all of the context limit of 30: no room for a reply"), "{m}");
+    let m = engine_err(&mut engine, request(&[long.clone(), vec![1]].concat(), greedy.clone())).to_string();
+    assert!(m.contains("the prompt has 31 tokens, more than the context limit of 30"), "{m}");
     assert!(matches!(engine_err(&mut engine, request(&[1, 9999], greedy.clone())), Error::Prompt(_)));
     let hot = options(4, SamplerConfig { temperature: -1.0, ..SamplerConfig::default() });
     assert!(

@@ -191,10 +191,12 @@ impl<'m> Engine<'m> {
         self.lm.vocab.check(&request.prompt)?;
         request.options.sampler.validate()?;
         if n >= self.context {
-            return Err(Error::Prompt(format!(
-                "the prompt has {n} tokens; the context is {} tokens, with room for at least one more",
-                self.context
-            )));
+            let limit = self.context;
+            return Err(Error::Prompt(if n > limit {
+                format!("the prompt has {n} tokens, more than the context limit of {limit}")
+            } else {
+                format!("the prompt has {n} tokens, all of the context limit of {limit}: no room for a reply")
+            }));
         }
         let max_tokens = request.options.max_tokens.min(self.context - n);
         if let Some(limit) = self.opts.max_kv_bytes {
