@@ -410,3 +410,22 @@ fn an_overflowing_perplexity_is_an_error_not_null() {
     assert!(err.contains("overflows a 64-bit float (mean NLL"), "{err}");
     assert!(o.stdout.is_empty());
 }
+
+#[test]
+fn chat_reuses_the_conversation_between_turns() {
+    let model = Model::new("chat-cache", true);
+    let mut child = chat(&model, &["-m", "3", "--stats", "--temp", "0"]);
+    child.stdin.take().unwrap().write_all(b"t1 t2 t3\nt4 t5\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let cached: Vec<usize> = err
+        .lines()
+        .filter_map(|l| l.split_once(" tokens (")?.1.split_once(" from the cache)")?.0.parse().ok())
+        .collect();
+    assert_eq!(cached.len(), 2, "{err}");
+    // The first turn computes its 4 prompt tokens; the second (9 tokens: that prompt, the 3-token
+    // reply, the 2 new words) finds the prompt and the 2 reply tokens that were fed back.
+    assert_eq!(cached, vec![0, 6], "{err}");
+    assert!(err.contains("[prompt 9 tokens (6 from the cache)"), "{err}");
+}
