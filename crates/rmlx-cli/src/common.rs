@@ -104,6 +104,12 @@ pub struct SamplingArgs {
     /// Tokens the repetition penalty looks back over.
     #[arg(long, default_value_t = 20, value_parser = count)]
     pub repetition_context: usize,
+    /// Subtracted from the logit of every token generated so far (OpenAI's; 0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit per time it was generated (OpenAI's; 0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
     /// Random seed (default: from the clock).
     #[arg(long, value_parser = seed)]
     pub seed: Option<u64>,
@@ -127,6 +133,8 @@ impl SamplingArgs {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             repetition_context: self.repetition_context,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: self.seed,
             ..SamplerConfig::default()
         }

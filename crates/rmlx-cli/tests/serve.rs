@@ -273,6 +273,34 @@ fn prompt_cache_and_logprobs() {
         .iter()
         .all(|m| m.as_object().unwrap().len() <= 2 && !m.as_object().unwrap().is_empty()));
     assert_eq!(lp["text_offset"][0], 0);
+    // OpenAI's penalties: the same tokens as `rmlx generate` with them.
+    let out = Command::new(RMLX)
+        .args([
+            "generate",
+            "--raw",
+            "--prompt",
+            "1, 2, 3, 4,",
+            "-m",
+            "16",
+            "--json",
+            "--frequency-penalty",
+            "1.5",
+            "--presence-penalty",
+            "0.5",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let expected: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plain = server.post("/v1/completions", &json!({"prompt": "1, 2, 3, 4,", "max_tokens": 16, "temperature": 0})).1;
+    let penalised = json!({"prompt": "1, 2, 3, 4,", "max_tokens": 16, "temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5});
+    let (status, v) = server.post("/v1/completions", &penalised);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], expected["text"]);
+    assert_ne!(v["choices"][0]["text"], plain["choices"][0]["text"], "the penalties change the greedy text");
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": "Hi", "presence_penalty": 3}));
+    assert_eq!(status, 400, "{v}");
+    assert!(error_of(&v).1.contains("presence_penalty must be in [-2, 2]"), "{v}");
     let (status, v) = server.post("/v1/completions", &json!({"prompt": "Hi", "logprobs": 21}));
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("top_logprobs")));
     let (_, metrics) = server.request("GET", "/metrics", None, &[]);

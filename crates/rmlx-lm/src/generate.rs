@@ -186,12 +186,14 @@ impl<'m> Generation<'m> {
             }
         }
         lm.vocab.check(prompt)?;
-        let pipelined = opts.sampler.repetition_penalty == 1.0;
+        let pipelined = opts.sampler.repetition_penalty == 1.0 && !opts.sampler.penalizes_generated();
+        let mut sampler = Sampler::new(opts.sampler.clone())?;
+        sampler.set_prompt_len(prompt.len());
         let mut g = Self {
             lm,
             opts: opts.clone(),
             caches: lm.model.new_caches(opts.context_limit),
-            sampler: Sampler::new(opts.sampler.clone())?,
+            sampler,
             history: prompt.to_vec(),
             pending: None,
             text: TextStream::new(lm.tokenizer.stream(), opts.stop_strings.clone()),

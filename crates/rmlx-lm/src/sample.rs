@@ -33,6 +33,8 @@ use rmlx::{ops, random, Array, Dtype};
 /// | `min_tokens_to_keep` | `1` | `>= 1` (used by `min_p`) |
 /// | `repetition_penalty` | `1.0` | finite, `> 0` |
 /// | `repetition_context` | `20` (as mlx-lm) | `>= 1` |
+/// | `presence_penalty` | `0.0` | `[-2, 2]` (OpenAI's) |
+/// | `frequency_penalty` | `0.0` | `[-2, 2]` (OpenAI's) |
 /// | `logit_bias` | empty | values not NaN and not `+inf` (`-inf` bans a token); ids below the vocabulary size |
 /// | `seed` | `None` (seeded from the clock) | any |
 ///
@@ -57,6 +59,12 @@ pub struct SamplerConfig {
     pub repetition_penalty: f32,
     /// How many of the most recent history ids the repetition penalty looks at.
     pub repetition_context: usize,
+    /// Subtracted once from the logit of every token already generated (OpenAI's
+    /// `presence_penalty`; the prompt's tokens do not count, as in vLLM). `0.0` turns it off.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI's
+    /// `frequency_penalty`). `0.0` turns it off.
+    pub frequency_penalty: f32,
     /// Additive biases `(token id, bias)` applied to the logits; repeated ids add up.
     pub logit_bias: Vec<(u32, f32)>,
     /// Seed of the sampler's random key; `None` seeds from the clock.
@@ -74,6 +82,8 @@ impl Default for SamplerConfig {
             min_tokens_to_keep: 1,
             repetition_penalty: 1.0,
             repetition_context: 20,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             logit_bias: Vec::new(),
             seed: None,
         }
@@ -90,10 +100,20 @@ impl SamplerConfig {
         check_min_tokens_to_keep(self.min_tokens_to_keep)?;
         check_repetition_penalty(self.repetition_penalty)?;
         check_repetition_context(self.repetition_context)?;
+        for (name, p) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&p) {
+                return Err(invalid(format!("{name} must be in [-2, 2] (0 = off), got {p}")));
+            }
+        }
         for &(id, bias) in &self.logit_bias {
             check_bias(id, bias)?;
         }
         Ok(())
+    }
+
+    /// Whether the presence or frequency penalty is on.
+    pub fn penalizes_generated(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
 
     /// Whether decoding is greedy (temperature 0).
@@ -310,6 +330,16 @@ pub fn apply_top_k(logprobs: &Array, k: usize) -> Result<Array> {
 }
 
 /// A seed from the clock, distinct for samplers made in the same instant.
+/// The presence and frequency penalties of the `generated` ids as logit biases: each distinct id
+/// gets `-(presence + frequency · count)`.
+pub fn generation_penalties(generated: &[u32], presence: f32, frequency: f32) -> Vec<(u32, f32)> {
+    let mut counts = std::collections::BTreeMap::new();
+    for &id in generated {
+        *counts.entry(id).or_insert(0u32) += 1;
+    }
+    counts.into_iter().map(|(id, n)| (id, -(presence + frequency * n as f32))).collect()
+}
+
 fn clock_seed() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -352,6 +382,9 @@ pub struct Sampler {
     cfg: SamplerConfig,
     seed: u64,
     key: Array,
+    /// How many leading ids of the history are the prompt (not counted by the presence and
+    /// frequency penalties).
+    prompt_len: usize,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -365,7 +398,7 @@ impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Result<Sampler> {
         cfg.validate()?;
         let seed = cfg.seed.unwrap_or_else(clock_seed);
-        Ok(Sampler { cfg, seed, key: random::key(seed)? })
+        Ok(Sampler { cfg, seed, key: random::key(seed)?, prompt_len: 0 })
     }
 
     /// The configuration.
@@ -416,6 +449,13 @@ impl Sampler {
         };
         let mut x = logits.reshape(&[1, vocab])?.astype(Dtype::Float32)?;
         x = apply_logit_bias(&x, &self.cfg.logit_bias)?;
+        if self.cfg.penalizes_generated() {
+            let generated = &history[self.prompt_len.min(history.len())..];
+            x = apply_logit_bias(
+                &x,
+                &generation_penalties(generated, self.cfg.presence_penalty, self.cfg.frequency_penalty),
+            )?;
+        }
         if self.cfg.repetition_penalty != 1.0 {
             x = apply_repetition_penalty(&x, history, self.cfg.repetition_penalty, self.cfg.repetition_context)?;
         }
@@ -446,6 +486,11 @@ impl Sampler {
     }
 
     /// Splits the key: one half is kept for later draws, the other is returned for this one.
+    /// Says that the first `n` ids of the histories given to [`Sampler::logprobs`] are the prompt.
+    pub fn set_prompt_len(&mut self, n: usize) {
+        self.prompt_len = n;
+    }
+
     fn next_key(&mut self) -> Result<Array> {
         let keys = random::split(&self.key, 2)?;
         self.key = keys.take(&Array::scalar(0i32), Some(0))?;

@@ -127,12 +127,15 @@ fn seeded_sampling_is_the_same_alone_or_in_a_batch() {
     // A greedy request and one with a repetition penalty share the batch.
     let penalised = SamplerConfig { repetition_penalty: 1.3, ..seeded(99) };
     let extra = engine.submit(request(&prompts[0], options(10, penalised.clone()))).unwrap();
+    let openai = SamplerConfig { presence_penalty: 0.7, frequency_penalty: 1.5, ..SamplerConfig::default() };
+    let penalised_greedy = engine.submit(request(&prompts[2], options(10, openai.clone()))).unwrap();
     engine.submit(request(&prompts[1], options(10, SamplerConfig::default()))).unwrap();
     drain(&mut engine, &mut out);
     for (i, p) in prompts.iter().enumerate() {
         assert_eq!(out[&batched[i]].tokens, alone(&lm, p, &opts(i as u64)), "seed {i}");
     }
     assert_eq!(out[&extra].tokens, alone(&lm, &prompts[0], &options(10, penalised)));
+    assert_eq!(out[&penalised_greedy].tokens, alone(&lm, &prompts[2], &options(10, openai)));
     // Different seeds draw different tokens (the test would not see a shared key otherwise).
     assert_ne!(out[&batched[0]].tokens, alone(&lm, &prompts[0], &opts(1)));
 }

@@ -385,3 +385,25 @@ fn validation_errors_by_field() {
     // -inf bias (a ban) is allowed.
     SamplerConfig { logit_bias: vec![(1, NEG_INF)], ..ok }.validate().unwrap();
 }
+
+#[test]
+fn presence_and_frequency_penalties_count_generated_tokens_only() {
+    use rmlx_lm::sample::generation_penalties;
+    assert_eq!(generation_penalties(&[4, 1, 4, 4], 0.5, 0.25), vec![(1, -0.75), (4, -1.25)]);
+    // Prompt [2, 0], then 0 generated twice and 1 once: logits - (0.5 + 0.25 · count).
+    let cfg = SamplerConfig { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+    let mut s = Sampler::new(cfg).unwrap();
+    s.set_prompt_len(2);
+    let logits = [3.0f32, 2.5, 1.0, -1.0];
+    let got = vals(&s.logprobs(&row(&logits), &[2, 0, 0, 1, 0]).unwrap());
+    let penalised = [3.0 - 1.0, 2.5 - 0.75, 1.0, -1.0];
+    let lse = penalised.iter().map(|&x: &f32| (x as f64).exp()).sum::<f64>().ln();
+    for (g, p) in got.iter().zip(penalised) {
+        assert!((*g as f64 - (p as f64 - lse)).abs() < 1e-6, "{got:?}");
+    }
+    // Greedy turns from the repeated token to the next one.
+    assert_eq!(token(&s.sample(&row(&[3.0, 2.5, 1.0, -1.0]), &[2, 0, 0]).unwrap().0), 1);
+    // OpenAI's range.
+    let bad = SamplerConfig { frequency_penalty: 2.5, ..Default::default() };
+    is_invalid_param(bad.validate(), "frequency_penalty");
+}

@@ -125,12 +125,6 @@ impl Common {
                 Some("top_logprobs"),
             ));
         }
-        if self.presence_penalty.unwrap_or(0.0) != 0.0 {
-            return unsupported("presence_penalty", "presence_penalty");
-        }
-        if self.frequency_penalty.unwrap_or(0.0) != 0.0 {
-            return unsupported("frequency_penalty", "frequency_penalty");
-        }
         if let Some(f) = &self.response_format {
             if f.get("type").and_then(Value::as_str) != Some("text") {
                 return unsupported("response_format", "response_format other than {\"type\": \"text\"}");
@@ -151,6 +145,8 @@ impl Common {
             top_k: self.top_k.unwrap_or(0),
             min_p: self.min_p.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             logit_bias,
             seed: self.seed,
             ..defaults

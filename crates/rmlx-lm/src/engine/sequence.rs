@@ -31,6 +31,8 @@ pub(super) struct Sequence {
 impl Sequence {
     pub fn new(lm: &LoadedModel, id: SeqId, request: Request, max_tokens: usize) -> Result<Sequence> {
         let opts = request.options;
+        let mut sampler = Sampler::new(opts.sampler)?;
+        sampler.set_prompt_len(request.prompt.len());
         Ok(Sequence {
             id,
             prompt_tokens: request.prompt.len(),
@@ -40,7 +42,7 @@ impl Sequence {
             max_tokens,
             ignore_eos: opts.ignore_eos,
             top_logprobs: request.top_logprobs,
-            sampler: Sampler::new(opts.sampler)?,
+            sampler,
             text: TextStream::new(lm.tokenizer.stream(), opts.stop_strings),
             next: None,
             submitted: Instant::now(),
@@ -50,10 +52,10 @@ impl Sequence {
     }
 
     /// Whether sampling needs more than the shared log-softmax of the logits (a bias or a
-    /// repetition penalty of its own).
+    /// penalty of its own).
     pub fn processes_logits(&self) -> bool {
         let cfg = self.sampler.config();
-        !cfg.logit_bias.is_empty() || cfg.repetition_penalty != 1.0
+        !cfg.logit_bias.is_empty() || cfg.repetition_penalty != 1.0 || cfg.penalizes_generated()
     }
 
     /// Takes the sampled token `id`: pushes the updates it makes, and sets `finish` when it ends
