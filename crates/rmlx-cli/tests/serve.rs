@@ -310,6 +310,55 @@ fn prompt_cache_and_logprobs() {
 }
 
 #[test]
+fn several_choices_per_request() {
+    let server = Server::start(&[]);
+    let body = |n: usize, seed: u64| json!({"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.9, "seed": seed, "n": n});
+    let (status, v) = server.post("/v1/completions", &body(3, 40));
+    assert_eq!(status, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    // Choice i is the request with seed 40 + i alone.
+    let mut completion = 0;
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let alone = server.post("/v1/completions", &body(1, 40 + i as u64)).1;
+        assert_eq!(c["text"], alone["choices"][0]["text"], "choice {i}");
+        completion += alone["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_ne!(choices[0]["text"], choices[1]["text"]);
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(completion));
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(4), "the prompt counted once");
+    // Streamed chat with two choices: each index's deltas add up to that choice's message.
+    let chat = |stream: bool| {
+        json!({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, "temperature": 0.9,
+                                     "seed": 5, "n": 2, "stream": stream, "stream_options": {"include_usage": true}})
+    };
+    let whole = server.post("/v1/chat/completions", &chat(false)).1;
+    let (status, body) = server.request("POST", "/v1/chat/completions", Some(&chat(true)), &[]);
+    assert_eq!(status, 200);
+    let events: Vec<&str> = body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    for i in 0..2 {
+        let of_i: Vec<&Value> = chunks.iter().filter(|c| c["choices"][0]["index"] == i).collect();
+        assert_eq!(of_i[0]["choices"][0]["delta"]["role"], "assistant");
+        let text: String = of_i.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(text, whole["choices"][i]["message"]["content"].as_str().unwrap(), "choice {i}");
+        assert_eq!(of_i.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).count(), 1);
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(
+        (&usage["prompt_tokens"], &usage["completion_tokens"]),
+        (&whole["usage"]["prompt_tokens"], &whole["usage"]["completion_tokens"])
+    );
+    // The second request found the first one's prompt in the cache.
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(usage["prompt_tokens"].as_u64().unwrap() - 1)
+    );
+}
+
+#[test]
 fn bad_requests_get_openai_errors() {
     let dir = std::env::temp_dir().join(format!("rmlx-serve-key-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -330,7 +379,7 @@ fn bad_requests_get_openai_errors() {
     let (status, v) = send(r#"{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}"#, true);
     assert_eq!((status, error_of(&v).0), (404, "not_found_error"));
     assert!(error_of(&v).1.contains("gpt-4o"), "{v}");
-    let (status, v) = send(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#, true);
+    let (status, v) = send(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 17}"#, true);
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("n")));
     let (status, v) = send(r#"{"messages": []}"#, true);
     assert_eq!(status, 400, "{v}");

@@ -82,6 +82,9 @@ pub struct Common {
     pub response_format: Option<Value>,
 }
 
+/// The most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: usize = 16;
+
 /// The most alternatives per token a request may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
@@ -94,6 +97,8 @@ pub struct Settings {
     pub include_usage: bool,
     /// Alternatives per token when log-probabilities are asked for.
     pub logprobs: Option<usize>,
+    /// Choices to generate.
+    pub n: usize,
 }
 
 impl Common {
@@ -103,8 +108,9 @@ impl Common {
         let unsupported = |param: &'static str, what: &str| {
             Err(ApiError::bad_request(format!("{what} is not supported yet"), Some(param)))
         };
-        if self.n.unwrap_or(1) != 1 {
-            return unsupported("n", "n other than 1");
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_CHOICES).contains(&n) {
+            return Err(ApiError::bad_request(format!("n must be between 1 and {MAX_CHOICES}, got {n}"), Some("n")));
         }
         let logprobs = match &self.logprobs {
             None | Some(Value::Null) | Some(Value::Bool(false)) => None,
@@ -159,6 +165,7 @@ impl Common {
             stream: self.stream,
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
             logprobs,
+            n,
         })
     }
 }

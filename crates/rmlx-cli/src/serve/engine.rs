@@ -14,6 +14,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What to complete.
+#[derive(Clone)]
 pub enum Prompt {
     /// Messages, through the model's chat template.
     Chat(Vec<Message>),
@@ -40,9 +41,7 @@ pub struct TokenLogprob {
 
 pub enum Event {
     /// The prompt is encoded and fits: generation starts.
-    Started {
-        prompt_tokens: usize,
-    },
+    Started,
     /// The text of the next token (may be empty while a character or stop string is pending),
     /// with its log-probability when the request asked for them.
     Token {
@@ -148,7 +147,7 @@ fn admit(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>,
     match submitted {
         Ok((seq, prompt_tokens)) => {
             tracing::debug!(request = %job.id, prompt_tokens, "queued");
-            if job.events.send(Event::Started { prompt_tokens }).is_err() {
+            if job.events.send(Event::Started).is_err() {
                 engine.cancel(seq);
             }
             live.insert(seq, Live { id: job.id, events: job.events, logprobs: job.logprobs.is_some() });

@@ -19,6 +19,7 @@ use axum::{Json, Router};
 use clap::Args as ClapArgs;
 use engine::{Event, Job, Prompt, Stats, TokenLogprob};
 use futures_util::stream::{self, Stream};
+use rmlx_lm::engine::Usage;
 use rmlx_lm::GenerateOptions;
 use serde_json::{json, Value};
 use std::convert::Infallible;
@@ -305,34 +306,46 @@ async fn respond(
         (Ok(p), Ok(settings)) => (p, settings),
         (Err(e), _) | (_, Err(e)) => return error(e),
     };
-    let (tx, mut rx) = unbounded_channel();
-    let options = GenerateOptions {
-        max_tokens: settings.max_tokens,
-        sampler: settings.sampler.clone(),
-        stop_strings: settings.stop.clone(),
-        ..GenerateOptions::default()
-    };
     let id = format!(
         "{}-{}",
         if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" },
         s.next_id.fetch_add(1, Ordering::Relaxed)
     );
-    s.stats.queued.fetch_add(1, Ordering::Relaxed);
-    if let Err(e) = s.jobs.try_send(Job { id: id.clone(), prompt, options, logprobs: settings.logprobs, events: tx }) {
-        s.stats.queued.fetch_sub(1, Ordering::Relaxed);
-        let message = match e {
-            TrySendError::Full(_) => "the server is busy: too many requests are waiting; retry later",
-            TrySendError::Disconnected(_) => "the server is shutting down",
+    // `n` choices are `n` sequences of the batch; a seeded request's choice `i` uses seed + i.
+    let mut receivers = Vec::with_capacity(settings.n);
+    for i in 0..settings.n {
+        let (tx, rx) = unbounded_channel();
+        let mut sampler = settings.sampler.clone();
+        sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(i as u64));
+        let options = GenerateOptions {
+            max_tokens: settings.max_tokens,
+            sampler,
+            stop_strings: settings.stop.clone(),
+            ..GenerateOptions::default()
         };
-        return error(ApiError { status: 503, message: message.into(), param: None });
+        let job_id = if settings.n == 1 { id.clone() } else { format!("{id}/{i}") };
+        let prompt = prompt.clone();
+        s.stats.queued.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = s.jobs.try_send(Job { id: job_id, prompt, options, logprobs: settings.logprobs, events: tx }) {
+            // The choices already queued are cancelled when their receivers drop.
+            s.stats.queued.fetch_sub(1, Ordering::Relaxed);
+            let message = match e {
+                TrySendError::Full(_) => "the server is busy: too many requests are waiting; retry later",
+                TrySendError::Disconnected(_) => "the server is shutting down",
+            };
+            return error(ApiError { status: 503, message: message.into(), param: None });
+        }
+        receivers.push(rx);
     }
     // The first event says whether the prompt was accepted: errors keep their status even
     // for streamed requests.
-    let prompt_tokens = match rx.recv().await {
-        Some(Event::Started { prompt_tokens }) => prompt_tokens,
-        Some(Event::Failed(e)) => return error(e),
-        _ => return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
-    };
+    for rx in &mut receivers {
+        match rx.recv().await {
+            Some(Event::Started) => {}
+            Some(Event::Failed(e)) => return error(e),
+            _ => return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
+        }
+    }
     let head = Head {
         id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
@@ -340,41 +353,50 @@ async fn respond(
         kind,
     };
     if settings.stream {
-        return Sse::new(stream_events(head, rx, settings)).into_response();
+        return Sse::new(stream_events(head, receivers, settings)).into_response();
     }
-    let _ = prompt_tokens;
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
-    while let Some(event) = rx.recv().await {
-        match event {
-            Event::Token { text: t, logprob } => {
-                text.push_str(&t);
-                logprobs.extend(logprob);
+    let mut choices = Vec::with_capacity(receivers.len());
+    let mut total: Option<Usage> = None;
+    for (index, mut rx) in receivers.into_iter().enumerate() {
+        let mut text = String::new();
+        let mut logprobs = Vec::new();
+        let (finish_reason, usage) = loop {
+            match rx.recv().await {
+                Some(Event::Token { text: t, logprob }) => {
+                    text.push_str(&t);
+                    logprobs.extend(logprob);
+                }
+                Some(Event::Done { finish_reason, usage }) => break (finish_reason, usage),
+                Some(Event::Failed(e)) => return error(e),
+                Some(Event::Started) => {}
+                None => {
+                    return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None })
+                }
             }
-            Event::Done { finish_reason, usage } => {
-                let lp = |kind| match (settings.logprobs, kind) {
-                    (None, _) => Value::Null,
-                    (Some(_), Kind::Chat) => api::chat_logprobs(&logprobs.iter().collect::<Vec<_>>()),
-                    (Some(_), Kind::Text) => api::text_logprobs(&logprobs.iter().collect::<Vec<_>>(), 0),
-                };
-                let choice = match kind {
-                    Kind::Chat => {
-                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp(kind), "finish_reason": finish_reason})
-                    }
-                    Kind::Text => {
-                        json!({"index": 0, "text": text, "logprobs": lp(kind), "finish_reason": finish_reason})
-                    }
-                };
-                let mut body = head.object(false);
-                body["choices"] = json!([choice]);
-                body["usage"] = api::usage(&usage);
-                return Json(body).into_response();
-            }
-            Event::Failed(e) => return error(e),
-            Event::Started { .. } => {}
-        }
+        };
+        let lp = match (settings.logprobs, kind) {
+            (None, _) => Value::Null,
+            (Some(_), Kind::Chat) => api::chat_logprobs(&logprobs.iter().collect::<Vec<_>>()),
+            (Some(_), Kind::Text) => api::text_logprobs(&logprobs.iter().collect::<Vec<_>>(), 0),
+        };
+        choices.push(match kind {
+            Kind::Chat => json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish_reason}),
+            Kind::Text => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}),
+        });
+        add_usage(&mut total, usage);
     }
-    error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None })
+    let mut body = head.object(false);
+    body["choices"] = Value::Array(choices);
+    body["usage"] = api::usage(&total.unwrap_or_default());
+    Json(body).into_response()
+}
+
+/// Adds a choice's usage to the request's: the prompt once, the completions summed.
+fn add_usage(total: &mut Option<Usage>, choice: Usage) {
+    match total {
+        None => *total = Some(choice),
+        Some(t) => t.completion_tokens += choice.completion_tokens,
+    }
 }
 
 /// The fields every response and chunk of one request repeats.
@@ -396,13 +418,14 @@ impl Head {
     }
 
     /// A chunk with one choice: `delta` (chat) or `text` (completions), and a finish reason.
-    fn chunk(&self, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
-        self.chunk_with(text, first, finish_reason, None, 0)
+    fn chunk(&self, index: usize, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
+        self.chunk_with(index, text, first, finish_reason, None, 0)
     }
 
     /// A chunk whose token carries its log-probability (`offset`: where its text starts).
     fn chunk_with(
         &self,
+        index: usize,
         text: Option<&str>,
         first: bool,
         finish_reason: Option<&str>,
@@ -424,10 +447,10 @@ impl Head {
                 if let Some(t) = text {
                     delta["content"] = json!(t);
                 }
-                json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
             }
             Kind::Text => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish_reason})
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish_reason})
             }
         };
         chunk["choices"] = json!([choice]);
@@ -435,47 +458,72 @@ impl Head {
     }
 }
 
-/// The server-sent events of a streamed request: a chunk per piece of text, a last chunk with
-/// the finish reason, the usage chunk when asked for, then `[DONE]`.
+/// The server-sent events of a streamed request: a chunk per piece of text (each naming its
+/// choice), a chunk with each choice's finish reason, the usage chunk when asked for, then
+/// `[DONE]`.
 fn stream_events(
     head: Head,
-    rx: UnboundedReceiver<Event>,
+    receivers: Vec<UnboundedReceiver<Event>>,
     settings: Settings,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    use futures_util::StreamExt;
     let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
-    let opening = matches!(head.kind, Kind::Chat).then(|| data(head.chunk(Some(""), true, None)));
-    let state = (head, rx, false, 0usize);
-    let body = stream::unfold(state, move |(head, mut rx, done, offset)| async move {
-        if done {
+    let n = receivers.len();
+    let opening: Vec<_> = match head.kind {
+        Kind::Chat => (0..n).map(|i| data(head.chunk(i, Some(""), true, None))).collect(),
+        Kind::Text => Vec::new(),
+    };
+    let tagged = receivers
+        .into_iter()
+        .enumerate()
+        .map(|(i, rx)| stream::unfold(rx, move |mut rx| async move { rx.recv().await.map(|e| ((i, e), rx)) }).boxed());
+    let merged = stream::select_all(tagged);
+    struct State<S> {
+        head: Head,
+        events: S,
+        offsets: Vec<usize>,
+        finished: usize,
+        usage: Option<Usage>,
+        over: bool,
+    }
+    let state = State { head, events: merged, offsets: vec![0; n], finished: 0, usage: None, over: false };
+    let body = stream::unfold(state, move |mut st| async move {
+        if st.over {
             return None;
         }
         loop {
-            let items: Vec<Result<SseEvent, Infallible>> = match rx.recv().await {
-                Some(Event::Token { text, logprob: None }) if text.is_empty() => continue,
-                Some(Event::Token { text, logprob }) => {
-                    let chunk = head.chunk_with(Some(&text), false, None, logprob.as_ref(), offset);
-                    return Some((stream::iter(vec![data(chunk)]), (head, rx, false, offset + text.len())));
+            let items: Vec<Result<SseEvent, Infallible>> = match st.events.next().await {
+                Some((_, Event::Token { text, logprob: None })) if text.is_empty() => continue,
+                Some((i, Event::Token { text, logprob })) => {
+                    let chunk = st.head.chunk_with(i, Some(&text), false, None, logprob.as_ref(), st.offsets[i]);
+                    st.offsets[i] += text.len();
+                    vec![data(chunk)]
                 }
-                Some(Event::Done { finish_reason, usage }) => {
-                    let mut items = vec![data(head.chunk(None, false, Some(finish_reason)))];
-                    if settings.include_usage {
-                        let mut chunk = head.object(true);
-                        chunk["choices"] = json!([]);
-                        chunk["usage"] = api::usage(&usage);
-                        items.push(data(chunk));
+                Some((i, Event::Done { finish_reason, usage })) => {
+                    let mut items = vec![data(st.head.chunk(i, None, false, Some(finish_reason)))];
+                    add_usage(&mut st.usage, usage);
+                    st.finished += 1;
+                    if st.finished == n {
+                        if settings.include_usage {
+                            let mut chunk = st.head.object(true);
+                            chunk["choices"] = json!([]);
+                            chunk["usage"] = api::usage(&st.usage.clone().unwrap_or_default());
+                            items.push(data(chunk));
+                        }
+                        items.push(Ok(SseEvent::default().data("[DONE]")));
+                        st.over = true;
                     }
-                    items.push(Ok(SseEvent::default().data("[DONE]")));
-                    return Some((stream::iter(items), (head, rx, true, offset)));
+                    items
                 }
-                Some(Event::Failed(e)) => {
+                Some((_, Event::Failed(e))) => {
+                    st.over = true;
                     vec![data(e.body()), Ok(SseEvent::default().data("[DONE]"))]
                 }
-                Some(Event::Started { .. }) => continue,
+                Some((_, Event::Started)) => continue,
                 None => return None,
             };
-            return Some((stream::iter(items), (head, rx, false, offset)));
+            return Some((stream::iter(items), st));
         }
     });
-    use futures_util::StreamExt;
     stream::iter(opening).chain(body.flatten())
 }
