@@ -59,6 +59,16 @@ def main():
         cut = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stop=[words[1]])
         check(cut.choices[0].finish_reason == "stop" and words[1] not in cut.choices[0].text, f"stop string {words[1]!r}")
 
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    details = again.usage.prompt_tokens_details
+    check(details is not None and details.cached_tokens == again.usage.prompt_tokens - 1,
+          f"prompt cache: {details.cached_tokens if details else None} of {again.usage.prompt_tokens} prompt tokens reused")
+    lp = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    check(len(content) == lp.usage.completion_tokens and all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+                                                           for t in content), "logprobs with top_logprobs")
+    several = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.9, seed=1, n=3)
+    check([c.index for c in several.choices] == [0, 1, 2], "n=3: three choices")
     try:
         client.chat.completions.create(model="no-such-model", messages=messages)
         check(False, "unknown model refused")

@@ -94,7 +94,13 @@ pub fn run(a: Args) -> Result<()> {
     // Structured logs (one line per request, with its id) on stderr; `RMLX_LOG` filters them
     // (`RMLX_LOG=debug`, `RMLX_LOG=warn`).
     let filter = tracing_subscriber::EnvFilter::try_from_env("RMLX_LOG").unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).with_target(false).init();
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(filter)
+        .with_target(false)
+        .init();
     let lm = a.model.load()?;
     let context = a.context.or(lm.model.config().max_position_embeddings).unwrap_or(32768).max(1);
     let model_id = match &a.model.model {
