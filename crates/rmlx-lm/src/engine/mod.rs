@@ -34,6 +34,7 @@
 //! ```
 
 mod prompt_cache;
+mod sampling;
 mod sequence;
 
 pub use prompt_cache::PromptCache;
@@ -41,9 +42,9 @@ pub use prompt_cache::PromptCache;
 use crate::cache::{BatchCache, KvCache};
 use crate::generate::{FinishReason, GenerateOptions};
 use crate::loader::LoadedModel;
-use crate::sample::log_softmax;
 use crate::{Error, Result};
 use rmlx::{ops, Array, Dtype};
+use sampling::{sample_rows, Sampled};
 use sequence::Sequence;
 use std::collections::{HashSet, VecDeque};
 use std::time::Duration;
@@ -243,8 +244,8 @@ impl<'m> Engine<'m> {
 
     /// Prefills what the budget allows, then decodes one token for every running sequence.
     ///
-    /// An error leaves the engine without requests (every one of them gets a
-    /// [`Update::Finished`] with [`FinishReason::Cancelled`] in [`Engine::abort`]).
+    /// After an error the batch's state is not consistent: call [`Engine::abort`], which ends
+    /// every request (each gets an [`Update::Finished`] with [`FinishReason::Cancelled`]).
     pub fn step(&mut self) -> Result<Vec<Update>> {
         let mut out = Vec::new();
         self.drop_cancelled(&mut out)?;
@@ -428,7 +429,7 @@ impl<'m> Engine<'m> {
 
     /// Reads the step in flight and hands its tokens to their sequences; the sequences that end
     /// leave the batch (and `newer`, a step built after it, loses their rows).
-    fn read_inflight(&mut self, mut newer: Option<&mut Sampled>, out: &mut Vec<Update>) -> Result<()> {
+    fn read_inflight(&mut self, newer: Option<&mut Sampled>, out: &mut Vec<Update>) -> Result<()> {
         let Some(step) = self.inflight.take() else { return Ok(()) };
         let read = step.read()?;
         for (i, seq) in self.running.iter_mut().enumerate().take(step.rows()) {
@@ -447,7 +448,7 @@ impl<'m> Engine<'m> {
             remember(&mut self.prompt_cache, &self.running[i], &self.caches, i)?;
         }
         let keep: Vec<usize> = (0..self.running.len()).filter(|i| !ended.contains(i)).collect();
-        if let Some(n) = newer.as_deref_mut() {
+        if let Some(n) = newer {
             n.keep_rows(&keep)?;
         }
         self.keep_rows(&keep)
@@ -529,114 +530,4 @@ fn non_finite(seq: &Sequence) -> Error {
 fn ids_array(ids: &[u32], rows: i32) -> Result<Array> {
     let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_slice(&v, &[rows, v.len() as i32 / rows])?)
-}
-
-/// One step's sampled tokens for every row, lazily: evaluate [`Sampled::arrays`] together with
-/// the caches, then [`Sampled::read`].
-struct Sampled {
-    tokens: Array,
-    logprobs: Array,
-    finite: Array,
-    /// The `k` most likely ids and their log-probabilities, `[rows, k]` each.
-    top: Option<(Array, Array)>,
-    wanted: Vec<usize>,
-}
-
-struct Read {
-    tokens: Vec<u32>,
-    logprobs: Vec<f32>,
-    finite: Vec<bool>,
-    top: Option<(Vec<u32>, Vec<f32>, usize)>,
-    wanted: Vec<usize>,
-}
-
-impl Sampled {
-    fn rows(&self) -> usize {
-        self.wanted.len()
-    }
-
-    /// Keeps rows `keep` (in order).
-    fn keep_rows(&mut self, keep: &[usize]) -> Result<()> {
-        let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
-        let idx = Array::from_slice(&idx, &[idx.len() as i32])?;
-        let take = |a: &Array| a.take(&idx, Some(0));
-        self.tokens = take(&self.tokens)?;
-        self.logprobs = take(&self.logprobs)?;
-        self.finite = take(&self.finite)?;
-        if let Some((ids, values)) = &self.top {
-            self.top = Some((take(ids)?, take(values)?));
-        }
-        self.wanted = keep.iter().map(|&i| self.wanted[i]).collect();
-        Ok(())
-    }
-
-    fn arrays(&self) -> impl Iterator<Item = &Array> {
-        [&self.tokens, &self.logprobs, &self.finite].into_iter().chain(self.top.iter().flat_map(|(i, v)| [i, v]))
-    }
-
-    fn read(&self) -> Result<Read> {
-        let top = match &self.top {
-            Some((ids, values)) => Some((ids.to_vec::<u32>()?, values.to_vec::<f32>()?, ids.shape()[1] as usize)),
-            None => None,
-        };
-        Ok(Read {
-            tokens: self.tokens.to_vec::<u32>()?,
-            logprobs: self.logprobs.to_vec::<f32>()?,
-            finite: self.finite.to_vec::<bool>()?,
-            top,
-            wanted: self.wanted.clone(),
-        })
-    }
-}
-
-impl Read {
-    /// Row `i`'s most likely tokens, most likely first, as many as its request asked for.
-    fn top(&self, i: usize) -> Vec<(u32, f32)> {
-        let Some((ids, values, k)) = &self.top else { return Vec::new() };
-        let mut row: Vec<(u32, f32)> = (0..*k).map(|j| (ids[i * k + j], values[i * k + j])).collect();
-        row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        row.truncate(self.wanted[i]);
-        row
-    }
-}
-
-/// Samples a token for each row of `logits: [rows, vocab]` with each sequence's own sampler. Rows
-/// without logit processors share one log-softmax (and one argmax when greedy); the others, and
-/// every random draw, go row by row with the sequence's own history and key.
-fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Array) -> Result<Sampled> {
-    let rows = seqs.len() as i32;
-    let finite = ops::isfinite(logits)?.all(rmlx::Axes::from(-1), false)?;
-    let logits = lm.vocab.mask_logits(&logits.astype(Dtype::Float32)?)?;
-    let shared = log_softmax(&logits)?;
-    let all_greedy = seqs.iter().all(|s| s.sampler.config().is_greedy() && !s.processes_logits());
-    let (tokens, logprobs) = if all_greedy {
-        (shared.argmax(Some(-1), false)?.astype(Dtype::Uint32)?, shared)
-    } else {
-        let mut tokens = Vec::with_capacity(seqs.len());
-        let mut rows_lp = Vec::with_capacity(seqs.len());
-        let any_processed = seqs.iter().any(Sequence::processes_logits);
-        for (i, s) in seqs.iter_mut().enumerate() {
-            let i = i as i32;
-            let lp = if s.processes_logits() {
-                s.sampler.logprobs(&logits.slice_axis(0, i, i + 1, 1)?, &s.history)?
-            } else {
-                shared.slice_axis(0, i, i + 1, 1)?
-            };
-            tokens.push(s.sampler.sample_logprobs(&lp)?.reshape(&[1])?);
-            rows_lp.push(lp);
-        }
-        let lp = if any_processed { ops::concatenate(&rows_lp.iter().collect::<Vec<_>>(), 0)? } else { shared };
-        (ops::concatenate(&tokens.iter().collect::<Vec<_>>(), 0)?, lp)
-    };
-    let chosen = ops::take_along_axis(&logprobs, &tokens.astype(Dtype::Int32)?.reshape(&[rows, 1])?, Some(-1))?;
-    let wanted: Vec<usize> = seqs.iter().map(|s| s.top_logprobs).collect();
-    let k = wanted.iter().copied().max().unwrap_or(0).min(logprobs.shape()[1] as usize) as i32;
-    let top = if k > 0 {
-        let ids = ops::argpartition(&logprobs.negative()?, k - 1, Some(-1))?.slice_axis(-1, 0, k, 1)?;
-        let values = ops::take_along_axis(&logprobs, &ids, Some(-1))?;
-        Some((ids.astype(Dtype::Uint32)?, values))
-    } else {
-        None
-    };
-    Ok(Sampled { tokens, logprobs: chosen.reshape(&[rows])?, finite, top, wanted })
 }
