@@ -68,7 +68,7 @@ pub struct Args {
     #[arg(long)]
     max_kv_gb: Option<f64>,
     /// Build each decoding step before the previous one's tokens are read (experimental: slower
-    /// on CUDA so far, see BENCHMARKS.md).
+    /// through the evaluation thread, see BENCHMARKS.md).
     #[arg(long, hide = true)]
     pipelined_decode: bool,
 }

@@ -72,8 +72,9 @@ pub struct EngineOptions {
     /// `max_position_embeddings`.
     pub context: Option<usize>,
     /// Build each decoding step on the tokens still in flight, as mlx-lm does. Off by default:
-    /// on an H100 (qwen3-0.6b, 32 streams) it gave 850 tokens/s against 1,898 for the step that
-    /// waits for its tokens (BENCHMARKS.md), for a reason not found yet.
+    /// on an H100 (qwen3-0.6b, 32 streams) it gave 935 tokens/s against 2,163 for the step that
+    /// waits for its tokens, because of the evaluation thread's hand-off (level, 2,273 against
+    /// 2,301, with `RMLX_EVAL_THREAD=0`; BENCHMARKS.md).
     pub pipelined: bool,
 }
 
