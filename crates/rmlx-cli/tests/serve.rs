@@ -467,7 +467,8 @@ fn start_stream(server: &Server, max_tokens: usize) -> TcpStream {
 
 #[test]
 fn a_full_queue_answers_503_with_retry_after() {
-    let server = Server::start(&["--max-queue", "1"]);
+    // One row in the batch, one place in the queue.
+    let server = Server::start(&["--max-queue", "1", "--max-batch", "1"]);
     let running = start_stream(&server, 2000);
     // One request waits in the queue (its own connection, on a thread)...
     let addr = server.addr.clone();

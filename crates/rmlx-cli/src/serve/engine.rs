@@ -97,8 +97,9 @@ pub fn run(lm: &LoadedModel, jobs: Receiver<Job>, opts: EngineOptions, stats: Ar
                 Err(_) => return,
             }
         }
-        // Take what can start soon; the rest waits in the bounded queue (503 when it is full).
-        while engine.load().1 < max_batch {
+        // Take only what a free row of the batch can start; the rest waits in the bounded queue
+        // (`--max-queue`: 503 when it is full).
+        while engine.load().0 + engine.load().1 < max_batch {
             match jobs.try_recv() {
                 Ok(job) => admit(lm, &mut engine, &mut live, job, &stats),
                 Err(TryRecvError::Empty) => break,

@@ -43,7 +43,8 @@ pub struct Args {
     /// A file holding the API key clients must send as `Authorization: Bearer KEY`.
     #[arg(long)]
     api_key_file: Option<PathBuf>,
-    /// Requests that may wait for the model; more are refused with 503 and `Retry-After`.
+    /// Requests that may wait for a free row of the batch; more are refused with 503 and
+    /// `Retry-After`.
     #[arg(long, default_value_t = 64, value_parser = count)]
     max_queue: usize,
     /// `max_tokens` of requests that do not set it.
