@@ -18,11 +18,18 @@ import argparse, json, os, pathlib, random, statistics, subprocess, sys, tempfil
 WORDS = 2000
 
 
-def ensure_tokenizer(model: pathlib.Path):
-    if (model / "tokenizer.json").exists():
-        return
-    vocab_size = json.loads((model / "config.json").read_text()).get("vocab_size", WORDS)
-    vocab = {"<eos>": 0, **{f"w{i}": i for i in range(1, min(WORDS, vocab_size))}}
+def ensure_tokenizer(model: pathlib.Path, words: int = WORDS):
+    """A word-level tokenizer of `w0 … w{n-1}` (n: `words`, at most the embedding's rows; id 0 is
+    `<eos>`), unless the folder has a tokenizer already: a real one, or one of these with at least
+    that many tokens."""
+    vocab_size = json.loads((model / "config.json").read_text()).get("vocab_size", words)
+    n = min(words, vocab_size)
+    path = model / "tokenizer.json"
+    if path.exists():
+        vocab = json.loads(path.read_text()).get("model", {}).get("vocab")
+        if not (isinstance(vocab, dict) and set(vocab) <= {"<eos>", *(f"w{i}" for i in range(len(vocab)))}) or len(vocab) >= n:
+            return
+    vocab = {"<eos>": 0, **{f"w{i}": i for i in range(1, n)}}
     tok = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": 0, "content": "<eos>", "single_word": False, "lstrip": False, "rstrip": False,
@@ -31,7 +38,7 @@ def ensure_tokenizer(model: pathlib.Path):
         "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
     }
-    (model / "tokenizer.json").write_text(json.dumps(tok))
+    path.write_text(json.dumps(tok))
     (model / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "model_max_length": 1 << 20}))
 

@@ -17,28 +17,15 @@ end (nvidia-smi). Prints one JSON line per server and a summary line.
 import argparse, json, os, pathlib, random, signal, socket, statistics, subprocess, sys, threading, time
 import http.client
 
+import bench_lora  # the word-level tokenizer writer (this script's folder is on sys.path)
+
 WORDS = 2000
 
 
 def ensure_tokenizer(model: pathlib.Path):
     """A word-level tokenizer covering the whole embedding (every id decodes to a word), whose
     end-of-sequence token is id 0."""
-    vocab_size = json.loads((model / "config.json").read_text()).get("vocab_size", WORDS)
-    path = model / "tokenizer.json"
-    if path.exists() and len(json.loads(path.read_text())["model"]["vocab"]) >= vocab_size:
-        return
-    vocab = {"<eos>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": 0, "content": "<eos>", "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True}],
-        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
-        "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False},
-        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<eos>"},
-    }
-    (model / "tokenizer.json").write_text(json.dumps(tok))
-    (model / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "model_max_length": 1 << 20}))
+    bench_lora.ensure_tokenizer(model, words=sys.maxsize)
 
 
 def free_port():

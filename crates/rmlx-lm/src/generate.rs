@@ -340,7 +340,8 @@ struct Step {
     finite: Array,
 }
 
-fn ids_array(ids: &[u32]) -> Result<Array> {
+/// Token ids as a `[1, n]` int32 batch of one.
+pub(crate) fn ids_array(ids: &[u32]) -> Result<Array> {
     let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_slice(&v, &[1, v.len() as i32])?)
 }

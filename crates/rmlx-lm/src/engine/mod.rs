@@ -40,7 +40,7 @@ mod sequence;
 pub use prompt_cache::PromptCache;
 
 use crate::cache::{BatchCache, KvCache};
-use crate::generate::{FinishReason, GenerateOptions};
+use crate::generate::{ids_array, FinishReason, GenerateOptions};
 use crate::loader::LoadedModel;
 use crate::{Error, Result};
 use rmlx::{ops, Array, Dtype};
@@ -321,7 +321,7 @@ impl<'m> Engine<'m> {
             let p = self.prefill.as_mut().expect("set above");
             let prompt_len = p.seq.history.len();
             let n = (prompt_len - p.done).min(budget);
-            let ids = ids_array(&p.seq.history[p.done..p.done + n], 1)?;
+            let ids = ids_array(&p.seq.history[p.done..p.done + n])?;
             let h = self.lm.model.forward_hidden(&ids, &mut p.caches)?;
             p.done += n;
             budget -= n;
@@ -409,7 +409,7 @@ impl<'m> Engine<'m> {
             .iter()
             .map(|s| s.next.expect("a sequence not in flight has its next token"))
             .collect();
-        let host = ids_array(&host, 1)?.reshape(&[-1])?;
+        let host = ids_array(&host)?.reshape(&[-1])?;
         let ids = match &self.inflight {
             Some(prev) => ops::concatenate(&[&prev.tokens.astype(Dtype::Int32)?, &host], 0)?,
             None => host,
@@ -526,9 +526,4 @@ fn non_finite(seq: &Sequence) -> Error {
         seq.generated + 1,
         seq.id
     ))
-}
-
-fn ids_array(ids: &[u32], rows: i32) -> Result<Array> {
-    let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-    Ok(Array::from_slice(&v, &[rows, v.len() as i32 / rows])?)
 }
