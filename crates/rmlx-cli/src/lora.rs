@@ -209,6 +209,19 @@ fn all_or(v: i64, what: &str) -> Result<Option<usize>> {
     }
 }
 
+/// MLX's CUDA backend records up to 100 operations or 1,000 MB of their inputs into one CUDA graph
+/// before it launches it, and every array that graph touches lives until it has run. With a
+/// training step's activations that holds gigabytes: llama3.2-1b 4-bit LoRA peaked at 10.6 GB on
+/// an H100 against 7.9 GB with graphs of at most 200 MB (BENCHMARKS.md). So `rmlx lora` sets
+/// `MLX_MAX_MB_PER_BUFFER=200` unless it is set already (`=1000` restores MLX's default). MLX reads
+/// it once, when it first uses the GPU: `main` calls this before anything runs.
+pub fn limit_gpu_graphs() {
+    const VAR: &str = "MLX_MAX_MB_PER_BUFFER";
+    if std::env::var_os(VAR).is_none() {
+        std::env::set_var(VAR, "200");
+    }
+}
+
 pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     let yaml = apply_config(&mut a, matches.as_ref())?;
     ensure!(a.train || a.test, "nothing to do: pass --train, --test or both");

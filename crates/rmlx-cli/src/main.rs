@@ -52,17 +52,22 @@ fn main() {
     // `rmlx lora -c` needs to know which flags were given on the command line.
     let lora_matches = matches.subcommand_matches("lora").cloned();
     // The library reports through `tracing`: the server writes structured lines (it sets that up
-    // itself); every other command prints the messages alone, as plain stderr lines.
+    // itself); every other command prints the messages alone, as plain stderr lines, at `info`
+    // unless `RMLX_LOG` says otherwise (`RMLX_LOG=debug` adds, for one, memory per training step).
     if !matches!(cli.command, Command::Serve(_)) {
         use std::io::IsTerminal;
+        let filter = tracing_subscriber::EnvFilter::try_from_env("RMLX_LOG").unwrap_or_else(|_| "info".into());
         tracing_subscriber::fmt()
+            .with_env_filter(filter)
             .with_writer(std::io::stderr)
             .with_ansi(std::io::stderr().is_terminal())
             .without_time()
             .with_level(false)
             .with_target(false)
-            .with_max_level(tracing::Level::INFO)
             .init();
+    }
+    if matches!(cli.command, Command::Lora(_)) {
+        lora::limit_gpu_graphs();
     }
     // Each command is one single-threaded loop over MLX: it runs where MLX evaluates, so that no
     // evaluation is handed from thread to thread.

@@ -111,3 +111,20 @@ fn a_forward_pass_over_no_tokens_does_not_panic() {
     let out = lm.model.forward(&ids, &mut lm.model.new_caches(None)).map(|l| l.shape().to_vec());
     assert_eq!(out.unwrap(), vec![1, 0, 384]);
 }
+
+#[test]
+fn a_quantised_base_trains_as_its_dequantised_twin() {
+    // QLoRA multiplies by the dequantised weight, with its own backward rule (`∂x = g W`); the
+    // same checkpoint dequantised at load differentiates MLX's plain matmul. Same adapters, same
+    // batch: the same loss and gradients, through whole and chunked logits.
+    for name in ["llama_gqa_q4", "qwen3_q4"] {
+        let (_d, mut quantised) = load(name, false);
+        let (_e, mut dense) = load(name, true);
+        let (q_names, d_names) = (with_lora(&mut quantised), with_lora(&mut dense));
+        assert_eq!(q_names, d_names);
+        for rows in [None, Some(5)] {
+            let (q, d) = (step(&mut quantised, &q_names, rows), step(&mut dense, &d_names, rows));
+            assert_same_step(&format!("{name}, {rows:?} rows per chunk"), &d, &q, 1e-5, 1e-4);
+        }
+    }
+}

@@ -44,6 +44,7 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let mut y = match &self.weight {
             LinearWeight::Dense { wt, .. } => x.matmul(wt)?,
+            LinearWeight::Quantized(q) if training() => dequantized_matmul(x, q)?,
             LinearWeight::Quantized(q) => quantized_matmul(x, q, true)?,
         };
         if let Some(lora) = &self.lora {
@@ -204,6 +205,27 @@ impl Embedding {
             Weight::Quantized(q) => Ok(quantized_matmul(x, q, true)?),
         }
     }
+}
+
+/// `x Wᵀ` for a quantised `W` in training mode (QLoRA): `W` is dequantised for the product and
+/// the product is a dense one, in the forward pass and again in the backward pass (a custom vjp,
+/// `∂x = g W`), where the dense matrix is made anew instead of being kept. MLX's quantised matmul
+/// is made for decoding: on CUDA its backward orientation (`transpose = false`) runs a naive kernel,
+/// and at training's thousands of rows both orientations are slower than dequantising and
+/// multiplying (llama3.2-1b 4-bit LoRA on an H100: 15.9k → 21.5k tokens/s). Each dense matrix
+/// lives only for its product; the base stays frozen (no gradient for `W`).
+fn dequantized_matmul(x: &Array, q: &Quantized) -> Result<Array> {
+    let (forward_q, backward_q) = (q.clone(), q.clone());
+    let f = rmlx::transforms::CustomFunction::new(move |inputs: &[Array]| {
+        let x = &inputs[0];
+        Ok(vec![x.matmul(&dequantize(&forward_q, Some(x.dtype()))?.transpose()?)?])
+    })
+    .vjp(move |_primals: &[Array], cotangents: &[Array], _outputs: &[Array]| {
+        let g = &cotangents[0];
+        Ok(vec![g.matmul(&dequantize(&backward_q, Some(g.dtype()))?)?])
+    })
+    .build();
+    Ok(f.call(std::slice::from_ref(x))?.remove(0))
 }
 
 /// Rows `ids` of a quantised matrix, dequantised to `dtype`.

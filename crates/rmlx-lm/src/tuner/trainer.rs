@@ -234,6 +234,7 @@ pub fn train(
         queue = st.queue.clone();
     }
     let compiled = if cfg.compile { Some(CompiledLossAndGrad::new(model, trainable)?) } else { None };
+    log_memory("before training");
     while it < cfg.iters {
         it += 1;
         if !valid.is_empty() && (it == 1 || it % cfg.steps_per_eval == 0 || it == cfg.iters) {
@@ -242,6 +243,7 @@ pub fn train(
             last_val = Some(loss);
             let took = start.elapsed();
             report(&Report::Val { iter: it, loss, seconds: took.as_secs_f64() });
+            log_memory(&format!("validation at iteration {it}"));
             // Throughput counts training time only.
             window_start += took;
         }
@@ -306,6 +308,7 @@ pub fn train(
             rmlx::eval(&to_eval)?;
             accumulated = Some(grads);
         }
+        log_memory(&format!("iteration {it}"));
         report(&Report::Step { iter: it, iters: cfg.iters });
         window_loss += step.loss.item::<f32>()? as f64;
         window_steps += 1;
@@ -347,6 +350,18 @@ pub fn train(
     }
     save(model, it, None, report)?;
     Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val })
+}
+
+/// MLX's memory counters at `when`, at debug level (`RMLX_LOG=debug`).
+fn log_memory(when: &str) {
+    use rmlx::memory::{active_memory, cache_memory, peak_memory};
+    let gb = |b: usize| b as f64 / 1e9;
+    tracing::debug!(
+        "{when}: active {:.3} GB, peak {:.3} GB, cached {:.3} GB",
+        gb(active_memory()),
+        gb(peak_memory()),
+        gb(cache_memory())
+    );
 }
 
 /// The block index in a parameter's name (`model.layers.3.…` → 3); names outside blocks last.
