@@ -114,7 +114,7 @@ fn reply(
 ) -> Result<(String, Usage, Duration)> {
     let prompt = lm.chat_prompt(messages)?;
     let _replying = Replying::start();
-    let seq = engine.submit(Request { prompt, options: opts.clone(), top_logprobs: 0 })?;
+    let seq = engine.submit(Request { prompt, options: opts.clone(), ..Default::default() })?;
     let mut text = String::new();
     let mut first: Option<Instant> = None;
     let mut last = Instant::now();

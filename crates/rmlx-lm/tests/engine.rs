@@ -67,7 +67,7 @@ fn step(engine: &mut Engine, outcomes: &mut HashMap<SeqId, Outcome>) {
 }
 
 fn request(prompt: &[u32], opts: GenerateOptions) -> Request {
-    Request { prompt: prompt.to_vec(), options: opts, top_logprobs: 0 }
+    Request { prompt: prompt.to_vec(), options: opts, ..Default::default() }
 }
 
 /// What `rmlx generate`'s loop produces for one prompt alone.

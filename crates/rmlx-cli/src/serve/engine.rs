@@ -9,7 +9,7 @@ use rmlx_lm::engine::{Engine, EngineOptions, Request, SeqId, Update, Usage};
 use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -29,7 +29,15 @@ pub struct Job {
     pub options: GenerateOptions,
     /// Most likely alternatives to report per token; `None`: no log-probabilities at all.
     pub logprobs: Option<usize>,
+    /// The LoRA adapter to generate with (`None`: the base model).
+    pub adapter: Option<String>,
     pub events: UnboundedSender<Event>,
+}
+
+/// Adapter management, answered on `reply` with the error text of a refusal.
+pub enum Control {
+    Load { name: String, path: std::path::PathBuf, reply: tokio::sync::oneshot::Sender<Result<(), String>> },
+    Unload { name: String, reply: tokio::sync::oneshot::Sender<Result<(), String>> },
 }
 
 /// A token's log-probability and the most likely alternatives, with their texts.
@@ -85,16 +93,38 @@ struct Live {
     logprobs: bool,
 }
 
-/// Serves jobs until every sender is gone. Runs on the evaluation thread.
-pub fn run(lm: &LoadedModel, jobs: Receiver<Job>, opts: EngineOptions, stats: Arc<Stats>) {
+/// Reads an adapter folder and loads it into the engine under `name`.
+pub fn load_adapter(lm: &LoadedModel, engine: &mut Engine, name: &str, path: &std::path::Path) -> rmlx_lm::Result<()> {
+    let layers = rmlx_lm::tuner::adapters::read(lm.model.as_ref(), path, lm.dtype)?;
+    engine.load_adapter(name, layers)
+}
+
+/// Serves jobs until every sender is gone. Runs on the evaluation thread. `adapters` are loaded
+/// first (they were checked by [`load_adapter`] at start-up); `control` loads and unloads more.
+pub fn run(
+    lm: &LoadedModel,
+    jobs: Receiver<Job>,
+    control: Receiver<Control>,
+    opts: EngineOptions,
+    adapters: Vec<(String, std::path::PathBuf)>,
+    stats: Arc<Stats>,
+) -> rmlx_lm::Result<()> {
     let max_batch = opts.max_batch.max(1);
     let mut engine = Engine::new(lm, opts);
+    for (name, path) in &adapters {
+        load_adapter(lm, &mut engine, name, path)?;
+    }
     let mut live: HashMap<SeqId, Live> = HashMap::new();
     loop {
+        while let Ok(c) = control.try_recv() {
+            manage(lm, &mut engine, c);
+        }
         if engine.is_idle() {
-            match jobs.recv() {
+            // Idle: wait for a job, looking at the control queue now and then.
+            match jobs.recv_timeout(std::time::Duration::from_millis(50)) {
                 Ok(job) => admit(lm, &mut engine, &mut live, job, &stats),
-                Err(_) => return,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return Ok(()),
             }
         }
         // Take only what a free row of the batch can start; the rest waits in the bounded queue
@@ -103,7 +133,7 @@ pub fn run(lm: &LoadedModel, jobs: Receiver<Job>, opts: EngineOptions, stats: Ar
             match jobs.try_recv() {
                 Ok(job) => admit(lm, &mut engine, &mut live, job, &stats),
                 Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) if engine.is_idle() => return,
+                Err(TryRecvError::Disconnected) if engine.is_idle() => return Ok(()),
                 Err(TryRecvError::Disconnected) => break,
             }
         }
@@ -132,6 +162,23 @@ pub fn run(lm: &LoadedModel, jobs: Receiver<Job>, opts: EngineOptions, stats: Ar
     }
 }
 
+/// Loads or unloads an adapter; the reply says whether it worked.
+fn manage(lm: &LoadedModel, engine: &mut Engine, c: Control) {
+    let (result, reply) = match c {
+        Control::Load { name, path, reply } => {
+            let r = load_adapter(lm, engine, &name, &path).map_err(|e| e.to_string());
+            tracing::info!(adapter = %name, path = %path.display(), ok = r.is_ok(), "load adapter");
+            (r, reply)
+        }
+        Control::Unload { name, reply } => {
+            let r = engine.unload_adapter(&name).map_err(|e| e.to_string());
+            tracing::info!(adapter = %name, ok = r.is_ok(), "unload adapter");
+            (r, reply)
+        }
+    };
+    let _ = reply.send(result);
+}
+
 /// Encodes a job's prompt and submits it; refusals go back to the handler as 400s.
 fn admit(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>, job: Job, stats: &Stats) {
     stats.queued.fetch_sub(1, Ordering::Relaxed);
@@ -139,8 +186,12 @@ fn admit(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>,
         Prompt::Chat(messages) => lm.chat_prompt(messages),
         Prompt::Text(text) => lm.encode_prompt(text, true, None),
     };
-    let request =
-        prompt.map(|prompt| Request { prompt, options: job.options, top_logprobs: job.logprobs.unwrap_or(0) });
+    let request = prompt.map(|prompt| Request {
+        prompt,
+        options: job.options,
+        top_logprobs: job.logprobs.unwrap_or(0),
+        adapter: job.adapter,
+    });
     let submitted = request.and_then(|r| {
         let n = r.prompt.len();
         engine.submit(r).map(|seq| (seq, n))

@@ -1,7 +1,10 @@
 //! `rmlx serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of the generation
 //! loop of [`engine`]: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as
 //! server-sent events or whole), `GET /v1/models`, `GET /health` and Prometheus text at
-//! `GET /metrics`. Errors come in OpenAI's shape with their status.
+//! `GET /metrics`. Errors come in OpenAI's shape with their status. LoRA adapters loaded with
+//! `--adapter NAME=PATH` (or, with `--allow-adapter-loading`, through vLLM's
+//! `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`) are chosen per request by
+//! `model: "NAME"` or `"BASE:NAME"`, and requests for different adapters share one batch.
 
 mod api;
 mod engine;
@@ -17,16 +20,17 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args as ClapArgs;
-use engine::{Event, Job, Prompt, Stats, TokenLogprob};
+use engine::{Control, Event, Job, Prompt, Stats, TokenLogprob};
 use futures_util::stream::{self, Stream};
 use rmlx_lm::engine::Usage;
 use rmlx_lm::GenerateOptions;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::mpsc::{Sender, SyncSender, TrySendError};
+use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -72,6 +76,26 @@ pub struct Args {
     /// through the evaluation thread, see BENCHMARKS.md).
     #[arg(long, hide = true)]
     pipelined_decode: bool,
+    /// A LoRA adapter folder (mlx-lm's or PEFT's) that requests choose with `model: "NAME"` or
+    /// `"BASE:NAME"`; repeatable. The base model stays as it is for the other requests.
+    #[arg(long = "adapter", value_name = "NAME=PATH", value_parser = named_path)]
+    adapters: Vec<(String, PathBuf)>,
+    /// Enable `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's API: JSON
+    /// `{"lora_name", "lora_path"}`), which load and unload adapters while serving.
+    #[arg(long)]
+    allow_adapter_loading: bool,
+}
+
+/// `NAME=PATH` of `--adapter`.
+fn named_path(s: &str) -> std::result::Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if valid_adapter_name(name) && !path.is_empty() => Ok((name.to_string(), path.into())),
+        _ => Err(format!("`{s}` is not NAME=PATH (a name of letters, digits, `-`, `_` and `.`, then a folder)")),
+    }
+}
+
+fn valid_adapter_name(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
 }
 
 /// What the handlers share. No MLX in here: only the queue to the engine and counters.
@@ -79,6 +103,10 @@ struct Shared {
     model_id: String,
     created: u64,
     jobs: SyncSender<Job>,
+    control: std::sync::Mutex<Sender<Control>>,
+    /// Loaded adapters: name → folder.
+    adapters: RwLock<BTreeMap<String, PathBuf>>,
+    allow_adapter_loading: bool,
     stats: Arc<Stats>,
     api_key: Option<String>,
     default_max_tokens: usize,
@@ -113,12 +141,23 @@ pub fn run(a: Args) -> Result<()> {
         .with_context(|| format!("binding {}:{}", a.host, a.port))?;
     listener.set_nonblocking(true)?;
     eprintln!("serving {model_id} on http://{}", listener.local_addr()?);
+    // The adapters are read before serving, so that a bad one stops the start-up.
+    let mut seen = std::collections::BTreeSet::new();
+    for (name, path) in &a.adapters {
+        anyhow::ensure!(seen.insert(name), "two adapters are named `{name}`");
+        rmlx_lm::tuner::adapters::read(lm.model.as_ref(), path, lm.dtype)
+            .with_context(|| format!("reading the adapter `{name}` from {}", path.display()))?;
+    }
     let (jobs, queue) = std::sync::mpsc::sync_channel(a.max_queue);
+    let (control, control_queue) = std::sync::mpsc::channel();
     let stats = Arc::new(Stats::default());
     let shared = Arc::new(Shared {
         model_id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         jobs,
+        control: std::sync::Mutex::new(control),
+        adapters: RwLock::new(a.adapters.iter().cloned().collect()),
+        allow_adapter_loading: a.allow_adapter_loading,
         stats: stats.clone(),
         api_key,
         default_max_tokens: a.default_max_tokens,
@@ -142,7 +181,11 @@ pub fn run(a: Args) -> Result<()> {
         context: Some(context),
         pipelined: a.pipelined_decode,
     };
-    engine::run(&lm, queue, options, stats);
+    let served = engine::run(&lm, queue, control_queue, options, a.adapters.clone(), stats);
+    if let Err(e) = served {
+        // Only start-up can fail (the adapters, checked above): nothing was served.
+        anyhow::bail!("loading the adapters: {e}");
+    }
     http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
 }
 
@@ -175,6 +218,8 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .fallback(|| async { error(ApiError { status: 404, message: "no such endpoint".into(), param: None }) })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
@@ -207,8 +252,127 @@ async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(e) = authorize(&s, &headers) {
         return error(e);
     }
-    Json(json!({"object": "list", "data": [{"id": s.model_id, "object": "model", "created": s.created, "owned_by": "rmlx"}]}))
-        .into_response()
+    let mut data = vec![json!({"id": s.model_id, "object": "model", "created": s.created, "owned_by": "rmlx"})];
+    for name in s.adapters.read().expect("adapter names").keys() {
+        data.push(
+            json!({"id": name, "object": "model", "created": s.created, "owned_by": "rmlx", "parent": s.model_id}),
+        );
+    }
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// vLLM's `POST /v1/load_lora_adapter` body.
+#[derive(serde::Deserialize)]
+struct LoraRequest {
+    lora_name: String,
+    lora_path: Option<PathBuf>,
+}
+
+async fn load_lora_adapter(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Result<Json<LoraRequest>, JsonRejection>,
+) -> Response {
+    let r = match adapter_request(&s, &headers, body) {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    let Some(path) = r.lora_path else {
+        return error(ApiError::bad_request("`lora_path` is missing", Some("lora_path")));
+    };
+    if !valid_adapter_name(&r.lora_name) || r.lora_name == s.model_id {
+        let message = format!(
+            "`{}` is not a usable adapter name (letters, digits, `-`, `_`, `.`; not the base model's)",
+            r.lora_name
+        );
+        return error(ApiError::bad_request(message, Some("lora_name")));
+    }
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let name = r.lora_name.clone();
+    let control = Control::Load { name: name.clone(), path: path.clone(), reply };
+    match send_control(&s, control, answer).await {
+        Ok(()) => {
+            s.adapters.write().expect("adapter names").insert(name.clone(), path);
+            format!("Success: LoRA adapter '{name}' added successfully.").into_response()
+        }
+        Err(e) => error(e),
+    }
+}
+
+async fn unload_lora_adapter(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Result<Json<LoraRequest>, JsonRejection>,
+) -> Response {
+    let r = match adapter_request(&s, &headers, body) {
+        Ok(r) => r,
+        Err(e) => return error(e),
+    };
+    if !s.adapters.read().expect("adapter names").contains_key(&r.lora_name) {
+        let message = format!("no adapter named `{}` is loaded", r.lora_name);
+        return error(ApiError { status: 404, message, param: Some("lora_name") });
+    }
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    match send_control(&s, Control::Unload { name: r.lora_name.clone(), reply }, answer).await {
+        Ok(()) => {
+            s.adapters.write().expect("adapter names").remove(&r.lora_name);
+            format!("Success: LoRA adapter '{}' removed successfully.", r.lora_name).into_response()
+        }
+        Err(e) => error(e),
+    }
+}
+
+/// The checks both adapter endpoints make: enabled (404 otherwise, as if absent), authorised,
+/// a well-formed body.
+fn adapter_request(
+    s: &Shared,
+    headers: &HeaderMap,
+    body: Result<Json<LoraRequest>, JsonRejection>,
+) -> Result<LoraRequest, ApiError> {
+    if !s.allow_adapter_loading {
+        let message = "no such endpoint (start the server with --allow-adapter-loading)".into();
+        return Err(ApiError { status: 404, message, param: None });
+    }
+    authorize(s, headers)?;
+    body.map(|Json(r)| r).map_err(|e| ApiError::bad_request(e.body_text(), None))
+}
+
+/// Hands a control message to the generation loop and waits for its answer (400 with its reason).
+async fn send_control(
+    s: &Shared,
+    control: Control,
+    answer: tokio::sync::oneshot::Receiver<Result<(), String>>,
+) -> Result<(), ApiError> {
+    let stopped = || ApiError { status: 503, message: "the server is shutting down".into(), param: None };
+    s.control.lock().expect("control queue").send(control).map_err(|_| stopped())?;
+    match answer.await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(reason)) => Err(ApiError::bad_request(reason, None)),
+        Err(_) => Err(stopped()),
+    }
+}
+
+/// The adapter a request's `model` names: `None` for the base model (or no `model`), the
+/// adapter's name for `NAME` or `BASE:NAME`; 404 for anything else.
+fn resolve_model(s: &Shared, model: Option<&str>) -> Result<Option<String>, ApiError> {
+    let Some(m) = model else { return Ok(None) };
+    if m == s.model_id {
+        return Ok(None);
+    }
+    let name = m.strip_prefix(&format!("{}:", s.model_id)).unwrap_or(m);
+    let adapters = s.adapters.read().expect("adapter names");
+    if adapters.contains_key(name) {
+        return Ok(Some(name.to_string()));
+    }
+    let known: Vec<&str> = std::iter::once(s.model_id.as_str()).chain(adapters.keys().map(String::as_str)).collect();
+    Err(ApiError {
+        status: 404,
+        message: format!(
+            "model `{m}` does not exist; this server has {}",
+            known.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+        ),
+        param: Some("model"),
+    })
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> String {
@@ -300,15 +464,11 @@ async fn respond(
     if let Err(e) = authorize(&s, &headers) {
         return error(e);
     }
-    if let Some(m) = &common.model {
-        if m != &s.model_id {
-            return error(ApiError {
-                status: 404,
-                message: format!("model `{m}` does not exist; this server has `{}`", s.model_id),
-                param: Some("model"),
-            });
-        }
-    }
+    let adapter = match resolve_model(&s, common.model.as_deref()) {
+        Ok(a) => a,
+        Err(e) => return error(e),
+    };
+    let model = common.model.clone().unwrap_or_else(|| s.model_id.clone());
     let (prompt, settings) = match (prompt, common.settings(s.default_max_tokens)) {
         (Ok(p), Ok(settings)) => (p, settings),
         (Err(e), _) | (_, Err(e)) => return error(e),
@@ -333,7 +493,9 @@ async fn respond(
         let job_id = if settings.n == 1 { id.clone() } else { format!("{id}/{i}") };
         let prompt = prompt.clone();
         s.stats.queued.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = s.jobs.try_send(Job { id: job_id, prompt, options, logprobs: settings.logprobs, events: tx }) {
+        let job =
+            Job { id: job_id, prompt, options, logprobs: settings.logprobs, adapter: adapter.clone(), events: tx };
+        if let Err(e) = s.jobs.try_send(job) {
             // The choices already queued are cancelled when their receivers drop.
             s.stats.queued.fetch_sub(1, Ordering::Relaxed);
             let message = match e {
@@ -356,7 +518,7 @@ async fn respond(
     let head = Head {
         id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        model: s.model_id.clone(),
+        model,
         kind,
     };
     if settings.stream {

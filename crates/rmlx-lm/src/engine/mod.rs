@@ -7,7 +7,9 @@
 //! prompt is done joins the running batch ([`crate::cache::BatchCache`]); one that ends leaves it,
 //! its keys and values kept in the [`PromptCache`] for later prompts that begin the same way.
 //! Every sequence samples with its own settings and its own random key, so a seeded request gives
-//! the same tokens alone or in a batch.
+//! the same tokens alone or in a batch. A request may name a LoRA adapter loaded into the engine
+//! ([`Engine::load_adapter`]): the batch mixes adapters row by row over the one base model
+//! ([`crate::nn::AdapterBank`]).
 //!
 //! ```
 //! # fn main() -> rmlx_lm::Result<()> {
@@ -18,7 +20,7 @@
 //! let options = GenerateOptions { max_tokens: 4, ..Default::default() };
 //! for text in ["The capital of France is", "One, two, three,"] {
 //!     let prompt = lm.encode_prompt(text, true, None)?;
-//!     engine.submit(Request { prompt, options: options.clone(), top_logprobs: 0 })?;
+//!     engine.submit(Request { prompt, options: options.clone(), ..Default::default() })?;
 //! }
 //! let mut finished = 0;
 //! while !engine.is_idle() {
@@ -42,11 +44,12 @@ pub use prompt_cache::PromptCache;
 use crate::cache::{BatchCache, KvCache};
 use crate::generate::{ids_array, FinishReason, GenerateOptions};
 use crate::loader::LoadedModel;
+use crate::nn::{with_row_adapters, AdapterBank, Lora};
 use crate::{Error, Result};
 use rmlx::{ops, Array, Dtype};
 use sampling::{sample_rows, Sampled};
 use sequence::Sequence;
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 /// Bytes of freed buffers MLX may keep for reuse before the engine gives them back.
@@ -92,7 +95,7 @@ impl Default for EngineOptions {
 }
 
 /// What to generate.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Request {
     /// Token ids of the prompt.
     pub prompt: Vec<u32>,
@@ -101,6 +104,9 @@ pub struct Request {
     pub options: GenerateOptions,
     /// How many of the most likely tokens to report beside each sampled one (0: none).
     pub top_logprobs: usize,
+    /// The name of a LoRA adapter loaded with [`Engine::load_adapter`] to generate with
+    /// (`None`: the base model).
+    pub adapter: Option<String>,
 }
 
 /// Token counts and timing of a finished request.
@@ -155,6 +161,7 @@ pub struct Engine<'m> {
     prompt_cache: PromptCache,
     context: usize,
     kv_bytes_per_position: usize,
+    adapters: AdapterBank,
 }
 
 impl<'m> Engine<'m> {
@@ -177,15 +184,48 @@ impl<'m> Engine<'m> {
             cancelled: HashSet::new(),
             inflight: None,
             context,
+            adapters: AdapterBank::default(),
         }
+    }
+
+    /// Loads a LoRA adapter (layer name → factors, as [`crate::tuner::adapters::read`] returns
+    /// them) under `name`, for requests that name it; the base model is untouched.
+    pub fn load_adapter(&mut self, name: &str, layers: HashMap<String, Lora>) -> Result<()> {
+        self.adapters.insert(name, layers).map(drop)
+    }
+
+    /// Unloads the adapter `name`. Refused while a request that names it waits or runs.
+    pub fn unload_adapter(&mut self, name: &str) -> Result<()> {
+        let slot =
+            self.adapters.slot(name).ok_or_else(|| Error::InvalidParameter(format!("no adapter named `{name}`")))?;
+        let mut all = self.running.iter().chain(self.waiting.iter()).chain(self.prefill.as_ref().map(|p| &p.seq));
+        if all.any(|s| s.adapter == slot) {
+            return Err(Error::InvalidParameter(format!("the adapter `{name}` is in use by a running request")));
+        }
+        self.adapters.remove(name)?;
+        self.prompt_cache.forget(slot);
+        Ok(())
+    }
+
+    /// The loaded adapters' names.
+    pub fn adapter_names(&self) -> Vec<String> {
+        self.adapters.names()
     }
 
     /// Queues a request; its updates come from later [`Engine::step`]s.
     ///
     /// Errors: [`Error::Prompt`] for an empty prompt, one with an id the model has no embedding
     /// for, one that leaves no room in the context, or one whose keys and values cannot fit in
-    /// [`EngineOptions::max_kv_bytes`]; [`Error::InvalidParameter`] for bad sampler settings.
+    /// [`EngineOptions::max_kv_bytes`]; [`Error::InvalidParameter`] for bad sampler settings or
+    /// an adapter that is not loaded.
     pub fn submit(&mut self, request: Request) -> Result<SeqId> {
+        let adapter = match &request.adapter {
+            Some(name) => self
+                .adapters
+                .slot(name)
+                .ok_or_else(|| Error::InvalidParameter(format!("no adapter named `{name}` is loaded")))?,
+            None => 0,
+        };
         let n = request.prompt.len();
         if n == 0 {
             return Err(Error::Prompt("the prompt is empty".into()));
@@ -212,7 +252,7 @@ impl<'m> Engine<'m> {
             }
         }
         let id = self.next_id;
-        let seq = Sequence::new(self.lm, id, request, max_tokens)?;
+        let seq = Sequence::new(self.lm, id, request, max_tokens, adapter)?;
         self.next_id += 1;
         self.waiting.push_back(seq);
         Ok(id)
@@ -322,7 +362,8 @@ impl<'m> Engine<'m> {
             let prompt_len = p.seq.history.len();
             let n = (prompt_len - p.done).min(budget);
             let ids = ids_array(&p.seq.history[p.done..p.done + n])?;
-            let h = self.lm.model.forward_hidden(&ids, &mut p.caches)?;
+            let (model, caches) = (&self.lm.model, &mut p.caches);
+            let h = with_row_adapters(&self.adapters, &[p.seq.adapter], || model.forward_hidden(&ids, caches))??;
             p.done += n;
             budget -= n;
             if p.done < prompt_len {
@@ -358,7 +399,7 @@ impl<'m> Engine<'m> {
 
     /// Begins `seq`'s prompt from the longest cached beginning of it.
     fn start(&mut self, mut seq: Sequence, out: &mut Vec<Update>) -> Result<Prefill> {
-        let hit = self.prompt_cache.lookup(&seq.history);
+        let hit = self.prompt_cache.lookup(seq.adapter, &seq.history);
         let (done, caches) = match hit {
             Some(hit) => {
                 let caches = hit.layers.iter().zip(&self.windows);
@@ -375,7 +416,9 @@ impl<'m> Engine<'m> {
     /// join the running batch, unless it ended.
     fn first_token(&mut self, mut p: Prefill, h: &Array, out: &mut Vec<Update>) -> Result<Option<Prefill>> {
         let len = h.shape()[1];
-        let logits = self.lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?.reshape(&[1, -1])?;
+        let last = h.slice_axis(1, len - 1, len, 1)?;
+        let logits = with_row_adapters(&self.adapters, &[p.seq.adapter], || self.lm.model.logits(&last))??;
+        let logits = logits.reshape(&[1, -1])?;
         let sampled = sample_rows(self.lm, std::slice::from_mut(&mut p.seq), &logits)?;
         rmlx::eval(sampled.arrays().chain(p.caches.iter().flat_map(KvCache::state)))?;
         let read = sampled.read()?;
@@ -414,8 +457,10 @@ impl<'m> Engine<'m> {
             Some(prev) => ops::concatenate(&[&prev.tokens.astype(Dtype::Int32)?, &host], 0)?,
             None => host,
         };
-        let h = self.lm.model.forward_hidden(&ids.reshape(&[rows, 1])?, &mut self.caches)?;
-        let logits = self.lm.model.logits(&h)?.reshape(&[rows, -1])?;
+        let slots: Vec<usize> = self.running.iter().map(|s| s.adapter).collect();
+        let (model, caches, ids) = (&self.lm.model, &mut self.caches, ids.reshape(&[rows, 1])?);
+        let logits = with_row_adapters(&self.adapters, &slots, || model.logits(&model.forward_hidden(&ids, caches)?))??;
+        let logits = logits.reshape(&[rows, -1])?;
         let mut next = sample_rows(self.lm, &mut self.running, &logits)?;
         rmlx::async_eval(next.arrays().chain(self.caches.iter().flat_map(KvCache::state)))?;
         self.read_inflight(Some(&mut next), out)?;
@@ -506,7 +551,7 @@ fn remember(cache: &mut PromptCache, seq: &Sequence, caches: &[KvCache], row: us
         .map(|(k, v)| Ok((k.slice_axis(2, 0, positions as i32, 1)?, v.slice_axis(2, 0, positions as i32, 1)?)))
         .collect::<Result<Vec<_>>>()?;
     rmlx::eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
-    cache.insert(seq.history[..positions].to_vec(), layers);
+    cache.insert(seq.adapter, seq.history[..positions].to_vec(), layers);
     Ok(())
 }
 

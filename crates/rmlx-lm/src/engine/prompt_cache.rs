@@ -1,7 +1,8 @@
 //! Keys and values of earlier sequences, kept so that a new prompt sharing their beginning (a
 //! system prompt, the earlier turns of a conversation) does not recompute it. Bounded by a byte
 //! budget: an entry that would pass it evicts the least recently used ones first, and an entry
-//! larger than the whole budget is not kept.
+//! larger than the whole budget is not kept. Entries are kept apart by the adapter that computed
+//! them (its slot; 0 for the base model): keys and values depend on it.
 
 use rmlx::Array;
 
@@ -9,6 +10,7 @@ use rmlx::Array;
 pub type LayerKv = (Array, Array);
 
 struct Entry {
+    adapter: usize,
     tokens: Vec<u32>,
     layers: Vec<LayerKv>,
     bytes: usize,
@@ -57,12 +59,13 @@ impl PromptCache {
 
     /// The longest cached beginning of `prompt`, leaving at least its last token to compute (the
     /// next token's logits need it): `None` when no entry shares a token with it.
-    pub fn lookup(&mut self, prompt: &[u32]) -> Option<Hit> {
+    pub fn lookup(&mut self, adapter: usize, prompt: &[u32]) -> Option<Hit> {
         let usable = prompt.len().saturating_sub(1);
         let (best, shared) = self
             .entries
             .iter()
             .enumerate()
+            .filter(|(_, e)| e.adapter == adapter)
             .map(|(i, e)| (i, e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable)))
             .max_by_key(|&(_, n)| n)?;
         if shared == 0 {
@@ -79,19 +82,19 @@ impl PromptCache {
 
     /// Keeps the keys and values of `tokens` (evaluated arrays, not views of a larger buffer).
     /// Entries that are a beginning of `tokens` are dropped (this one covers them).
-    pub fn insert(&mut self, tokens: Vec<u32>, layers: Vec<LayerKv>) {
+    pub fn insert(&mut self, adapter: usize, tokens: Vec<u32>, layers: Vec<LayerKv>) {
         let bytes: usize = layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum();
         if tokens.is_empty() || bytes > self.budget {
             return;
         }
         self.entries.retain(|e| {
-            let covered = e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens);
+            let covered = e.adapter == adapter && e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens);
             if covered {
                 self.bytes -= e.bytes;
             }
             !covered
         });
-        if self.entries.iter().any(|e| e.tokens.starts_with(&tokens)) {
+        if self.entries.iter().any(|e| e.adapter == adapter && e.tokens.starts_with(&tokens)) {
             return;
         }
         while self.bytes + bytes > self.budget {
@@ -100,6 +103,17 @@ impl PromptCache {
         }
         self.clock += 1;
         self.bytes += bytes;
-        self.entries.push(Entry { tokens, layers, bytes, last_used: self.clock });
+        self.entries.push(Entry { adapter, tokens, layers, bytes, last_used: self.clock });
+    }
+
+    /// Drops the entries computed with the adapter in slot `adapter` (it was unloaded).
+    pub fn forget(&mut self, adapter: usize) {
+        let bytes = &mut self.bytes;
+        self.entries.retain(|e| {
+            if e.adapter == adapter {
+                *bytes -= e.bytes;
+            }
+            e.adapter != adapter
+        });
     }
 }

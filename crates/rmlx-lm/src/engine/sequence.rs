@@ -26,10 +26,12 @@ pub(super) struct Sequence {
     pub submitted: Instant,
     pub first_token: Option<Instant>,
     pub finish: Option<FinishReason>,
+    /// The slot of its adapter in the engine's [`crate::nn::AdapterBank`] (0: none).
+    pub adapter: usize,
 }
 
 impl Sequence {
-    pub fn new(lm: &LoadedModel, id: SeqId, request: Request, max_tokens: usize) -> Result<Sequence> {
+    pub fn new(lm: &LoadedModel, id: SeqId, request: Request, max_tokens: usize, adapter: usize) -> Result<Sequence> {
         let opts = request.options;
         let mut sampler = Sampler::new(opts.sampler)?;
         sampler.set_prompt_len(request.prompt.len());
@@ -48,6 +50,7 @@ impl Sequence {
             submitted: Instant::now(),
             first_token: None,
             finish: None,
+            adapter,
         })
     }
 

@@ -3,11 +3,13 @@
 //! name, checks their shapes and converts them to the compute dtype. Every layer is a [`Module`]:
 //! its parameters are listed and replaced by the checkpoint's names.
 
+mod adapter_bank;
 mod grad_checkpoint;
 mod head;
 mod lora;
 mod module;
 
+pub use adapter_bank::{with_row_adapters, AdapterBank};
 pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
 pub use head::Head;
 pub use lora::{training, with_dropout_key, with_training, Lora};
@@ -27,6 +29,9 @@ pub struct Linear {
     lora: Option<Lora>,
     input: i32,
     output: i32,
+    /// The layer's name in the checkpoint (`model.layers.0.self_attn.q_proj`): where an
+    /// [`AdapterBank`] finds its adapters.
+    path: std::sync::Arc<str>,
 }
 
 #[derive(Clone)]
@@ -47,6 +52,9 @@ impl Linear {
             LinearWeight::Quantized(q) if training() => dequantized_matmul(x, q)?,
             LinearWeight::Quantized(q) => quantized_matmul(x, q, true)?,
         };
+        if let Some(z) = adapter_bank::row_adapters(&self.path, x)? {
+            y = (&y + z)?;
+        }
         if let Some(lora) = &self.lora {
             y = (&y + lora.forward(x)?)?;
             if let Some(m) = &lora.magnitude {
@@ -406,7 +414,7 @@ impl Builder {
             Weight::Quantized(q) => LinearWeight::Quantized(q),
         };
         let bias = if bias { Some(self.dense(&format!("{prefix}.bias"), &[output])?) } else { None };
-        Ok(Linear { weight, bias, lora: None, input, output })
+        Ok(Linear { weight, bias, lora: None, input, output, path: prefix.into() })
     }
 
     /// `prefix.weight` `[vocab, hidden]`.

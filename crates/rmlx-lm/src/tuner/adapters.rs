@@ -188,3 +188,31 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     model.update("", new)?;
     Ok(config)
 }
+
+/// The adapters of an adapter folder (mlx-lm's or PEFT's layout), layer name → factors, without
+/// attaching them: what [`crate::nn::AdapterBank`] serves per request. Read through a copy of
+/// `model` (which shares its arrays) stripped of any adapter it carries.
+pub fn read(model: &dyn Model, dir: &Path, dtype: Dtype) -> Result<HashMap<String, crate::nn::Lora>> {
+    let mut scratch = model.boxed_clone();
+    let mut stripped = Ok(());
+    scratch.visit_linears("", &mut |_, l| {
+        if stripped.is_ok() {
+            stripped = l.set_lora(None).map(drop);
+        }
+    });
+    stripped?;
+    let config = load(scratch.as_mut(), dir, dtype)?;
+    if config.fine_tune_type == FineTuneType::Full {
+        return Err(Error::InvalidParameter(format!(
+            "{} holds fully fine-tuned weights, not adapters: serve it as a model of its own",
+            dir.display()
+        )));
+    }
+    let mut layers = HashMap::new();
+    scratch.visit_linears("", &mut |path, l| {
+        if let Some(lora) = l.lora() {
+            layers.insert(path.to_string(), lora.clone());
+        }
+    });
+    Ok(layers)
+}
