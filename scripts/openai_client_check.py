@@ -7,6 +7,7 @@ Usage:
     python3 scripts/openai_client_check.py --base-url http://127.0.0.1:8080/v1
 """
 import argparse
+import json
 import sys
 
 import openai
@@ -69,6 +70,13 @@ def main():
                                                            for t in content), "logprobs with top_logprobs")
     several = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.9, seed=1, n=3)
     check([c.index for c in several.choices] == [0, 1, 2], "n=3: three choices")
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    structured = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is 2+2? Answer in JSON."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}})
+    reply = json.loads(structured.choices[0].message.content)
+    check(set(reply) == {"answer"} and isinstance(reply["answer"], int), f"response_format json_schema: {reply}")
     try:
         client.chat.completions.create(model="no-such-model", messages=messages)
         check(False, "unknown model refused")

@@ -108,7 +108,7 @@ pub fn run(a: Args) -> Result<()> {
         };
         let prompt = encode(&lm, line).with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
         let seq = engine
-            .submit(Request { prompt, options, top_logprobs, adapter: None })
+            .submit(Request { prompt, options, top_logprobs, ..Default::default() })
             .with_context(|| format!("{}, prompt {}", a.prompts.display(), i + 1))?;
         index.insert(seq, i);
     }

@@ -399,3 +399,46 @@ fn a_full_queue_answers_503_with_retry_after() {
     let (status, v) = waiting.join().unwrap();
     assert_eq!(status, 200, "{v}");
 }
+
+#[test]
+fn response_format_constrains_the_output() {
+    let server = Server::start(&[]);
+    let chat = |content: &str, format: Value, extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 60, "temperature": 0, "response_format": format});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        server.post("/v1/chat/completions", &body)
+    };
+    // A schema: the reply parses as exactly that object, and the grammar's end ends it.
+    let schema = json!({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"], "additionalProperties": false});
+    let (status, v) = chat(
+        "What is 2+2? Answer in JSON.",
+        json!({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}),
+        json!({}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let reply: Value = serde_json::from_str(v["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+    let keys: Vec<&String> = reply.as_object().unwrap().keys().collect();
+    assert!(keys == ["answer"] && reply["answer"].is_i64(), "{reply}");
+    // rmlx's regex format, sampled with several seeds: always a whole match.
+    for seed in 0..3 {
+        let format = json!({"type": "regex", "regex": "[A-Z]{3}-[0-9]{4}"});
+        let (status, v) = chat("Give a product code.", format, json!({"temperature": 1.0, "seed": seed}));
+        assert_eq!(status, 200, "{v}");
+        let code = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let (letters, digits) = code.split_once('-').unwrap_or_else(|| panic!("{code:?}"));
+        assert!(letters.len() == 3 && letters.bytes().all(|b| b.is_ascii_uppercase()), "{code:?}");
+        assert!(digits.len() == 4 && digits.bytes().all(|b| b.is_ascii_digit()), "{code:?}");
+    }
+    // Refusals: an unknown type, a schema or regex that does not compile.
+    for (format, says) in [
+        (json!({"type": "xml"}), "not one of text, json_object"),
+        (json!({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}), "does not compile"),
+        (json!({"type": "regex", "regex": "[a-"}), "unclosed character class"),
+        (json!({"type": "json_schema"}), "json_schema.schema"),
+    ] {
+        let (status, v) = chat("x", format.clone(), json!({}));
+        assert_eq!(status, 400, "{format}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(says), "{format}: {v}");
+    }
+}

@@ -33,6 +33,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_model;
+pub mod grammar;
 pub mod loader;
 pub mod models;
 pub mod nn;

@@ -2,6 +2,7 @@
 //! ignored, as OpenAI-compatible servers do), the responses and stream chunks, and the error body.
 
 use rmlx_lm::chat::Message;
+use rmlx_lm::grammar::Grammar;
 use rmlx_lm::sample::SamplerConfig;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -99,15 +100,14 @@ pub struct Settings {
     pub logprobs: Option<usize>,
     /// Choices to generate.
     pub n: usize,
+    /// What `response_format` constrains the output to.
+    pub grammar: Option<Grammar>,
 }
 
 impl Common {
     /// The generation settings, or a 400 naming the field that cannot be honoured. OpenAI's
     /// defaults: temperature 1, top_p 1; `max_tokens` defaults to `default_max_tokens`.
     pub fn settings(self, default_max_tokens: usize) -> Result<Settings, ApiError> {
-        let unsupported = |param: &'static str, what: &str| {
-            Err(ApiError::bad_request(format!("{what} is not supported yet"), Some(param)))
-        };
         let n = self.n.unwrap_or(1);
         if !(1..=MAX_CHOICES).contains(&n) {
             return Err(ApiError::bad_request(format!("n must be between 1 and {MAX_CHOICES}, got {n}"), Some("n")));
@@ -131,11 +131,10 @@ impl Common {
                 Some("top_logprobs"),
             ));
         }
-        if let Some(f) = &self.response_format {
-            if f.get("type").and_then(Value::as_str) != Some("text") {
-                return unsupported("response_format", "response_format other than {\"type\": \"text\"}");
-            }
-        }
+        let grammar = match &self.response_format {
+            None | Some(Value::Null) => None,
+            Some(f) => response_format(f)?,
+        };
         let mut logit_bias = Vec::new();
         for (id, bias) in self.logit_bias.unwrap_or_default() {
             let id = id.parse::<u32>().map_err(|_| {
@@ -166,7 +165,35 @@ impl Common {
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
             logprobs,
             n,
+            grammar,
         })
+    }
+}
+
+/// `response_format`: OpenAI's `text`, `json_object` and `json_schema` (`{"json_schema":
+/// {"schema": …}}`), and rmlx's `regex` (`{"regex": …}`) and `lark` (`{"lark": …}`).
+fn response_format(f: &Value) -> Result<Option<Grammar>, ApiError> {
+    let bad = |m: String| Err(ApiError::bad_request(m, Some("response_format")));
+    let text = |key: &str| f.get(key).and_then(Value::as_str).map(str::to_string);
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Grammar::JsonObject)),
+        Some("json_schema") => match f.get("json_schema").and_then(|j| j.get("schema")) {
+            Some(schema) if schema.is_object() || schema.is_boolean() => Ok(Some(Grammar::JsonSchema(schema.clone()))),
+            _ => bad("response_format json_schema needs `json_schema.schema`, a JSON Schema object".into()),
+        },
+        Some("regex") => match text("regex") {
+            Some(rx) => Ok(Some(Grammar::Regex(rx))),
+            None => bad("response_format regex needs `regex`, a string".into()),
+        },
+        Some("lark") => match text("lark") {
+            Some(lark) => Ok(Some(Grammar::Lark(lark))),
+            None => bad("response_format lark needs `lark`, a string".into()),
+        },
+        other => bad(format!(
+            "response_format type {} is not one of text, json_object, json_schema, regex, lark",
+            other.map_or("(missing)".to_string(), |t| format!("`{t}`"))
+        )),
     }
 }
 

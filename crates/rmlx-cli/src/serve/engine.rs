@@ -31,6 +31,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// The LoRA adapter to generate with (`None`: the base model).
     pub adapter: Option<String>,
+    /// `response_format`'s grammar.
+    pub grammar: Option<rmlx_lm::grammar::Grammar>,
     pub events: UnboundedSender<Event>,
 }
 
@@ -191,6 +193,7 @@ fn admit(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>,
         options: job.options,
         top_logprobs: job.logprobs.unwrap_or(0),
         adapter: job.adapter,
+        grammar: job.grammar,
     });
     let submitted = request.and_then(|r| {
         let n = r.prompt.len();

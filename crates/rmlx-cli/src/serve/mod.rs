@@ -493,8 +493,15 @@ async fn respond(
         let job_id = if settings.n == 1 { id.clone() } else { format!("{id}/{i}") };
         let prompt = prompt.clone();
         s.stats.queued.fetch_add(1, Ordering::Relaxed);
-        let job =
-            Job { id: job_id, prompt, options, logprobs: settings.logprobs, adapter: adapter.clone(), events: tx };
+        let job = Job {
+            id: job_id,
+            prompt,
+            options,
+            logprobs: settings.logprobs,
+            adapter: adapter.clone(),
+            grammar: settings.grammar.clone(),
+            events: tx,
+        };
         if let Err(e) = s.jobs.try_send(job) {
             // The choices already queued are cancelled when their receivers drop.
             s.stats.queued.fetch_sub(1, Ordering::Relaxed);

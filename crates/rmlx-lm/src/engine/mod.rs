@@ -43,6 +43,7 @@ pub use prompt_cache::PromptCache;
 
 use crate::cache::{BatchCache, KvCache};
 use crate::generate::{ids_array, FinishReason, GenerateOptions};
+use crate::grammar::{Grammar, GrammarCompiler};
 use crate::loader::LoadedModel;
 use crate::nn::{with_row_adapters, AdapterBank, Lora};
 use crate::{Error, Result};
@@ -107,6 +108,8 @@ pub struct Request {
     /// The name of a LoRA adapter loaded with [`Engine::load_adapter`] to generate with
     /// (`None`: the base model).
     pub adapter: Option<String>,
+    /// A grammar the output must follow (structured output), enforced during sampling.
+    pub grammar: Option<Grammar>,
 }
 
 /// Token counts and timing of a finished request.
@@ -162,6 +165,8 @@ pub struct Engine<'m> {
     context: usize,
     kv_bytes_per_position: usize,
     adapters: AdapterBank,
+    /// Made for the first request with a grammar.
+    grammars: Option<GrammarCompiler>,
 }
 
 impl<'m> Engine<'m> {
@@ -185,6 +190,7 @@ impl<'m> Engine<'m> {
             inflight: None,
             context,
             adapters: AdapterBank::default(),
+            grammars: None,
         }
     }
 
@@ -216,8 +222,8 @@ impl<'m> Engine<'m> {
     ///
     /// Errors: [`Error::Prompt`] for an empty prompt, one with an id the model has no embedding
     /// for, one that leaves no room in the context, or one whose keys and values cannot fit in
-    /// [`EngineOptions::max_kv_bytes`]; [`Error::InvalidParameter`] for bad sampler settings or
-    /// an adapter that is not loaded.
+    /// [`EngineOptions::max_kv_bytes`]; [`Error::InvalidParameter`] for bad sampler settings, an
+    /// adapter that is not loaded or a grammar that does not compile.
     pub fn submit(&mut self, request: Request) -> Result<SeqId> {
         let adapter = match &request.adapter {
             Some(name) => self
@@ -252,7 +258,16 @@ impl<'m> Engine<'m> {
             }
         }
         let id = self.next_id;
-        let seq = Sequence::new(self.lm, id, request, max_tokens, adapter)?;
+        let constraint = match &request.grammar {
+            Some(g) => {
+                if self.grammars.is_none() {
+                    self.grammars = Some(GrammarCompiler::new(self.lm)?);
+                }
+                Some(self.grammars.as_ref().expect("made above").compile(g)?)
+            }
+            None => None,
+        };
+        let seq = Sequence::new(self.lm, id, request, max_tokens, adapter, constraint)?;
         self.next_id += 1;
         self.waiting.push_back(seq);
         Ok(id)

@@ -95,7 +95,13 @@ pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Arra
         for (i, s) in seqs.iter_mut().enumerate() {
             let i = i as i32;
             let lp = if s.processes_logits() {
-                s.sampler.logprobs(&logits.slice_axis(0, i, i + 1, 1)?, &s.history)?
+                let row = logits.slice_axis(0, i, i + 1, 1)?;
+                let row = match &mut s.constraint {
+                    // Structured output: only the grammar's tokens keep their logits.
+                    Some(c) => (row + c.mask()?)?,
+                    None => row,
+                };
+                s.sampler.logprobs(&row, &s.history)?
             } else {
                 shared.slice_axis(0, i, i + 1, 1)?
             };

@@ -3,6 +3,7 @@
 
 use super::{Request, SeqId, Update, Usage};
 use crate::generate::FinishReason;
+use crate::grammar::Constraint;
 use crate::loader::LoadedModel;
 use crate::sample::Sampler;
 use crate::text_stream::TextStream;
@@ -28,10 +29,19 @@ pub(super) struct Sequence {
     pub finish: Option<FinishReason>,
     /// The slot of its adapter in the engine's [`crate::nn::AdapterBank`] (0: none).
     pub adapter: usize,
+    /// Where the output is in its grammar (structured output).
+    pub constraint: Option<Constraint>,
 }
 
 impl Sequence {
-    pub fn new(lm: &LoadedModel, id: SeqId, request: Request, max_tokens: usize, adapter: usize) -> Result<Sequence> {
+    pub fn new(
+        lm: &LoadedModel,
+        id: SeqId,
+        request: Request,
+        max_tokens: usize,
+        adapter: usize,
+        constraint: Option<Constraint>,
+    ) -> Result<Sequence> {
         let opts = request.options;
         let mut sampler = Sampler::new(opts.sampler)?;
         sampler.set_prompt_len(request.prompt.len());
@@ -51,6 +61,7 @@ impl Sequence {
             first_token: None,
             finish: None,
             adapter,
+            constraint,
         })
     }
 
@@ -58,7 +69,10 @@ impl Sequence {
     /// penalty of its own).
     pub fn processes_logits(&self) -> bool {
         let cfg = self.sampler.config();
-        !cfg.logit_bias.is_empty() || cfg.repetition_penalty != 1.0 || cfg.penalizes_generated()
+        !cfg.logit_bias.is_empty()
+            || cfg.repetition_penalty != 1.0
+            || cfg.penalizes_generated()
+            || self.constraint.is_some()
     }
 
     /// Takes the sampled token `id`: pushes the updates it makes, and sets `finish` when it ends
@@ -76,11 +90,22 @@ impl Sequence {
             self.end(FinishReason::Eos, out)?;
             return Ok(());
         }
+        if let Some(c) = &mut self.constraint {
+            if let Err(error) = c.accept(id) {
+                self.finish = Some(FinishReason::Cancelled);
+                self.next = None;
+                out.push(Update::Failed { seq: self.id, error });
+                return Ok(());
+            }
+        }
         self.generated += 1;
         self.history.push(id);
         let text = self.text.push(id)?;
         out.push(Update::Token { seq: self.id, id, text, logprob, top });
-        if self.text.stopped() {
+        if self.constraint.as_ref().is_some_and(Constraint::is_finished) {
+            // The grammar is complete (a closed JSON value, a whole match): nothing may follow.
+            self.end(FinishReason::Eos, out)?;
+        } else if self.text.stopped() {
             self.end(FinishReason::StopString, out)?;
         } else if self.generated >= self.max_tokens {
             self.end(FinishReason::Length, out)?;

@@ -1,0 +1,129 @@
+//! Output constrained during sampling (structured output): any JSON object, JSON that matches a
+//! schema, a regular expression or a Lark grammar. The grammar is compiled by
+//! [llguidance](https://github.com/guidance-ai/llguidance) against the model's tokenizer; at each
+//! step a [`Constraint`] gives the tokens that keep the output inside the grammar (the others'
+//! logits become `-inf`) and follows the token sampled. End of sequence is allowed only where
+//! the grammar may end, and a finished grammar ends the sequence.
+//!
+//! ```
+//! use rmlx_lm::grammar::{Grammar, GrammarCompiler};
+//! let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &Default::default())?;
+//! let compiler = GrammarCompiler::new(&lm)?;
+//! let mut c = compiler.compile(&Grammar::Regex("(yes|no)".into()))?;
+//! let allowed = c.allowed()?;
+//! let yes = lm.tokenizer.encode("yes", false)?[0];
+//! assert!(allowed.contains(&yes));
+//! assert!(!allowed.contains(&lm.tokenizer.encode("maybe", false)?[0]));
+//! c.accept(yes)?;
+//! assert!(c.is_finished() || c.allowed()?.iter().all(|t| lm.eos_ids.contains(t)));
+//! # Ok::<(), rmlx_lm::Error>(())
+//! ```
+
+use crate::loader::LoadedModel;
+use crate::{Error, Result};
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use rmlx::Array;
+use std::sync::Arc;
+
+/// What the output must be.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Grammar {
+    /// Any JSON object (OpenAI's `json_object`).
+    JsonObject,
+    /// JSON matching this JSON Schema (OpenAI's `json_schema`).
+    JsonSchema(serde_json::Value),
+    /// Text matching this regular expression, whole.
+    Regex(String),
+    /// Text of this Lark grammar (llguidance's dialect, with `%json` and regex terminals).
+    Lark(String),
+}
+
+/// Compiles grammars for one model's tokenizer (building it reads the whole vocabulary once).
+#[derive(Clone)]
+pub struct GrammarCompiler {
+    factory: Arc<ParserFactory>,
+    vocab: usize,
+}
+
+impl GrammarCompiler {
+    /// A compiler for `lm`'s tokenizer and logits (the embedding may have more rows than the
+    /// tokenizer has tokens: those are never allowed).
+    pub fn new(lm: &LoadedModel) -> Result<GrammarCompiler> {
+        let err = |e: String| {
+            Error::Tokenizer(format!("structured output needs a byte-level or byte-fallback tokenizer: {e}"))
+        };
+        let mut bytes = toktrie_hf_tokenizers::ByteTokenizer::from_tokenizer(lm.tokenizer.inner().clone())
+            .map_err(|e| err(e.to_string()))?;
+        if !lm.eos_ids.is_empty() {
+            bytes.set_eos_tokens(&lm.eos_ids);
+        }
+        let vocab = lm.vocab.rows();
+        let env = bytes.into_tok_env(Some(vocab)).map_err(|e| err(e.to_string()))?;
+        let factory = ParserFactory::new_simple(&env).map_err(|e| err(e.to_string()))?;
+        Ok(GrammarCompiler { factory: Arc::new(factory), vocab })
+    }
+
+    /// A fresh constraint for one sequence. Errors: [`Error::InvalidParameter`] naming what the
+    /// grammar (a schema, a regex) got wrong.
+    pub fn compile(&self, grammar: &Grammar) -> Result<Constraint> {
+        let top = match grammar {
+            Grammar::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
+            Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        };
+        let parser = self
+            .factory
+            .create_parser(top)
+            .map_err(|e| Error::InvalidParameter(format!("the grammar does not compile: {e}")))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(Error::InvalidParameter(format!("the grammar does not compile: {e}")));
+        }
+        Ok(Constraint { matcher, vocab: self.vocab })
+    }
+}
+
+/// One sequence's place in its grammar.
+pub struct Constraint {
+    matcher: Matcher,
+    vocab: usize,
+}
+
+impl Constraint {
+    /// The tokens allowed next, ascending.
+    pub fn allowed(&mut self) -> Result<Vec<u32>> {
+        let mask = self.matcher.compute_mask().map_err(|e| self.failed(e))?;
+        let mut out = Vec::new();
+        mask.iter_set_entries(|i| {
+            if i < self.vocab {
+                out.push(i as u32)
+            }
+        });
+        Ok(out)
+    }
+
+    /// `[1, vocab]` float32: 0 for the allowed tokens, `-inf` for the rest (added to the logits).
+    pub fn mask(&mut self) -> Result<Array> {
+        let mut row = vec![f32::NEG_INFINITY; self.vocab];
+        for t in self.allowed()? {
+            row[t as usize] = 0.0;
+        }
+        Ok(Array::from_slice(&row, &[1, self.vocab as i32])?)
+    }
+
+    /// Follows the sampled `token` (one of [`Constraint::allowed`]).
+    pub fn accept(&mut self, token: u32) -> Result<()> {
+        self.matcher.consume_token(token).map_err(|e| self.failed(e))
+    }
+
+    /// Whether the grammar is complete: nothing more may follow.
+    pub fn is_finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+
+    fn failed(&self, e: impl std::fmt::Display) -> Error {
+        Error::InvalidParameter(format!("structured output failed: {e}"))
+    }
+}
