@@ -63,11 +63,14 @@ def connect_and_send(port, body, tries=50):
     raise ConnectionError(f"no connection after {tries} tries")
 
 
-def stream_completion(port, prompt, max_tokens):
+def stream_completion(port, prompt, max_tokens, model=None):
     """One streamed request: (time to first token, tokens, text, ok). The time counts from the
-    first connection attempt."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    first connection attempt. `model`: an adapter's name (rmlx serve --adapter), else the base."""
+    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    if model:
+        request["model"] = model
+    body = json.dumps(request)
     t0 = time.perf_counter()
     r = connect_and_send(port, body)
     if r.status != 200:
@@ -128,11 +131,14 @@ def run_load(port, a):
     ttfts, tokens, failures = [], [0] * a.clients, [0]
     lock = threading.Lock()
 
+    # With --adapters, client i asks for the base model, then each adapter in turn (i mod n).
+    models = [None] + [spec.split("=")[0] for spec in a.adapters]
+
     def client(i):
         history = system + " " + questions[i]
         for _ in range(a.rounds):
             try:
-                ttft, n, text, ok = stream_completion(port, history, a.max_tokens)
+                ttft, n, text, ok = stream_completion(port, history, a.max_tokens, models[i % len(models)])
             except (OSError, http.client.HTTPException, ValueError):
                 ttft, n, text, ok = None, 0, "", False
             with lock:
@@ -234,13 +240,16 @@ def main():
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--soak", type=int, default=0, help="rmlx only: this many mixed requests, memory curve")
     ap.add_argument("--rmlx-args", default="", help="extra arguments for rmlx serve")
+    ap.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="NAME=PATH",
+                    help="rmlx only: serve this LoRA adapter too; clients spread over the base and the adapters")
     a = ap.parse_args()
     model = pathlib.Path(a.model)
     ensure_tokenizer(model)
     results = {}
     port = free_port()
     results["rmlx"] = serve([a.rmlx, "serve", "--model", str(model), "--port", str(port),
-                             "--max-batch", str(a.clients), *a.rmlx_args.split()], port, a, "rmlx")
+                             "--max-batch", str(a.clients), *a.rmlx_args.split(),
+                             *[arg for spec in a.adapters for arg in ("--adapter", spec)]], port, a, "rmlx")
     if not a.skip_peer and not a.soak:
         port = free_port()
         results["mlx-lm"] = serve([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port),

@@ -189,7 +189,7 @@ impl<'m> Engine<'m> {
             cancelled: HashSet::new(),
             inflight: None,
             context,
-            adapters: AdapterBank::default(),
+            adapters: AdapterBank::new(lm.dtype),
             grammars: None,
         }
     }

@@ -2,11 +2,12 @@
 //! once: each row of a forward pass adds the low-rank change of its own adapter (or none), with
 //! the base weights shared and untouched.
 //!
-//! An [`AdapterBank`] holds, for every adapted layer, the factors of all its adapters stacked:
-//! `A: [slots, in, r]` and `B: [slots, r, out]` with the scale folded into `B`, smaller ranks
-//! padded with zeros and slot 0 all zeros (no adapter). Inside [`with_row_adapters`], every
-//! [`super::Linear`] of a model run on this thread gathers its rows' factors and adds
-//! `(x A[slot]) B[slot]`; when all rows share one slot it takes that slot's factors directly.
+//! An [`AdapterBank`] holds, for every adapted layer, the factors of all its adapters side by
+//! side: `A: [in, slots·R]` and `B: [slots·R, out]`, with the scale folded into `B`, every rank
+//! padded with zeros to the largest `R`, and zeros where an adapter leaves the layer alone. Inside
+//! [`with_row_adapters`], every [`super::Linear`] of a model run on this thread adds
+//! `((x A) ⊙ m) B`, where the mask `m: [B, 1, slots·R]` (made once per forward pass) keeps each
+//! row's own slot's `R` columns: two plain matmuls and a product per layer, for any mix of rows.
 //!
 //! ```
 //! use rmlx::{Array, Dtype};
@@ -24,12 +25,12 @@
 
 use super::Lora;
 use crate::{Error, Result};
-use rmlx::{ops, Array};
+use rmlx::{ops, Array, Dtype};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 use std::rc::Rc;
 
-/// One layer's stacked factors.
+/// One layer's factors, side by side: `a: [in, slots·R]`, `b: [slots·R, out]`.
 #[derive(Clone)]
 struct Stack {
     a: Array,
@@ -42,9 +43,19 @@ pub struct AdapterBank {
     /// Slot `i + 1`: the adapter's name and its layers' factors (`None`: a free slot).
     slots: Vec<Option<(String, HashMap<String, Lora>)>>,
     stacks: Rc<HashMap<String, Stack>>,
+    /// The largest rank: each slot's width in the stacks.
+    rank: i32,
+    /// The dtype the stacks are kept in (`None`: the factors' own).
+    dtype: Option<Dtype>,
 }
 
 impl AdapterBank {
+    /// An empty bank keeping its factors in `dtype` (the model's compute dtype, so that no cast
+    /// runs per layer and step).
+    pub fn new(dtype: Dtype) -> AdapterBank {
+        AdapterBank { dtype: Some(dtype), ..AdapterBank::default() }
+    }
+
     /// Adds an adapter (layer name → factors, as [`super::Linear::lora`] holds them) and returns
     /// its slot. DoRA adapters are refused: their output scaling is per weight, not per row.
     pub fn insert(&mut self, name: &str, layers: HashMap<String, Lora>) -> Result<usize> {
@@ -98,16 +109,17 @@ impl AdapterBank {
 
     /// Rebuilds every layer's stacks from the slots.
     fn restack(&mut self) -> Result<()> {
+        let adapters = || self.slots.iter().flatten().flat_map(|(_, l)| l.values());
+        self.rank = adapters().map(Lora::rank).max().unwrap_or(0);
         let layers: BTreeSet<&String> = self.slots.iter().flatten().flat_map(|(_, l)| l.keys()).collect();
         let mut stacks = HashMap::new();
         for layer in layers {
             let loras: Vec<Option<&Lora>> =
                 self.slots.iter().map(|s| s.as_ref().and_then(|(_, l)| l.get(layer))).collect();
             let first = loras.iter().flatten().next().expect("a layer named by some adapter");
-            let (input, output, dtype) = (first.a.shape()[0], first.b.shape()[1], first.a.dtype());
-            let rank = loras.iter().flatten().map(|l| l.rank()).max().unwrap_or(1);
-            let (mut a_rows, mut b_rows) = (vec![ops::zeros(&[1, input, rank], dtype)?], vec![]);
-            b_rows.push(ops::zeros(&[1, rank, output], dtype)?);
+            let (input, output) = (first.a.shape()[0], first.b.shape()[1]);
+            let dtype = self.dtype.unwrap_or(first.a.dtype());
+            let (mut a_cols, mut b_rows) = (Vec::new(), Vec::new());
             for lora in &loras {
                 let (a, b) = match lora {
                     Some(l) => {
@@ -117,17 +129,17 @@ impl AdapterBank {
                                 (l.a.shape(), l.b.shape())
                             )));
                         }
-                        let pad = rank - l.rank();
+                        let pad = self.rank - l.rank();
                         let a = with_zeros(&l.a.astype(dtype)?, 1, pad)?;
                         let b = with_zeros(&(&l.b * l.scale)?.astype(dtype)?, 0, pad)?;
                         (a, b)
                     }
-                    None => (ops::zeros(&[input, rank], dtype)?, ops::zeros(&[rank, output], dtype)?),
+                    None => (ops::zeros(&[input, self.rank], dtype)?, ops::zeros(&[self.rank, output], dtype)?),
                 };
-                a_rows.push(a.reshape(&[1, input, rank])?);
-                b_rows.push(b.reshape(&[1, rank, output])?);
+                a_cols.push(a);
+                b_rows.push(b);
             }
-            let a = ops::concatenate(&a_rows.iter().collect::<Vec<_>>(), 0)?;
+            let a = ops::concatenate(&a_cols.iter().collect::<Vec<_>>(), 1)?;
             let b = ops::concatenate(&b_rows.iter().collect::<Vec<_>>(), 0)?;
             rmlx::eval([&a, &b])?;
             stacks.insert(layer.clone(), Stack { a, b });
@@ -147,16 +159,11 @@ fn with_zeros(a: &Array, axis: i32, n: i32) -> Result<Array> {
     Ok(ops::concatenate(&[a, &ops::zeros(&shape, a.dtype())?], axis)?)
 }
 
-/// The rows' slots while [`with_row_adapters`] runs.
+/// The rows' adapters while [`with_row_adapters`] runs.
 struct Rows {
     stacks: Rc<HashMap<String, Stack>>,
-    /// One slot for every row, or the slots `[B]` as an int32 array.
-    choice: Choice,
-}
-
-enum Choice {
-    All(i32),
-    PerRow(Array),
+    /// `[B, 1, slots·R]`: 1 on each row's own slot's columns.
+    mask: Array,
 }
 
 thread_local! {
@@ -175,16 +182,18 @@ pub fn with_row_adapters<T>(bank: &AdapterBank, slots: &[usize], f: impl FnOnce(
     if let Some(slot) = slots.iter().find(|&&s| s > bank.slots.len() || (s > 0 && bank.slots[s - 1].is_none())) {
         return Err(Error::InvalidParameter(format!("no adapter in slot {slot}")));
     }
-    let rows = match slots {
-        _ if bank.stacks.is_empty() || slots.iter().all(|&s| s == 0) => None,
-        [first, rest @ ..] if rest.iter().all(|s| s == first) => {
-            Some(Rows { stacks: bank.stacks.clone(), choice: Choice::All(*first as i32) })
+    let rows = if bank.stacks.is_empty() || slots.iter().all(|&s| s == 0) {
+        None
+    } else {
+        let (width, rank) = (bank.slots.len() * bank.rank as usize, bank.rank as usize);
+        let mut mask = vec![0f32; slots.len() * width];
+        for (row, &slot) in slots.iter().enumerate().filter(|(_, &s)| s > 0) {
+            let start = row * width + (slot - 1) * rank;
+            mask[start..start + rank].fill(1.0);
         }
-        _ => {
-            let ids: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-            let ids = Array::from_slice(&ids, &[ids.len() as i32])?;
-            Some(Rows { stacks: bank.stacks.clone(), choice: Choice::PerRow(ids) })
-        }
+        let mask = Array::from_slice(&mask, &[slots.len() as i32, 1, width as i32])?;
+        let dtype = bank.stacks.values().next().map_or(Dtype::Float32, |s| s.a.dtype());
+        Some(Rows { stacks: bank.stacks.clone(), mask: mask.astype(dtype)? })
     };
     let _restore = Restore(ROWS.with(|r| r.replace(rows)));
     Ok(f())
@@ -196,25 +205,13 @@ pub(super) fn row_adapters(path: &str, x: &Array) -> Result<Option<Array>> {
         let rows = r.borrow();
         let Some(rows) = rows.as_ref() else { return Ok(None) };
         let Some(stack) = rows.stacks.get(path) else { return Ok(None) };
-        let z = match &rows.choice {
-            Choice::All(slot) => {
-                let pick = |s: &Array| s.slice_axis(0, *slot, slot + 1, 1)?.reshape(&s.shape()[1..]);
-                x.matmul(&pick(&stack.a)?.astype(x.dtype())?)?.matmul(&pick(&stack.b)?.astype(x.dtype())?)?
-            }
-            Choice::PerRow(ids) => {
-                // [B, in, r] and [B, r, out]: one matrix pair per row, broadcast over positions.
-                let (a, b) = (stack.a.take(ids, Some(0))?, stack.b.take(ids, Some(0))?);
-                let (a, b) = (a.astype(x.dtype())?, b.astype(x.dtype())?);
-                match x.ndim() {
-                    3 => x.matmul(&a)?.matmul(&b)?,
-                    n => {
-                        return Err(Error::InvalidParameter(format!(
-                            "per-row adapters need [B, L, in] inputs, not {n} axes"
-                        )))
-                    }
-                }
-            }
-        };
-        Ok(Some(z))
+        if x.ndim() != 3 {
+            return Err(Error::InvalidParameter(format!(
+                "per-row adapters need [B, L, in] inputs, not {:?}",
+                x.shape()
+            )));
+        }
+        let z = (x.matmul(&stack.a.astype(x.dtype())?)? * rows.mask.astype(x.dtype())?)?;
+        Ok(Some(z.matmul(&stack.b.astype(x.dtype())?)?))
     })
 }
