@@ -281,3 +281,38 @@ fn a_model_folder_with_an_endless_template_fails_cleanly() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_request_whose_first_token_overflows_fails_alone_in_the_engine() {
+    use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
+    let (spec, mut w) = untied_llama();
+    synth::poison_row(&mut w, "model.embed_tokens.weight", 11, f32::NAN);
+    let (_dir, lm) = write_model(&spec, w);
+    let clean = [1u32, 5, 9];
+    let alone = greedy(&lm, &clean, opts(6));
+    assert!(!alone.contains(&11), "the clean request never feeds the poisoned token: {alone:?}");
+    let mut engine = Engine::new(&lm, EngineOptions::default());
+    let (mut tokens, mut failed) = (Vec::new(), None);
+    let mut collect = |updates: Vec<Update>, ok| {
+        for u in updates {
+            match u {
+                Update::Token { seq, id, .. } if seq == ok => tokens.push(id),
+                Update::Token { seq, .. } => panic!("request {seq} produced a token"),
+                Update::Failed { seq, error } => failed = Some((seq, error)),
+                _ => {}
+            }
+        }
+    };
+    let ok = engine.submit(Request { prompt: clean.to_vec(), options: opts(6), ..Default::default() }).unwrap();
+    collect(engine.step().unwrap(), ok);
+    // Its prompt holds the poisoned token: NaN logits for its first token, while `ok` runs.
+    let bad = engine.submit(Request { prompt: vec![1, 11, 2], options: opts(6), ..Default::default() }).unwrap();
+    while !engine.is_idle() {
+        collect(engine.step().unwrap(), ok);
+    }
+    assert_eq!(tokens, alone, "the running request is untouched");
+    match failed {
+        Some((seq, Error::NonFinite(m))) => assert!(seq == bad && m.contains("NaN or infinite"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}

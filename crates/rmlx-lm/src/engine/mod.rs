@@ -439,7 +439,10 @@ impl<'m> Engine<'m> {
         let read = sampled.read()?;
         let seq = &mut p.seq;
         if !read.finite[0] {
-            return Err(non_finite(seq));
+            // This request alone fails; the running batch goes on.
+            seq.finish = Some(FinishReason::Cancelled);
+            out.push(Update::Failed { seq: seq.id, error: non_finite(seq) });
+            return Ok(None);
         }
         seq.accept(self.lm, read.tokens[0], read.logprobs[0], read.top(0), out)?;
         if seq.finish.is_some() {
