@@ -135,7 +135,8 @@ pub enum Update {
     Text { seq: SeqId, text: String },
     /// The request ended; nothing more comes for it.
     Finished { seq: SeqId, reason: FinishReason, usage: Usage },
-    /// The request failed (its logits overflowed); nothing more comes for it.
+    /// The request failed (its logits overflowed, or its grammar refused the sampled token);
+    /// nothing more comes for it. The other requests go on.
     Failed { seq: SeqId, error: Error },
 }
 
