@@ -327,6 +327,7 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
             grad_checkpoint: a.grad_checkpoint,
             // mlx-lm compiles its step; compiling on the CPU needs a C++ compiler at run time.
             compile: !a.no_compile && rmlx::default_device().kind == rmlx::DeviceType::Gpu,
+            compute_copies: true,
             batch_size: a.batch_size,
             val_batches,
             steps_per_report: a.steps_per_report,

@@ -52,6 +52,7 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
         grad_accumulation_steps: 1,
         grad_checkpoint: false,
         compile: false,
+        compute_copies: true,
         seed: 3,
         adapter_dir: Some(out.path().to_path_buf()),
         resume: None,

@@ -194,6 +194,7 @@ pub mod ffi {
         /// has not.
         fn array_wait(a: &Array) -> Result<bool>;
         fn array_to_string(a: &Array) -> Result<String>;
+        fn graph_census(outputs: &ArrayVec) -> Result<String>;
         fn array_eval(a: &Array) -> Result<()>;
         /// The dtype `a` and `b` promote to in a binary op.
         fn result_type(a: &Array, b: &Array) -> u8;

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 namespace mx = mlx::core;
@@ -616,6 +617,28 @@ ArrayPtr broadcast_to(const Array& a, Shape shape, StreamSpec s) { return wrap(m
 ArrayPtr concatenate(const ArrayVec& arrays, int32_t axis, StreamSpec s) { return wrap(mx::concatenate(arrays, axis, sod(s))); }
 ArrayPtr stack(const ArrayVec& arrays, int32_t axis, StreamSpec s) { return wrap(mx::stack(arrays, axis, sod(s))); }
 VecPtr split_sections(const Array& a, int32_t num, int32_t axis, StreamSpec s) { return wrap_vec(mx::split(a, num, axis, sod(s))); }
+// The operations still to run to produce `outputs`, counted by primitive: one `name count` line
+// each (a multi-output operation counts once).
+rust::String graph_census(const ArrayVec& outputs) {
+  std::map<std::string, size_t> counts;
+  std::unordered_set<std::uintptr_t> seen;
+  std::vector<mx::array> stack(outputs.begin(), outputs.end());
+  while (!stack.empty()) {
+    mx::array a = stack.back();
+    stack.pop_back();
+    if (!a.has_primitive() || a.is_available()) continue;
+    // One operation per group of sibling outputs (a compiled function's replays share one
+    // primitive object, so the primitive is no identity).
+    std::uintptr_t id = a.id();
+    for (auto& s : a.siblings()) id = std::min(id, s.id());
+    if (!seen.insert(id).second) continue;
+    counts[a.primitive().name()]++;
+    for (auto& i : a.inputs()) stack.push_back(i);
+  }
+  std::string out;
+  for (auto& [name, n] : counts) out += name + " " + std::to_string(n) + "\n";
+  return rust::String(out);
+}
 VecPtr depends(const ArrayVec& inputs, const ArrayVec& dependencies) { return wrap_vec(mx::depends(inputs, dependencies)); }
 VecPtr split_indices(const Array& a, rust::Slice<const int32_t> indices, int32_t axis, StreamSpec s) {
   return wrap_vec(mx::split(a, shape_of(indices), axis, sod(s)));

@@ -260,6 +260,33 @@ pub fn eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {
     crate::custom::check_eval_errors()
 }
 
+/// The operations still to run to compute `arrays`, counted by MLX's primitive name (a
+/// multi-output operation counts once): what an evaluation of them will launch, for finding
+/// where a graph's operations come from.
+///
+/// ```
+/// use rmlx::Array;
+/// let x = Array::from_slice(&[1.0f32, 2.0], &[2])?;
+/// let y = (&x.exp()? + &x.exp()?)?.sum(rmlx::ops::Axes::All, false)?;
+/// let census = rmlx::graph_census([&y])?;
+/// assert_eq!(census["Exp"], 2);
+/// assert_eq!(census["Add"], 1);
+/// rmlx::eval([&y])?;
+/// assert!(rmlx::graph_census([&y])?.is_empty());
+/// # Ok::<(), rmlx::Error>(())
+/// ```
+pub fn graph_census<'a>(
+    arrays: impl IntoIterator<Item = &'a Array>,
+) -> Result<std::collections::BTreeMap<String, usize>> {
+    let v = array_vec(arrays);
+    let text = crate::lock::locked(|| ffi::graph_census(&v))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.rsplit_once(' '))
+        .map(|(name, n)| (name.to_string(), n.parse().unwrap_or(0)))
+        .collect())
+}
+
 /// Schedules the computation of `arrays` and returns at once; reading them later waits as needed.
 /// Lets the host build the next graph while the device computes this one.
 pub fn async_eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {

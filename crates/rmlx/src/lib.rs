@@ -61,7 +61,7 @@ pub mod quantization;
 pub mod random;
 pub mod transforms;
 
-pub use array::{async_eval, eval, Array};
+pub use array::{async_eval, eval, graph_census, Array};
 pub use blas::{blas_threads, set_blas_threads};
 pub use device::{
     default_device, mlx_version, set_default_device, synchronize, with_device, with_stream, Device, DeviceType, Stream,

@@ -224,7 +224,7 @@ fn streams_per_thread() {
 fn float64_is_refused_on_the_gpu_before_it_runs_and_the_gpu_keeps_working() {
     let x = Array::from_slice(&[1.0f64, 2.0, 3.0], &[3]).unwrap();
     // The CPU computes in float64.
-    let on_cpu = rmlx::with_device(Device::cpu(), || (&x / 3.0)).unwrap();
+    let on_cpu = rmlx::with_device(Device::cpu(), || &x / 3.0).unwrap();
     assert_eq!(on_cpu.dtype(), Dtype::Float64);
     assert_eq!(on_cpu.to_vec::<f64>().unwrap(), vec![1.0 / 3.0, 2.0 / 3.0, 1.0]);
     if !Device::gpu().is_available() {
@@ -242,7 +242,7 @@ fn float64_is_refused_on_the_gpu_before_it_runs_and_the_gpu_keeps_working() {
             assert!(err.to_string().contains("float64 is not supported on the GPU"), "round {round}: {err}");
         }
         // The GPU still evaluates float32 work afterwards.
-        let y = rmlx::with_device(Device::gpu(), || (f32s.matmul(&f32s.reshape(&[3, 1])?)? + round as f32)).unwrap();
+        let y = rmlx::with_device(Device::gpu(), || f32s.matmul(&f32s.reshape(&[3, 1])?)? + round as f32).unwrap();
         assert_eq!(y.to_vec::<f32>().unwrap(), vec![14.0 + round as f32], "round {round}");
     }
 }

@@ -245,9 +245,22 @@ impl CompiledLossAndGrad {
     /// `model` (the model given to [`CompiledLossAndGrad::new`] or one with the same frozen arrays)
     /// and LoRA dropout drawn from `dropout_key` ([`rmlx::random::key`]).
     pub fn call(&self, model: &dyn Model, batch: &Batch, dropout_key: &Array) -> Result<LossAndGrad> {
+        self.call_with_copies(model, batch, dropout_key, &HashMap::new())
+    }
+
+    /// [`CompiledLossAndGrad::call`] with the trainable parameters read from `copies` where it
+    /// has them (their compute copies, [`super::Optimizer::update_with_copies`]): the gradients
+    /// come in the copies' dtype, and `params` are still the model's own values.
+    pub fn call_with_copies(
+        &self,
+        model: &dyn Model,
+        batch: &Batch,
+        dropout_key: &Array,
+        copies: &HashMap<String, Array>,
+    ) -> Result<LossAndGrad> {
         let values = trainable_values(model, &self.trainable)?;
-        let inputs: Vec<Array> =
-            values.iter().cloned().chain([batch.to_array()?, batch.mask_array()?, dropout_key.clone()]).collect();
+        let read = self.trainable.iter().zip(&values).map(|(n, v)| copies.get(n).unwrap_or(v).clone());
+        let inputs: Vec<Array> = read.chain([batch.to_array()?, batch.mask_array()?, dropout_key.clone()]).collect();
         let mut out = self.f.call(&inputs)?;
         let grads = out.split_off(2);
         Ok(LossAndGrad::new(&self.trainable, values, out, grads))

@@ -22,7 +22,7 @@
 
 use crate::{Error, Result};
 use rmlx::compile::{compile_with, CompileOptions, Compiled};
-use rmlx::{ops, Array};
+use rmlx::{ops, Array, Dtype};
 use std::collections::{BTreeMap, HashMap};
 
 mod adafactor;
@@ -174,8 +174,9 @@ pub struct Optimizer {
     step: u64,
     /// `m`/`v` (Adam), `momentum` (SGD with momentum) or Adafactor's moments per parameter name.
     state: HashMap<String, Slots>,
-    /// Adam's update of one parameter as one compiled (fused) function, when compiling.
-    fused_adam: Option<Compiled>,
+    /// Adam's update of one parameter as one compiled (fused) function, when compiling; one per
+    /// dtype of the compute copy it also writes ([`Optimizer::update_with_copies`]).
+    fused_adam: Option<HashMap<Option<Dtype>, Compiled>>,
 }
 
 impl Optimizer {
@@ -192,9 +193,7 @@ impl Optimizer {
     /// floating-point contraction in the fused kernel.
     pub fn set_compiled(&mut self, compiled: bool) {
         self.fused_adam = match (&self.kind, compiled) {
-            (&OptimizerKind::Adam { betas, eps, .. } | &OptimizerKind::AdamW { betas, eps, .. }, true) => {
-                Some(fused_adam(betas, eps))
-            }
+            (&OptimizerKind::Adam { .. } | &OptimizerKind::AdamW { .. }, true) => Some(HashMap::new()),
             _ => None,
         };
     }
@@ -216,14 +215,34 @@ impl Optimizer {
         params: &HashMap<String, Array>,
         grads: &HashMap<String, Array>,
     ) -> Result<HashMap<String, Array>> {
+        Ok(self.update_with_copies(params, grads, None)?.0)
+    }
+
+    /// [`Optimizer::update`], also returning each new value cast to `copy` (mixed precision: the
+    /// parameters and the optimizer's state stay in their own dtype, a float32 master, while the
+    /// forward and backward passes read the copy, in the activations' dtype, and give gradients in
+    /// it). A parameter already in `copy`'s dtype is its own copy. Compiled Adam writes the copy
+    /// from the same fused kernel as the update, so the casts cost no operation of their own.
+    /// Gradients in another dtype than their parameter are cast to the parameter's first.
+    pub fn update_with_copies(
+        &mut self,
+        params: &HashMap<String, Array>,
+        grads: &HashMap<String, Array>,
+        copy: Option<Dtype>,
+    ) -> Result<(HashMap<String, Array>, HashMap<String, Array>)> {
         let lr = self.schedule.at(self.step);
         self.step += 1;
         let step = self.step;
         let mut out = HashMap::with_capacity(grads.len());
+        let mut copies = HashMap::new();
         for (name, g) in grads {
             let p = params
                 .get(name)
                 .ok_or_else(|| Error::InvalidParameter(format!("a gradient for `{name}`, which is no parameter")))?;
+            let copy = copy.filter(|&d| d != p.dtype());
+            // Adam casts inside its (fused) update; the others here.
+            let is_adam = matches!(self.kind, OptimizerKind::Adam { .. } | OptimizerKind::AdamW { .. });
+            let g = if g.dtype() != p.dtype() && !is_adam { &g.astype(p.dtype())? } else { g };
             let new = match &self.kind {
                 &OptimizerKind::Sgd { momentum, weight_decay, dampening, nesterov } => {
                     let g = if weight_decay != 0.0 { (g + (p * weight_decay)?)? } else { g.clone() };
@@ -242,20 +261,31 @@ impl Optimizer {
                     }
                 }
                 &OptimizerKind::Adam { betas, eps, bias_correction } => {
-                    self.adam(name, p, g, lr, step, betas, eps, bias_correction)?
+                    let (new, copied) = self.adam(name, p, g, lr, step, betas, eps, bias_correction, copy)?;
+                    copies.extend(copied.map(|c| (name.clone(), c)));
+                    new
                 }
                 &OptimizerKind::AdamW { betas, eps, weight_decay, bias_correction } => {
                     let decayed = (p * (1.0 - lr * weight_decay))?;
-                    self.adam(name, &decayed, g, lr, step, betas, eps, bias_correction)?
+                    let (new, copied) = self.adam(name, &decayed, g, lr, step, betas, eps, bias_correction, copy)?;
+                    copies.extend(copied.map(|c| (name.clone(), c)));
+                    new
                 }
                 OptimizerKind::Adafactor(cfg) => {
                     let state = self.state.entry(name.clone()).or_default();
                     cfg.apply(name, p, g, lr, step, state)?
                 }
             };
+            if !copies.contains_key(name) {
+                let c = match copy {
+                    Some(d) => new.astype(d)?,
+                    None => new.clone(),
+                };
+                copies.insert(name.clone(), c);
+            }
             out.insert(name.clone(), new);
         }
-        Ok(out)
+        Ok((out, copies))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -269,7 +299,8 @@ impl Optimizer {
         betas: (f32, f32),
         eps: f32,
         bias_correction: bool,
-    ) -> Result<Array> {
+        copy: Option<Dtype>,
+    ) -> Result<(Array, Option<Array>)> {
         let (b1, b2) = betas;
         let [m0, v0] = self.slots(name, ["m", "v"], p)?;
         // The step's numbers as 0-d arrays in the parameter's dtype (for the compiled update: no
@@ -281,14 +312,15 @@ impl Optimizer {
         };
         let scalar = |v: f32| Array::scalar_as(v as f64, p.dtype());
         let inputs = [p.clone(), g.clone(), m0, v0, scalar(c1)?, scalar(c2)?];
-        let out = match &self.fused_adam {
-            Some(fused) => fused.call(&inputs)?,
-            None => adam_update(&inputs, betas, eps)?,
+        let mut out = match &mut self.fused_adam {
+            Some(fused) => fused.entry(copy).or_insert_with(|| fused_adam(betas, eps, copy)).call(&inputs)?,
+            None => adam_update(&inputs, betas, eps, copy)?,
         };
+        let copied = if copy.is_some() { out.pop() } else { None };
         let [new, m, v]: [Array; 3] =
             out.try_into().map_err(|_| Error::InvalidParameter("Adam: three outputs".into()))?;
         self.state.insert(name.to_string(), [("m", m), ("v", v)].into());
-        Ok(new)
+        Ok((new, copied))
     }
 
     /// The state arrays `keys` of `name`, zeros like `p` the first time.
@@ -362,19 +394,24 @@ impl Optimizer {
 
 /// `(p, g, m, v, c1, c2) → (p − (m'·c1) / (√v'·c2 + eps), m', v')` with `m' = β₁m + (1−β₁)g` and
 /// `v' = β₂v + (1−β₂)g²`: Adam's update of one parameter (`c1 = lr`, `c2 = 1` without bias
-/// correction), run op by op or compiled by [`fused_adam`].
-fn adam_update(x: &[Array], (b1, b2): (f32, f32), eps: f32) -> rmlx::Result<Vec<Array>> {
-    let (p, g, m0, v0, c1, c2) = (&x[0], &x[1], &x[2], &x[3], &x[4], &x[5]);
+/// correction), run op by op or compiled by [`fused_adam`]. `g` is first cast to `p`'s dtype; with
+/// `copy`, the new value cast to it is a fourth output.
+fn adam_update(x: &[Array], (b1, b2): (f32, f32), eps: f32, copy: Option<Dtype>) -> rmlx::Result<Vec<Array>> {
+    let (p, m0, v0, c1, c2) = (&x[0], &x[2], &x[3], &x[4], &x[5]);
+    let g = &x[1].astype(p.dtype())?;
     let m = ((m0 * b1)? + (g * (1.0 - b1))?)?;
     let v = ((v0 * b2)? + (ops::square(g)? * (1.0 - b2))?)?;
     let new = (p - ((&m * c1)? / ((v.sqrt()? * c2)? + eps)?)?)?;
-    Ok(vec![new, m, v])
+    let copied = copy.map(|d| new.astype(d)).transpose()?;
+    Ok([new, m, v].into_iter().chain(copied).collect())
 }
 
-/// [`adam_update`] compiled once for all shapes: one fused kernel per parameter.
-fn fused_adam(betas: (f32, f32), eps: f32) -> Compiled {
+/// [`adam_update`] compiled, traced once per parameter shape: one fused kernel per parameter. (A
+/// shapeless trace broadcasts its scalars at run time, and MLX then splits the update into three
+/// kernels: `g(1−β₁)`, `g²(1−β₂)` and the rest.)
+fn fused_adam(betas: (f32, f32), eps: f32, copy: Option<Dtype>) -> Compiled {
     compile_with(
-        move |x: &[Array]| adam_update(x, betas, eps),
-        CompileOptions { shapeless: true, name: Some("adam update".into()) },
+        move |x: &[Array]| adam_update(x, betas, eps, copy),
+        CompileOptions { shapeless: false, name: Some("adam update".into()) },
     )
 }
