@@ -102,11 +102,22 @@ fn completions_equal_generate_and_streams_add_up() {
 
     let (_, metrics) = server.request("GET", "/metrics", None, &[]);
     assert!(metrics.contains("rmlx_requests_total 6\n"), "{metrics}");
+    // Without --max-kv-gb the running batch's keys and values are bounded by the device: more
+    // than this tiny model will use, less than the machine has.
+    let budget: u64 = metrics.lines().find_map(|l| l.strip_prefix("rmlx_kv_budget_bytes ")).unwrap().parse().unwrap();
+    let ram: u64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("MemTotal:").map(|v| v.trim().trim_end_matches(" kB").parse::<u64>().unwrap() * 1024)
+        })
+        .unwrap();
+    assert!(budget > 100_000_000 && budget < ram, "{budget} of {ram} bytes\n{metrics}");
 }
 
 #[test]
 fn concurrent_requests_share_a_batch_and_decode_as_alone() {
-    let server = Server::start(&["--max-batch", "8", "--prefill-step", "16"]);
+    let server = Server::start(&["--max-batch", "8", "--prefill-step", "16", "--max-kv-gb", "0.5"]);
     let prompts = [
         "The capital of France is",
         "Once upon a time",
@@ -138,6 +149,7 @@ fn concurrent_requests_share_a_batch_and_decode_as_alone() {
         assert_eq!(together[i]["usage"]["completion_tokens"], alone[i]["usage"]["completion_tokens"]);
     }
     let (_, metrics) = server.request("GET", "/metrics", None, &[]);
+    assert!(metrics.contains("rmlx_kv_budget_bytes 500000000\n"), "{metrics}");
     let peak: usize = metrics.lines().find_map(|l| l.strip_prefix("rmlx_batch_size_peak ")).unwrap().parse().unwrap();
     assert!(peak >= 3, "at most {peak} sequences decoded together\n{metrics}");
 }

@@ -85,6 +85,8 @@ pub struct Stats {
     pub peak_memory: AtomicU64,
     pub active_memory: AtomicU64,
     pub kv_bytes: AtomicU64,
+    /// What the running batch's keys and values may take (`--max-kv-gb` or derived).
+    pub kv_budget: AtomicU64,
     pub prompt_cache_bytes: AtomicU64,
 }
 

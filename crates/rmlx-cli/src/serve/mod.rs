@@ -70,7 +70,8 @@ pub struct Args {
     #[arg(long, default_value_t = 2.0)]
     prompt_cache_gb: f64,
     /// Gigabytes the running batch's keys and values may take; requests that would pass it wait,
-    /// and one that cannot fit alone is refused (default: unbounded).
+    /// and one that cannot fit alone is refused (default: three quarters of what MLX's memory
+    /// limit for the device leaves after the weights and the prompt cache).
     #[arg(long)]
     max_kv_gb: Option<f64>,
     /// Build each decoding step before the previous one's tokens are read (experimental: slower
@@ -162,11 +163,25 @@ pub fn run(a: Args) -> Result<()> {
         })
     })?;
     let gb = |g: f64| (g.max(0.0) * 1e9) as usize;
+    let max_kv_bytes = match a.max_kv_gb {
+        Some(g) => gb(g),
+        None => {
+            use rmlx_lm::nn::ModuleExt;
+            let weights = lm.model.parameters("").iter().map(|(_, w)| w.nbytes()).sum();
+            let derived = rmlx_lm::engine::device_kv_budget(weights, gb(a.prompt_cache_gb));
+            eprintln!(
+                "keys and values of the running batch: up to {:.2} GB (from the device's memory; --max-kv-gb sets it)",
+                derived as f64 / 1e9
+            );
+            derived
+        }
+    };
+    stats.kv_budget.store(max_kv_bytes as u64, Ordering::Relaxed);
     let options = rmlx_lm::engine::EngineOptions {
         max_batch: a.max_batch,
         prefill_tokens: a.prefill_step,
         prompt_cache_bytes: gb(a.prompt_cache_gb),
-        max_kv_bytes: a.max_kv_gb.map(gb),
+        max_kv_bytes: Some(max_kv_bytes),
         context: Some(context),
         pipelined: a.pipelined_decode,
     };
@@ -267,6 +282,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
          # TYPE rmlx_peak_memory_bytes gauge\nrmlx_peak_memory_bytes {}\n\
          # TYPE rmlx_active_memory_bytes gauge\nrmlx_active_memory_bytes {}\n\
          # TYPE rmlx_kv_cache_bytes gauge\nrmlx_kv_cache_bytes {}\n\
+         # TYPE rmlx_kv_budget_bytes gauge\nrmlx_kv_budget_bytes {}\n\
          # TYPE rmlx_prompt_cache_bytes gauge\nrmlx_prompt_cache_bytes {}\n",
         c(&st.requests),
         c(&st.failed),
@@ -281,6 +297,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
         c(&st.peak_memory),
         c(&st.active_memory),
         c(&st.kv_bytes),
+        c(&st.kv_budget),
         c(&st.prompt_cache_bytes),
     )
 }

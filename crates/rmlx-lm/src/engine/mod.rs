@@ -35,10 +35,12 @@
 //! # Ok(()) }
 //! ```
 
+mod budget;
 mod prompt_cache;
 mod sampling;
 mod sequence;
 
+pub use budget::{device_kv_budget, kv_budget};
 pub use prompt_cache::PromptCache;
 
 use crate::cache::{BatchCache, KvCache};
