@@ -38,6 +38,10 @@ pub struct Args {
     /// Most prompts decoded together.
     #[arg(long, default_value_t = 32, value_parser = count)]
     max_batch: usize,
+    /// Keep generating past end-of-sequence tokens (every prompt gets its `max_tokens`: what a
+    /// throughput benchmark compares).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Report the next token's distribution after each prompt (its `--top` most likely tokens
     /// with their log-probabilities) instead of generating.
     #[arg(long)]
@@ -91,6 +95,9 @@ pub fn run(a: Args) -> Result<()> {
     let lines = read_lines(&a.prompts)?;
     let lm = a.model.load()?;
     let mut engine = Engine::new(&lm, EngineOptions { max_batch: a.max_batch, ..EngineOptions::default() });
+    let start = std::time::Instant::now();
+    rmlx::memory::reset_peak_memory();
+    let (mut prompt_tokens, mut cached_tokens, mut generated) = (0, 0, 0);
     let mut index = HashMap::new();
     for (i, line) in lines.iter().enumerate() {
         let mut sampler = base.clone();
@@ -103,7 +110,7 @@ pub fn run(a: Args) -> Result<()> {
             max_tokens,
             sampler,
             stop_strings: a.stop.clone(),
-            ignore_eos: a.classify,
+            ignore_eos: a.classify || a.ignore_eos,
             ..GenerateOptions::default()
         };
         let prompt = encode(&lm, line).with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
@@ -133,6 +140,9 @@ pub fn run(a: Args) -> Result<()> {
                     let r = &mut results[i];
                     r["prompt_tokens"] = json!(usage.prompt_tokens);
                     r["cached_tokens"] = json!(usage.cached_tokens);
+                    prompt_tokens += usage.prompt_tokens;
+                    cached_tokens += usage.cached_tokens;
+                    generated += usage.completion_tokens;
                     if !a.classify {
                         r["text"] = json!(std::mem::take(&mut texts[i]));
                         r["completion_tokens"] = json!(usage.completion_tokens);
@@ -146,6 +156,15 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     progress.finish();
+    // The whole batch, prefill included, after loading.
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!(
+        "{} prompts, {prompt_tokens} prompt tokens ({cached_tokens} cached), {generated} generated in {secs:.2} s: \
+         {:.1} generated tokens/s, peak memory {:.2} GB",
+        lines.len(),
+        generated as f64 / secs.max(1e-9),
+        rmlx::memory::peak_memory() as f64 / 1e9
+    );
     let mut out: Box<dyn Write> = match &a.output {
         Some(p) => Box::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,

@@ -1,6 +1,7 @@
 //! `rmlx batch` with the default model: each result equals `rmlx generate`'s for the same prompt
 //! (raw and chat), in input order with the ids passed through; `--classify` reports the token
-//! `generate` would start with, as the most likely of `--top`; a bad line is named.
+//! `generate` would start with, as the most likely of `--top`; `--ignore-eos` generates every
+//! prompt's `max_tokens` and the totals go to stderr; a bad line is named.
 
 use serde_json::{json, Value};
 use std::process::{Command, Output, Stdio};
@@ -61,6 +62,17 @@ fn batch_results_equal_generate_in_input_order() {
     }
     assert_eq!((r[0]["id"].clone(), r[1]["id"].clone(), r[2]["id"].clone()), (json!("capital"), json!(7), Value::Null));
     assert_eq!(r[2]["finish_reason"], "length");
+
+    // --ignore-eos: every prompt gets its max_tokens; the totals go to stderr.
+    let out = rmlx(&["batch", "--prompts", prompts.to_str().unwrap(), "--max-tokens", "12", "--ignore-eos"]);
+    let long = results(&out);
+    for (i, n) in [10, 12, 3].into_iter().enumerate() {
+        assert_eq!((long[i]["completion_tokens"].as_u64(), &long[i]["finish_reason"]), (Some(n), &json!("length")));
+    }
+    let prompt_total: u64 = expected.iter().map(|e| e.2).sum();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("3 prompts, {prompt_total} prompt tokens (")), "{stderr}");
+    assert!(stderr.contains(" 25 generated in "), "{stderr}");
 
     // --classify: the first token generate takes is the most likely; three, best first.
     let out = rmlx(&["batch", "--prompts", prompts.to_str().unwrap(), "--classify", "--top", "3"]);
