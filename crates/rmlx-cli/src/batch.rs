@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
 use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
+use rmlx_lm::grammar::Grammar;
 use rmlx_lm::progress::Progress;
 use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
 use serde::Deserialize;
@@ -21,7 +22,8 @@ pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// A jsonl file: one `{"prompt": "..."}` (encoded as is) or `{"messages": [...]}` (chat
-    /// template) per line, optionally with `"id"`, `"max_tokens"`, `"temperature"`, `"seed"`.
+    /// template) per line, optionally with `"id"`, `"max_tokens"`, `"temperature"`, `"seed"` and
+    /// `"response_format"` (as OpenAI's, plus `{"type": "regex", "regex": …}` and `lark`).
     #[arg(long)]
     prompts: PathBuf,
     /// Where the results go (default: stdout), one JSON object per prompt, in input order.
@@ -61,6 +63,11 @@ struct Line {
     max_tokens: Option<usize>,
     temperature: Option<f32>,
     seed: Option<u64>,
+    /// OpenAI's `response_format` (`json_object`, `json_schema`) or rmlx's `regex` / `lark`: the
+    /// output is constrained to it during sampling.
+    response_format: Option<Value>,
+    #[serde(skip)]
+    grammar: Option<Grammar>,
 }
 
 /// Reads and checks every line before anything runs: an error names the line.
@@ -69,7 +76,10 @@ fn read_lines(path: &PathBuf) -> Result<Vec<Line>> {
     let mut lines = Vec::new();
     for (i, raw) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let at = || format!("{}, line {}", path.display(), i + 1);
-        let line: Line = serde_json::from_str(raw).with_context(at)?;
+        let mut line: Line = serde_json::from_str(raw).with_context(at)?;
+        if let Some(f) = &line.response_format {
+            line.grammar = Grammar::from_response_format(f).with_context(at)?;
+        }
         match (&line.prompt, &line.messages) {
             (Some(_), None) | (None, Some(_)) => {}
             _ => bail!("{}: a line needs exactly one of \"prompt\" and \"messages\"", at()),
@@ -115,7 +125,7 @@ pub fn run(a: Args) -> Result<()> {
         };
         let prompt = encode(&lm, line).with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
         let seq = engine
-            .submit(Request { prompt, options, top_logprobs, ..Default::default() })
+            .submit(Request { prompt, options, top_logprobs, grammar: line.grammar.clone(), ..Default::default() })
             .with_context(|| format!("{}, prompt {}", a.prompts.display(), i + 1))?;
         index.insert(seq, i);
     }

@@ -1,7 +1,8 @@
 //! `rmlx batch` with the default model: each result equals `rmlx generate`'s for the same prompt
 //! (raw and chat), in input order with the ids passed through; `--classify` reports the token
 //! `generate` would start with, as the most likely of `--top`; `--ignore-eos` generates every
-//! prompt's `max_tokens` and the totals go to stderr; a bad line is named.
+//! prompt's `max_tokens` and the totals go to stderr; a `response_format` constrains its line; a
+//! bad line is named.
 
 use serde_json::{json, Value};
 use std::process::{Command, Output, Stdio};
@@ -95,6 +96,8 @@ fn a_bad_line_is_named_before_anything_runs() {
     for (lines, expected) in [
         (vec![json!({"prompt": "hi"}), json!({"promt": "typo"})], "line 2"),
         (vec![json!({"prompt": "hi", "messages": []})], "exactly one of \"prompt\" and \"messages\""),
+        (vec![json!({"prompt": "hi"}), json!({"prompt": "x", "response_format": {"type": "xml"}})], "line 2"),
+        (vec![json!({"prompt": "x", "response_format": {"type": "regex"}})], "needs `regex`, a string"),
     ] {
         let p = write_prompts("bad", &lines);
         let out = rmlx(&["batch", "--prompts", p.to_str().unwrap()]);
@@ -104,4 +107,31 @@ fn a_bad_line_is_named_before_anything_runs() {
         assert!(out.stdout.is_empty());
         let _ = std::fs::remove_file(p);
     }
+}
+
+/// `response_format` per line: a regex-constrained line gives a whole match and stops there, in the
+/// same batch as an unconstrained line that still gives `generate`'s text.
+#[test]
+fn a_line_with_a_response_format_is_constrained() {
+    let prompts = write_prompts(
+        "format",
+        &[
+            json!({"prompt": "A product code:", "max_tokens": 20,
+                   "response_format": {"type": "regex", "regex": "[A-Z]{3}-[0-9]{4}"}}),
+            json!({"prompt": "The capital of France is", "max_tokens": 6}),
+        ],
+    );
+    let r = results(&rmlx(&["batch", "--prompts", prompts.to_str().unwrap(), "--temp", "0"]));
+    let code = r[0]["text"].as_str().unwrap();
+    let b = code.as_bytes();
+    assert!(
+        b.len() == 8
+            && b[..3].iter().all(u8::is_ascii_uppercase)
+            && b[3] == b'-'
+            && b[4..].iter().all(u8::is_ascii_digit),
+        "{code:?}"
+    );
+    assert_eq!(r[0]["finish_reason"], "stop");
+    assert_eq!(r[1]["text"].as_str().unwrap(), generate("The capital of France is", true, 6).0);
+    let _ = std::fs::remove_file(prompts);
 }

@@ -39,6 +39,49 @@ pub enum Grammar {
     Lark(String),
 }
 
+impl Grammar {
+    /// The grammar of an OpenAI `response_format` object: `text` (none), `json_object`,
+    /// `json_schema` (`{"json_schema": {"schema": …}}`), and rmlx's `regex` (`{"regex": …}`) and
+    /// `lark` (`{"lark": …}`). [`Error::InvalidParameter`] says what is wrong with another.
+    ///
+    /// ```
+    /// use rmlx_lm::grammar::Grammar;
+    /// use serde_json::json;
+    /// let rx = json!({"type": "regex", "regex": "[0-9]+"});
+    /// assert_eq!(Grammar::from_response_format(&rx)?, Some(Grammar::Regex("[0-9]+".into())));
+    /// assert_eq!(Grammar::from_response_format(&json!({"type": "text"}))?, None);
+    /// assert!(Grammar::from_response_format(&json!({"type": "xml"})).is_err());
+    /// # Ok::<(), rmlx_lm::Error>(())
+    /// ```
+    pub fn from_response_format(f: &serde_json::Value) -> Result<Option<Grammar>> {
+        use serde_json::Value;
+        let bad = |m: &str| Err(Error::InvalidParameter(m.to_string()));
+        let text = |key: &str| f.get(key).and_then(Value::as_str).map(str::to_string);
+        match f.get("type").and_then(Value::as_str) {
+            Some("text") => Ok(None),
+            Some("json_object") => Ok(Some(Grammar::JsonObject)),
+            Some("json_schema") => match f.get("json_schema").and_then(|j| j.get("schema")) {
+                Some(schema) if schema.is_object() || schema.is_boolean() => {
+                    Ok(Some(Grammar::JsonSchema(schema.clone())))
+                }
+                _ => bad("response_format json_schema needs `json_schema.schema`, a JSON Schema object"),
+            },
+            Some("regex") => match text("regex") {
+                Some(rx) => Ok(Some(Grammar::Regex(rx))),
+                None => bad("response_format regex needs `regex`, a string"),
+            },
+            Some("lark") => match text("lark") {
+                Some(lark) => Ok(Some(Grammar::Lark(lark))),
+                None => bad("response_format lark needs `lark`, a string"),
+            },
+            other => bad(&format!(
+                "response_format type {} is not one of text, json_object, json_schema, regex, lark",
+                other.map_or("(missing)".to_string(), |t| format!("`{t}`"))
+            )),
+        }
+    }
+}
+
 /// Compiles grammars for one model's tokenizer (building it reads the whole vocabulary once).
 #[derive(Clone)]
 pub struct GrammarCompiler {

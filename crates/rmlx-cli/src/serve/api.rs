@@ -170,31 +170,15 @@ impl Common {
     }
 }
 
-/// `response_format`: OpenAI's `text`, `json_object` and `json_schema` (`{"json_schema":
-/// {"schema": …}}`), and rmlx's `regex` (`{"regex": …}`) and `lark` (`{"lark": …}`).
+/// `response_format` ([`Grammar::from_response_format`]) as a 400 naming the field.
 fn response_format(f: &Value) -> Result<Option<Grammar>, ApiError> {
-    let bad = |m: String| Err(ApiError::bad_request(m, Some("response_format")));
-    let text = |key: &str| f.get(key).and_then(Value::as_str).map(str::to_string);
-    match f.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(Grammar::JsonObject)),
-        Some("json_schema") => match f.get("json_schema").and_then(|j| j.get("schema")) {
-            Some(schema) if schema.is_object() || schema.is_boolean() => Ok(Some(Grammar::JsonSchema(schema.clone()))),
-            _ => bad("response_format json_schema needs `json_schema.schema`, a JSON Schema object".into()),
-        },
-        Some("regex") => match text("regex") {
-            Some(rx) => Ok(Some(Grammar::Regex(rx))),
-            None => bad("response_format regex needs `regex`, a string".into()),
-        },
-        Some("lark") => match text("lark") {
-            Some(lark) => Ok(Some(Grammar::Lark(lark))),
-            None => bad("response_format lark needs `lark`, a string".into()),
-        },
-        other => bad(format!(
-            "response_format type {} is not one of text, json_object, json_schema, regex, lark",
-            other.map_or("(missing)".to_string(), |t| format!("`{t}`"))
-        )),
-    }
+    Grammar::from_response_format(f).map_err(|e| {
+        let m = match e {
+            rmlx_lm::Error::InvalidParameter(m) => m,
+            e => e.to_string(),
+        };
+        ApiError::bad_request(m, Some("response_format"))
+    })
 }
 
 /// A message's content: a string, or a list of parts of which the text ones are joined.
