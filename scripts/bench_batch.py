@@ -3,7 +3,8 @@
 
 Usage (on the GPU machine, after `source .gpu/b/device-setup`):
     python3 scripts/bench_batch.py --rmlx .gpu/bin/rmlx /root/models/qwen3-0.6b \
-        [--prompts 64] [--prompt-words 128] [--max-tokens 128] [--batch 32] [--repeats 2]
+        [--prompts 64] [--prompt-words 128] [--max-tokens 128] [--batch 32] [--repeats 2] \
+        [--variant "one-at-a-time=--prefill-batch 1"]
 
 Prompts: `--prompts` texts of `--prompt-words` words from a fixed seed; each word is one token of
 the word-level tokenizer that bench_lora.py writes into random-weight folders, so both tools see the
@@ -11,7 +12,9 @@ same token ids. Both generate greedily exactly `--max-tokens` tokens per prompt 
 tokens ignored), at most `--batch` sequences decoded together, each run in a fresh process. The
 time is the whole batch, prefill included, after the model is loaded; throughput is generated
 tokens per second of it. Runs alternate between the tools; the best of `--repeats` counts.
-Peak memory is MLX's peak over the batch. Prints one JSON line per run and a summary line.
+Peak memory is MLX's peak over the batch. Each `--variant NAME=ARGS` adds an rmlx run with those
+extra arguments to every round (an A/B inside one call). Prints one JSON line per run and a summary
+line.
 """
 import argparse, json, pathlib, random, re, subprocess, sys, tempfile, time
 
@@ -60,10 +63,11 @@ STATS = re.compile(r"(\d+) prompts, (\d+) prompt tokens \((\d+) cached\), (\d+) 
                    r"([\d.]+) generated tokens/s, peak memory ([\d.]+) GB")
 
 
-def run_rmlx(a, model, prompts_file):
+def run_rmlx(a, model, prompts_file, extra=()):
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as out_file:
         cmd = [a.rmlx, "batch", "--model", str(model), "--prompts", str(prompts_file), "--max-tokens",
-               str(a.max_tokens), "--ignore-eos", "--temp", "0", "--max-batch", str(a.batch), "-o", out_file.name]
+               str(a.max_tokens), "--ignore-eos", "--temp", "0", "--max-batch", str(a.batch), "-o", out_file.name,
+               *extra]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"rmlx failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -83,6 +87,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="also run rmlx with these extra arguments, reported as NAME")
     ap.add_argument("--peer", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -94,20 +100,28 @@ def main():
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
             for p in prompts(a.prompts, a.prompt_words, vocab):
                 f.write(json.dumps({"prompt": p}) + "\n")
+        tools = [("mlx-lm", run_peer), ("rmlx", run_rmlx)]
+        for v in a.variant:
+            name, _, args = v.partition("=")
+            tools.append((name, lambda a, m, f, extra=tuple(args.split()): run_rmlx(a, m, f, extra)))
         best = {}
         for r in range(a.repeats):
-            for tool, fn in [("mlx-lm", run_peer), ("rmlx", run_rmlx)]:
+            for tool, fn in tools:
                 res = fn(a, m, f.name)
                 print(json.dumps({"tool": tool, "model": m.name, "round": r, **res}), flush=True)
                 if tool not in best or res["tok_s"] > best[tool]["tok_s"]:
                     best[tool] = res
-        print(json.dumps({"summary": m.name, "prompts": a.prompts, "prompt_words": a.prompt_words,
-                          "max_tokens": a.max_tokens, "batch": a.batch,
-                          "mlx_lm_tok_s": round(best["mlx-lm"]["tok_s"]), "rmlx_tok_s": round(best["rmlx"]["tok_s"]),
-                          "speedup": round(best["rmlx"]["tok_s"] / best["mlx-lm"]["tok_s"], 3),
-                          "mlx_lm_peak_gb": round(best["mlx-lm"]["peak_gb"], 2),
-                          "rmlx_peak_gb": round(best["rmlx"]["peak_gb"], 2)}), flush=True)
-
+        summary = {"summary": m.name, "prompts": a.prompts, "prompt_words": a.prompt_words,
+                   "max_tokens": a.max_tokens, "batch": a.batch,
+                   "mlx_lm_tok_s": round(best["mlx-lm"]["tok_s"]), "rmlx_tok_s": round(best["rmlx"]["tok_s"]),
+                   "speedup": round(best["rmlx"]["tok_s"] / best["mlx-lm"]["tok_s"], 3),
+                   "mlx_lm_peak_gb": round(best["mlx-lm"]["peak_gb"], 2),
+                   "rmlx_peak_gb": round(best["rmlx"]["peak_gb"], 2)}
+        for tool, _ in tools[2:]:
+            summary[f"{tool}_tok_s"] = round(best[tool]["tok_s"])
+            summary[f"{tool}_speedup"] = round(best[tool]["tok_s"] / best["mlx-lm"]["tok_s"], 3)
+            summary[f"{tool}_peak_gb"] = round(best[tool]["peak_gb"], 2)
+        print(json.dumps(summary), flush=True)
 
 if __name__ == "__main__":
     main()

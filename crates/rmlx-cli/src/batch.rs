@@ -40,6 +40,10 @@ pub struct Args {
     /// Most prompts decoded together.
     #[arg(long, default_value_t = 32, value_parser = count)]
     max_batch: usize,
+    /// Most prompts computed together in one forward pass before they join the batch (padded to
+    /// end together, within 2048 tokens); 1 computes them one at a time.
+    #[arg(long, default_value_t = 8, value_parser = count)]
+    prefill_batch: usize,
     /// Keep generating past end-of-sequence tokens (every prompt gets its `max_tokens`: what a
     /// throughput benchmark compares).
     #[arg(long)]
@@ -104,7 +108,10 @@ pub fn run(a: Args) -> Result<()> {
     let base = a.sampling.checked_config()?;
     let lines = read_lines(&a.prompts)?;
     let lm = a.model.load()?;
-    let mut engine = Engine::new(&lm, EngineOptions { max_batch: a.max_batch, ..EngineOptions::default() });
+    let mut engine = Engine::new(
+        &lm,
+        EngineOptions { max_batch: a.max_batch, prefill_batch: a.prefill_batch, ..EngineOptions::default() },
+    );
     let start = std::time::Instant::now();
     rmlx::memory::reset_peak_memory();
     let (mut prompt_tokens, mut cached_tokens, mut generated) = (0, 0, 0);

@@ -155,6 +155,75 @@ fn sliding_window_layers_in_a_batch() {
     drain(&mut engine, &mut out);
     assert_eq!(out[&sa].tokens, alone(&lm, &a, &greedy));
     assert_eq!(out[&sb].tokens, alone(&lm, &b, &greedy));
+    // Both prompts computed in one forward pass, the shorter padded by 9 positions.
+    let mut engine = Engine::new(&lm, EngineOptions::default());
+    let mut out = HashMap::new();
+    let (sa, sb) =
+        (engine.submit(request(&a, greedy.clone())).unwrap(), engine.submit(request(&b, greedy.clone())).unwrap());
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&sa].tokens, alone(&lm, &a, &greedy));
+    assert_eq!(out[&sb].tokens, alone(&lm, &b, &greedy));
+}
+
+#[test]
+fn newcomers_computed_together_decode_as_alone() {
+    let (_d, lm) = load("llama_gqa");
+    let prompts = prompts(&ids(&reference("llama_gqa")["prompt_ids"]));
+    let opts = |i: usize| match i {
+        0 => options(8, SamplerConfig::default()),
+        1 => options(8, seeded(1)),
+        2 => options(8, SamplerConfig { repetition_penalty: 1.3, ..seeded(2) }),
+        // Ends at its first token: its row leaves before the others join.
+        _ => options(1, SamplerConfig::default()),
+    };
+    for prefill_batch in [1, 3, 8] {
+        let mut engine = Engine::new(&lm, EngineOptions { prefill_batch, ..EngineOptions::default() });
+        let mut out = HashMap::new();
+        let seqs: Vec<SeqId> = (0..4).map(|i| engine.submit(request(&prompts[i], opts(i))).unwrap()).collect();
+        step(&mut engine, &mut out);
+        // Every prompt fits the step's budget: all have their first token (and a second one
+        // from the step's decoding) after one step, whatever the grouping.
+        assert_eq!(engine.load(), (3, 0), "prefill_batch {prefill_batch}");
+        drain(&mut engine, &mut out);
+        for (i, seq) in seqs.iter().enumerate() {
+            assert_eq!(
+                out[seq].tokens,
+                alone(&lm, &prompts[i], &opts(i)),
+                "prefill_batch {prefill_batch}, request {i}"
+            );
+        }
+        assert_eq!(engine.kv_bytes(), 0);
+    }
+}
+
+#[test]
+fn newcomers_computed_together_reuse_the_prompt_cache_as_their_layout_allows() {
+    let (_d, lm) = load("llama_gqa");
+    let prompt = ids(&reference("llama_gqa")["prompt_ids"]);
+    let greedy = options(5, SamplerConfig::default());
+    let a: Vec<u32> = prompt.iter().chain(&[3, 4]).copied().collect();
+    let b: Vec<u32> = prompt[..10].iter().chain(&[5, 6, 7, 8, 9]).copied().collect();
+    let c: Vec<u32> = vec![200, 201, 202];
+    assert_ne!(prompt[0], c[0]);
+    let cached_with = |prefill_batch: usize| {
+        let mut engine = Engine::new(&lm, EngineOptions { prefill_batch, ..EngineOptions::default() });
+        let mut out = HashMap::new();
+        engine.submit(request(&prompt, options(1, SamplerConfig::default()))).unwrap();
+        drain(&mut engine, &mut out);
+        let seqs: Vec<SeqId> =
+            [&a, &b, &c].iter().map(|p| engine.submit(request(p, greedy.clone())).unwrap()).collect();
+        drain(&mut engine, &mut out);
+        for (seq, p) in seqs.iter().zip([&a, &b, &c]) {
+            assert_eq!(out[seq].tokens, alone(&lm, p, &greedy), "prefill_batch {prefill_batch}, prompt of {}", p.len());
+            assert_eq!(out[seq].usage.cached_tokens, out[seq].cached.unwrap());
+        }
+        seqs.iter().map(|s| out[s].cached.unwrap()).collect::<Vec<_>>()
+    };
+    // Alone, each prompt reuses all it shares with the cached one (24 and 10 tokens).
+    assert_eq!(cached_with(1), [24, 10, 0]);
+    // Together, the rows end at position 26: `b` starts at 11 and `c` at 23, so positions from
+    // 21 on (where `b`'s cached 10 tokens end) are computed for every row, and `a` reuses 21.
+    assert_eq!(cached_with(8), [21, 10, 0]);
 }
 
 #[test]

@@ -65,6 +65,10 @@ pub struct Args {
     /// that running streams keep going.
     #[arg(long, default_value_t = 2048, value_parser = count)]
     prefill_step: usize,
+    /// Most newcomers whose prompts are computed together in one forward pass (padded to end
+    /// together, within `--prefill-step` tokens); 1 computes them one at a time.
+    #[arg(long, default_value_t = 8, value_parser = count)]
+    prefill_batch: usize,
     /// Gigabytes of keys and values kept for reuse by prompts that begin the same way (LRU;
     /// 0 turns the prompt cache off).
     #[arg(long, default_value_t = 2.0)]
@@ -180,6 +184,7 @@ pub fn run(a: Args) -> Result<()> {
     let options = rmlx_lm::engine::EngineOptions {
         max_batch: a.max_batch,
         prefill_tokens: a.prefill_step,
+        prefill_batch: a.prefill_batch,
         prompt_cache_bytes: gb(a.prompt_cache_gb),
         max_kv_bytes: Some(max_kv_bytes),
         context: Some(context),

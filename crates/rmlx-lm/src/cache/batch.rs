@@ -79,6 +79,64 @@ impl BatchCache {
         c
     }
 
+    /// Newcomers prefilled together: row `i` starts with `padding[i]` positions that belong to no
+    /// sequence, then its `prefixes[i]` from a prompt cache (`[1, kv_heads, width - padding[i],
+    /// head_dim]`, or `None` when that width is not positive). `width` positions are written; a
+    /// row whose padding passes `width` has the rest of it in the next update's tokens, masked
+    /// like the rest. Rows padded on the left end together, so every row's last position is its
+    /// own last token.
+    pub fn padded(
+        prefixes: Vec<Option<(Array, Array)>>,
+        padding: Vec<i32>,
+        width: i32,
+        window: Option<usize>,
+    ) -> Result<BatchCache> {
+        let mut c = BatchCache::new(padding.len(), window);
+        if prefixes.len() != padding.len() {
+            return Err(Error::InvalidParameter(format!(
+                "{} prefixes for {} rows of padding",
+                prefixes.len(),
+                padding.len()
+            )));
+        }
+        for (prefix, &pad) in prefixes.iter().zip(&padding) {
+            let want = (width - pad).max(0);
+            let got = prefix.as_ref().map_or(0, |(k, _)| k.shape()[2]);
+            if got != want {
+                return Err(Error::InvalidParameter(format!(
+                    "a row padded by {pad} of a batch {width} wide needs a prefix of {want} positions, not {got}"
+                )));
+            }
+        }
+        c.padding = padding;
+        if width > 0 {
+            let like = prefixes
+                .iter()
+                .flatten()
+                .next()
+                .ok_or_else(|| Error::InvalidParameter(format!("a batch {width} wide with no row's prefix")))?;
+            let row = |prefix: &Option<(Array, Array)>, pick: fn(&(Array, Array)) -> &Array| -> Result<Array> {
+                let like = pick(like);
+                let s = like.shape();
+                let known = prefix.as_ref().map_or(0, |p| pick(p).shape()[2]);
+                let zeros = ops::zeros(&[1, s[1], width - known, s[3]], like.dtype())?;
+                Ok(match prefix {
+                    Some(p) if known == width => pick(p).clone(),
+                    Some(p) => ops::concatenate(&[&zeros, pick(p)], 2)?,
+                    None => zeros,
+                })
+            };
+            let stack = |pick: fn(&(Array, Array)) -> &Array| -> Result<Array> {
+                let rows = prefixes.iter().map(|p| row(p, pick)).collect::<Result<Vec<_>>>()?;
+                Ok(ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?)
+            };
+            c.keys = Some(stack(|p| &p.0)?);
+            c.values = Some(stack(|p| &p.1)?);
+            c.written = width;
+        }
+        Ok(c)
+    }
+
     /// The sliding window, if any.
     pub fn window(&self) -> Option<usize> {
         self.window.map(|w| w as usize)
@@ -91,7 +149,7 @@ impl BatchCache {
 
     /// Each sequence's length (positions cached).
     pub fn lengths(&self) -> Vec<usize> {
-        self.padding.iter().map(|&p| (self.written - p) as usize).collect()
+        self.padding.iter().map(|&p| (self.written - p).max(0) as usize).collect()
     }
 
     /// Positions written, padding included (the buffers' used width).

@@ -2,8 +2,8 @@
 //! boundaries. What `rmlx serve` and `rmlx batch` run.
 //!
 //! Each [`Engine::step`] spends up to [`EngineOptions::prefill_tokens`] prompt tokens on the
-//! requests waiting to start (one sequence at a time, resuming a long prompt over several steps),
-//! then decodes one token for every running sequence in a single forward pass. A sequence whose
+//! requests waiting to start (up to [`EngineOptions::prefill_batch`] short prompts together in one
+//! forward pass, or a long prompt alone over several steps), then decodes one token for every running sequence in a single forward pass. A sequence whose
 //! prompt is done joins the running batch ([`crate::cache::BatchCache`]); one that ends leaves it,
 //! its keys and values kept in the [`PromptCache`] for later prompts that begin the same way.
 //! Every sequence samples with its own settings and its own random key, so a seeded request gives
@@ -36,6 +36,7 @@
 //! ```
 
 mod budget;
+mod prefill;
 mod prompt_cache;
 mod sampling;
 mod sequence;
@@ -49,7 +50,8 @@ use crate::grammar::{Grammar, GrammarCompiler};
 use crate::loader::LoadedModel;
 use crate::nn::{with_row_adapters, AdapterBank, Lora};
 use crate::{Error, Result};
-use rmlx::{ops, Array, Dtype};
+use prefill::Prefill;
+use rmlx::{ops, Dtype};
 use sampling::{sample_rows, Sampled};
 use sequence::Sequence;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -69,6 +71,10 @@ pub struct EngineOptions {
     /// Prompt tokens computed per step, before the step's decoding: bounds how long running
     /// sequences wait for a newcomer's prompt.
     pub prefill_tokens: usize,
+    /// Most newcomers whose prompts are computed together in one forward pass (padded on the
+    /// left to end together, within [`EngineOptions::prefill_tokens`] padded tokens); 1: one
+    /// sequence at a time. A prompt longer than the budget is computed alone over several steps.
+    pub prefill_batch: usize,
     /// Bytes of the prompt cache (0: off).
     pub prompt_cache_bytes: usize,
     /// Bytes the running batch's keys and values may take (`None`: unbounded). A request that
@@ -89,6 +95,7 @@ impl Default for EngineOptions {
         EngineOptions {
             max_batch: 32,
             prefill_tokens: 2048,
+            prefill_batch: 8,
             prompt_cache_bytes: 1 << 30,
             max_kv_bytes: None,
             context: None,
@@ -140,13 +147,6 @@ pub enum Update {
     /// The request failed (its logits overflowed, or its grammar refused the sampled token);
     /// nothing more comes for it. The other requests go on.
     Failed { seq: SeqId, error: Error },
-}
-
-/// A prompt being computed, one chunk per step.
-struct Prefill {
-    seq: Sequence,
-    caches: Vec<KvCache>,
-    done: usize,
 }
 
 /// The batch scheduler: owns the running sequences' caches; not thread-safe (MLX work stays on
@@ -358,101 +358,6 @@ impl<'m> Engine<'m> {
         // Newcomers not joined yet are counted at this one's length and budget.
         let longest_rest = self.running.iter().chain([seq]).map(|s| s.max_tokens - s.generated).max().unwrap_or(0);
         (self.running.len() + joining + 1) * (width + longest_rest) * self.kv_bytes_per_position <= limit
-    }
-
-    /// Computes up to [`EngineOptions::prefill_tokens`] prompt tokens; the sequences whose prompt
-    /// is done join the running batch together (one copy of the batch's cache per step, not one
-    /// per newcomer).
-    fn prefill_some(&mut self, out: &mut Vec<Update>) -> Result<()> {
-        let mut budget = self.opts.prefill_tokens.max(1);
-        let mut joining: Vec<Prefill> = Vec::new();
-        while budget > 0 {
-            if self.prefill.is_none() {
-                let ready = self.running.len() + joining.len() < self.opts.max_batch.max(1)
-                    && self.waiting.front().is_some_and(|s| self.fits(s, joining.len()));
-                if !ready {
-                    break;
-                }
-                let seq = self.waiting.pop_front().expect("checked");
-                self.prefill = Some(self.start(seq, out)?);
-            }
-            let p = self.prefill.as_mut().expect("set above");
-            let prompt_len = p.seq.history.len();
-            let n = (prompt_len - p.done).min(budget);
-            let ids = ids_array(&p.seq.history[p.done..p.done + n])?;
-            let (model, caches) = (&self.lm.model, &mut p.caches);
-            let h = with_row_adapters(&self.adapters, &[p.seq.adapter], || model.forward_hidden(&ids, caches))??;
-            p.done += n;
-            budget -= n;
-            if p.done < prompt_len {
-                rmlx::eval(p.caches.iter().flat_map(KvCache::state))?;
-                continue;
-            }
-            let p = self.prefill.take().expect("set above");
-            joining.extend(self.first_token(p, &h, out)?);
-        }
-        self.join(joining)
-    }
-
-    /// Adds the prefilled sequences to the running batch.
-    fn join(&mut self, joining: Vec<Prefill>) -> Result<()> {
-        if joining.is_empty() {
-            return Ok(());
-        }
-        let mut newcomers: Vec<BatchCache> = self.windows.iter().map(|&w| BatchCache::new(0, w)).collect();
-        for p in joining {
-            for (all, theirs) in newcomers.iter_mut().zip(p.caches) {
-                let KvCache::Batch(theirs) = theirs else { unreachable!("batch caches") };
-                all.extend(theirs)?;
-            }
-            self.running.push(p.seq);
-        }
-        for (mine, theirs) in self.caches.iter_mut().zip(newcomers) {
-            let KvCache::Batch(mine) = mine else { unreachable!("batch caches") };
-            mine.extend(theirs)?;
-        }
-        self.trim_allocator_cache();
-        Ok(())
-    }
-
-    /// Begins `seq`'s prompt from the longest cached beginning of it.
-    fn start(&mut self, mut seq: Sequence, out: &mut Vec<Update>) -> Result<Prefill> {
-        let hit = self.prompt_cache.lookup(seq.adapter, &seq.history);
-        let (done, caches) = match hit {
-            Some(hit) => {
-                let caches = hit.layers.iter().zip(&self.windows);
-                (hit.tokens, caches.map(|((k, v), &w)| KvCache::Batch(BatchCache::from_prefix(k, v, w))).collect())
-            }
-            None => (0, self.windows.iter().map(|&w| KvCache::Batch(BatchCache::new(1, w))).collect()),
-        };
-        seq.cached_tokens = done;
-        out.push(Update::Started { seq: seq.id, prompt_tokens: seq.prompt_tokens, cached_tokens: done });
-        Ok(Prefill { seq, caches, done })
-    }
-
-    /// Samples the first token from the prompt's last hidden state: the sequence is returned to
-    /// join the running batch, unless it ended.
-    fn first_token(&mut self, mut p: Prefill, h: &Array, out: &mut Vec<Update>) -> Result<Option<Prefill>> {
-        let len = h.shape()[1];
-        let last = h.slice_axis(1, len - 1, len, 1)?;
-        let logits = with_row_adapters(&self.adapters, &[p.seq.adapter], || self.lm.model.logits(&last))??;
-        let logits = logits.reshape(&[1, -1])?;
-        let sampled = sample_rows(self.lm, std::slice::from_mut(&mut p.seq), &logits)?;
-        rmlx::eval(sampled.arrays().chain(p.caches.iter().flat_map(KvCache::state)))?;
-        let read = sampled.read()?;
-        let seq = &mut p.seq;
-        if !read.finite[0] {
-            // This request alone fails; the running batch goes on.
-            seq.finish = Some(FinishReason::Cancelled);
-            out.push(Update::Failed { seq: seq.id, error: non_finite(seq) });
-            return Ok(None);
-        }
-        seq.accept(self.lm, read.tokens[0], read.logprobs[0], read.top(0), out)?;
-        if seq.finish.is_some() {
-            remember(&mut self.prompt_cache, seq, &p.caches, 0)?;
-            return Ok(None);
-        }
-        Ok(Some(p))
     }
 
     /// Decodes one token for every running sequence. With [`EngineOptions::pipelined`], the
