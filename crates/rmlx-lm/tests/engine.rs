@@ -392,3 +392,44 @@ fn pipelined_decoding_gives_the_same_tokens() {
     drain(&mut engine, &mut out);
     assert_eq!(out[&again].cached, Some(prompts[0].len() + 12));
 }
+
+#[test]
+fn sliding_window_layers_drop_what_no_query_sees() {
+    // Gemma 3 fixture, window 8: sequences of ~170 positions pass the point where local layers
+    // drop positions (64 beyond the window) twice; output stays what each gives alone.
+    let (_d, lm) = load("gemma3_text");
+    let a: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 256).collect();
+    let long: Vec<u32> = (0..150).map(|i| (i * 53 + 7) % 256).collect();
+    let greedy = options(150, SamplerConfig::default());
+    let mut engine = Engine::new(&lm, small_steps());
+    let mut out = HashMap::new();
+    let sa = engine.submit(request(&a, greedy.clone())).unwrap();
+    let sl = engine.submit(request(&long, options(20, seeded(3)))).unwrap();
+    let mut peak_kv = 0;
+    while !engine.is_idle() {
+        step(&mut engine, &mut out);
+        peak_kv = peak_kv.max(engine.kv_bytes());
+    }
+    let generated = out[&sa].tokens.clone();
+    assert_eq!(generated, alone(&lm, &a, &greedy));
+    assert_eq!(out[&sl].tokens, alone(&lm, &long, &options(20, seeded(3))));
+    // 2 rows, 2 × 1 head × 32 dims × 4 bytes a position: the 2 global layers hold up to 170
+    // positions and room to grow (512 in all), the 4 local ones at most 8 + 64 + 5 + 256 each.
+    let per_position = 2 * 32 * 4;
+    assert!(peak_kv <= 2 * per_position * (2 * 512 + 4 * 333), "{peak_kv}");
+
+    // The next turn reuses the whole conversation, although local layers hold only its end.
+    let turn: Vec<u32> = a.iter().chain(&generated).chain(&[5, 6, 7]).copied().collect();
+    let more = options(10, SamplerConfig::default());
+    let st = engine.submit(request(&turn, more.clone())).unwrap();
+    // A prompt sharing only 15 tokens with it: that entry cannot serve it (the window would
+    // start in dropped positions); computed from scratch.
+    let sharing: Vec<u32> = a[..15].iter().chain(&[9, 9]).copied().collect();
+    let ss = engine.submit(request(&sharing, more.clone())).unwrap();
+    drain(&mut engine, &mut out);
+    // The last generated token was never fed to the model: everything before it is cached.
+    assert_eq!(out[&st].cached, Some(a.len() + generated.len() - 1));
+    assert_eq!(out[&st].tokens, alone(&lm, &turn, &more));
+    assert_eq!(out[&ss].cached, Some(0));
+    assert_eq!(out[&ss].tokens, alone(&lm, &sharing, &more));
+}

@@ -5,7 +5,9 @@
 //! length), so a sequence sees the same positions in a batch as alone. Sequences join a running
 //! batch ([`BatchCache::extend`]) and leave it ([`BatchCache::filter`]) at token boundaries, and a
 //! finished sequence's keys and values can be copied out for a prompt cache
-//! ([`BatchCache::extract`]). This is mlx-lm's `BatchKVCache` design.
+//! ([`BatchCache::extract`]). This is mlx-lm's `BatchKVCache` design. A layer with a sliding window
+//! (Gemma 3's local layers) drops the positions no query can see any more, so that its memory
+//! stays bounded by the window however long the sequences grow.
 
 use super::{grow, positions, write_at, Mask, STEP};
 use crate::{Error, Result};
@@ -18,10 +20,15 @@ struct Key {
     /// 0: a mask, 1: RoPE offsets.
     kind: u8,
     padding: Vec<i32>,
+    shift: Vec<i32>,
     start: i32,
     len: i32,
     window: Option<i32>,
 }
+
+/// A windowed layer drops the positions no query sees any more once there are this many of them
+/// (and at least a window's worth): one copy of the kept positions every so many tokens.
+const MIN_DROP: i32 = 64;
 
 /// How many masks and offsets arrays are remembered (Gemma's local and global layers alternate).
 const MEMO_SIZE: usize = 4;
@@ -49,16 +56,53 @@ fn memoized(key: Key, build: impl FnOnce() -> Result<Array>) -> Result<Array> {
     Ok(a)
 }
 
+/// One sequence's keys and values in one layer, `[1, kv_heads, n, head_dim]` each: its
+/// positions `start..start + n` (`start` > 0 where a sliding window dropped the earlier ones).
+#[derive(Clone)]
+pub struct RowKv {
+    pub keys: Array,
+    pub values: Array,
+    pub start: usize,
+}
+
+impl RowKv {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.keys.shape()[2] as usize
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The positions before `end` (which must be past `start`), as views.
+    pub fn before(&self, end: usize) -> Result<RowKv> {
+        let n = end.checked_sub(self.start).filter(|&n| n > 0 && n <= self.len()).ok_or_else(|| {
+            Error::InvalidParameter(format!(
+                "positions before {end} of a row holding {}..{}",
+                self.start,
+                self.start + self.len()
+            ))
+        })? as i32;
+        Ok(RowKv { keys: positions(&self.keys, 0, n)?, values: positions(&self.values, 0, n)?, start: self.start })
+    }
+}
+
 /// The keys and values of `rows` sequences, `[rows, kv_heads, capacity, head_dim]`.
 pub struct BatchCache {
     keys: Option<Array>,
     values: Option<Array>,
-    /// Per row, the leading positions that belong to no sequence.
+    /// Per row, the leading positions (columns) that belong to no sequence.
     padding: Vec<i32>,
-    /// Positions written, the same for every row (padding included).
+    /// Per row, its positions no longer held (dropped out of the sliding window): column `c` of
+    /// row `i` holds position `c - padding[i] + shift[i]`.
+    shift: Vec<i32>,
+    /// Columns written, the same for every row (padding included).
     written: i32,
     /// A sliding window (Gemma 3's local layers): a query sees at most this many positions,
-    /// itself included. The buffers keep every position; the mask bounds what is seen.
+    /// itself included. The mask bounds what is seen; positions before every row's window are
+    /// dropped from time to time.
     window: Option<i32>,
 }
 
@@ -66,27 +110,28 @@ impl BatchCache {
     /// An empty batch of `rows` sequences, none of them started.
     pub fn new(rows: usize, window: Option<usize>) -> BatchCache {
         let window = window.map(|w| w.min(i32::MAX as usize) as i32);
-        BatchCache { keys: None, values: None, padding: vec![0; rows], written: 0, window }
+        BatchCache { keys: None, values: None, padding: vec![0; rows], shift: vec![0; rows], written: 0, window }
     }
 
-    /// One sequence whose first positions are `keys`, `values` (`[1, kv_heads, n, head_dim]`, as
-    /// [`BatchCache::extract`] returns them): a prompt cache hit.
-    pub fn from_prefix(keys: &Array, values: &Array, window: Option<usize>) -> BatchCache {
+    /// One sequence whose positions so far are `prefix` (as [`BatchCache::extract`] returns
+    /// them): a prompt cache hit.
+    pub fn from_prefix(prefix: &RowKv, window: Option<usize>) -> BatchCache {
         let mut c = BatchCache::new(1, window);
-        c.written = keys.shape()[2];
-        c.keys = Some(keys.clone());
-        c.values = Some(values.clone());
+        c.written = prefix.len() as i32;
+        c.shift = vec![prefix.start as i32];
+        c.keys = Some(prefix.keys.clone());
+        c.values = Some(prefix.values.clone());
         c
     }
 
-    /// Newcomers prefilled together: row `i` starts with `padding[i]` positions that belong to no
-    /// sequence, then its `prefixes[i]` from a prompt cache (`[1, kv_heads, width - padding[i],
-    /// head_dim]`, or `None` when that width is not positive). `width` positions are written; a
-    /// row whose padding passes `width` has the rest of it in the next update's tokens, masked
-    /// like the rest. Rows padded on the left end together, so every row's last position is its
-    /// own last token.
+    /// Newcomers prefilled together: row `i`'s positions before `width - padding[i]` are its
+    /// `prefixes[i]` from a prompt cache (`None` when there are none), and rows padded on the
+    /// left end together, so every row's last position is its own last token. A row whose
+    /// padding passes `width` has the rest of it in the next update's tokens, masked like the
+    /// rest. A prefix whose window dropped its first positions takes only the columns it holds:
+    /// rows are aligned on their last cached position, not their first.
     pub fn padded(
-        prefixes: Vec<Option<(Array, Array)>>,
+        prefixes: Vec<Option<RowKv>>,
         padding: Vec<i32>,
         width: i32,
         window: Option<usize>,
@@ -101,40 +146,46 @@ impl BatchCache {
         }
         for (prefix, &pad) in prefixes.iter().zip(&padding) {
             let want = (width - pad).max(0);
-            let got = prefix.as_ref().map_or(0, |(k, _)| k.shape()[2]);
-            if got != want {
+            let (start, got) = prefix.as_ref().map_or((0, 0), |p| (p.start as i32, p.len() as i32));
+            if start + got != want || (prefix.is_some() && got == 0) {
                 return Err(Error::InvalidParameter(format!(
-                    "a row padded by {pad} of a batch {width} wide needs a prefix of {want} positions, not {got}"
+                    "a row padded by {pad} of a batch {width} wide needs positions up to {want}, not {start}..{}",
+                    start + got
                 )));
             }
         }
-        c.padding = padding;
-        if width > 0 {
-            let like = prefixes
-                .iter()
-                .flatten()
-                .next()
-                .ok_or_else(|| Error::InvalidParameter(format!("a batch {width} wide with no row's prefix")))?;
-            let row = |prefix: &Option<(Array, Array)>, pick: fn(&(Array, Array)) -> &Array| -> Result<Array> {
-                let like = pick(like);
-                let s = like.shape();
-                let known = prefix.as_ref().map_or(0, |p| pick(p).shape()[2]);
-                let zeros = ops::zeros(&[1, s[1], width - known, s[3]], like.dtype())?;
-                Ok(match prefix {
-                    Some(p) if known == width => pick(p).clone(),
-                    Some(p) => ops::concatenate(&[&zeros, pick(p)], 2)?,
-                    None => zeros,
-                })
-            };
-            let stack = |pick: fn(&(Array, Array)) -> &Array| -> Result<Array> {
-                let rows = prefixes.iter().map(|p| row(p, pick)).collect::<Result<Vec<_>>>()?;
-                Ok(ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?)
-            };
-            c.keys = Some(stack(|p| &p.0)?);
-            c.values = Some(stack(|p| &p.1)?);
-            c.written = width;
+        // Columns before the computed ones: the longest prefix held.
+        let held = |p: &Option<RowKv>| p.as_ref().map_or(0, |p| p.len() as i32);
+        let columns = prefixes.iter().map(held).max().unwrap_or(0);
+        for (i, prefix) in prefixes.iter().enumerate() {
+            c.padding[i] = columns - held(prefix) + (padding[i] - width).max(0);
+            c.shift[i] = prefix.as_ref().map_or(0, |p| p.start as i32);
         }
+        let Some(like) = prefixes.iter().flatten().next() else { return Ok(c) };
+        let row = |prefix: &Option<RowKv>, pick: fn(&RowKv) -> &Array| -> Result<Array> {
+            let s = pick(like).shape();
+            let zeros = ops::zeros(&[1, s[1], columns - held(prefix), s[3]], pick(like).dtype())?;
+            Ok(match prefix {
+                Some(p) if held(prefix) == columns => pick(p).clone(),
+                Some(p) => ops::concatenate(&[&zeros, pick(p)], 2)?,
+                None => zeros,
+            })
+        };
+        let stack = |pick: fn(&RowKv) -> &Array| -> Result<Array> {
+            let rows = prefixes.iter().map(|p| row(p, pick)).collect::<Result<Vec<_>>>()?;
+            Ok(ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?)
+        };
+        c.keys = Some(stack(|p| &p.keys)?);
+        c.values = Some(stack(|p| &p.values)?);
+        c.written = columns;
         Ok(c)
+    }
+
+    /// The most columns a layer with a sliding window of `window` holds when no update passes
+    /// `update` positions: the window, the positions waiting to be dropped, the update and the
+    /// buffers' room to grow.
+    pub fn held_bound(window: usize, update: usize) -> usize {
+        window + window.max(MIN_DROP as usize) + update + STEP as usize
     }
 
     /// The sliding window, if any.
@@ -147,21 +198,28 @@ impl BatchCache {
         self.padding.len()
     }
 
-    /// Each sequence's length (positions cached).
+    /// Each sequence's length (its positions so far, held or dropped out of the window).
     pub fn lengths(&self) -> Vec<usize> {
-        self.padding.iter().map(|&p| (self.written - p).max(0) as usize).collect()
+        self.padding.iter().zip(&self.shift).map(|(&p, &s)| ((self.written - p).max(0) + s) as usize).collect()
     }
 
-    /// Positions written, padding included (the buffers' used width).
+    /// Columns written, padding included (the buffers' used width).
     pub fn width(&self) -> usize {
         self.written as usize
     }
 
     /// The RoPE offset of each row's next position, `[rows]` int32.
     pub fn offsets(&self) -> Result<Array> {
-        let key = Key { kind: 1, padding: self.padding.clone(), start: self.written, len: 0, window: None };
+        let key = Key {
+            kind: 1,
+            padding: self.padding.clone(),
+            shift: self.shift.clone(),
+            start: self.written,
+            len: 0,
+            window: None,
+        };
         memoized(key, || {
-            let o: Vec<i32> = self.padding.iter().map(|&p| self.written - p).collect();
+            let o: Vec<i32> = self.padding.iter().zip(&self.shift).map(|(&p, &s)| self.written - p + s).collect();
             Ok(Array::from_slice(&o, &[o.len() as i32])?)
         })
     }
@@ -187,6 +245,13 @@ impl BatchCache {
                 k.shape()[0]
             )));
         }
+        if let Some(w) = self.window {
+            // The new queries see no column before this one, nor will any later query.
+            let dead = self.written - w + 1;
+            if dead >= w.max(MIN_DROP) {
+                self.drop_columns(dead, k.shape()[2])?;
+            }
+        }
         let (start, len) = (self.written, k.shape()[2]);
         let capacity = self.keys.as_ref().map_or(0, |b| b.shape()[2]);
         if self.keys.is_none() || start + len > capacity {
@@ -207,7 +272,7 @@ impl BatchCache {
         if !padded && !windowed {
             return Ok(if len == 1 { Mask::None } else { Mask::Causal });
         }
-        let memo = Key { kind: 0, padding: self.padding.clone(), start, len, window: self.window };
+        let memo = Key { kind: 0, padding: self.padding.clone(), shift: Vec::new(), start, len, window: self.window };
         let mask = memoized(memo, || {
             let end = start + len;
             let key = ops::arange(0.0, end as f64, 1.0, rmlx::Dtype::Int32)?.reshape(&[1, 1, 1, end])?;
@@ -222,12 +287,34 @@ impl BatchCache {
         Ok(Mask::Array(mask))
     }
 
+    /// Drops the first `n` columns of every row (out of every row's window), keeping room for
+    /// `len` new ones: the kept columns are copied, so the old buffers are freed.
+    fn drop_columns(&mut self, n: i32, len: i32) -> Result<()> {
+        let room = (len + STEP - 1) / STEP * STEP;
+        let end = self.written;
+        let keep = |b: &Option<Array>| -> Result<Option<Array>> {
+            let Some(b) = b else { return Ok(None) };
+            let s = b.shape();
+            let zeros = ops::zeros(&[s[0], s[1], room, s[3]], b.dtype())?;
+            Ok(Some(ops::concatenate(&[&positions(b, n, end)?, &zeros], 2)?))
+        };
+        self.keys = keep(&self.keys)?;
+        self.values = keep(&self.values)?;
+        for (p, s) in self.padding.iter_mut().zip(&mut self.shift) {
+            *s += (n - *p).max(0);
+            *p = (*p - n).max(0);
+        }
+        self.written -= n;
+        Ok(())
+    }
+
     /// Keeps the rows `keep` (in that order) and drops the padding no row needs any more.
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
         if keep.iter().any(|&r| r >= self.rows()) {
             return Err(Error::InvalidParameter(format!("filter names a row past the {} of the batch", self.rows())));
         }
         self.padding = keep.iter().map(|&r| self.padding[r]).collect();
+        self.shift = keep.iter().map(|&r| self.shift[r]).collect();
         if keep.is_empty() {
             *self = BatchCache::new(0, self.window());
             return Ok(());
@@ -276,15 +363,16 @@ impl BatchCache {
         let (shift_mine, shift_theirs) = (width - self.written, width - other.written);
         self.padding.iter_mut().for_each(|p| *p += shift_mine);
         self.padding.extend(other.padding.iter().map(|p| p + shift_theirs));
+        self.shift.extend(other.shift);
         self.keys = Some(keys);
         self.values = Some(values);
         self.written = width;
         Ok(())
     }
 
-    /// A copy of row `row`'s keys and values, `[1, H, length, D]` each (not sharing the batch's
-    /// buffers, so the batch's memory is freed when it shrinks).
-    pub fn extract(&self, row: usize) -> Result<Option<(Array, Array)>> {
+    /// A copy of row `row`'s keys and values (not sharing the batch's buffers, so the batch's
+    /// memory is freed when it shrinks); `None` when it holds no position.
+    pub fn extract(&self, row: usize) -> Result<Option<RowKv>> {
         if row >= self.rows() {
             return Err(Error::InvalidParameter(format!("row {row} is past the {} of the batch", self.rows())));
         }
@@ -299,6 +387,6 @@ impl BatchCache {
             let row = positions(&b.slice_axis(0, r, r + 1, 1)?, pad, self.written)?;
             Ok((&row * Array::scalar_as(1.0, row.dtype())?)?)
         };
-        Ok(Some((cut(k)?, cut(v)?)))
+        Ok(Some(RowKv { keys: cut(k)?, values: cut(v)?, start: self.shift[row] as usize }))
     }
 }

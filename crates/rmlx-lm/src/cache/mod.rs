@@ -12,7 +12,7 @@
 
 mod batch;
 
-pub use batch::BatchCache;
+pub use batch::{BatchCache, RowKv};
 
 use crate::Result;
 use rmlx::fast::AttentionMask;

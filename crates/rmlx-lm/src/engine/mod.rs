@@ -166,7 +166,8 @@ pub struct Engine<'m> {
     inflight: Option<Sampled>,
     prompt_cache: PromptCache,
     context: usize,
-    kv_bytes_per_position: usize,
+    /// Bytes of one position's keys and values in one layer.
+    kv_bytes_per_layer_position: usize,
     adapters: AdapterBank,
     /// Made for the first request with a grammar.
     grammars: Option<GrammarCompiler>,
@@ -187,7 +188,7 @@ impl<'m> Engine<'m> {
             prefill: None,
             running: Vec::new(),
             caches: windows.iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect(),
-            kv_bytes_per_position: per_layer * windows.len(),
+            kv_bytes_per_layer_position: per_layer,
             windows,
             cancelled: HashSet::new(),
             inflight: None,
@@ -251,7 +252,7 @@ impl<'m> Engine<'m> {
         }
         let max_tokens = request.options.max_tokens.min(self.context - n);
         if let Some(limit) = self.opts.max_kv_bytes {
-            let need = (n + max_tokens) * self.kv_bytes_per_position;
+            let need = self.kv_bytes_for(1, n + max_tokens);
             if need > limit {
                 return Err(Error::Prompt(format!(
                     "{n} prompt tokens and {max_tokens} to generate need {} of keys and values; the limit is {}",
@@ -354,10 +355,18 @@ impl<'m> Engine<'m> {
     /// every running sequence at its longest.
     fn fits(&self, seq: &Sequence, joining: usize) -> bool {
         let Some(limit) = self.opts.max_kv_bytes else { return true };
-        let width = self.caches.first().map_or(0, KvCache::offset).max(seq.history.len());
+        let width = self.caches.iter().map(KvCache::offset).max().unwrap_or(0).max(seq.history.len());
         // Newcomers not joined yet are counted at this one's length and budget.
         let longest_rest = self.running.iter().chain([seq]).map(|s| s.max_tokens - s.generated).max().unwrap_or(0);
-        (self.running.len() + joining + 1) * (width + longest_rest) * self.kv_bytes_per_position <= limit
+        self.kv_bytes_for(self.running.len() + joining + 1, width + longest_rest) <= limit
+    }
+
+    /// The most bytes of keys and values `rows` sequences of `positions` hold: a windowed layer
+    /// holds no more than [`BatchCache::held_bound`].
+    fn kv_bytes_for(&self, rows: usize, positions: usize) -> usize {
+        let update = self.opts.prefill_tokens.max(1);
+        let held = |w: &Option<usize>| w.map_or(positions, |w| positions.min(BatchCache::held_bound(w, update)));
+        rows * self.windows.iter().map(held).sum::<usize>() * self.kv_bytes_per_layer_position
     }
 
     /// Decodes one token for every running sequence. With [`EngineOptions::pipelined`], the
@@ -462,22 +471,28 @@ fn remember(cache: &mut PromptCache, seq: &Sequence, caches: &[KvCache], row: us
     if cache.budget() == 0 {
         return Ok(());
     }
-    let mut layers = Vec::with_capacity(caches.len());
+    let (mut layers, mut min_reuse) = (Vec::with_capacity(caches.len()), 0);
     for c in caches {
         let KvCache::Batch(b) = c else { unreachable!("batch caches") };
         match b.extract(row)? {
-            Some(kv) => layers.push(kv),
+            Some(kv) => {
+                // A layer that dropped positions serves hits whose window starts within it.
+                if let (true, Some(w)) = (kv.start > 0, b.window()) {
+                    min_reuse = min_reuse.max(kv.start + w - 1);
+                }
+                layers.push(kv)
+            }
             None => return Ok(()),
         }
     }
     // A pipelined step may have fed the end-of-sequence token too: keep what `history` names.
-    let positions = (layers[0].0.shape()[2] as usize).min(seq.history.len());
-    let layers = layers
-        .into_iter()
-        .map(|(k, v)| Ok((k.slice_axis(2, 0, positions as i32, 1)?, v.slice_axis(2, 0, positions as i32, 1)?)))
-        .collect::<Result<Vec<_>>>()?;
-    rmlx::eval(layers.iter().flat_map(|(k, v)| [k, v]))?;
-    cache.insert(seq.adapter, seq.history[..positions].to_vec(), layers);
+    let positions = (layers[0].start + layers[0].len()).min(seq.history.len());
+    if layers.iter().any(|l| l.start >= positions) || min_reuse > positions {
+        return Ok(());
+    }
+    let layers = layers.iter().map(|l| l.before(positions)).collect::<Result<Vec<_>>>()?;
+    rmlx::eval(layers.iter().flat_map(|l| [&l.keys, &l.values]))?;
+    cache.insert(seq.adapter, seq.history[..positions].to_vec(), layers, min_reuse);
     Ok(())
 }
 

@@ -105,7 +105,8 @@ impl Engine<'_> {
 
     /// Takes the waiting requests to compute together: as many as the batch, the key/value
     /// budget, [`super::EngineOptions::prefill_batch`] and `budget` padded tokens allow, each
-    /// with its prompt-cache hit. A first one longer than `budget` comes alone.
+    /// with its prompt-cache hit. A first one longer than `budget` comes alone, and so does one
+    /// whose hit can only be reused whole (another row's layout could cut it).
     fn gather(&mut self, budget: usize, joined: usize) -> Vec<(Sequence, Option<Hit>)> {
         let mut group: Vec<(Sequence, Option<Hit>)> = Vec::new();
         let (mut lengths, mut cached) = (Vec::new(), Vec::new());
@@ -117,6 +118,10 @@ impl Engine<'_> {
                 break;
             }
             let hit = self.prompt_cache.lookup(front.adapter, &front.history);
+            let whole = hit.as_ref().is_some_and(Hit::whole);
+            if whole && !group.is_empty() {
+                break;
+            }
             lengths.push(front.history.len());
             cached.push(hit.as_ref().map_or(0, |h| h.tokens));
             if !group.is_empty() && Layout::new(&lengths, &cached).cost() > budget {
@@ -125,7 +130,7 @@ impl Engine<'_> {
             let seq = self.waiting.pop_front().expect("checked");
             let alone_too_long = group.is_empty() && seq.history.len() - cached[0] > budget;
             group.push((seq, hit));
-            if alone_too_long {
+            if alone_too_long || whole {
                 break;
             }
         }
@@ -153,11 +158,8 @@ impl Engine<'_> {
             let prefixes = group
                 .iter()
                 .enumerate()
-                .map(|(i, (_, hit))| match (hit, layout.reused(i) as i32) {
-                    (Some(hit), keep) if keep > 0 => {
-                        let (k, v) = &hit.layers[layer];
-                        Ok(Some((k.slice_axis(2, 0, keep, 1)?, v.slice_axis(2, 0, keep, 1)?)))
-                    }
+                .map(|(i, (_, hit))| match (hit, layout.reused(i)) {
+                    (Some(hit), keep) if keep > 0 => Ok(Some(hit.layers[layer].before(keep)?)),
                     _ => Ok(None),
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -184,7 +186,7 @@ impl Engine<'_> {
         let (done, caches) = match hit {
             Some(hit) => {
                 let caches = hit.layers.iter().zip(&self.windows);
-                (hit.tokens, caches.map(|((k, v), &w)| KvCache::Batch(BatchCache::from_prefix(k, v, w))).collect())
+                (hit.tokens, caches.map(|(kv, &w)| KvCache::Batch(BatchCache::from_prefix(kv, w))).collect())
             }
             None => (0, self.windows.iter().map(|&w| KvCache::Batch(BatchCache::new(1, w))).collect()),
         };

@@ -2,17 +2,18 @@
 //! system prompt, the earlier turns of a conversation) does not recompute it. Bounded by a byte
 //! budget: an entry that would pass it evicts the least recently used ones first, and an entry
 //! larger than the whole budget is not kept. Entries are kept apart by the adapter that computed
-//! them (its slot; 0 for the base model): keys and values depend on it.
+//! them (its slot; 0 for the base model): keys and values depend on it. A layer with a sliding
+//! window may hold only the last positions of an entry: such an entry serves prompts that reuse
+//! enough of it for the window to start within what is held.
 
-use rmlx::Array;
-
-/// One layer's keys and values, `[1, kv_heads, positions, head_dim]` each.
-pub type LayerKv = (Array, Array);
+use crate::cache::RowKv;
 
 struct Entry {
     adapter: usize,
     tokens: Vec<u32>,
-    layers: Vec<LayerKv>,
+    layers: Vec<RowKv>,
+    /// The fewest tokens a hit may reuse (0: any number).
+    min_reuse: usize,
     bytes: usize,
     last_used: u64,
 }
@@ -25,10 +26,18 @@ pub struct PromptCache {
     clock: u64,
 }
 
-/// What a lookup found: the keys and values of the first `tokens` positions of the prompt.
+/// What a lookup found: the keys and values of the first `tokens` positions of the prompt (all
+/// of them, or in a windowed layer the last ones).
 pub struct Hit {
     pub tokens: usize,
-    pub layers: Vec<LayerKv>,
+    pub layers: Vec<RowKv>,
+}
+
+impl Hit {
+    /// Whether only all its `tokens` can be reused (a windowed layer dropped the first ones).
+    pub fn whole(&self) -> bool {
+        self.layers.iter().any(|l| l.start > 0)
+    }
 }
 
 impl PromptCache {
@@ -67,6 +76,7 @@ impl PromptCache {
             .enumerate()
             .filter(|(_, e)| e.adapter == adapter)
             .map(|(i, e)| (i, e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable)))
+            .filter(|&(i, n)| n >= self.entries[i].min_reuse)
             .max_by_key(|&(_, n)| n)?;
         if shared == 0 {
             return None;
@@ -74,27 +84,33 @@ impl PromptCache {
         self.clock += 1;
         let e = &mut self.entries[best];
         e.last_used = self.clock;
-        let n = shared as i32;
-        let cut = |a: &Array| a.slice_axis(2, 0, n, 1);
-        let layers = e.layers.iter().map(|(k, v)| Ok((cut(k)?, cut(v)?))).collect::<rmlx::Result<Vec<_>>>().ok()?;
+        let layers = e.layers.iter().map(|l| l.before(shared)).collect::<crate::Result<Vec<_>>>().ok()?;
         Some(Hit { tokens: shared, layers })
     }
 
-    /// Keeps the keys and values of `tokens` (evaluated arrays, not views of a larger buffer).
-    /// Entries that are a beginning of `tokens` are dropped (this one covers them).
-    pub fn insert(&mut self, adapter: usize, tokens: Vec<u32>, layers: Vec<LayerKv>) {
-        let bytes: usize = layers.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum();
+    /// Keeps the keys and values of `tokens` (evaluated arrays, not views of a larger buffer),
+    /// to serve prompts that reuse at least `min_reuse` of them. Entries that are a beginning of
+    /// `tokens` are dropped where this one serves every prompt they serve.
+    pub fn insert(&mut self, adapter: usize, tokens: Vec<u32>, layers: Vec<RowKv>, min_reuse: usize) {
+        let bytes: usize = layers.iter().map(|l| l.keys.nbytes() + l.values.nbytes()).sum();
         if tokens.is_empty() || bytes > self.budget {
             return;
         }
         self.entries.retain(|e| {
-            let covered = e.adapter == adapter && e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens);
+            let covered = e.adapter == adapter
+                && e.tokens.len() <= tokens.len()
+                && tokens.starts_with(&e.tokens)
+                && min_reuse <= e.min_reuse;
             if covered {
                 self.bytes -= e.bytes;
             }
             !covered
         });
-        if self.entries.iter().any(|e| e.adapter == adapter && e.tokens.starts_with(&tokens)) {
+        if self
+            .entries
+            .iter()
+            .any(|e| e.adapter == adapter && e.tokens.starts_with(&tokens) && e.min_reuse <= min_reuse)
+        {
             return;
         }
         while self.bytes + bytes > self.budget {
@@ -103,7 +119,7 @@ impl PromptCache {
         }
         self.clock += 1;
         self.bytes += bytes;
-        self.entries.push(Entry { adapter, tokens, layers, bytes, last_used: self.clock });
+        self.entries.push(Entry { adapter, tokens, layers, min_reuse, bytes, last_used: self.clock });
     }
 
     /// Drops the entries computed with the adapter in slot `adapter` (it was unloaded).

@@ -1,0 +1,61 @@
+//! The batched KV cache on its own: a sliding-window layer drops what no query can see any more,
+//! keeping each row's RoPE offset and the last window of its keys, and its memory bounded.
+
+use rmlx::{ops, Array, Dtype};
+use rmlx_lm::cache::{BatchCache, RowKv};
+
+/// `[rows, 1, n, 1]` keys whose values are their positions (plus 1000 per row).
+fn positions(rows: i32, start: i32, n: i32) -> Array {
+    let v: Vec<f32> = (0..rows).flat_map(|r| (start..start + n).map(move |p| (p + 1000 * r) as f32)).collect();
+    Array::from_slice(&v, &[rows, 1, n, 1]).unwrap()
+}
+
+fn values(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn a_windowed_layer_drops_positions_out_of_every_window() {
+    let mut c = BatchCache::new(2, Some(8));
+    let k = positions(2, 0, 20);
+    c.update(&k, &k).unwrap();
+    let mut peak = 0;
+    for p in 20..300 {
+        let k = positions(2, p, 1);
+        let (keys, _, _) = c.update(&k, &k).unwrap();
+        peak = peak.max(c.width());
+        // The last 8 positions are the last 8 keys returned, in both rows.
+        let n = keys.shape()[2];
+        let last = keys.slice_axis(2, n - 8, n, 1).unwrap();
+        let want: Vec<f32> = (0..2).flat_map(|r| (p - 7..=p).map(move |q| (q + 1000 * r) as f32)).collect();
+        assert_eq!(values(&last), want, "after position {p}");
+    }
+    assert_eq!(c.lengths(), vec![300, 300]);
+    assert_eq!(c.offsets().unwrap().to_vec::<i32>().unwrap(), vec![300, 300]);
+    // Without dropping, 300 columns; with it, fewer than the window and 64 waiting positions.
+    assert!(peak < 8 + 64, "width reached {peak}");
+    assert!(c.nbytes() <= 2 * 2 * 4 * BatchCache::held_bound(8, 1), "{} bytes", c.nbytes());
+    // What a row gives the prompt cache: its last positions, saying where they start.
+    let row = c.extract(1).unwrap().unwrap();
+    assert_eq!(row.start + row.len(), 300);
+    assert!(row.start > 0);
+    assert_eq!(values(&row.keys.slice_axis(2, row.len() as i32 - 1, row.len() as i32, 1).unwrap()), vec![1299.0]);
+    // A cache built again from it goes on at position 300.
+    let again = BatchCache::from_prefix(&row, Some(8));
+    assert_eq!(again.offsets().unwrap().to_vec::<i32>().unwrap(), vec![300]);
+}
+
+#[test]
+fn a_prefix_that_dropped_positions_takes_only_the_columns_it_holds() {
+    // Row 0 reuses positions 40..50 of a windowed layer (a batch 50 positions wide); row 1 has no
+    // prefix and 6 positions of padding before its prompt.
+    let held = ops::ones(&[1, 1, 10, 1], Dtype::Float32).unwrap();
+    let prefix = RowKv { keys: held.clone(), values: held, start: 40 };
+    let c = BatchCache::padded(vec![Some(prefix.clone()), None], vec![0, 56], 50, Some(8)).unwrap();
+    assert_eq!(c.width(), 10);
+    assert_eq!(c.lengths(), vec![50, 0]);
+    assert_eq!(c.offsets().unwrap().to_vec::<i32>().unwrap(), vec![50, -6]);
+    // The prefix must end where the row's computed positions begin.
+    let wrong = BatchCache::padded(vec![Some(prefix), None], vec![1, 56], 50, Some(8));
+    assert!(matches!(wrong, Err(rmlx_lm::Error::InvalidParameter(_))));
+}
