@@ -1,7 +1,9 @@
 //! `rmlx bench`: the protocol of mlx-lm's peer benchmark (`peer_bench.py`), so the two can be
 //! compared side by side: prompt ids `(i·7919) mod 50000 + 10` (folded into the vocabulary when it
 //! is smaller), greedy decoding past EOS, one warm-up run of 8 tokens, then `-n` runs; medians of
-//! the time to first token, prefill and decode speeds, and the peak memory.
+//! the time to first token, prefill and decode speeds, and the peak memory. Decoding is also put
+//! beside its bandwidth floor ([`rmlx_lm::roofline`]): the bytes a token reads over the device's
+//! bandwidth, measured by a copy before the runs.
 
 use crate::common::{count, gb, positive, ModelArgs};
 use anyhow::Result;
@@ -48,6 +50,8 @@ pub fn run(a: Args) -> Result<()> {
     let lm = a.model.load_interruptible(true)?;
     let vocab = lm.model.config().vocab_size as usize;
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|i| (((i * 7919) % 50000 + 10) % vocab) as u32).collect();
+    let bandwidth = rmlx_lm::roofline::measure_bandwidth()?;
+    let floor = rmlx_lm::roofline::floor(&lm, a.prompt_tokens, a.gen_tokens, bandwidth);
     run_once(&lm, &prompt, 8)?;
     rmlx::memory::reset_peak_memory();
     let mut runs = Vec::new();
@@ -65,7 +69,11 @@ pub fn run(a: Args) -> Result<()> {
             serde_json::json!({"peer": "rmlx", "model": name, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
                 "ttft_ms": (ttft * 1e5).round() / 100.0, "prefill_tok_s": (a.prompt_tokens as f64 / ttft * 10.0).round() / 10.0,
                 "decode_tok_s": (decode * 10.0).round() / 10.0, "peak_gb": (peak * 1000.0).round() / 1000.0,
-                "dtype": lm.dtype.name(), "device": device})
+                "dtype": lm.dtype.name(), "device": device,
+                "bytes_per_token": floor.bytes(), "weight_bytes_per_token": floor.weight_bytes,
+                "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
+                "floor_tok_s": (floor.tokens_per_second() * 10.0).round() / 10.0,
+                "floor_fraction": (floor.fraction(decode) * 1e4).round() / 1e4})
         );
     } else {
         println!("model       {name} ({}, {device})", lm.dtype.name());
@@ -76,6 +84,16 @@ pub fn run(a: Args) -> Result<()> {
             a.prompt_tokens as f64 / ttft
         );
         println!("generation  {} tokens, decode {:.1} tok/s (median of {})", a.gen_tokens, decode, a.trials);
+        println!(
+            "floor       {:.1} MB read per token ({:.1} MB weights, {:.2} MB keys and values), {:.1} GB/s copy: \
+             {:.0} tok/s at most, decode at {:.1} % of it",
+            floor.bytes() as f64 / 1e6,
+            floor.weight_bytes as f64 / 1e6,
+            floor.kv_bytes as f64 / 1e6,
+            bandwidth / 1e9,
+            floor.tokens_per_second(),
+            100.0 * floor.fraction(decode)
+        );
         println!("peak memory {peak:.3} GB");
     }
     Ok(())

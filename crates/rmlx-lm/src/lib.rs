@@ -39,6 +39,7 @@ pub mod models;
 pub mod nn;
 pub mod progress;
 pub mod registry;
+pub mod roofline;
 pub mod safetensors_header;
 pub mod sample;
 pub mod text_stream;

@@ -1,0 +1,64 @@
+//! The bandwidth floor's arithmetic on the fixtures: weight bytes per token against the
+//! checkpoint's own tensor sizes, key/value bytes per token against a hand count (Gemma 3's
+//! windows included), and a measured bandwidth that is a plausible number.
+
+mod common;
+
+use common::fixture_with_tokenizer;
+use rmlx_lm::roofline::{kv_bytes_per_token, measure_bandwidth, weight_bytes_per_token};
+use rmlx_lm::safetensors_header::check_file;
+use rmlx_lm::LoadOptions;
+
+#[test]
+fn weight_bytes_are_every_tensor_but_an_untied_embedding_read_one_row() {
+    let dir = fixture_with_tokenizer("llama_mqa_untied");
+    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let (mut all, mut embedding) = (0, 0);
+    for f in std::fs::read_dir(dir.path()).unwrap() {
+        let path = f.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            for t in check_file(&path).unwrap() {
+                let bytes = t.data_offsets.1 - t.data_offsets.0;
+                all += bytes;
+                if t.name.starts_with("model.embed_tokens.") {
+                    embedding += bytes;
+                }
+            }
+        }
+    }
+    // bf16, vocabulary 256, hidden 64: the table is 32,768 bytes, a row 128.
+    assert_eq!(embedding, 256 * 64 * 2);
+    assert_eq!(weight_bytes_per_token(&lm), all - embedding + 128);
+
+    // A tied table is the output head too: read whole.
+    let dir = fixture_with_tokenizer("llama_gqa");
+    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let all: u64 = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .flat_map(|p| check_file(&p).unwrap())
+        .map(|t| t.data_offsets.1 - t.data_offsets.0)
+        .sum();
+    assert_eq!(weight_bytes_per_token(&lm), all);
+}
+
+#[test]
+fn key_value_bytes_count_each_layers_window() {
+    // Gemma 3 fixture: 6 layers (2 global, 4 with a window of 8), 1 key/value head of 32, float32:
+    // 256 bytes a position and layer. Decoding 4 tokens after 20 reads positions 21..=24 in the
+    // global layers and 8 in the others: (2 × 90 + 4 × 4 × 8) / 4 × 256 = 19,712 bytes a token.
+    let dir = fixture_with_tokenizer("gemma3_text");
+    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    assert_eq!(kv_bytes_per_token(&lm, 20, 4), 19_712);
+    // Within the window every layer reads every position: 6 × (1 + 2 + 3) / 3 × 256.
+    assert_eq!(kv_bytes_per_token(&lm, 0, 3), 3_072);
+    assert_eq!(kv_bytes_per_token(&lm, 5, 0), 0);
+}
+
+#[test]
+fn the_measured_bandwidth_is_plausible() {
+    // Between 100 MB/s and 100 TB/s on any machine that runs the tests.
+    let b = measure_bandwidth().unwrap();
+    assert!(b > 1e8 && b < 1e14, "{b} bytes/s");
+}
