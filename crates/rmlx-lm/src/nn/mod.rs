@@ -4,6 +4,7 @@
 //! its parameters are listed and replaced by the checkpoint's names.
 
 mod adapter_bank;
+pub mod cpu_qmm;
 mod grad_checkpoint;
 mod head;
 mod lora;
@@ -19,7 +20,7 @@ pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
 use rmlx::quantization::{dequantize, quantized_matmul, Quantized};
-use rmlx::{fast, ops, Array, Dtype};
+use rmlx::{fast, ops, Array, DeviceType, Dtype};
 
 /// `y = x Wᵀ (+ b) (+ scale · (x A) B)`, with `W` dense or quantised and an optional adapter.
 #[derive(Clone)]
@@ -50,7 +51,7 @@ impl Linear {
         let mut y = match &self.weight {
             LinearWeight::Dense { wt, .. } => x.matmul(wt)?,
             LinearWeight::Quantized(q) if training() => dequantized_matmul(x, q)?,
-            LinearWeight::Quantized(q) => quantized_matmul(x, q, true)?,
+            LinearWeight::Quantized(q) => quantized_product(x, q)?,
         };
         if let Some(z) = adapter_bank::row_adapters(&self.path, x)? {
             y = (&y + z)?;
@@ -210,8 +211,21 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.weight {
             Weight::Dense(w) => Ok(x.matmul(&w.transpose()?)?),
-            Weight::Quantized(q) => Ok(quantized_matmul(x, q, true)?),
+            Weight::Quantized(q) => quantized_product(x, q),
         }
+    }
+}
+
+/// `x Wᵀ` for a quantised `W` outside training. On the CPU, MLX's quantised product is slow (one
+/// thread, no SIMD): a few rows go through [`cpu_qmm`], a prompt's many rows through `W`
+/// dequantised and a BLAS product. Elsewhere, MLX's quantised product.
+fn quantized_product(x: &Array, q: &Quantized) -> Result<Array> {
+    if rmlx::default_device().kind != DeviceType::Cpu {
+        return Ok(quantized_matmul(x, q, true)?);
+    }
+    match cpu_qmm::cpu_quantized_matmul(x, q)? {
+        Some(y) => Ok(y),
+        None => Ok(x.matmul(&dequantize(q, Some(x.dtype()))?.transpose()?)?),
     }
 }
 
