@@ -59,6 +59,19 @@ pub struct LoadedModel {
     pub vocab: VocabBounds,
 }
 
+impl LoadedModel {
+    /// Each layer's sliding window (`None`: the layer attends to every position).
+    pub fn layer_windows(&self) -> Vec<Option<usize>> {
+        self.model.new_caches(None).iter().map(crate::cache::KvCache::window).collect()
+    }
+
+    /// Bytes of one position's keys and values in one layer, in the compute dtype.
+    pub fn kv_bytes_per_layer_position(&self) -> usize {
+        let cfg = self.model.config();
+        2 * cfg.kv_heads() as usize * cfg.head_dim() as usize * self.dtype.size()
+    }
+}
+
 /// Loads a Hugging Face folder or a GGUF file (recognised by its magic bytes `GGUF`, whatever its
 /// extension; a `.gguf` file without them gets [`Error::Corrupt`]).
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {

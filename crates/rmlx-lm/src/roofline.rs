@@ -13,7 +13,6 @@
 //! # }
 //! ```
 
-use crate::cache::KvCache;
 use crate::{LoadedModel, Result};
 use rmlx::{ops, Array, DeviceType, Dtype};
 use std::time::Instant;
@@ -70,9 +69,8 @@ pub fn weight_bytes_per_token(lm: &LoadedModel) -> u64 {
 /// `prompt` tokens, averaged: at position `p` a layer reads `p + 1` positions' keys and values,
 /// or its sliding window's.
 pub fn kv_bytes_per_token(lm: &LoadedModel, prompt: usize, generated: usize) -> u64 {
-    let cfg = lm.model.config();
-    let per_position = 2 * cfg.kv_heads() as u64 * cfg.head_dim() as u64 * lm.dtype.size() as u64;
-    let windows: Vec<Option<usize>> = lm.model.new_caches(None).iter().map(KvCache::window).collect();
+    let per_position = lm.kv_bytes_per_layer_position() as u64;
+    let windows = lm.layer_windows();
     if generated == 0 {
         return 0;
     }

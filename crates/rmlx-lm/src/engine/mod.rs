@@ -177,9 +177,8 @@ pub struct Engine<'m> {
 impl<'m> Engine<'m> {
     pub fn new(lm: &'m LoadedModel, opts: EngineOptions) -> Engine<'m> {
         let cfg = lm.model.config();
-        let windows: Vec<Option<usize>> = lm.model.new_caches(None).iter().map(KvCache::window).collect();
+        let windows = lm.layer_windows();
         let context = opts.context.or(cfg.max_position_embeddings).unwrap_or(crate::cache::MAX_POSITIONS);
-        let per_layer = 2 * cfg.kv_heads() as usize * cfg.head_dim() as usize * lm.dtype.size();
         Engine {
             lm,
             prompt_cache: PromptCache::new(opts.prompt_cache_bytes),
@@ -189,7 +188,7 @@ impl<'m> Engine<'m> {
             prefill: None,
             running: Vec::new(),
             caches: windows.iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect(),
-            kv_bytes_per_layer_position: per_layer,
+            kv_bytes_per_layer_position: lm.kv_bytes_per_layer_position(),
             windows,
             cancelled: HashSet::new(),
             inflight: None,
