@@ -146,6 +146,7 @@ impl CpuQmm {
         // Each group's sum of x, for the biases.
         let xsum: Vec<f32> = x.chunks(self.group).map(|g| g.iter().sum()).collect();
         let words = k * self.bits / 32;
+        let simd = avx2_fma();
         let mut y = vec![0f32; n * m];
         y.par_chunks_mut(COLUMNS_PER_TASK * m).enumerate().for_each(|(task, out)| {
             let first = task * COLUMNS_PER_TASK;
@@ -157,12 +158,21 @@ impl CpuQmm {
                     biases: &biases[c * groups..(c + 1) * groups],
                 };
                 for (r, v) in col.iter_mut().enumerate() {
-                    *v = row.dot(self.bits, self.group, &x[r * k..(r + 1) * k], &xsum[r * groups..(r + 1) * groups]);
+                    let (xr, sr) = (&x[r * k..(r + 1) * k], &xsum[r * groups..(r + 1) * groups]);
+                    *v = row.dot(simd, self.bits, self.group, xr, sr);
                 }
             }
         });
         y
     }
+}
+
+/// Whether the processor has AVX2 and FMA (checked once per product, not per column).
+fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// One output column's packed weights.
@@ -173,12 +183,14 @@ struct Row<'a, S> {
 }
 
 impl<S: Scalar> Row<'_, S> {
-    fn dot(&self, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
+    /// `simd`: [`avx2_fma`]'s answer.
+    fn dot(&self, simd: bool, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the features are present.
+        if simd {
+            // SAFETY: `avx2_fma` found the features.
             return unsafe { self.dot_avx2(bits, group, x, xsum) };
         }
+        let _ = simd;
         self.dot_portable(bits, group, x, xsum)
     }
 
