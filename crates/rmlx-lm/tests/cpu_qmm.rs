@@ -1,6 +1,8 @@
 //! The CPU quantised product against MLX's: 4 and 8 bits, groups of 32 and 64, float32, bfloat16
 //! and float16, one to eight rows, a column count that leaves a partial task; and what it leaves
-//! to others (more rows, 3 bits).
+//! to others (more rows, 3 bits). Half-precision inputs take the integer form (activations
+//! quantised to 8 bits per block of 32): checked against that definition computed here, and for
+//! NaN passing through.
 
 use rmlx::quantization::{dequantize, quantize, QuantMode};
 use rmlx::{ops, random, Array, Dtype};
@@ -54,4 +56,63 @@ fn leaves_what_it_does_not_serve_to_others() {
     assert!(cpu_quantized_matmul(&one, &q3).unwrap().is_none());
     let ints = ops::ones(&[1, 128], Dtype::Int32).unwrap();
     assert!(cpu_quantized_matmul(&ints, &q4).unwrap().is_none());
+}
+
+/// The integer form by its definition: each block of 32 inputs rounded to multiples of
+/// `max|x| / 127` (`round(x · 127 / max|x|)`), times the dequantised weights.
+fn integer_form_reference(x: &[f32], rows: usize, k: i32, q: &rmlx::quantization::Quantized) -> Vec<f32> {
+    let rounded: Vec<f32> = x
+        .chunks(32)
+        .flat_map(|b| {
+            let amax = b.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            b.iter().map(move |v| (v * inv).round() * (amax / 127.0))
+        })
+        .collect();
+    let xr = Array::from_slice(&rounded, &[rows as i32, k]).unwrap();
+    // `scale · q + bias` in float32 (MLX computes it in the scales' dtype).
+    let wide = |a: &Array| a.astype(Dtype::Float32).unwrap();
+    let q32 =
+        rmlx::quantization::Quantized { scales: wide(&q.scales), biases: q.biases.as_ref().map(wide), ..q.clone() };
+    let w = dequantize(&q32, Some(Dtype::Float32)).unwrap();
+    xr.matmul(&w.transpose().unwrap()).unwrap().to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn half_inputs_take_the_integer_form() {
+    rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
+    let key = random::key(11).unwrap();
+    // 37 columns: whole passes of four and a remainder.
+    let (n, k) = (37, 128);
+    let w = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap();
+    for (bits, group) in [(4, 32), (4, 64), (8, 32), (8, 64)] {
+        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+            let q = quantize(&w.astype(dtype).unwrap(), group, bits, QuantMode::Affine).unwrap();
+            for rows in [1usize, 5] {
+                let x = random::normal(&[rows as i32, k], Dtype::Float32, 0.0, 1.0, Some(&key))
+                    .unwrap()
+                    .astype(dtype)
+                    .unwrap();
+                let xs = x.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                let want = integer_form_reference(&xs, rows, k, &q);
+                let got = cpu_quantized_matmul(&x, &q).unwrap().unwrap();
+                assert_eq!(got.dtype(), dtype);
+                let got = got.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                // Computed in float32, then rounded once to the half type (unit roundoff `u`).
+                let u = if dtype == Dtype::Bfloat16 { 2f32.powi(-8) } else { 2f32.powi(-11) };
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let tol = u * w.abs() + 1e-4;
+                    assert!((g - w).abs() <= tol, "{bits} bits, group {group}, {dtype:?}, element {i}: {g} vs {w}");
+                }
+            }
+        }
+    }
+    // A NaN input makes its row NaN, as the float form would; the other rows are untouched.
+    let q = quantize(&w.astype(Dtype::Bfloat16).unwrap(), 32, 4, QuantMode::Affine).unwrap();
+    let mut xs = vec![0.5f32; 2 * k as usize];
+    xs[3] = f32::NAN;
+    let x = Array::from_slice(&xs, &[2, k]).unwrap().astype(Dtype::Bfloat16).unwrap();
+    let y = cpu_quantized_matmul(&x, &q).unwrap().unwrap().astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+    assert!(y[..n as usize].iter().all(|v| v.is_nan()), "{y:?}");
+    assert!(y[n as usize..].iter().all(|v| v.is_finite()), "{y:?}");
 }

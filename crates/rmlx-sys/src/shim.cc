@@ -356,7 +356,7 @@ size_t array_nbytes(const Array& a) { return a.nbytes(); }
 size_t array_itemsize(const Array& a) { return a.itemsize(); }
 size_t array_id(const Array& a) { return a.id(); }
 bool array_is_evaluated(const Array& a) { return a.status() != mx::array::Status::unscheduled; }
-bool array_row_contiguous(const Array& a) { return a.flags().row_contiguous; }
+bool array_row_contiguous(const Array& a) { return a.is_available() && a.flags().row_contiguous; }
 
 void array_copy_to(const Array& a, rust::Slice<uint8_t> out) {
   if (out.size() != a.nbytes()) {

@@ -135,6 +135,12 @@ impl Array {
         ffi::array_is_evaluated(self.raw())
     }
 
+    /// Whether the array is computed and laid out row-major without gaps: its buffer can be read
+    /// as it is. `false` for an array not computed yet, whatever its layout will be.
+    pub fn is_computed_row_contiguous(&self) -> bool {
+        ffi::array_row_contiguous(self.raw())
+    }
+
     /// Whether the array is a tracer of a transform being traced on this thread: an input of the
     /// function being differentiated (or vectorised), or computed from one. A function a transform
     /// keeps ([`crate::transforms::checkpoint`]) must take such arrays as inputs: captured, they are

@@ -174,9 +174,13 @@ pub fn apply<P: CustomPrimitive>(op: P, inputs: &[Array]) -> Result<Vec<Array>> 
         (true, _) | (false, DeviceType::Cpu) => current(),
         (false, DeviceType::Gpu) => device_spec(Device::cpu()),
     };
-    // The CPU evaluation reads plain row-major buffers.
+    // The CPU evaluation reads plain row-major buffers. Inputs computed so already (weights) are
+    // taken as they are: a `contiguous` node per input would be a scheduled task per call.
     let contiguous = crate::device::with_stream_spec(stream, || {
-        inputs.iter().map(crate::ops::contiguous).collect::<Result<Vec<_>>>()
+        inputs
+            .iter()
+            .map(|a| if a.is_computed_row_contiguous() { Ok(a.clone()) } else { crate::ops::contiguous(a) })
+            .collect::<Result<Vec<_>>>()
     })?;
     let v = array_vec(&contiguous);
     let specs: Vec<ShapeDtype> = out_specs.iter().map(TensorSpec::to_ffi).collect();

@@ -251,6 +251,29 @@ fn custom_primitive_without_vjp_is_unsupported() {
     assert_eq!(vals(&apply(Doubles, &[x]).unwrap()[0]), vec![2.0, 4.0]);
 }
 
+/// A custom primitive reads its inputs row-major whatever their layout: a computed transposed
+/// view, a lazy one and a slice are made contiguous; a computed contiguous array is read in place
+/// (`is_computed_row_contiguous`), and one not yet computed is not taken for contiguous.
+#[test]
+fn custom_primitive_inputs_are_read_row_major() {
+    let x = arr(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]);
+    let lazy = (&x * 1.0f32).unwrap();
+    assert!(!lazy.is_computed_row_contiguous(), "not computed yet");
+    assert_eq!(vals(&apply(Doubles, &[lazy]).unwrap()[0]), vec![2.0, 4.0, 6.0, 8.0, 10.0, 12.0]);
+    rmlx::eval([&x]).unwrap();
+    assert!(x.is_computed_row_contiguous());
+    assert_eq!(vals(&apply(Doubles, &[x.clone()]).unwrap()[0]), vec![2.0, 4.0, 6.0, 8.0, 10.0, 12.0]);
+    let t = x.transpose().unwrap();
+    assert!(!t.is_computed_row_contiguous(), "not computed yet");
+    assert_eq!(vals(&apply(Doubles, &[t.clone()]).unwrap()[0]), vec![2.0, 8.0, 4.0, 10.0, 6.0, 12.0]);
+    rmlx::eval([&t]).unwrap();
+    assert!(!t.is_computed_row_contiguous(), "a computed transposed view");
+    assert_eq!(vals(&apply(Doubles, &[t]).unwrap()[0]), vec![2.0, 8.0, 4.0, 10.0, 6.0, 12.0]);
+    let column = rmlx::ops::slice(&x, &[0, 1], &[2, 2], &[1, 1]).unwrap();
+    rmlx::eval([&column]).unwrap();
+    assert_eq!(vals(&apply(Doubles, &[column]).unwrap()[0]), vec![4.0, 10.0]);
+}
+
 /// y = 2x, CPU only, no transforms.
 struct Doubles;
 

@@ -223,10 +223,14 @@ fn quantized_product(x: &Array, q: &Quantized) -> Result<Array> {
     if rmlx::default_device().kind != DeviceType::Cpu {
         return Ok(quantized_matmul(x, q, true)?);
     }
-    match cpu_qmm::cpu_quantized_matmul(x, q)? {
-        Some(y) => Ok(y),
-        None => Ok(x.matmul(&dequantize(q, Some(x.dtype()))?.transpose()?)?),
+    if let Some(y) = cpu_qmm::cpu_quantized_matmul(x, q)? {
+        return Ok(y);
     }
+    // MLX's CPU products of half types do not go through BLAS: those run in float32.
+    let dtype = x.dtype();
+    let wide = if dtype == Dtype::Float64 { dtype } else { Dtype::Float32 };
+    let y = x.astype(wide)?.matmul(&dequantize(q, Some(wide))?.transpose()?)?;
+    Ok(y.astype(dtype)?)
 }
 
 /// `x Wᵀ` for a quantised `W` in training mode (QLoRA): `W` is dequantised for the product and
