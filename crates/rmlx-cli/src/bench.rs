@@ -27,6 +27,10 @@ pub struct Args {
     /// One JSON line (the keys of peer_bench.py).
     #[arg(long)]
     json: bool,
+    /// Also time this many decoding steps one at a time, split into building the graph, launching
+    /// it and waiting, with the operations of a step by kind (0: off).
+    #[arg(long, default_value_t = 0, value_parser = count)]
+    profile: usize,
 }
 
 /// (TTFT seconds, decode tokens/s) of one run.
@@ -61,6 +65,10 @@ pub fn run(a: Args) -> Result<()> {
     let ttft = median(runs.iter().map(|r| r.0).collect());
     let decode = median(runs.iter().map(|r| r.1).collect());
     let peak = gb(rmlx::memory::peak_memory());
+    let profile = match a.profile {
+        0 => None,
+        n => Some(rmlx_lm::profile::decode_steps(&lm, &prompt, n)?),
+    };
     let name = lm.source.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let device = format!("{:?}", rmlx::default_device().kind).to_lowercase();
     if a.json {
@@ -73,7 +81,10 @@ pub fn run(a: Args) -> Result<()> {
                 "bytes_per_token": floor.bytes(), "weight_bytes_per_token": floor.weight_bytes,
                 "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
                 "floor_tok_s": (floor.tokens_per_second() * 10.0).round() / 10.0,
-                "floor_fraction": (floor.fraction(decode) * 1e4).round() / 1e4})
+                "floor_fraction": (floor.fraction(decode) * 1e4).round() / 1e4,
+                "profile": profile.as_ref().map(|p| serde_json::json!({"steps": p.steps,
+                    "build_us": p.build_us.round(), "launch_us": p.launch_us.round(), "wait_us": p.wait_us.round(),
+                    "operations": p.operation_count(), "operations_by_kind": p.operations}))})
         );
     } else {
         println!("model       {name} ({}, {device})", lm.dtype.name());
@@ -95,6 +106,23 @@ pub fn run(a: Args) -> Result<()> {
             100.0 * floor.fraction(decode)
         );
         println!("peak memory {peak:.3} GB");
+        if let Some(p) = &profile {
+            println!(
+                "profile     a step {:.0} µs = build {:.0} + launch {:.0} + wait {:.0} ({} steps one at a time); \
+                 {} operations, {:.1} a layer",
+                p.total_us(),
+                p.build_us,
+                p.launch_us,
+                p.wait_us,
+                p.steps,
+                p.operation_count(),
+                p.operation_count() as f64 / p.layers.max(1) as f64
+            );
+            let mut kinds: Vec<_> = p.operations.iter().collect();
+            kinds.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+            let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
+            println!("operations  {}", kinds.join(", "));
+        }
     }
     Ok(())
 }

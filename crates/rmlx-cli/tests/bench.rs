@@ -1,5 +1,6 @@
-//! `rmlx bench --json` on the default model: the peer benchmark's keys, and the bandwidth floor
-//! beside the decode speed with the bytes a token reads counted as `rmlx_lm::roofline` counts them.
+//! `rmlx bench --json` on the default model: the peer benchmark's keys, the bandwidth floor
+//! beside the decode speed with the bytes a token reads counted as `rmlx_lm::roofline` counts them,
+//! and the profile of a decoding step (`--profile`).
 
 use serde_json::Value;
 use std::process::{Command, Stdio};
@@ -7,7 +8,7 @@ use std::process::{Command, Stdio};
 #[test]
 fn bench_reports_speed_beside_the_bandwidth_floor() {
     let out = Command::new(env!("CARGO_BIN_EXE_rmlx"))
-        .args(["bench", "-p", "16", "-g", "4", "-n", "1", "--json"])
+        .args(["bench", "-p", "16", "-g", "4", "-n", "1", "--json", "--profile", "2"])
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -26,4 +27,16 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     let fraction = v["floor_fraction"].as_f64().unwrap();
     let decode = v["decode_tok_s"].as_f64().unwrap();
     assert!(decode > 0.0 && (fraction - decode / floor).abs() < 1e-3 + fraction * 1e-2, "{v}");
+    // The profile of a step: its three parts, and its operations counted by kind. On the CPU
+    // every layer runs 7 products and attention's 2 (MLX's CPU attention is composed of
+    // operations), plus the output head; each layer writes its keys and values into the cache.
+    let p = &v["profile"];
+    assert_eq!(p["steps"].as_u64(), Some(2), "{p}");
+    for part in ["build_us", "launch_us", "wait_us"] {
+        assert!(p[part].as_f64().is_some_and(|t| t >= 0.0), "{part}: {p}");
+    }
+    let kinds = p["operations_by_kind"].as_object().unwrap();
+    assert_eq!(kinds.values().map(|n| n.as_u64().unwrap()).sum::<u64>(), p["operations"].as_u64().unwrap());
+    assert_eq!(kinds["Matmul"].as_u64(), Some(30 * (7 + 2) + 1), "{p}");
+    assert_eq!(kinds["SliceUpdate"].as_u64(), Some(30 * 2), "{p}");
 }

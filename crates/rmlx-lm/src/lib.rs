@@ -37,6 +37,7 @@ pub mod grammar;
 pub mod loader;
 pub mod models;
 pub mod nn;
+pub mod profile;
 pub mod progress;
 pub mod registry;
 pub mod roofline;
