@@ -159,6 +159,23 @@ impl Rope {
     /// Rotates `x: [B, H, L, D]` at positions `offset..offset + L` (per row of `B` for
     /// [`Offset::PerRow`]).
     pub fn apply(&self, x: &Array, offset: &Offset) -> Result<Array> {
+        if crate::nn::cpu_fast::applies(x) && x.ndim() == 4 {
+            let divisors = match &self.divisors {
+                Some(d) => d.clone(),
+                None => crate::nn::cpu_fast::base_divisors(self.base, self.dims)?,
+            };
+            let offsets = match offset {
+                Offset::Uniform(o) => Array::from_slice(&[*o as i32], &[1])?,
+                Offset::PerRow(o) => o.astype(Dtype::Int32)?,
+            };
+            return Ok(crate::nn::cpu_fast::rope(
+                x,
+                self.dims,
+                &divisors.astype(Dtype::Float32)?,
+                self.scale,
+                &offsets,
+            )?);
+        }
         let freqs = match &self.divisors {
             Some(d) => RopeFreqs::Explicit(d),
             None => RopeFreqs::Base(self.base),

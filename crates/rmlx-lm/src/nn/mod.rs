@@ -4,6 +4,7 @@
 //! its parameters are listed and replaced by the checkpoint's names.
 
 mod adapter_bank;
+pub mod cpu_fast;
 pub mod cpu_qmm;
 mod grad_checkpoint;
 mod head;
@@ -314,6 +315,9 @@ impl RmsNorm {
 
     /// Normalises `x`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if cpu_fast::applies(x) && self.weight.dtype() == x.dtype() {
+            return Ok(cpu_fast::rms_norm(x, &self.weight, self.eps)?);
+        }
         Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
     }
 }

@@ -1,0 +1,78 @@
+//! The CPU RMSNorm and RoPE primitives against MLX's own `fast::rms_norm` and `fast::rope` (which
+//! MLX's CPU backend composes from small operations): float32 within float32 rounding, the half
+//! types within one rounding; uniform and per-row offsets, explicit divisors, a position scale and
+//! rotating fewer features than the head has. And where they stay out: training.
+
+use rmlx::fast::{self, RopeFreqs};
+use rmlx::{random, Array, Dtype};
+use rmlx_lm::nn::{cpu_fast, with_training};
+
+fn max_abs_diff(a: &Array, b: &Array) -> f32 {
+    let d = (a.astype(Dtype::Float32).unwrap() - b.astype(Dtype::Float32).unwrap()).unwrap();
+    d.abs().unwrap().max(rmlx::Axes::All, false).unwrap().item::<f32>().unwrap()
+}
+
+fn cpu() {
+    rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
+}
+
+#[test]
+fn rms_norm_matches_mlx() {
+    cpu();
+    let key = random::key(3).unwrap();
+    let x = random::normal(&[2, 5, 96], Dtype::Float32, 0.0, 3.0, Some(&key)).unwrap();
+    let w = random::normal(&[96], Dtype::Float32, 1.0, 0.2, Some(&random::key(4).unwrap())).unwrap();
+    for (dtype, tol) in [(Dtype::Float32, 1e-5), (Dtype::Bfloat16, 0.05), (Dtype::Float16, 0.01)] {
+        let (x, w) = (x.astype(dtype).unwrap(), w.astype(dtype).unwrap());
+        let got = cpu_fast::rms_norm(&x, &w, 1e-5).unwrap();
+        let want = fast::rms_norm(&x, Some(&w), 1e-5).unwrap();
+        assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype));
+        let err = max_abs_diff(&got, &want);
+        assert!(err <= tol, "{dtype:?}: off by {err}");
+    }
+    let bad = cpu_fast::rms_norm(&x, &Array::from_slice(&[1.0f32; 8], &[8]).unwrap(), 1e-5);
+    assert!(matches!(bad, Err(rmlx::Error::InvalidArgument(ref m)) if m.contains("does not fit")), "{:?}", bad.err());
+}
+
+#[test]
+fn rope_matches_mlx() {
+    cpu();
+    let key = random::key(5).unwrap();
+    // [B=2, H=3, L=4, D=16]; 12 of the 16 features rotated in one case.
+    let x = random::normal(&[2, 3, 4, 16], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
+    let divisors: Vec<f32> = (0..8).map(|i| 10000f32.powf(2.0 * i as f32 / 16.0) * (1.0 + i as f32 * 0.3)).collect();
+    let divisors = Array::from_slice(&divisors, &[8]).unwrap();
+    for (dtype, tol) in [(Dtype::Float32, 2e-5), (Dtype::Bfloat16, 0.04), (Dtype::Float16, 0.005)] {
+        let x = x.astype(dtype).unwrap();
+        for (dims, scale) in [(16, 1.0), (12, 0.25)] {
+            // One offset for every row.
+            let got = cpu_fast::rope(
+                &x,
+                dims,
+                &cpu_fast::base_divisors(10000.0, dims).unwrap(),
+                scale,
+                &Array::from_slice(&[37i32], &[1]).unwrap(),
+            )
+            .unwrap();
+            let want = fast::rope(&x, dims, false, RopeFreqs::Base(10000.0), scale, 37).unwrap();
+            assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype));
+            let err = max_abs_diff(&got, &want);
+            assert!(err <= tol, "{dtype:?}, {dims} dims, scale {scale}: off by {err}");
+        }
+        // Explicit divisors, one offset per row.
+        let offsets = Array::from_slice(&[3i32, 250], &[2]).unwrap();
+        let got = cpu_fast::rope(&x, 16, &divisors, 1.0, &offsets).unwrap();
+        let want = fast::rope(&x, 16, false, RopeFreqs::Explicit(&divisors), 1.0, &offsets).unwrap();
+        let err = max_abs_diff(&got, &want);
+        assert!(err <= tol, "{dtype:?}, explicit divisors, per-row offsets: off by {err}");
+    }
+}
+
+#[test]
+fn training_keeps_mlx_operations() {
+    cpu();
+    let x = Array::from_slice(&[1.0f32, 2.0], &[1, 2]).unwrap();
+    assert!(cpu_fast::applies(&x));
+    with_training(|| assert!(!cpu_fast::applies(&x)));
+    assert!(!cpu_fast::applies(&x.astype(Dtype::Int32).unwrap()));
+}
