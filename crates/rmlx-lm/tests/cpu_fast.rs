@@ -76,3 +76,26 @@ fn training_keeps_mlx_operations() {
     with_training(|| assert!(!cpu_fast::applies(&x)));
     assert!(!cpu_fast::applies(&x.astype(Dtype::Int32).unwrap()));
 }
+
+#[test]
+fn decode_attention_matches_mlx() {
+    cpu();
+    let key = random::key(9).unwrap();
+    // Two sequences, 4 query heads over 2 key/value heads, buffers of 40 positions, 29 valid.
+    let q = random::normal(&[2, 4, 1, 16], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
+    let k = random::normal(&[2, 2, 40, 16], Dtype::Float32, 0.0, 1.0, Some(&random::key(10).unwrap())).unwrap();
+    let v = random::normal(&[2, 2, 40, 16], Dtype::Float32, 0.0, 1.0, Some(&random::key(11).unwrap())).unwrap();
+    for (dtype, tol) in [(Dtype::Float32, 1e-5), (Dtype::Bfloat16, 0.02), (Dtype::Float16, 0.004)] {
+        let (q, k, v) = (q.astype(dtype).unwrap(), k.astype(dtype).unwrap(), v.astype(dtype).unwrap());
+        for valid in [1, 29, 40] {
+            let got = cpu_fast::decode_attention(&q, &k, &v, valid, 0.3).unwrap();
+            let (kv, vv) = (k.slice_axis(2, 0, valid as i32, 1).unwrap(), v.slice_axis(2, 0, valid as i32, 1).unwrap());
+            let want = fast::scaled_dot_product_attention(&q, &kv, &vv, 0.3, fast::AttentionMask::None).unwrap();
+            assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype));
+            let err = max_abs_diff(&got, &want);
+            assert!(err <= tol, "{dtype:?}, {valid} valid: off by {err}");
+        }
+    }
+    let bad = cpu_fast::decode_attention(&q, &k, &v, 41, 0.3);
+    assert!(matches!(bad, Err(rmlx::Error::InvalidArgument(ref m)) if m.contains("41 valid")), "{:?}", bad.err());
+}

@@ -202,6 +202,15 @@ impl StandardCache {
     }
 
     fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+        let len = dim(k, 2);
+        let (keys, values, end) = self.write(k, v)?;
+        let (keys, values) = (positions(&keys, 0, end as i32)?, positions(&values, 0, end as i32)?);
+        Ok((keys, values, if len == 1 { Mask::None } else { Mask::Causal }))
+    }
+
+    /// Appends `k, v: [B, H, L, D]`; returns the whole buffers (`[B, H, capacity, D]`) and the
+    /// positions now valid in them.
+    pub fn write(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, usize)> {
         let prev = self.offset as i32;
         let len = dim(k, 2);
         if self.keys.is_none() || prev + len > self.capacity() as i32 {
@@ -210,10 +219,10 @@ impl StandardCache {
             self.values = Some(grow(self.values.take(), v, prev, extra)?);
         }
         let end = prev + len;
-        let keys = positions(&write_at(&mut self.keys, k, prev)?, 0, end)?;
-        let values = positions(&write_at(&mut self.values, v, prev)?, 0, end)?;
+        let keys = write_at(&mut self.keys, k, prev)?;
+        let values = write_at(&mut self.values, v, prev)?;
         self.offset = end as usize;
-        Ok((keys, values, if len == 1 { Mask::None } else { Mask::Causal }))
+        Ok((keys, values, end as usize))
     }
 }
 

@@ -202,6 +202,13 @@ pub(crate) fn merge_heads(x: &Array) -> Result<Array> {
 /// Writes `k, v` (`[B, Hkv, L, D]`, already rotated) into `cache` and attends `q` over everything
 /// visible: `[B, Hq, L, D]`.
 pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCache, scale: f32) -> Result<Array> {
+    if let KvCache::Standard(c) = cache {
+        // One query on the CPU: attention over the cache's buffers in one primitive.
+        if q.ndim() == 4 && q.shape()[2] == 1 && crate::nn::cpu_fast::applies(q) {
+            let (keys, values, valid) = c.write(k, v)?;
+            return Ok(crate::nn::cpu_fast::decode_attention(q, &keys, &values, valid, scale)?);
+        }
+    }
     let (keys, values, mask) = cache.update(k, v)?;
     Ok(fast::scaled_dot_product_attention(q, &keys, &values, scale, mask.as_attention())?)
 }

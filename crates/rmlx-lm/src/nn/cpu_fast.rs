@@ -1,4 +1,5 @@
-//! RMSNorm and RoPE on the CPU as one primitive each.
+//! RMSNorm, RoPE and one query's attention over a key/value cache on the CPU, as one primitive
+//! each.
 //!
 //! MLX's CPU backend has no kernels for its fused `rms_norm` and `rope`: it composes each from
 //! a dozen or more small operations (squares, sums, broadcasts, `Arange`, `Sin`, `Cos`,
@@ -35,6 +36,16 @@ pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
 /// divided by `divisors[i]` (`[dims/2]`, float32), is the angle of pair `i`.
 pub fn rope(x: &Array, dims: i32, divisors: &Array, scale: f32, offsets: &Array) -> Result<Array> {
     let out = apply(RopeCpu { dims: dims as usize, scale }, &[x.clone(), divisors.clone(), offsets.clone()])?;
+    Ok(out.into_iter().next().expect("one output"))
+}
+
+/// Attention of one query position, `q` `[B, Hq, 1, D]`, over the first `valid` positions of
+/// the cache buffers `keys`, `values` `[B, Hkv, capacity, D]` (`Hq` a multiple of `Hkv`: query
+/// head `h` reads key/value head `h / (Hq / Hkv)`), scores multiplied by `scale`. Softmax and
+/// sums in float32.
+pub fn decode_attention(q: &Array, keys: &Array, values: &Array, valid: usize, scale: f32) -> Result<Array> {
+    let op = DecodeAttentionCpu { valid, scale };
+    let out = apply(op, &[q.clone(), keys.clone(), values.clone()])?;
     Ok(out.into_iter().next().expect("one output"))
 }
 
@@ -148,6 +159,105 @@ impl CustomPrimitive for RopeCpu {
 
     fn is_equivalent(&self, other: &Self) -> bool {
         self.dims == other.dims && self.scale == other.scale
+    }
+}
+
+struct DecodeAttentionCpu {
+    valid: usize,
+    scale: f32,
+}
+
+impl CustomPrimitive for DecodeAttentionCpu {
+    fn name(&self) -> String {
+        "CpuDecodeAttention".into()
+    }
+
+    fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
+        let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
+        let fits = q.shape.len() == 4
+            && q.shape[2] == 1
+            && k.shape.len() == 4
+            && k.shape == v.shape
+            && k.shape[0] == q.shape[0]
+            && k.shape[1] > 0
+            && q.shape[1] % k.shape[1] == 0
+            && k.shape[3] == q.shape[3]
+            && self.valid >= 1
+            && self.valid <= k.shape[2] as usize
+            && q.dtype == k.dtype
+            && k.dtype == v.dtype;
+        if !fits {
+            return Err(Error::InvalidArgument(format!(
+                "decode attention: q {:?}, keys {:?}, values {:?}, {} valid positions",
+                q.shape, k.shape, v.shape, self.valid
+            )));
+        }
+        Ok(vec![q.clone()])
+    }
+
+    fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
+        let (qs, ks) = (inputs[0].shape(), inputs[1].shape());
+        let (b, hq, d) = (qs[0] as usize, qs[1] as usize, qs[3] as usize);
+        let (hkv, capacity) = (ks[1] as usize, ks[2] as usize);
+        let q = floats(&inputs[0])?;
+        let (keys, values) = (Rows::of(&inputs[1])?, Rows::of(&inputs[2])?);
+        let mut y = vec![0f32; q.len()];
+        let mut scores = vec![0f32; self.valid];
+        let mut row = vec![0f32; d];
+        for bi in 0..b {
+            for h in 0..hq {
+                let kv = bi * hkv + h / (hq / hkv);
+                let qh = &q[(bi * hq + h) * d..][..d];
+                for (j, s) in scores.iter_mut().enumerate() {
+                    keys.read((kv * capacity + j) * d, &mut row);
+                    *s = self.scale * qh.iter().zip(&row).map(|(a, b)| a * b).sum::<f32>();
+                }
+                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let mut total = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    total += *s;
+                }
+                let out = &mut y[(bi * hq + h) * d..][..d];
+                for (j, p) in scores.iter().enumerate() {
+                    values.read((kv * capacity + j) * d, &mut row);
+                    let w = p / total;
+                    out.iter_mut().zip(&row).for_each(|(o, v)| *o += w * v);
+                }
+            }
+        }
+        store(&mut outputs[0], &y)
+    }
+
+    fn is_equivalent(&self, other: &Self) -> bool {
+        self.valid == other.valid && self.scale == other.scale
+    }
+}
+
+/// A cache buffer read a row at a time, converted to float32 (only the rows attention reads).
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl<'a> Rows<'a> {
+    fn of(t: &'a CpuTensor<'_>) -> Result<Rows<'a>> {
+        Ok(match t.dtype() {
+            Dtype::Float32 => Rows::F32(t.as_slice::<f32>()?),
+            Dtype::Bfloat16 => Rows::Bf16(t.as_slice::<bf16>()?),
+            Dtype::Float16 => Rows::F16(t.as_slice::<f16>()?),
+            d => return Err(Error::InvalidArgument(format!("a tensor of dtype {d:?}"))),
+        })
+    }
+
+    fn read(&self, at: usize, row: &mut [f32]) {
+        let n = row.len();
+        match self {
+            Rows::F32(s) => row.copy_from_slice(&s[at..at + n]),
+            Rows::Bf16(s) => row.iter_mut().zip(&s[at..at + n]).for_each(|(r, v)| *r = v.to_f32()),
+            Rows::F16(s) => row.iter_mut().zip(&s[at..at + n]).for_each(|(r, v)| *r = v.to_f32()),
+        }
     }
 }
 
