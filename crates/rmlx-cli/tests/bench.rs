@@ -28,8 +28,9 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     let decode = v["decode_tok_s"].as_f64().unwrap();
     assert!(decode > 0.0 && (fraction - decode / floor).abs() < 1e-3 + fraction * 1e-2, "{v}");
     // The profile of a step: its three parts, and its operations counted by kind. On the CPU
-    // every layer runs 7 products and attention's 2 (MLX's CPU attention is composed of
-    // operations), plus the output head; each layer writes its keys and values into the cache.
+    // every layer runs 7 products, 2 norms, 2 rotations and one attention as rmlx's own CPU
+    // primitives (`nn::cpu_fast`), and writes its keys and values into the cache; the final norm
+    // and the output head come once.
     let p = &v["profile"];
     assert_eq!(p["steps"].as_u64(), Some(2), "{p}");
     for part in ["build_us", "launch_us", "wait_us"] {
@@ -37,6 +38,10 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     }
     let kinds = p["operations_by_kind"].as_object().unwrap();
     assert_eq!(kinds.values().map(|n| n.as_u64().unwrap()).sum::<u64>(), p["operations"].as_u64().unwrap());
-    assert_eq!(kinds["Matmul"].as_u64(), Some(30 * (7 + 2) + 1), "{p}");
+    assert_eq!(kinds["Matmul"].as_u64(), Some(30 * 7 + 1), "{p}");
+    assert_eq!(kinds["CpuRmsNorm"].as_u64(), Some(30 * 2 + 1), "{p}");
+    assert_eq!(kinds["CpuRope"].as_u64(), Some(30 * 2), "{p}");
+    assert_eq!(kinds["CpuDecodeAttention"].as_u64(), Some(30), "{p}");
     assert_eq!(kinds["SliceUpdate"].as_u64(), Some(30 * 2), "{p}");
+    assert!(!kinds.contains_key("Softmax") && !kinds.contains_key("Sin"), "nothing composed: {p}");
 }
