@@ -120,8 +120,11 @@ pub(crate) fn uniform_caches(layers: usize, context_limit: Option<usize>) -> Vec
 pub struct Rope {
     dims: i32,
     base: f32,
-    /// Explicit divisors when scaled frequency-dependently (Llama 3).
-    divisors: Option<Array>,
+    /// The divisor of the position for each rotated pair (`[dims / 2]`, float32): `base^(2i/dims)`,
+    /// or scaled frequency-dependently (Llama 3, GGUF frequency factors).
+    divisors: Array,
+    /// Whether `divisors` differ from the plain ones (MLX's kernel is then given them, not `base`).
+    explicit: bool,
     /// Position multiplier (linear scaling: `1 / factor`).
     scale: f32,
 }
@@ -129,12 +132,14 @@ pub struct Rope {
 impl Rope {
     /// RoPE with base `theta` and optional scaling.
     pub fn new(dims: i32, theta: f32, scaling: Option<&RopeScaling>) -> Result<Self> {
-        let mut rope = Rope { dims, base: theta, divisors: None, scale: 1.0 };
+        let divisors = crate::nn::cpu_fast::base_divisors(theta, dims)?;
+        let mut rope = Rope { dims, base: theta, divisors, explicit: false, scale: 1.0 };
         match scaling {
             Some(RopeScaling::Linear { factor }) => rope.scale = 1.0 / factor,
             Some(s @ RopeScaling::Llama3 { .. }) => {
                 let d = llama3_rope_divisors(dims, theta, s);
-                rope.divisors = Some(Array::from_slice(&d, &[d.len() as i32])?);
+                rope.divisors = Array::from_slice(&d, &[d.len() as i32])?;
+                rope.explicit = true;
             }
             None => {}
         }
@@ -153,33 +158,21 @@ impl Rope {
                     * factors.get(i as usize).copied().unwrap_or(1.0)
             })
             .collect();
-        Ok(Rope { dims: d, base: cfg.rope_theta, divisors: Some(Array::from_slice(&divisors, &[d / 2])?), scale: 1.0 })
+        let divisors = Array::from_slice(&divisors, &[d / 2])?;
+        Ok(Rope { dims: d, base: cfg.rope_theta, divisors, explicit: true, scale: 1.0 })
     }
 
     /// Rotates `x: [B, H, L, D]` at positions `offset..offset + L` (per row of `B` for
     /// [`Offset::PerRow`]).
     pub fn apply(&self, x: &Array, offset: &Offset) -> Result<Array> {
         if crate::nn::cpu_fast::applies(x) && x.ndim() == 4 {
-            let divisors = match &self.divisors {
-                Some(d) => d.clone(),
-                None => crate::nn::cpu_fast::base_divisors(self.base, self.dims)?,
-            };
             let offsets = match offset {
                 Offset::Uniform(o) => Array::from_slice(&[*o as i32], &[1])?,
                 Offset::PerRow(o) => o.astype(Dtype::Int32)?,
             };
-            return Ok(crate::nn::cpu_fast::rope(
-                x,
-                self.dims,
-                &divisors.astype(Dtype::Float32)?,
-                self.scale,
-                &offsets,
-            )?);
+            return Ok(crate::nn::cpu_fast::rope(x, self.dims, &self.divisors, self.scale, &offsets)?);
         }
-        let freqs = match &self.divisors {
-            Some(d) => RopeFreqs::Explicit(d),
-            None => RopeFreqs::Base(self.base),
-        };
+        let freqs = if self.explicit { RopeFreqs::Explicit(&self.divisors) } else { RopeFreqs::Base(self.base) };
         Ok(match offset {
             Offset::Uniform(o) => fast::rope(x, self.dims, false, freqs, self.scale, *o as i32)?,
             Offset::PerRow(o) => fast::rope(x, self.dims, false, freqs, self.scale, o)?,

@@ -10,6 +10,7 @@
 //! They have no derivatives: [`applies`] keeps them out of training and of traced transforms,
 //! where MLX's operations (differentiable) stay in use. On the GPU, MLX's own kernels run.
 
+use crate::nn::cpu_qmm::to_f32;
 use crate::nn::training;
 use half::{bf16, f16};
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
@@ -77,7 +78,7 @@ impl CustomPrimitive for RmsNormCpu {
 
     fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
         let d = *inputs[0].shape().last().unwrap_or(&1) as usize;
-        let (x, w) = (floats(&inputs[0])?, floats(&inputs[1])?);
+        let (x, w) = (to_f32(&inputs[0])?, to_f32(&inputs[1])?);
         let mut y = vec![0f32; x.len()];
         for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
             let mean = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
@@ -126,7 +127,7 @@ impl CustomPrimitive for RopeCpu {
     fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
         let s = inputs[0].shape();
         let (b, h, l, d) = (s[0] as usize, s[1] as usize, s[2] as usize, s[3] as usize);
-        let x = floats(&inputs[0])?;
+        let x = to_f32(&inputs[0])?;
         let divisors = inputs[1].as_slice::<f32>()?;
         let offsets = inputs[2].as_slice::<i32>()?;
         let half = self.dims / 2;
@@ -199,7 +200,7 @@ impl CustomPrimitive for DecodeAttentionCpu {
         let (qs, ks) = (inputs[0].shape(), inputs[1].shape());
         let (b, hq, d) = (qs[0] as usize, qs[1] as usize, qs[3] as usize);
         let (hkv, capacity) = (ks[1] as usize, ks[2] as usize);
-        let q = floats(&inputs[0])?;
+        let q = to_f32(&inputs[0])?;
         let (keys, values) = (Rows::of(&inputs[1])?, Rows::of(&inputs[2])?);
         let mut y = vec![0f32; q.len()];
         let mut scores = vec![0f32; self.valid];
@@ -259,16 +260,6 @@ impl<'a> Rows<'a> {
             Rows::F16(s) => row.iter_mut().zip(&s[at..at + n]).for_each(|(r, v)| *r = v.to_f32()),
         }
     }
-}
-
-/// A float tensor's values as float32.
-fn floats(t: &CpuTensor<'_>) -> Result<Vec<f32>> {
-    Ok(match t.dtype() {
-        Dtype::Float32 => t.as_slice::<f32>()?.to_vec(),
-        Dtype::Bfloat16 => t.as_slice::<bf16>()?.iter().map(|v| v.to_f32()).collect(),
-        Dtype::Float16 => t.as_slice::<f16>()?.iter().map(|v| v.to_f32()).collect(),
-        d => return Err(Error::InvalidArgument(format!("a tensor of dtype {d:?}"))),
-    })
 }
 
 /// Writes `y` into `out`, rounded once to its dtype.

@@ -133,7 +133,8 @@ impl Scalar for f16 {
     }
 }
 
-fn to_f32(t: &CpuTensor<'_>) -> Result<Vec<f32>> {
+/// A float tensor's values as float32.
+pub(crate) fn to_f32(t: &CpuTensor<'_>) -> Result<Vec<f32>> {
     Ok(match t.dtype() {
         Dtype::Float32 => t.as_slice::<f32>()?.to_vec(),
         Dtype::Bfloat16 => t.as_slice::<bf16>()?.iter().map(|v| v.to_f32()).collect(),
@@ -163,8 +164,9 @@ impl CpuQmm {
     fn product<S: Scalar>(&self, x: &[f32], w: &[u32], scales: &[S], biases: &[S], n: usize, k: usize) -> Vec<f32> {
         let m = x.len() / k.max(1);
         let groups = k / self.group;
-        // Each group's sum of x, for the biases.
-        let xsum: Vec<f32> = x.chunks(self.group).map(|g| g.iter().sum()).collect();
+        // Each group's sum of x, for the biases of the float form (the integer form sums x̂).
+        let xsum: Vec<f32> =
+            if self.integer { Vec::new() } else { x.chunks(self.group).map(|g| g.iter().sum()).collect() };
         let words = k * self.bits / 32;
         let simd = avx2_fma();
         let xq = self.integer.then(|| int8::QuantizedRows::new(x, k, self.bits, self.group));
