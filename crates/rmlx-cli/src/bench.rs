@@ -3,7 +3,8 @@
 //! is smaller), greedy decoding past EOS, one warm-up run of 8 tokens, then `-n` runs; medians of
 //! the time to first token, prefill and decode speeds, and the peak memory. Decoding is also put
 //! beside its bandwidth floor ([`rmlx_lm::roofline`]): the bytes a token reads over the device's
-//! bandwidth, measured by a copy before the runs.
+//! bandwidth, measured by a copy before the runs. `--json` also lists the greedy ids of the first
+//! run, so that two builds (or devices) can be checked to decode the same tokens.
 
 use crate::common::{count, gb, positive, ModelArgs};
 use anyhow::Result;
@@ -33,15 +34,16 @@ pub struct Args {
     profile: usize,
 }
 
-/// (TTFT seconds, decode tokens/s) of one run.
-fn run_once(lm: &LoadedModel, prompt: &[u32], n: usize) -> Result<(f64, f64)> {
+/// (TTFT seconds, decode tokens/s, the greedy token ids) of one run.
+fn run_once(lm: &LoadedModel, prompt: &[u32], n: usize) -> Result<(f64, f64, Vec<u32>)> {
     let opts = GenerateOptions { max_tokens: n, ignore_eos: true, ..GenerateOptions::default() };
     let mut g = lm.generate(prompt, &opts)?;
+    let mut ids = Vec::with_capacity(n);
     for t in g.by_ref() {
-        t?;
+        ids.push(t?.id);
     }
     let m = g.metrics();
-    Ok((m.time_to_first_token.as_secs_f64(), m.generation_tps()))
+    Ok((m.time_to_first_token.as_secs_f64(), m.generation_tps(), ids))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -82,6 +84,7 @@ pub fn run(a: Args) -> Result<()> {
                 "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
                 "floor_tok_s": (floor.tokens_per_second() * 10.0).round() / 10.0,
                 "floor_fraction": (floor.fraction(decode) * 1e4).round() / 1e4,
+                "token_ids": runs[0].2,
                 "profile": profile.as_ref().map(|p| serde_json::json!({"steps": p.steps,
                     "build_us": p.build_us.round(), "launch_us": p.launch_us.round(), "wait_us": p.wait_us.round(),
                     "operations": p.operation_count(), "operations_by_kind": p.operations}))})

@@ -27,10 +27,14 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     let fraction = v["floor_fraction"].as_f64().unwrap();
     let decode = v["decode_tok_s"].as_f64().unwrap();
     assert!(decode > 0.0 && (fraction - decode / floor).abs() < 1e-3 + fraction * 1e-2, "{v}");
+    // The greedy ids of the first run: those of the layer-by-layer path before the q/k/v products
+    // were stacked and the blocks took 2-D rows.
+    assert_eq!(v["token_ids"], serde_json::json!([260, 905, 506, 768]), "{v}");
     // The profile of a step: its three parts, and its operations counted by kind. On the CPU
-    // every layer runs 7 products, 2 norms, 2 rotations and one attention as rmlx's own CPU
-    // primitives (`nn::cpu_fast`), and writes its keys and values into the cache; the final norm
-    // and the output head come once.
+    // every layer runs 5 products (q, k and v stacked into one, split once), 2 norms, 2 rotations
+    // and one attention as rmlx's own CPU primitives (`nn::cpu_fast`), and writes its keys and
+    // values into the cache; the final norm and the output head come once. The blocks work on 2-D
+    // rows, so only the head's product (over `[B, L, hidden]`) is flattened.
     let p = &v["profile"];
     assert_eq!(p["steps"].as_u64(), Some(2), "{p}");
     for part in ["build_us", "launch_us", "wait_us"] {
@@ -38,7 +42,9 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     }
     let kinds = p["operations_by_kind"].as_object().unwrap();
     assert_eq!(kinds.values().map(|n| n.as_u64().unwrap()).sum::<u64>(), p["operations"].as_u64().unwrap());
-    assert_eq!(kinds["Matmul"].as_u64(), Some(30 * 7 + 1), "{p}");
+    assert_eq!(kinds["Matmul"].as_u64(), Some(30 * 5 + 1), "{p}");
+    assert_eq!(kinds["Split"].as_u64(), Some(30), "{p}");
+    assert_eq!(kinds["Flatten"].as_u64(), Some(1), "{p}");
     assert_eq!(kinds["CpuRmsNorm"].as_u64(), Some(30 * 2 + 1), "{p}");
     assert_eq!(kinds["CpuRope"].as_u64(), Some(30 * 2), "{p}");
     assert_eq!(kinds["CpuDecodeAttention"].as_u64(), Some(30), "{p}");

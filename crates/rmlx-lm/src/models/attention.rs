@@ -3,11 +3,12 @@
 //! call and the output projection. What differs per architecture is an [`AttentionSpec`].
 
 use super::{cached_attention, merge_heads, split_heads, Rope};
-use crate::cache::KvCache;
+use crate::cache::{KvCache, Offset};
 use crate::config::ModelConfig;
-use crate::nn::{join, Builder, Linear, Module, RmsNorm};
+use crate::nn::cuda_fast::{self, HeadNorms, Rotation};
+use crate::nn::{join, Builder, Linear, Module, RmsNorm, Stacked};
 use crate::Result;
-use rmlx::Array;
+use rmlx::{ops, Array};
 
 /// The per-architecture choices of an attention layer.
 pub struct AttentionSpec {
@@ -29,6 +30,8 @@ pub struct Attention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// q, k and v stacked into one product (when their weights are alike).
+    qkv: Option<Stacked>,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     heads: i32,
@@ -43,9 +46,10 @@ impl Attention {
     pub fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, spec: AttentionSpec) -> Result<Self> {
         let (h, heads, kv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
         let bias = spec.qkv_bias;
-        let q_proj = b.linear(&format!("{p}.q_proj"), h, heads * d, bias)?;
-        let k_proj = b.linear(&format!("{p}.k_proj"), h, kv * d, bias)?;
-        let v_proj = b.linear(&format!("{p}.v_proj"), h, kv * d, bias)?;
+        let names = ["q_proj", "k_proj", "v_proj"].map(|n| format!("{p}.{n}"));
+        let names = names.each_ref().map(String::as_str);
+        let (projections, qkv) = b.linear_group(&names, h, &[heads * d, kv * d, kv * d], bias)?;
+        let [q_proj, k_proj, v_proj]: [Linear; 3] = projections.try_into().ok().expect("three layers");
         let o_proj = b.linear(&format!("{p}.o_proj"), heads * d, h, false)?;
         let mut norm = |name: &str| -> Result<Option<RmsNorm>> {
             spec.qk_norm.map(|plus_one| b.rms_norm(&format!("{p}.{name}"), d, cfg.rms_norm_eps, plus_one)).transpose()
@@ -56,6 +60,7 @@ impl Attention {
             k_proj,
             v_proj,
             o_proj,
+            qkv,
             q_norm,
             k_norm,
             heads,
@@ -66,22 +71,64 @@ impl Attention {
         })
     }
 
-    /// Attends `x: [B, L, hidden]` over the cache extended with its keys and values.
-    pub fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
-        let heads = |proj: &Linear, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
-            let t = split_heads(&proj.forward(x)?, n, self.head_dim)?;
-            match norm {
-                Some(norm) => norm.forward(&t),
-                None => Ok(t),
-            }
-        };
-        let q = heads(&self.q_proj, self.heads, &self.q_norm)?;
-        let k = heads(&self.k_proj, self.kv_heads, &self.k_norm)?;
-        let v = heads(&self.v_proj, self.kv_heads, &None)?;
+    /// Attends `x: [B·L, hidden]` (the rows of `batch` sequences of `L` positions) over the cache
+    /// extended with its keys and values; returns `[B·L, hidden]`.
+    pub fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
         let offset = cache.rope_offset()?;
-        let (q, k) = (self.rope.apply(&q, &offset)?, self.rope.apply(&k, &offset)?);
+        let [q, k, v] = self.heads(x, batch, &offset)?;
         let o = cached_attention(&q, &k, &v, cache, self.scale)?;
         self.o_proj.forward(&merge_heads(&o)?)
+    }
+
+    /// The query, key and value heads `[B, H, L, D]` of `x`, queries and keys normalised (with
+    /// q/k norms) and rotated to their positions.
+    fn heads(&self, x: &Array, batch: i32, offset: &Offset) -> Result<[Array; 3]> {
+        let (q_heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
+        let stacked = match &self.qkv {
+            Some(s) => s.forward(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?,
+            None => None,
+        };
+        let [q, k, v] = match stacked {
+            Some(y) => {
+                if let Some(heads) = self.fused_heads(&y, batch, offset)? {
+                    return Ok(heads);
+                }
+                let heads = split_heads(&y, batch, q_heads + 2 * kv_heads, d)?;
+                let parts = ops::split_at(&heads, &[q_heads, q_heads + kv_heads], 1)?;
+                parts.try_into().expect("three parts")
+            }
+            None => {
+                let heads = |proj: &Linear, n: i32| split_heads(&proj.forward(x)?, batch, n, d);
+                [heads(&self.q_proj, q_heads)?, heads(&self.k_proj, kv_heads)?, heads(&self.v_proj, kv_heads)?]
+            }
+        };
+        let norm = |t: Array, norm: &Option<RmsNorm>| match norm {
+            Some(norm) => norm.forward(&t),
+            None => Ok(t),
+        };
+        let (q, k) = (norm(q, &self.q_norm)?, norm(k, &self.k_norm)?);
+        Ok([self.rope.apply(&q, offset)?, self.rope.apply(&k, offset)?, v])
+    }
+
+    /// [`heads`](Self::heads) of the stacked product `y` as one CUDA kernel, where it serves.
+    fn fused_heads(&self, y: &Array, batch: i32, offset: &Offset) -> Result<Option<[Array; 3]>> {
+        let norms = match (&self.q_norm, &self.k_norm) {
+            (Some(q), Some(k)) if q.eps() == k.eps() => {
+                Some(HeadNorms { query: q.weight(), key: k.weight(), eps: q.eps() })
+            }
+            (None, None) => None,
+            _ => return Ok(None),
+        };
+        if self.rope.dims != self.head_dim {
+            return Ok(None);
+        }
+        let positions = match offset {
+            Offset::Uniform(o) => Array::from_slice(&[*o as i32], &[1])?,
+            Offset::PerRow(o) => o.clone(),
+        };
+        let rotation = Rotation { divisors: &self.rope.divisors, scale: self.rope.scale, positions: &positions };
+        let dims = (self.heads, self.kv_heads, self.head_dim);
+        Ok(cuda_fast::qkv_heads(y, batch, dims, norms, &rotation)?)
     }
 }
 

@@ -59,8 +59,8 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
-        let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, cache)?;
+    fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, batch, cache)?;
         let h = (x + self.post_attention_layernorm.forward(&a)?)?;
         let m = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
         Ok((&h + self.post_feedforward_layernorm.forward(&m)?)?)
@@ -105,11 +105,12 @@ impl Model {
 
 impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        let mut h = (self.embed_tokens.forward(ids)? * &self.embed_scale)?;
+        let (batch, length) = super::token_grid(ids)?;
+        let mut h = (self.embed_tokens.forward(&ids.reshape(&[batch * length])?)? * &self.embed_scale)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = checkpointed(layer, &h, cache, Block::forward)?;
+            h = checkpointed(layer, &h, cache, move |l, x, c| l.forward(x, batch, c))?;
         }
-        self.norm.forward(&h)
+        Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {

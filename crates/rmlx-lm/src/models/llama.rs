@@ -40,8 +40,8 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Array, cache: &mut KvCache) -> Result<Array> {
-        let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, cache)?)?;
+    fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, batch, cache)?)?;
         Ok((&h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
     }
 }
@@ -91,11 +91,12 @@ pub(crate) fn output_head(cfg: &ModelConfig, b: &mut Builder) -> Result<Option<L
 
 impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        let mut h = self.embed_tokens.forward(ids)?;
+        let (batch, length) = super::token_grid(ids)?;
+        let mut h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = checkpointed(layer, &h, cache, Block::forward)?;
+            h = checkpointed(layer, &h, cache, move |l, x, c| l.forward(x, batch, c))?;
         }
-        self.norm.forward(&h)
+        Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {

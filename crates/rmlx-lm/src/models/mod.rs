@@ -180,16 +180,34 @@ impl Rope {
     }
 }
 
-/// `[B, L, H·D]` → `[B, H, L, D]`.
-pub(crate) fn split_heads(x: &Array, heads: i32, head_dim: i32) -> Result<Array> {
-    let s = x.shape();
-    Ok(x.reshape(&[s[0], s[1], heads, head_dim])?.transpose_axes(&[0, 2, 1, 3])?)
+/// Rows `[B·L, H·D]` of `batch` sequences → heads `[B, H, L, D]`. One position per sequence (a
+/// decoding step) is a single reshape: the transpose would move an axis of length 1.
+pub(crate) fn split_heads(x: &Array, batch: i32, heads: i32, head_dim: i32) -> Result<Array> {
+    let length = x.shape()[0] / batch.max(1);
+    if length == 1 {
+        return Ok(x.reshape(&[batch, heads, 1, head_dim])?);
+    }
+    Ok(x.reshape(&[batch, length, heads, head_dim])?.transpose_axes(&[0, 2, 1, 3])?)
 }
 
-/// `[B, H, L, D]` → `[B, L, H·D]`.
+/// Heads `[B, H, L, D]` → rows `[B·L, H·D]` (one reshape when `L` is 1).
 pub(crate) fn merge_heads(x: &Array) -> Result<Array> {
     let s = x.shape();
-    Ok(x.transpose_axes(&[0, 2, 1, 3])?.reshape(&[s[0], s[2], s[1] * s[3]])?)
+    let rows = [s[0] * s[2], s[1] * s[3]];
+    if s[2] == 1 {
+        return Ok(x.reshape(&rows)?);
+    }
+    Ok(x.transpose_axes(&[0, 2, 1, 3])?.reshape(&rows)?)
+}
+
+/// `(B, L)` of token ids `[B, L]`. The blocks work on the rows `[B·L, hidden]` of all sequences,
+/// so that every product is a plain 2-D one (a 3-D input costs two more graph nodes per product,
+/// to flatten and unflatten it), and the hidden states become `[B, L, hidden]` after the last block.
+pub(crate) fn token_grid(ids: &Array) -> Result<(i32, i32)> {
+    match ids.shape() {
+        &[batch, length] => Ok((batch, length)),
+        s => Err(crate::Error::InvalidParameter(format!("token ids must be [batch, length], not {s:?}"))),
+    }
 }
 
 /// Writes `k, v` (`[B, Hkv, L, D]`, already rotated) into `cache` and attends `q` over everything

@@ -199,19 +199,33 @@ pub fn with_row_adapters<T>(bank: &AdapterBank, slots: &[usize], f: impl FnOnce(
     Ok(f())
 }
 
-/// The adapters' change to layer `path`'s output for `x: [B, L, in]`, when rows carry adapters.
+/// Whether rows carry adapters for layer `path` now.
+pub(super) fn has_row_adapters(path: &str) -> bool {
+    ROWS.with(|r| r.borrow().as_ref().is_some_and(|rows| rows.stacks.contains_key(path)))
+}
+
+/// The adapters' change to layer `path`'s output for `x` (`[B, L, in]`, or its rows `[B·L, in]`),
+/// when rows carry adapters.
 pub(super) fn row_adapters(path: &str, x: &Array) -> Result<Option<Array>> {
     ROWS.with(|r| {
         let rows = r.borrow();
         let Some(rows) = rows.as_ref() else { return Ok(None) };
         let Some(stack) = rows.stacks.get(path) else { return Ok(None) };
-        if x.ndim() != 3 {
+        let batch = rows.mask.shape()[0];
+        let s = x.shape();
+        let fits = match s.len() {
+            3 => s[0] == batch,
+            2 => s[0] % batch == 0,
+            _ => false,
+        };
+        if !fits {
             return Err(Error::InvalidParameter(format!(
-                "per-row adapters need [B, L, in] inputs, not {:?}",
-                x.shape()
+                "per-row adapters for {batch} sequences need [{batch}, L, in] inputs or their rows, not {s:?}"
             )));
         }
-        let z = (x.matmul(&stack.a.astype(x.dtype())?)? * rows.mask.astype(x.dtype())?)?;
-        Ok(Some(z.matmul(&stack.b.astype(x.dtype())?)?))
+        let x3 = if s.len() == 2 { x.reshape(&[batch, s[0] / batch, s[1]])? } else { x.clone() };
+        let z = (x3.matmul(&stack.a.astype(x.dtype())?)? * rows.mask.astype(x.dtype())?)?;
+        let y = z.matmul(&stack.b.astype(x.dtype())?)?;
+        Ok(Some(if s.len() == 2 { y.reshape(&[s[0], y.shape()[2]])? } else { y }))
     })
 }

@@ -48,14 +48,10 @@ pub fn with_grad_checkpoint<T>(enabled: bool, f: impl FnOnce() -> T) -> T {
 /// exactly the memory checkpointing frees. `cache` itself stays empty. The function keeps the
 /// training mode of the call ([`super::training`]), and in training mode draws LoRA dropout from a
 /// key of its own, so that the recomputation drops what the forward pass dropped.
-pub fn checkpointed<B>(
-    block: &B,
-    x: &Array,
-    cache: &mut KvCache,
-    forward: fn(&B, &Array, &mut KvCache) -> Result<Array>,
-) -> Result<Array>
+pub fn checkpointed<B, F>(block: &B, x: &Array, cache: &mut KvCache, forward: F) -> Result<Array>
 where
     B: Module + Clone + 'static,
+    F: Fn(&B, &Array, &mut KvCache) -> Result<Array> + 'static,
 {
     if !grad_checkpointing() || cache.offset() > 0 {
         return forward(block, x, cache);

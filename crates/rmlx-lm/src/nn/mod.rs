@@ -6,17 +6,22 @@
 mod adapter_bank;
 pub mod cpu_fast;
 pub mod cpu_qmm;
+pub mod cuda_fast;
+mod gated;
 mod grad_checkpoint;
 mod head;
 mod lora;
 mod module;
+mod stacked;
 
 pub use adapter_bank::{with_row_adapters, AdapterBank};
+pub use gated::gated_activation;
 pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
 pub use head::Head;
 pub use lora::{training, with_dropout_key, with_training, Lora};
 pub use module::{join, Module, ModuleExt};
 pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
+pub use stacked::Stacked;
 
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
@@ -308,6 +313,16 @@ impl RmsNorm {
         Self { weight, eps, plus_one: false }
     }
 
+    /// The kept scale (`1 + w` when [`RmsNorm::plus_one`]).
+    pub fn weight(&self) -> &Array {
+        &self.weight
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+
     /// Whether the kept scale is `1 + w` of the checkpoint's `w` (Gemma).
     pub fn plus_one(&self) -> bool {
         self.plus_one
@@ -402,7 +417,21 @@ impl Builder {
     }
 
     fn convert(&mut self, w: Weight) -> Result<Weight> {
-        let w = match w {
+        let w = self.converted(w)?;
+        Ok(self.record(w))
+    }
+
+    /// A dense array handed to a layer as it is.
+    fn record_dense(&mut self, a: Array) -> Array {
+        match self.record(Weight::Dense(a)) {
+            Weight::Dense(a) => a,
+            Weight::Quantized(_) => unreachable!("recorded as given"),
+        }
+    }
+
+    /// `w` in the compute dtype (dequantised if the builder dequantises), not yet recorded.
+    fn converted(&mut self, w: Weight) -> Result<Weight> {
+        Ok(match w {
             Weight::Dense(a) => Weight::Dense(a.astype(self.dtype)?),
             Weight::Quantized(q) => {
                 // Scales and biases first (MLX dequantises in their dtype).
@@ -417,8 +446,7 @@ impl Builder {
                     Weight::Quantized(q)
                 }
             }
-        };
-        Ok(self.record(w))
+        })
     }
 
     /// A dense tensor of the given shape (quantised ones are dequantised).
@@ -482,9 +510,8 @@ impl GatedMlp {
 
     /// Applies the block.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.gate.forward(x)?;
-        let g = if self.gelu { ops::gelu_approx(&g)? } else { ops::silu(&g)? };
-        self.down.forward(&(g * self.up.forward(x)?)?)
+        let (gate, up) = (self.gate.forward(x)?, self.up.forward(x)?);
+        self.down.forward(&gated_activation(&gate, &up, self.gelu)?)
     }
 }
 
