@@ -1,7 +1,7 @@
 //! The CUDA kernel that turns a stacked q/k/v product into normalised, rotated heads
 //! (`nn::cuda_fast::qkv_heads`), against MLX's own split, `fast::rms_norm` and `fast::rope`: float32
 //! within float32 rounding, the half types within a rounding or two; with and without q/k norms,
-//! head sizes 64, 128 and 256, grouped heads, one position for all sequences or one per sequence,
+//! head sizes 16, 64, 128, 160 and 256 (a block of whole warps, some threads idle), grouped heads, one position for all sequences or one per sequence,
 //! explicit divisors and a position scale. Where MLX has no CUDA backend (the CPU CI) the kernel must
 //! decline, and the composed path runs.
 
@@ -51,7 +51,7 @@ fn stacked_heads_match_mlx_on_cuda_and_decline_elsewhere() {
         rmlx::set_default_device(rmlx::Device::gpu()).unwrap();
     }
     let mut checked = 0;
-    for (heads, kv, d) in [(16, 8, 128), (32, 8, 64), (4, 1, 256)] {
+    for (heads, kv, d) in [(16, 8, 128), (32, 8, 64), (4, 1, 256), (4, 2, 16), (2, 1, 160)] {
         let batch = 3;
         let width = (heads + 2 * kv) * d;
         let y =
@@ -95,13 +95,13 @@ fn stacked_heads_match_mlx_on_cuda_and_decline_elsewhere() {
             }
         }
     }
-    assert_eq!(checked, if cuda { 36 } else { 0 });
-    // A head size the kernel does not take, and more than one position per sequence: declined.
-    let y = Array::from_slice(&vec![0.5f32; 2 * 3 * 32], &[2, 3 * 32]).unwrap();
+    assert_eq!(checked, if cuda { 60 } else { 0 });
+    // An odd head size, and more than one position per sequence: declined.
+    let y = Array::from_slice(&vec![0.5f32; 2 * 3 * 33], &[2, 3 * 33]).unwrap();
     let div = Array::from_slice(&[1.0f32; 16], &[16]).unwrap();
     let pos = Array::from_slice(&[1i32], &[1]).unwrap();
     let rotation = Rotation { divisors: &div, scale: 1.0, positions: &pos };
-    assert!(qkv_heads(&y, 2, (1, 1, 32), None, &rotation).unwrap().is_none());
+    assert!(qkv_heads(&y, 2, (1, 1, 33), None, &rotation).unwrap().is_none());
     let y = Array::from_slice(&vec![0.5f32; 4 * 3 * 64], &[4, 3 * 64]).unwrap();
     let div = Array::from_slice(&[1.0f32; 32], &[32]).unwrap();
     let rotation = Rotation { divisors: &div, scale: 1.0, positions: &pos };

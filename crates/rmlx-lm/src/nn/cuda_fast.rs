@@ -14,24 +14,28 @@ use std::collections::HashMap;
 use std::mem::ManuallyDrop;
 use std::sync::LazyLock;
 
-/// One block per (head, sequence), one thread per rotated pair `(i, i + D/2)`. Query and key heads
+/// One block per (head, sequence), one thread per rotated pair `(i, i + D/2)` (whole warps: the
+/// threads past the pairs only take part in the sum of squares). Query and key heads
 /// are RMS-normalised (with `NORM`; the product rounded to `T` before the weight, as MLX's kernel
 /// does) and rotated at position `pos[b]` (`pos[0]` for all without `PER_ROW`): angle
 /// `(params[1] · pos) · (1 / divisors[i])`, in the order MLX's RoPE kernel takes. Value heads are copied.
 const SOURCE: &str = r#"
     constexpr int HALF = D / 2;
     const int t = threadIdx.x;
+    const bool active = t < HALF;
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const T* row = y + (static_cast<long long>(b) * (HQ + 2 * HKV) + h) * D;
     if (h >= HQ + HKV) {
-        T* out = v + (static_cast<long long>(b) * HKV + (h - HQ - HKV)) * D;
-        out[t] = row[t];
-        out[t + HALF] = row[t + HALF];
+        if (active) {
+            T* out = v + (static_cast<long long>(b) * HKV + (h - HQ - HKV)) * D;
+            out[t] = row[t];
+            out[t + HALF] = row[t + HALF];
+        }
         return;
     }
-    float x0 = static_cast<float>(row[t]);
-    float x1 = static_cast<float>(row[t + HALF]);
+    float x0 = active ? static_cast<float>(row[t]) : 0.0f;
+    float x1 = active ? static_cast<float>(row[t + HALF]) : 0.0f;
     if constexpr (NORM) {
         __shared__ float partial[32];
         float ss = x0 * x0 + x1 * x1;
@@ -43,8 +47,11 @@ const SOURCE: &str = r#"
         }
         __syncthreads();
         float total = 0.0f;
-        for (int w = 0; w < HALF / 32; ++w) {
+        for (int w = 0; w < (HALF + 31) / 32; ++w) {
             total += partial[w];
+        }
+        if (!active) {
+            return;
         }
         const float r = rsqrtf(total / D + params[0]);
         const T* w = h < HQ ? qw : kw;
@@ -52,6 +59,9 @@ const SOURCE: &str = r#"
         x1 = static_cast<float>(static_cast<T>(x1 * r)) * static_cast<float>(w[t + HALF]);
         x0 = static_cast<float>(static_cast<T>(x0));
         x1 = static_cast<float>(static_cast<T>(x1));
+    }
+    if (!active) {
+        return;
     }
     const float theta = (params[1] * static_cast<float>(pos[PER_ROW ? b : 0])) * (1.0f / divisors[t]);
     const float c = cos(theta);
@@ -85,7 +95,7 @@ pub struct Rotation<'a> {
 /// The stacked q/k/v product `y: [B, (Hq + 2·Hkv)·D]` of one position per sequence → query, key
 /// and value heads `[B, H, 1, D]`, the queries and keys normalised (with `norms`) and rotated over
 /// the whole head. `None` where the kernel does not serve (not MLX's CUDA backend, training or a
-/// transform, more than one position, a head size that is not a multiple of 64, other dtypes):
+/// transform, more than one position, an odd head size or one above 2048, other dtypes):
 /// the caller composes the step instead.
 pub fn qkv_heads(
     y: &Array,
@@ -100,8 +110,8 @@ pub fn qkv_heads(
         && !training()
         && !y.is_tracer()
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
-        && head_dim % 64 == 0
-        && head_dim <= 2048
+        && head_dim % 2 == 0
+        && (2..=2048).contains(&head_dim)
         && y.shape() == [batch, (heads + 2 * kv_heads) * head_dim]
         && rotation.divisors.shape() == [head_dim / 2]
         && norms.as_ref().is_none_or(|n| n.query.dtype() == dtype && n.key.dtype() == dtype);
@@ -144,9 +154,9 @@ struct KernelShape {
 /// Runs the kernel on `[y, qw, kw, divisors, pos, params]`.
 fn launch(inputs: &[Array], s: KernelShape) -> Result<Vec<Array>> {
     let (y, dtype) = (&inputs[0], inputs[0].dtype());
-    let (batch, half) = (y.shape()[0], s.head_dim / 2);
+    let (batch, threads) = (y.shape()[0], (s.head_dim / 2 + 31) / 32 * 32);
     let head = |n: i32| [batch, n, 1, s.head_dim];
-    let launch = KernelLaunch::new([half, s.heads + 2 * s.kv_heads, batch], [half, 1, 1])
+    let launch = KernelLaunch::new([threads, s.heads + 2 * s.kv_heads, batch], [threads, 1, 1])
         .output(&head(s.heads), dtype)
         .output(&head(s.kv_heads), dtype)
         .output(&head(s.kv_heads), dtype)
