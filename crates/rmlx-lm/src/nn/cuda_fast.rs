@@ -114,6 +114,7 @@ pub fn qkv_heads(
         && (2..=2048).contains(&head_dim)
         && y.shape() == [batch, (heads + 2 * kv_heads) * head_dim]
         && rotation.divisors.shape() == [head_dim / 2]
+        && (rotation.positions.size() == 1 || rotation.positions.size() == batch as usize)
         && norms.as_ref().is_none_or(|n| n.query.dtype() == dtype && n.key.dtype() == dtype);
     if !serves {
         return Ok(None);
