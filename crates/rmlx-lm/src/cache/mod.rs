@@ -64,6 +64,16 @@ pub enum Offset {
     PerRow(Array),
 }
 
+impl Offset {
+    /// The positions as an int32 array: `[1]` for all sequences, or `[batch]`.
+    pub fn positions(&self) -> Result<Array> {
+        Ok(match self {
+            Offset::Uniform(o) => Array::from_slice(&[*o as i32], &[1])?,
+            Offset::PerRow(o) => o.astype(rmlx::Dtype::Int32)?,
+        })
+    }
+}
+
 impl KvCache {
     /// An unbounded cache.
     pub fn standard() -> Self {

@@ -5,7 +5,7 @@
 use super::{cached_attention, merge_heads, split_heads, Rope};
 use crate::cache::{KvCache, Offset};
 use crate::config::ModelConfig;
-use crate::nn::cuda_fast::{self, HeadNorms, Rotation};
+use crate::nn::cuda_fast::{self, HeadNorms};
 use crate::nn::{join, Builder, Linear, Module, RmsNorm, Stacked};
 use crate::Result;
 use rmlx::{ops, Array};
@@ -119,14 +119,8 @@ impl Attention {
             (None, None) => None,
             _ => return Ok(None),
         };
-        if self.rope.dims != self.head_dim {
-            return Ok(None);
-        }
-        let positions = match offset {
-            Offset::Uniform(o) => Array::from_slice(&[*o as i32], &[1])?,
-            Offset::PerRow(o) => o.clone(),
-        };
-        let rotation = Rotation { divisors: &self.rope.divisors, scale: self.rope.scale, positions: &positions };
+        let positions = offset.positions()?;
+        let Some(rotation) = self.rope.rotation(self.head_dim, &positions) else { return Ok(None) };
         let dims = (self.heads, self.kv_heads, self.head_dim);
         Ok(cuda_fast::qkv_heads(y, batch, dims, norms, &rotation)?)
     }

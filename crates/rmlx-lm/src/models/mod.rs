@@ -9,6 +9,7 @@ pub mod qwen3;
 
 use crate::cache::{KvCache, Offset};
 use crate::config::{llama3_rope_divisors, Architecture, ModelConfig, RopeScaling};
+use crate::nn::cuda_fast::Rotation;
 use crate::nn::{Builder, Module};
 use crate::Result;
 use rmlx::fast::{self, RopeFreqs};
@@ -166,17 +167,22 @@ impl Rope {
     /// [`Offset::PerRow`]).
     pub fn apply(&self, x: &Array, offset: &Offset) -> Result<Array> {
         if crate::nn::cpu_fast::applies(x) && x.ndim() == 4 {
-            let offsets = match offset {
-                Offset::Uniform(o) => Array::from_slice(&[*o as i32], &[1])?,
-                Offset::PerRow(o) => o.astype(Dtype::Int32)?,
-            };
-            return Ok(crate::nn::cpu_fast::rope(x, self.dims, &self.divisors, self.scale, &offsets)?);
+            let positions = offset.positions()?;
+            return Ok(crate::nn::cpu_fast::rope(x, self.dims, &self.divisors, self.scale, &positions)?);
         }
         let freqs = if self.explicit { RopeFreqs::Explicit(&self.divisors) } else { RopeFreqs::Base(self.base) };
         Ok(match offset {
             Offset::Uniform(o) => fast::rope(x, self.dims, false, freqs, self.scale, *o as i32)?,
             Offset::PerRow(o) => fast::rope(x, self.dims, false, freqs, self.scale, o)?,
         })
+    }
+}
+
+impl Rope {
+    /// This embedding at `positions` as the CUDA heads kernel takes it, when it rotates whole heads
+    /// of `head_dim` (the kernel rotates nothing less).
+    pub(crate) fn rotation<'a>(&'a self, head_dim: i32, positions: &'a Array) -> Option<Rotation<'a>> {
+        (self.dims == head_dim).then_some(Rotation { divisors: &self.divisors, scale: self.scale, positions })
     }
 }
 

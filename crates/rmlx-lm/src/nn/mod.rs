@@ -78,6 +78,16 @@ impl Linear {
         }
     }
 
+    /// A layer of `(in, out)` features named `path`, without an adapter, over a weight as the
+    /// [`Builder`] hands it out.
+    fn built(weight: Weight, bias: Option<Array>, (input, output): (i32, i32), path: &str) -> Result<Linear> {
+        let weight = match weight {
+            Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
+            Weight::Quantized(q) => LinearWeight::Quantized(q),
+        };
+        Ok(Linear { weight, bias, lora: None, input, output, path: path.into() })
+    }
+
     /// The base weight `[out, in]`, dequantised if it is quantised.
     fn dense_weight(&self) -> Result<Array> {
         Ok(match &self.weight {
@@ -459,12 +469,9 @@ impl Builder {
 
     /// `prefix.weight` `[out, in]` and, when `bias`, `prefix.bias` `[out]`.
     pub fn linear(&mut self, prefix: &str, input: i32, output: i32, bias: bool) -> Result<Linear> {
-        let weight = match self.checked(&format!("{prefix}.weight"), &[output, input])? {
-            Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
-            Weight::Quantized(q) => LinearWeight::Quantized(q),
-        };
+        let weight = self.checked(&format!("{prefix}.weight"), &[output, input])?;
         let bias = if bias { Some(self.dense(&format!("{prefix}.bias"), &[output])?) } else { None };
-        Ok(Linear { weight, bias, lora: None, input, output, path: prefix.into() })
+        Linear::built(weight, bias, (input, output), prefix)
     }
 
     /// `prefix.weight` `[vocab, hidden]`.

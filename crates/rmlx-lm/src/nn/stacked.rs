@@ -69,19 +69,12 @@ impl Builder {
                 });
             }
         }
-        let linear = |weight: Weight, bias: Option<Array>, out: i32, path: &str| -> Result<Linear> {
-            let weight = match weight {
-                Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
-                Weight::Quantized(q) => LinearWeight::Quantized(q),
-            };
-            Ok(Linear { weight, bias, lora: None, input, output: out, path: path.into() })
-        };
         let Some(stacked) = stack(&weights)? else {
             let mut layers = Vec::with_capacity(prefixes.len());
             for (i, w) in weights.into_iter().enumerate() {
                 let w = self.record(w);
                 let b = biases.get(i).map(|b| self.record_dense(b.clone()));
-                layers.push(linear(w, b, outputs[i], prefixes[i])?);
+                layers.push(Linear::built(w, b, (input, outputs[i]), prefixes[i])?);
             }
             return Ok((layers, None));
         };
@@ -96,11 +89,11 @@ impl Builder {
             let end = start + out;
             let w = rows(&stacked, start, end)?;
             let b = stacked_bias.as_ref().map(|b| ops::slice(b, &[start], &[end], &[1])).transpose()?;
-            layers.push(linear(w, b, out, p)?);
+            layers.push(Linear::built(w, b, (input, out), p)?);
             start = end;
         }
         let weight_ids = layers.iter().map(Linear::weight_id).collect();
-        let linear = linear(stacked, stacked_bias, start, &prefixes.join("+"))?;
+        let linear = Linear::built(stacked, stacked_bias, (input, start), &prefixes.join("+"))?;
         Ok((layers, Some(Stacked { linear, weight_ids })))
     }
 }
