@@ -272,6 +272,15 @@ fn custom_primitive_inputs_are_read_row_major() {
     let column = rmlx::ops::slice(&x, &[0, 1], &[2, 2], &[1, 1]).unwrap();
     rmlx::eval([&column]).unwrap();
     assert_eq!(vals(&apply(Doubles, &[column]).unwrap()[0]), vec![4.0, 10.0]);
+    // Views computed only inside the graph reach the primitive with their strides.
+    let lazy = (&x * 1.0f32).unwrap();
+    let every_other = rmlx::ops::slice(&lazy, &[0, 0], &[2, 3], &[1, 2]).unwrap();
+    assert_eq!(vals(&apply(Doubles, &[every_other]).unwrap()[0]), vec![2.0, 6.0, 8.0, 12.0]);
+    let row = rmlx::ops::slice(&(&x * 1.0f32).unwrap(), &[1, 0], &[2, 3], &[1, 1]).unwrap();
+    let repeated = row.broadcast_to(&[2, 3]).unwrap();
+    assert_eq!(vals(&apply(Doubles, &[repeated]).unwrap()[0]), vec![8.0, 10.0, 12.0, 8.0, 10.0, 12.0]);
+    let backwards = rmlx::ops::slice(&lazy.transpose().unwrap(), &[2, 0], &[-4, 2], &[-1, 1]).unwrap();
+    assert_eq!(vals(&apply(Doubles, &[backwards]).unwrap()[0]), vec![6.0, 12.0, 4.0, 10.0, 2.0, 8.0]);
 }
 
 /// y = 2x, CPU only, no transforms.

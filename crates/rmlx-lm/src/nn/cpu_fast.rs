@@ -81,11 +81,7 @@ impl CustomPrimitive for RmsNormCpu {
         let (x, w) = (to_f32(&inputs[0])?, to_f32(&inputs[1])?);
         let mut y = vec![0f32; x.len()];
         for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-            let mean = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
-            let r = 1.0 / (mean + self.eps).sqrt();
-            for ((o, v), g) in yr.iter_mut().zip(xr).zip(&w) {
-                *o = v * r * g;
-            }
+            rms_row(xr, &w, self.eps, yr);
         }
         store(&mut outputs[0], &y)
     }
@@ -132,26 +128,15 @@ impl CustomPrimitive for RopeCpu {
         let offsets = inputs[2].as_slice::<i32>()?;
         let half = self.dims / 2;
         let mut y = x.clone();
-        let (mut cos, mut sin) = (vec![0f32; l * half], vec![0f32; l * half]);
+        let mut angles = Angles::new(half);
         for bi in 0..b {
-            // The angles of this row's positions, shared by its heads.
             let first = offsets[if offsets.len() == 1 { 0 } else { bi }] as f64;
             for p in 0..l {
-                let position = (first + p as f64) * self.scale as f64;
-                for (i, div) in divisors.iter().enumerate() {
-                    let (s, c) = (position / *div as f64).sin_cos();
-                    (cos[p * half + i], sin[p * half + i]) = (c as f32, s as f32);
-                }
-            }
-            for row in 0..h * l {
-                let p = row % l;
-                let at = (bi * h * l + row) * d;
-                let (xr, yr) = (&x[at..at + d], &mut y[at..at + d]);
-                for i in 0..half {
-                    let (c, s) = (cos[p * half + i], sin[p * half + i]);
-                    let (a, z) = (xr[i], xr[i + half]);
-                    yr[i] = a * c - z * s;
-                    yr[i + half] = a * s + z * c;
+                // The angles of this position, shared by the heads.
+                angles.at(first + p as f64, self.scale, divisors);
+                for head in 0..h {
+                    let at = ((bi * h + head) * l + p) * d;
+                    angles.rotate(&x[at..at + d], &mut y[at..at + d]);
                 }
             }
         }
@@ -203,28 +188,14 @@ impl CustomPrimitive for DecodeAttentionCpu {
         let q = to_f32(&inputs[0])?;
         let (keys, values) = (Rows::of(&inputs[1])?, Rows::of(&inputs[2])?);
         let mut y = vec![0f32; q.len()];
-        let mut scores = vec![0f32; self.valid];
-        let mut row = vec![0f32; d];
+        let mut scratch = AttentionScratch::default();
+        let group = hq / hkv;
         for bi in 0..b {
-            for h in 0..hq {
-                let kv = bi * hkv + h / (hq / hkv);
-                let qh = &q[(bi * hq + h) * d..][..d];
-                for (j, s) in scores.iter_mut().enumerate() {
-                    keys.read((kv * capacity + j) * d, &mut row);
-                    *s = self.scale * qh.iter().zip(&row).map(|(a, b)| a * b).sum::<f32>();
-                }
-                let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let mut total = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    total += *s;
-                }
-                let out = &mut y[(bi * hq + h) * d..][..d];
-                for (j, p) in scores.iter().enumerate() {
-                    values.read((kv * capacity + j) * d, &mut row);
-                    let w = p / total;
-                    out.iter_mut().zip(&row).for_each(|(o, v)| *o += w * v);
-                }
+            for kv in 0..hkv {
+                let heads = (bi * hq + kv * group) * d..(bi * hq + (kv + 1) * group) * d;
+                let at = (bi * hkv + kv) * capacity * d;
+                let cache = (keys.at(at), values.at(at));
+                scratch.attend(&q[heads.clone()], cache, self.valid, d, self.scale, &mut y[heads]);
             }
         }
         store(&mut outputs[0], &y)
@@ -235,15 +206,71 @@ impl CustomPrimitive for DecodeAttentionCpu {
     }
 }
 
-/// A cache buffer read a row at a time, converted to float32 (only the rows attention reads).
-enum Rows<'a> {
+/// `x / sqrt(mean(x²) + eps) · w` of one row, in float32.
+pub(crate) fn rms_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let mean = dot(x, x) / x.len() as f32;
+    let r = 1.0 / (mean + eps).sqrt();
+    for ((o, v), g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * r * g;
+    }
+}
+
+/// `Σ a·b` with eight independent sums, which the compiler keeps in one vector register.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// The cosines and sines of one position's rotary angles.
+pub(crate) struct Angles {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Angles {
+    pub fn new(pairs: usize) -> Self {
+        Angles { cos: vec![0f32; pairs], sin: vec![0f32; pairs] }
+    }
+
+    /// The angles of `position · scale / divisors[i]`, computed in float64.
+    pub fn at(&mut self, position: f64, scale: f32, divisors: &[f32]) {
+        let position = position * scale as f64;
+        for (i, div) in divisors.iter().enumerate() {
+            let (s, c) = (position / *div as f64).sin_cos();
+            (self.cos[i], self.sin[i]) = (c as f32, s as f32);
+        }
+    }
+
+    /// Rotates the pairs `(i, i + pairs)` of `x` into `y` (features past `2 · pairs` are left).
+    pub fn rotate(&self, x: &[f32], y: &mut [f32]) {
+        let half = self.cos.len();
+        for i in 0..half {
+            let (c, s) = (self.cos[i], self.sin[i]);
+            let (a, z) = (x[i], x[i + half]);
+            y[i] = a * c - z * s;
+            y[i + half] = a * s + z * c;
+        }
+    }
+}
+
+/// One key/value head's cached rows: `[capacity, D]` from a position's row on.
+#[derive(Clone, Copy)]
+pub(crate) enum Rows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     F16(&'a [f16]),
 }
 
 impl<'a> Rows<'a> {
-    fn of(t: &'a CpuTensor<'_>) -> Result<Rows<'a>> {
+    pub fn of(t: &'a CpuTensor<'_>) -> Result<Rows<'a>> {
         Ok(match t.dtype() {
             Dtype::Float32 => Rows::F32(t.as_slice::<f32>()?),
             Dtype::Bfloat16 => Rows::Bf16(t.as_slice::<bf16>()?),
@@ -252,18 +279,63 @@ impl<'a> Rows<'a> {
         })
     }
 
-    fn read(&self, at: usize, row: &mut [f32]) {
-        let n = row.len();
+    /// The rows from element `at` on.
+    pub fn at(self, at: usize) -> Rows<'a> {
         match self {
-            Rows::F32(s) => row.copy_from_slice(&s[at..at + n]),
-            Rows::Bf16(s) => row.iter_mut().zip(&s[at..at + n]).for_each(|(r, v)| *r = v.to_f32()),
-            Rows::F16(s) => row.iter_mut().zip(&s[at..at + n]).for_each(|(r, v)| *r = v.to_f32()),
+            Rows::F32(s) => Rows::F32(&s[at..]),
+            Rows::Bf16(s) => Rows::Bf16(&s[at..]),
+            Rows::F16(s) => Rows::F16(&s[at..]),
+        }
+    }
+
+    /// The first `n` elements in float32, into `out`.
+    fn read(&self, n: usize, out: &mut Vec<f32>) {
+        out.clear();
+        match self {
+            Rows::F32(s) => out.extend_from_slice(&s[..n]),
+            Rows::Bf16(s) => out.extend(s[..n].iter().map(|v| v.to_f32())),
+            Rows::F16(s) => out.extend(s[..n].iter().map(|v| v.to_f32())),
+        }
+    }
+}
+
+/// Buffers reused across the heads of one attention.
+#[derive(Default)]
+pub(crate) struct AttentionScratch {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+impl AttentionScratch {
+    /// The query heads `q` (`[G, D]`, a group sharing one key/value head) attending over the
+    /// first `valid` rows of `(keys, values)`, softmax in float32; the result into `out` (`[G, D]`).
+    /// The group's key and value rows are converted to float32 once.
+    pub fn attend(&mut self, q: &[f32], (keys, values): (Rows<'_>, Rows<'_>), valid: usize, d: usize, scale: f32, out: &mut [f32]) {
+        keys.read(valid * d, &mut self.keys);
+        values.read(valid * d, &mut self.values);
+        self.scores.resize(valid, 0.0);
+        for (qh, oh) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            for (s, k) in self.scores.iter_mut().zip(self.keys.chunks_exact(d)) {
+                *s = scale * dot(qh, k);
+            }
+            let max = self.scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let mut total = 0f32;
+            for s in self.scores.iter_mut() {
+                *s = (*s - max).exp();
+                total += *s;
+            }
+            oh.fill(0.0);
+            for (p, v) in self.scores.iter().zip(self.values.chunks_exact(d)) {
+                let w = p / total;
+                oh.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+            }
         }
     }
 }
 
 /// Writes `y` into `out`, rounded once to its dtype.
-fn store(out: &mut CpuTensorMut<'_>, y: &[f32]) -> Result<()> {
+pub(crate) fn store(out: &mut CpuTensorMut<'_>, y: &[f32]) -> Result<()> {
     match out.dtype() {
         Dtype::Float32 => out.as_mut_slice::<f32>()?.copy_from_slice(y),
         Dtype::Bfloat16 => out.as_mut_slice::<bf16>()?.iter_mut().zip(y).for_each(|(o, v)| *o = bf16::from_f32(*v)),

@@ -82,15 +82,9 @@ impl CustomPrimitive for CpuQmm {
     fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
         let k = *inputs[0].shape().last().unwrap_or(&0) as usize;
         let x = to_f32(&inputs[0])?;
-        let w = inputs[1].as_slice::<u32>()?;
-        let n = inputs[1].shape()[0] as usize;
-        let m = x.len() / k.max(1);
-        let y = match inputs[2].dtype() {
-            Dtype::Float32 => self.product(&x, w, inputs[2].as_slice::<f32>()?, inputs[3].as_slice::<f32>()?, n, k),
-            Dtype::Bfloat16 => self.product(&x, w, inputs[2].as_slice::<bf16>()?, inputs[3].as_slice::<bf16>()?, n, k),
-            Dtype::Float16 => self.product(&x, w, inputs[2].as_slice::<f16>()?, inputs[3].as_slice::<f16>()?, n, k),
-            d => return Err(Error::InvalidArgument(format!("quantisation scales of dtype {d:?}"))),
-        };
+        let packed = Packed::of(&inputs[1], &inputs[2], &inputs[3], self.bits, self.group)?;
+        let (n, m) = (packed.n, x.len() / k.max(1));
+        let y = packed.product(&x, self.integer, n * k * m >= PARALLEL_MIN_PRODUCTS);
         // `y` is [n, m]; the output [m, n].
         let out = &mut outputs[0];
         match out.dtype() {
@@ -159,9 +153,90 @@ const PARALLEL_MIN_PRODUCTS: usize = 1 << 22;
 /// Output columns per task.
 const COLUMNS_PER_TASK: usize = 64;
 
+/// A packed matrix as a primitive's CPU evaluation receives it: `[n, k]` values of `bits` bits
+/// (MLX's affine layout) with a scale and a bias per group of `group` values of a row.
+pub(crate) struct Packed<'a> {
+    words: &'a [u32],
+    scales: Scalars<'a>,
+    biases: Scalars<'a>,
+    bits: usize,
+    group: usize,
+    /// Rows (output features) and values per row (input features).
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Scales or biases in their dtype.
+enum Scalars<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl<'a> Scalars<'a> {
+    fn of(t: &'a CpuTensor<'_>) -> Result<Self> {
+        Ok(match t.dtype() {
+            Dtype::Float32 => Scalars::F32(t.as_slice()?),
+            Dtype::Bfloat16 => Scalars::Bf16(t.as_slice()?),
+            Dtype::Float16 => Scalars::F16(t.as_slice()?),
+            d => return Err(Error::InvalidArgument(format!("quantisation scales of dtype {d:?}"))),
+        })
+    }
+}
+
+impl<'a> Packed<'a> {
+    /// The matrix of the packed `words` (`[n, k · bits / 32]`) and its `scales` and `biases`
+    /// (`[n, k / group]`, of one dtype).
+    pub fn of(words: &'a CpuTensor<'_>, scales: &'a CpuTensor<'_>, biases: &'a CpuTensor<'_>, bits: usize, group: usize) -> Result<Self> {
+        let shape = words.shape();
+        let (n, k) = match shape {
+            [n, words] => (*n as usize, *words as usize * 32 / bits),
+            _ => (0, 0),
+        };
+        let groups = n * k / group.max(1);
+        let (scales, biases) = (Scalars::of(scales)?, Scalars::of(biases)?);
+        let fits = |s: &Scalars<'_>| match s {
+            Scalars::F32(v) => v.len() == groups,
+            Scalars::Bf16(v) => v.len() == groups,
+            Scalars::F16(v) => v.len() == groups,
+        };
+        let alike = std::mem::discriminant(&scales) == std::mem::discriminant(&biases);
+        if shape.len() != 2 || group == 0 || k % group != 0 || !fits(&scales) || !fits(&biases) || !alike {
+            return Err(Error::InvalidArgument(format!(
+                "packed weights {shape:?} ({bits} bits, groups of {group}) do not match their scales or biases"
+            )));
+        }
+        Ok(Packed { words: words.as_slice()?, scales, biases, bits, group, n, k })
+    }
+
+    /// `[n, m]`: every output feature for every row of `x` (`[m, k]`), in the integer form
+    /// ([`int8`], `k` a multiple of its block) or the float one, the columns split over threads
+    /// with `parallel`.
+    pub fn product(&self, x: &[f32], integer: bool, parallel: bool) -> Vec<f32> {
+        let op = CpuQmm { group: self.group, bits: self.bits, integer: integer && self.group % int8::BLOCK == 0 };
+        let (w, n, k) = (self.words, self.n, self.k);
+        match (&self.scales, &self.biases) {
+            (Scalars::F32(s), Scalars::F32(b)) => op.product(x, w, s, b, n, k, parallel),
+            (Scalars::Bf16(s), Scalars::Bf16(b)) => op.product(x, w, s, b, n, k, parallel),
+            (Scalars::F16(s), Scalars::F16(b)) => op.product(x, w, s, b, n, k, parallel),
+            _ => unreachable!("`Packed::of` checks that scales and biases share a dtype"),
+        }
+    }
+}
+
 impl CpuQmm {
     /// `[n, m]`: every output column for every row of `x` (`[m, k]`).
-    fn product<S: Scalar>(&self, x: &[f32], w: &[u32], scales: &[S], biases: &[S], n: usize, k: usize) -> Vec<f32> {
+    #[allow(clippy::too_many_arguments)]
+    fn product<S: Scalar>(
+        &self,
+        x: &[f32],
+        w: &[u32],
+        scales: &[S],
+        biases: &[S],
+        n: usize,
+        k: usize,
+        parallel: bool,
+    ) -> Vec<f32> {
         let m = x.len() / k.max(1);
         let groups = k / self.group;
         // Each group's sum of x, for the biases of the float form (the integer form sums x̂).
@@ -198,7 +273,7 @@ impl CpuQmm {
                 }
             }
         };
-        if n * k * m < PARALLEL_MIN_PRODUCTS {
+        if !parallel {
             y.chunks_mut(COLUMNS_PER_TASK * m).enumerate().for_each(work);
         } else {
             y.par_chunks_mut(COLUMNS_PER_TASK * m).enumerate().for_each(work);
