@@ -5,6 +5,7 @@
 use super::{cached_attention, merge_heads, split_heads, Rope};
 use crate::cache::{KvCache, Offset};
 use crate::config::ModelConfig;
+use crate::nn::cpu_layer::AttentionParts;
 use crate::nn::cuda_fast::{self, HeadNorms};
 use crate::nn::{join, Builder, Linear, Module, RmsNorm, Stacked};
 use crate::Result;
@@ -108,6 +109,25 @@ impl Attention {
         };
         let (q, k) = (norm(q, &self.q_norm)?, norm(k, &self.k_norm)?);
         Ok([self.rope.apply(&q, offset)?, self.rope.apply(&k, offset)?, v])
+    }
+
+    /// What the fused CPU decoding step reads of this layer (see [`crate::nn::cpu_layer`]): q, k
+    /// and v stacked and packed, the output projection packed, none of them adapted.
+    pub(crate) fn packed_parts(&self) -> Option<AttentionParts<'_>> {
+        let qkv = self.qkv.as_ref()?.intact(&[&self.q_proj, &self.k_proj, &self.v_proj])?.packed()?;
+        let head_norms = match (&self.q_norm, &self.k_norm) {
+            (Some(q), Some(k)) => Some((q, k)),
+            (None, None) => None,
+            _ => return None,
+        };
+        Some(AttentionParts {
+            qkv,
+            head_norms,
+            heads: (self.heads as usize, self.kv_heads as usize, self.head_dim as usize),
+            rope: self.rope.whole_head(self.head_dim)?,
+            scale: self.scale,
+            o: self.o_proj.packed()?,
+        })
     }
 
     /// [`heads`](Self::heads) of the stacked product `y` as one CUDA kernel, where it serves.

@@ -6,6 +6,7 @@ use super::attention::{Attention, AttentionSpec};
 use super::{uniform_caches, Rope};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
+use crate::nn::cpu_layer::{self, BlockParts};
 use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm};
 use crate::Result;
 use rmlx::Array;
@@ -41,8 +42,25 @@ impl Block {
     }
 
     fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        if let Some(h) = self.packed_cpu_step(x, batch, cache)? {
+            return Ok(h);
+        }
         let h = (x + self.self_attn.forward(&self.input_layernorm.forward(x)?, batch, cache)?)?;
         Ok((&h + self.mlp.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
+    }
+
+    /// A decoding step of one sequence on the CPU with packed weights, as fused primitives
+    /// ([`cpu_layer`]), where they serve.
+    fn packed_cpu_step(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Option<Array>> {
+        let (KvCache::Standard(cache), 1) = (cache, batch) else { return Ok(None) };
+        let Some(attention) = self.self_attn.packed_parts() else { return Ok(None) };
+        let parts = BlockParts {
+            input_norm: &self.input_layernorm,
+            attention,
+            post_norm: &self.post_attention_layernorm,
+            mlp: &self.mlp,
+        };
+        cpu_layer::decode_step(x, &parts, cache)
     }
 }
 

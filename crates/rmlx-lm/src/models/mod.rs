@@ -182,7 +182,13 @@ impl Rope {
     /// This embedding at `positions` as the CUDA heads kernel takes it, when it rotates whole heads
     /// of `head_dim` (the kernel rotates nothing less).
     pub(crate) fn rotation<'a>(&'a self, head_dim: i32, positions: &'a Array) -> Option<Rotation<'a>> {
-        (self.dims == head_dim).then_some(Rotation { divisors: &self.divisors, scale: self.scale, positions })
+        let (divisors, scale) = self.whole_head(head_dim)?;
+        Some(Rotation { divisors, scale, positions })
+    }
+
+    /// The divisors and position multiplier, when the rotation covers all `head_dim` features.
+    pub(crate) fn whole_head(&self, head_dim: i32) -> Option<(&Array, f32)> {
+        (self.dims == head_dim).then_some((&self.divisors, self.scale))
     }
 }
 

@@ -293,7 +293,8 @@ impl<'a> Rows<'a> {
         out.clear();
         match self {
             Rows::F32(s) => out.extend_from_slice(&s[..n]),
-            Rows::Bf16(s) => out.extend(s[..n].iter().map(|v| v.to_f32())),
+            // A bfloat16 is the upper half of its float32 (NaN included).
+            Rows::Bf16(s) => out.extend(s[..n].iter().map(|v| f32::from_bits((v.to_bits() as u32) << 16))),
             Rows::F16(s) => out.extend(s[..n].iter().map(|v| v.to_f32())),
         }
     }
@@ -311,7 +312,15 @@ impl AttentionScratch {
     /// The query heads `q` (`[G, D]`, a group sharing one key/value head) attending over the
     /// first `valid` rows of `(keys, values)`, softmax in float32; the result into `out` (`[G, D]`).
     /// The group's key and value rows are converted to float32 once.
-    pub fn attend(&mut self, q: &[f32], (keys, values): (Rows<'_>, Rows<'_>), valid: usize, d: usize, scale: f32, out: &mut [f32]) {
+    pub fn attend(
+        &mut self,
+        q: &[f32],
+        (keys, values): (Rows<'_>, Rows<'_>),
+        valid: usize,
+        d: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         keys.read(valid * d, &mut self.keys);
         values.read(valid * d, &mut self.values);
         self.scores.resize(valid, 0.0);

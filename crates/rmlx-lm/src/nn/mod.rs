@@ -5,6 +5,8 @@
 
 mod adapter_bank;
 pub mod cpu_fast;
+pub mod cpu_layer;
+mod cpu_pool;
 pub mod cpu_qmm;
 pub mod cuda_fast;
 mod gated;

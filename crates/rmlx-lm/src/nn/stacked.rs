@@ -24,13 +24,19 @@ impl Stacked {
     /// `[..., Σ out]`, when the group is still what was stacked and no adapter changes any layer of
     /// it; else `None`.
     pub fn forward(&self, group: &[&Linear], x: &Array) -> Result<Option<Array>> {
+        match self.intact(group) {
+            Some(linear) => Ok(Some(linear.forward(x)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The stacked layer, when `group` is still what was stacked, no adapter changes any layer
+    /// of it and training is off.
+    pub fn intact(&self, group: &[&Linear]) -> Option<&Linear> {
         let intact = group.len() == self.weight_ids.len()
             && group.iter().zip(&self.weight_ids).all(|(l, &id)| l.lora.is_none() && l.weight_id() == id)
             && !group.iter().any(|l| adapter_bank::has_row_adapters(&l.path));
-        if !intact || training() {
-            return Ok(None);
-        }
-        Ok(Some(self.linear.forward(x)?))
+        (intact && !training()).then_some(&self.linear)
     }
 }
 

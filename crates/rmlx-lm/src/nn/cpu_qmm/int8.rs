@@ -41,7 +41,7 @@ impl QuantizedRows {
             scales.push(if finite { amax / 127.0 } else { f32::NAN });
             for (i, v) in xs.iter().enumerate() {
                 let slot = if bits == 4 { (i % 2) * (BLOCK / 2) + i / 2 } else { i };
-                out[slot] = (v * inv).round() as i8;
+                out[slot] = round_half_away(v * inv) as i8;
             }
         }
         let per_group = group / BLOCK;
@@ -60,6 +60,15 @@ impl QuantizedRows {
         let sums = &self.sums[r * groups..(r + 1) * groups];
         (&self.values[r * self.k..(r + 1) * self.k], &self.scales[r * blocks..(r + 1) * blocks], sums)
     }
+}
+
+/// `x` (finite, `|x| ≤ 127`) rounded to the nearest integer, halves away from zero, as
+/// `f32::round` (a call into libm on x86-64 without SSE4.1) rounds it.
+#[inline]
+fn round_half_away(x: f32) -> i32 {
+    let whole = x as i32;
+    let fraction = x - whole as f32;
+    whole + (fraction >= 0.5) as i32 - (fraction <= -0.5) as i32
 }
 
 /// A packed matrix: `[n, k]` values of `bits` bits (`k · bits / 32` words a row) and per-group

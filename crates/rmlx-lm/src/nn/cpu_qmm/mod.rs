@@ -10,15 +10,15 @@
 //! - bfloat16 and float16 inputs: the integer form ([`int8`]): `x` rounded to 8 bits per block
 //!   of 32, integer dot products, about three times fewer instructions per value.
 //!
-//! Large products (the output head over the vocabulary) split their columns over threads
-//! (`rayon`); a layer's projections run on the evaluating thread, where waking the pool cost more
-//! than it saved. Many rows (a prompt) are better served by dequantising once and a BLAS product:
+//! Large products (the output head over the vocabulary) split their columns over the cores
+//! ([`super::cpu_pool`]); a layer's projections run on the evaluating thread, where waking other
+//! threads for each cost more than it saved (the fused decoding step, [`super::cpu_layer`], splits
+//! them: it has no scheduling between them). Many rows (a prompt) are better served by dequantising once and a BLAS product:
 //! [`CPU_QMM_MAX_ROWS`] is the switch.
 
 mod int8;
 
 use half::{bf16, f16};
-use rayon::prelude::*;
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
@@ -114,9 +114,10 @@ impl Scalar for f32 {
 }
 
 impl Scalar for bf16 {
+    /// The upper half of the float32 (NaN included), without `to_f32`'s branches.
     #[inline(always)]
     fn f(self) -> f32 {
-        self.to_f32()
+        f32::from_bits((self.to_bits() as u32) << 16)
     }
 }
 
@@ -187,7 +188,13 @@ impl<'a> Scalars<'a> {
 impl<'a> Packed<'a> {
     /// The matrix of the packed `words` (`[n, k · bits / 32]`) and its `scales` and `biases`
     /// (`[n, k / group]`, of one dtype).
-    pub fn of(words: &'a CpuTensor<'_>, scales: &'a CpuTensor<'_>, biases: &'a CpuTensor<'_>, bits: usize, group: usize) -> Result<Self> {
+    pub fn of(
+        words: &'a CpuTensor<'_>,
+        scales: &'a CpuTensor<'_>,
+        biases: &'a CpuTensor<'_>,
+        bits: usize,
+        group: usize,
+    ) -> Result<Self> {
         let shape = words.shape();
         let (n, k) = match shape {
             [n, words] => (*n as usize, *words as usize * 32 / bits),
@@ -213,73 +220,112 @@ impl<'a> Packed<'a> {
     /// ([`int8`], `k` a multiple of its block) or the float one, the columns split over threads
     /// with `parallel`.
     pub fn product(&self, x: &[f32], integer: bool, parallel: bool) -> Vec<f32> {
-        let op = CpuQmm { group: self.group, bits: self.bits, integer: integer && self.group % int8::BLOCK == 0 };
-        let (w, n, k) = (self.words, self.n, self.k);
+        let prepared = Prepared::new(x, self, integer);
+        let mut y = vec![0f32; self.n * prepared.m];
+        let chunk = COLUMNS_PER_TASK * prepared.m;
+        let work = |task: usize, out: &mut [f32]| self.columns(&prepared, task * COLUMNS_PER_TASK, out);
+        if parallel {
+            super::cpu_pool::for_each_part(&mut y, chunk, work);
+        } else {
+            y.chunks_mut(chunk).enumerate().for_each(|(task, out)| work(task, out));
+        }
+        y
+    }
+
+    /// Output features `first..` (as many as `out` holds, `[columns, m]`) for every row of `x`.
+    fn columns(&self, x: &Prepared, first: usize, out: &mut [f32]) {
         match (&self.scales, &self.biases) {
-            (Scalars::F32(s), Scalars::F32(b)) => op.product(x, w, s, b, n, k, parallel),
-            (Scalars::Bf16(s), Scalars::Bf16(b)) => op.product(x, w, s, b, n, k, parallel),
-            (Scalars::F16(s), Scalars::F16(b)) => op.product(x, w, s, b, n, k, parallel),
+            (Scalars::F32(s), Scalars::F32(b)) => self.columns_of(x, s, b, first, out),
+            (Scalars::Bf16(s), Scalars::Bf16(b)) => self.columns_of(x, s, b, first, out),
+            (Scalars::F16(s), Scalars::F16(b)) => self.columns_of(x, s, b, first, out),
             _ => unreachable!("`Packed::of` checks that scales and biases share a dtype"),
+        }
+    }
+
+    fn columns_of<S: Scalar>(&self, x: &Prepared, scales: &[S], biases: &[S], first: usize, out: &mut [f32]) {
+        let (m, k, bits, group) = (x.m, self.k, self.bits, self.group);
+        let columns = out.len() / m;
+        if let Some(xq) = &x.quantized {
+            let matrix = int8::Matrix { words: self.words, scales, biases, bits, group, k };
+            let mut dots = [0f32; COLUMNS_PER_TASK];
+            for start in (0..columns).step_by(COLUMNS_PER_TASK) {
+                let count = (columns - start).min(COLUMNS_PER_TASK);
+                for r in 0..m {
+                    matrix.dots(x.simd, xq, r, first + start, &mut dots[..count]);
+                    for (i, v) in dots[..count].iter().enumerate() {
+                        out[(start + i) * m + r] = *v;
+                    }
+                }
+            }
+            return;
+        }
+        let (groups, words) = (k / group, k * bits / 32);
+        for (i, col) in out.chunks_mut(m).enumerate() {
+            let c = first + i;
+            let row = Row {
+                w: &self.words[c * words..(c + 1) * words],
+                scales: &scales[c * groups..(c + 1) * groups],
+                biases: &biases[c * groups..(c + 1) * groups],
+            };
+            for (r, v) in col.iter_mut().enumerate() {
+                let sums = &x.sums[r * groups..(r + 1) * groups];
+                *v = row.dot(x.simd, bits, group, &x.rows[r * k..(r + 1) * k], sums);
+            }
         }
     }
 }
 
-impl CpuQmm {
-    /// `[n, m]`: every output column for every row of `x` (`[m, k]`).
-    #[allow(clippy::too_many_arguments)]
-    fn product<S: Scalar>(
-        &self,
-        x: &[f32],
-        w: &[u32],
-        scales: &[S],
-        biases: &[S],
-        n: usize,
-        k: usize,
-        parallel: bool,
-    ) -> Vec<f32> {
+/// Rows of `x` made ready for products with matrices of one layout: quantised for the integer
+/// form, or with each group's sum for the biases of the float form.
+struct Prepared {
+    rows: Vec<f32>,
+    sums: Vec<f32>,
+    quantized: Option<int8::QuantizedRows>,
+    m: usize,
+    simd: bool,
+}
+
+impl Prepared {
+    fn new(x: &[f32], like: &Packed<'_>, integer: bool) -> Self {
+        let (k, bits, group) = (like.k, like.bits, like.group);
         let m = x.len() / k.max(1);
-        let groups = k / self.group;
-        // Each group's sum of x, for the biases of the float form (the integer form sums x̂).
-        let xsum: Vec<f32> =
-            if self.integer { Vec::new() } else { x.chunks(self.group).map(|g| g.iter().sum()).collect() };
-        let words = k * self.bits / 32;
-        let simd = avx2_fma();
-        let xq = self.integer.then(|| int8::QuantizedRows::new(x, k, self.bits, self.group));
-        let matrix = int8::Matrix { words: w, scales, biases, bits: self.bits, group: self.group, k };
-        let mut y = vec![0f32; n * m];
-        let work = |(task, out): (usize, &mut [f32])| {
-            let first = task * COLUMNS_PER_TASK;
-            let columns = out.len() / m;
-            if let Some(xq) = &xq {
-                let mut dots = [0f32; COLUMNS_PER_TASK];
-                for r in 0..m {
-                    matrix.dots(simd, xq, r, first, &mut dots[..columns]);
-                    for (i, v) in dots[..columns].iter().enumerate() {
-                        out[i * m + r] = *v;
-                    }
-                }
-                return;
-            }
-            for (i, col) in out.chunks_mut(m).enumerate() {
-                let c = first + i;
-                let row = Row {
-                    w: &w[c * words..(c + 1) * words],
-                    scales: &scales[c * groups..(c + 1) * groups],
-                    biases: &biases[c * groups..(c + 1) * groups],
-                };
-                for (r, v) in col.iter_mut().enumerate() {
-                    let sr = &xsum[r * groups..(r + 1) * groups];
-                    *v = row.dot(simd, self.bits, self.group, &x[r * k..(r + 1) * k], sr);
-                }
-            }
-        };
-        if !parallel {
-            y.chunks_mut(COLUMNS_PER_TASK * m).enumerate().for_each(work);
-        } else {
-            y.par_chunks_mut(COLUMNS_PER_TASK * m).enumerate().for_each(work);
+        if integer && group % int8::BLOCK == 0 {
+            let quantized = Some(int8::QuantizedRows::new(x, k, bits, group));
+            return Prepared { rows: Vec::new(), sums: Vec::new(), quantized, m, simd: avx2_fma() };
         }
-        y
+        let sums = x.chunks(group).map(|g| g.iter().sum()).collect();
+        Prepared { rows: x.to_vec(), sums, quantized: None, m, simd: avx2_fma() }
     }
+}
+
+/// The products of one row `x` with each of `matrices` (all of `x`'s length), computed together:
+/// `x` prepared once per layout and all the columns split over the threads at once.
+pub(crate) fn row_products(x: &[f32], integer: bool, matrices: &[&Packed<'_>]) -> Vec<Vec<f32>> {
+    let mut prepared: Vec<((usize, usize), Prepared)> = Vec::new();
+    let mut which = Vec::with_capacity(matrices.len());
+    for w in matrices {
+        let layout = (w.bits, w.group);
+        let at = prepared.iter().position(|(l, _)| *l == layout).unwrap_or_else(|| {
+            prepared.push((layout, Prepared::new(x, w, integer)));
+            prepared.len() - 1
+        });
+        which.push(at);
+    }
+    let mut outputs: Vec<Vec<f32>> = matrices.iter().map(|w| vec![0f32; w.n]).collect();
+    // Every task: a matrix and a range of its columns.
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (i, out) in outputs.iter_mut().enumerate() {
+        for (t, part) in out.chunks_mut(COLUMNS_PER_TASK).enumerate() {
+            tasks.push((i, t * COLUMNS_PER_TASK, part));
+        }
+    }
+    let (places, parts): (Vec<(usize, usize)>, Vec<&mut [f32]>) =
+        tasks.into_iter().map(|(i, f, p)| ((i, f), p)).unzip();
+    super::cpu_pool::for_each(parts, |task, out| {
+        let (i, first) = places[task];
+        matrices[i].columns(&prepared[which[i]].1, first, out);
+    });
+    outputs
 }
 
 /// Whether the processor has AVX2 and FMA (checked once per product, not per column).

@@ -1,0 +1,429 @@
+//! A Llama-family decoder block's decoding step on the CPU in two primitives, for weights kept
+//! quantised (MLX affine, 4 or 8 bits).
+//!
+//! Composed of MLX operations and rmlx's single-purpose CPU primitives, one block's step is 22
+//! operations. MLX runs the operations of a stream one after another on one worker thread, and
+//! each costs a scheduling round trip and a graph node built on the calling thread: the 2-core
+//! development machine spent more of a step on those than on the products, which could not use
+//! the second core. Here a block's step is four operations:
+//!
+//! 1. the input norm, the stacked q/k/v product (and bias), per-head q/k
+//!    norms and the rotary embedding → the query, key and value heads of the new position;
+//! 2. and 3. the cache writes of the new key and value (MLX's in-place `slice_update`);
+//! 4. attention of the query over the cache, the output
+//!    projection and residual, the post-attention norm, the gated SiLU feed-forward and residual.
+//!
+//! The products split their columns over threads. Every intermediate is rounded to the input's
+//! dtype where the composed graph rounds it, so that the step computes what the composed one
+//! does, with the same kernels for the products, norms, rotation and attention.
+//!
+//! It serves one sequence and one position (a decoding step of `generate`), outside training and
+//! traced transforms, when no adapter changes a projection: otherwise the block is composed.
+
+use super::cpu_fast::{rms_row, store, Angles, AttentionScratch, Rows};
+use super::cpu_pool::for_each_part;
+use super::cpu_qmm::{row_products, to_f32, Packed};
+use super::{GatedMlp, Linear, LinearWeight, RmsNorm};
+use crate::cache::StandardCache;
+use half::f16;
+use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
+use rmlx::fast::TensorSpec;
+use rmlx::quantization::{QuantMode, Quantized};
+use rmlx::{Array, Dtype, Error, Result};
+
+/// How a packed matrix is laid out.
+#[derive(Clone, Copy, PartialEq, Debug)]
+struct Layout {
+    bits: usize,
+    group: usize,
+}
+
+/// A projection the primitives can compute: its packed weight and layout, and its bias.
+pub struct PackedLinear<'a> {
+    weight: &'a Quantized,
+    bias: Option<&'a Array>,
+    layout: Layout,
+}
+
+impl Linear {
+    /// The packed weight of a layer whose output is its product alone (and bias): affine 4- or
+    /// 8-bit with biases, groups a multiple of 32, no adapter of any kind.
+    pub(crate) fn packed(&self) -> Option<PackedLinear<'_>> {
+        let LinearWeight::Quantized(q) = &self.weight else { return None };
+        let plain = self.lora.is_none() && !super::adapter_bank::has_row_adapters(&self.path);
+        let supported =
+            q.mode == QuantMode::Affine && matches!(q.bits, 4 | 8) && q.group_size > 0 && q.group_size % 32 == 0;
+        (plain && supported && q.biases.is_some()).then_some(PackedLinear {
+            weight: q,
+            bias: self.bias.as_ref(),
+            layout: Layout { bits: q.bits as usize, group: q.group_size as usize },
+        })
+    }
+}
+
+impl PackedLinear<'_> {
+    fn arrays(&self) -> [Array; 3] {
+        let q = self.weight;
+        [q.weight.clone(), q.scales.clone(), q.biases.clone().expect("checked by `packed`")]
+    }
+}
+
+/// The attention half of a block as [`decode_step`] reads it.
+pub struct AttentionParts<'a> {
+    /// q, k and v stacked by rows.
+    pub qkv: PackedLinear<'a>,
+    /// The per-head RMSNorms of queries and keys (Qwen 3), both or neither.
+    pub head_norms: Option<(&'a RmsNorm, &'a RmsNorm)>,
+    /// Query heads, key/value heads, head size.
+    pub heads: (usize, usize, usize),
+    /// The rotary divisors (`[head_dim / 2]`, float32, the whole head rotated) and the position
+    /// multiplier.
+    pub rope: (&'a Array, f32),
+    /// Multiplier of the scores.
+    pub scale: f32,
+    pub o: PackedLinear<'a>,
+}
+
+/// The rest of a block as [`decode_step`] reads it.
+pub struct BlockParts<'a> {
+    pub input_norm: &'a RmsNorm,
+    pub attention: AttentionParts<'a>,
+    pub post_norm: &'a RmsNorm,
+    pub mlp: &'a GatedMlp,
+}
+
+/// The block's output for the one row `x` (`[1, hidden]`) of a decoding step, its key and value
+/// appended to `cache`, or `None` (and the cache untouched) where the fused step does not serve.
+pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache) -> crate::Result<Option<Array>> {
+    let dtype = x.dtype();
+    let attention = &block.attention;
+    let (heads, kv_heads, d) = attention.heads;
+    let alike = |n: &RmsNorm| n.weight().dtype() == dtype;
+    let head_norms_fit = attention.head_norms.is_none_or(|(q, k)| alike(q) && alike(k) && q.eps() == k.eps());
+    let rope_fits = attention.rope.0.shape() == [d as i32 / 2] && attention.rope.0.dtype() == Dtype::Float32;
+    let mlp = block.mlp;
+    let (Some(gate), Some(up), Some(down)) = (mlp.gate.packed(), mlp.up.packed(), mlp.down.packed()) else {
+        return Ok(None);
+    };
+    let unbiased = [&attention.o, &gate, &up, &down].iter().all(|p| p.bias.is_none());
+    let fits = super::cpu_fast::applies(x)
+        && x.shape() == [1, block.input_norm.weight().shape()[0]]
+        && alike(block.input_norm)
+        && alike(block.post_norm)
+        && head_norms_fit
+        && rope_fits
+        && d % 2 == 0
+        && heads % kv_heads.max(1) == 0
+        && !mlp.gelu
+        && unbiased;
+    if !fits {
+        return Ok(None);
+    }
+    // 1: the heads of the new position.
+    let op = AttentionInputs {
+        eps: block.input_norm.eps(),
+        head_eps: attention.head_norms.map(|(q, _)| q.eps()),
+        heads: (heads, kv_heads, d),
+        qkv: attention.qkv.layout,
+        bias: attention.qkv.bias.is_some(),
+        position: cache.offset,
+        rope_scale: attention.rope.1,
+    };
+    let mut inputs = vec![x.clone(), block.input_norm.weight().clone()];
+    inputs.extend(attention.qkv.arrays());
+    inputs.extend(attention.qkv.bias.cloned());
+    if let Some((q, k)) = attention.head_norms {
+        inputs.extend([q.weight().clone(), k.weight().clone()]);
+    }
+    inputs.push(attention.rope.0.clone());
+    let Ok([q, k, v]) = <[Array; 3]>::try_from(apply(op, &inputs)?) else {
+        unreachable!("`output_specs` gives three outputs")
+    };
+    // 2, 3: the cache writes.
+    let (keys, values, valid) = cache.write(&k, &v)?;
+    // 4: attention, output projection, feed-forward.
+    let op = AttentionOutputMlp {
+        valid,
+        scale: attention.scale,
+        eps: block.post_norm.eps(),
+        head_dim: d,
+        layouts: [attention.o.layout, gate.layout, up.layout, down.layout],
+    };
+    let mut inputs = vec![x.clone(), q, keys, values, block.post_norm.weight().clone()];
+    for p in [&attention.o, &gate, &up, &down] {
+        inputs.extend(p.arrays());
+    }
+    Ok(apply(op, &inputs)?.into_iter().next())
+}
+
+/// `silu(g) · u` as the composed graph computes it on the CPU: MLX's sigmoid (its own `exp`, the
+/// exponential rounded to `dtype`), times `g`, times `u`, each result rounded to `dtype`.
+fn swiglu(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("fma") {
+        // SAFETY: the processor has FMA.
+        return unsafe { swiglu_fma(g, u, dtype) };
+    }
+    swiglu_portable(g, u, dtype)
+}
+
+/// [`swiglu`] with the fused multiply-adds of MLX's `exp` as instructions, not calls into libm.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn swiglu_fma(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
+    swiglu_portable(g, u, dtype)
+}
+
+#[inline(always)]
+fn swiglu_portable(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
+    let mut exp: Vec<f32> = g.iter().map(|&g| mlx_exp(g.abs())).collect();
+    round(&mut exp, dtype);
+    let mut y: Vec<f32> = g
+        .iter()
+        .zip(&exp)
+        .map(|(&g, &e)| {
+            let s = 1.0 / (1.0 + e);
+            if g < 0.0 {
+                s
+            } else {
+                1.0 - s
+            }
+        })
+        .collect();
+    round(&mut y, dtype);
+    y.iter_mut().zip(g).for_each(|(s, g)| *s *= g);
+    round(&mut y, dtype);
+    y.iter_mut().zip(u).for_each(|(a, u)| *a *= u);
+    round(&mut y, dtype);
+    y
+}
+
+/// MLX's CPU `exp` (a degree-6 polynomial of the fraction of `x / ln 2`, scaled by a power of
+/// two), so that the sigmoid here equals the composed one bit for bit.
+#[inline(always)]
+#[allow(clippy::excessive_precision, clippy::approx_constant)] // MLX's constants, as written there
+fn mlx_exp(x: f32) -> f32 {
+    let t = x * 1.442695;
+    let whole = (t + 0.5).floor();
+    let f = t - whole;
+    let mut p = 1.535336188319500e-4f32;
+    for c in [
+        1.339887440266574e-3,
+        9.618437357674640e-3,
+        5.550332471162809e-2,
+        2.402264791363012e-1,
+        6.931472028550421e-1,
+        1.0,
+    ] {
+        p = p.mul_add(f, c);
+    }
+    let power = f32::from_bits(((whole as i32).wrapping_add(127) << 23) as u32);
+    if x.is_nan() {
+        x
+    } else if x > 88.0 {
+        f32::INFINITY
+    } else if x < -88.0 {
+        0.0
+    } else {
+        power * p
+    }
+}
+
+/// Rounds every value to `dtype`, as storing it in an array of that dtype would.
+fn round(v: &mut [f32], dtype: Dtype) {
+    match dtype {
+        Dtype::Bfloat16 => v.iter_mut().for_each(|x| *x = round_bf16(*x)),
+        Dtype::Float16 => v.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
+        _ => {}
+    }
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even), as `bf16::from_f32` rounds, without its
+/// branches (NaN stays NaN, overflow becomes infinity).
+#[inline]
+fn round_bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let rounded = f32::from_bits((bits.wrapping_add(0x7FFF + ((bits >> 16) & 1))) & 0xFFFF_0000);
+    if x.is_nan() {
+        x
+    } else {
+        rounded
+    }
+}
+
+/// `x @ Wᵀ` of one row for each of `weights` (three tensors each: packed values, scales,
+/// biases) of `layouts`, rounded to `dtype`, computed together over the threads.
+fn products(x: &[f32], weights: &[CpuTensor<'_>], layouts: &[Layout], dtype: Dtype) -> Result<Vec<Vec<f32>>> {
+    let packed = layouts
+        .iter()
+        .zip(weights.chunks_exact(3))
+        .map(|(l, w)| Packed::of(&w[0], &w[1], &w[2], l.bits, l.group))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(p) = packed.iter().find(|p| p.k != x.len()) {
+        return Err(Error::InvalidArgument(format!("packed weights of {} inputs for a row of {}", p.k, x.len())));
+    }
+    let mut ys = row_products(x, dtype != Dtype::Float32, &packed.iter().collect::<Vec<_>>());
+    ys.iter_mut().for_each(|y| round(y, dtype));
+    Ok(ys)
+}
+
+fn product(x: &[f32], weights: &[CpuTensor<'_>], layout: Layout, dtype: Dtype) -> Result<Vec<f32>> {
+    Ok(products(x, weights, &[layout], dtype)?.remove(0))
+}
+
+/// Primitive 1 (see the module docs).
+struct AttentionInputs {
+    eps: f32,
+    head_eps: Option<f32>,
+    heads: (usize, usize, usize),
+    qkv: Layout,
+    bias: bool,
+    position: usize,
+    rope_scale: f32,
+}
+
+impl CustomPrimitive for AttentionInputs {
+    fn name(&self) -> String {
+        "CpuAttentionInputs".into()
+    }
+
+    fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
+        let (heads, kv_heads, d) = self.heads;
+        let x = &inputs[0];
+        let expected = 6 + self.bias as usize + 2 * self.head_eps.is_some() as usize;
+        if inputs.len() != expected || x.shape.len() != 2 || x.shape[0] != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "fused attention inputs: {} inputs, x {:?}",
+                inputs.len(),
+                x.shape
+            )));
+        }
+        let head = |n: usize| TensorSpec::new(&[1, n as i32, 1, d as i32], x.dtype);
+        Ok(vec![head(heads), head(kv_heads), head(kv_heads)])
+    }
+
+    fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
+        let (heads, kv_heads, d) = self.heads;
+        let dtype = inputs[0].dtype();
+        let x = to_f32(&inputs[0])?;
+        let mut normed = vec![0f32; x.len()];
+        rms_row(&x, &to_f32(&inputs[1])?, self.eps, &mut normed);
+        round(&mut normed, dtype);
+        let mut y = product(&normed, &inputs[2..5], self.qkv, dtype)?;
+        let mut next = 5;
+        if self.bias {
+            let bias = to_f32(&inputs[next])?;
+            y.iter_mut().zip(&bias).for_each(|(v, b)| *v += b);
+            round(&mut y, dtype);
+            next += 1;
+        }
+        if y.len() != (heads + 2 * kv_heads) * d {
+            return Err(Error::InvalidArgument(format!(
+                "a q/k/v product of {} features for {:?} heads",
+                y.len(),
+                self.heads
+            )));
+        }
+        let (q, rest) = y.split_at_mut(heads * d);
+        let (k, v) = rest.split_at_mut(kv_heads * d);
+        if let Some(eps) = self.head_eps {
+            let (qw, kw) = (to_f32(&inputs[next])?, to_f32(&inputs[next + 1])?);
+            next += 2;
+            for (part, w) in [(&mut *q, &qw), (&mut *k, &kw)] {
+                for head in part.chunks_exact_mut(d) {
+                    let plain = head.to_vec();
+                    rms_row(&plain, w, eps, head);
+                }
+                round(part, dtype);
+            }
+        }
+        let divisors = to_f32(&inputs[next])?;
+        let mut angles = Angles::new(d / 2);
+        angles.at(self.position as f64, self.rope_scale, &divisors);
+        for part in [&mut *q, &mut *k] {
+            for head in part.chunks_exact_mut(d) {
+                let plain = head.to_vec();
+                angles.rotate(&plain, head);
+            }
+            round(part, dtype);
+        }
+        for (out, values) in outputs.iter_mut().zip([&*q, &*k, &*v]) {
+            store(out, values)?;
+        }
+        Ok(())
+    }
+}
+
+/// Primitive 4 (see the module docs).
+struct AttentionOutputMlp {
+    valid: usize,
+    scale: f32,
+    eps: f32,
+    head_dim: usize,
+    /// o, gate, up, down.
+    layouts: [Layout; 4],
+}
+
+impl CustomPrimitive for AttentionOutputMlp {
+    fn name(&self) -> String {
+        "CpuAttentionOutputMlp".into()
+    }
+
+    fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
+        let (x, q, k, v) = (&inputs[0], &inputs[1], &inputs[2], &inputs[3]);
+        let d = self.head_dim as i32;
+        let fits = inputs.len() == 17
+            && x.shape.len() == 2
+            && x.shape[0] == 1
+            && q.shape.len() == 4
+            && q.shape[..1] == [1]
+            && q.shape[2..] == [1, d]
+            && k.shape.len() == 4
+            && k.shape == v.shape
+            && k.shape[0] == 1
+            && k.shape[1] > 0
+            && q.shape[1] % k.shape[1] == 0
+            && k.shape[3] == d
+            && self.valid >= 1
+            && self.valid <= k.shape[2] as usize
+            && [q, k, v].iter().all(|t| t.dtype == x.dtype);
+        if !fits {
+            return Err(Error::InvalidArgument(format!(
+                "fused attention output: x {:?}, q {:?}, keys {:?}, values {:?}, {} valid positions",
+                x.shape, q.shape, k.shape, v.shape, self.valid
+            )));
+        }
+        Ok(vec![x.clone()])
+    }
+
+    fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
+        let dtype = inputs[0].dtype();
+        let d = self.head_dim;
+        let [o, gate, up, down] = self.layouts;
+        let x = to_f32(&inputs[0])?;
+        let q = to_f32(&inputs[1])?;
+        let (heads, kv_heads, capacity) =
+            (inputs[1].shape()[1] as usize, inputs[2].shape()[1] as usize, inputs[2].shape()[2] as usize);
+        let (keys, values) = (Rows::of(&inputs[2])?, Rows::of(&inputs[3])?);
+        let group = heads / kv_heads;
+        // The key/value heads over the threads.
+        let mut attended = vec![0f32; q.len()];
+        for_each_part(&mut attended, group * d, |kv, out| {
+            let cache = (keys.at(kv * capacity * d), values.at(kv * capacity * d));
+            let queries = &q[kv * group * d..(kv + 1) * group * d];
+            AttentionScratch::default().attend(queries, cache, self.valid, d, self.scale, out);
+        });
+        round(&mut attended, dtype);
+        let projected = product(&attended, &inputs[5..8], o, dtype)?;
+        let mut h: Vec<f32> = x.iter().zip(&projected).map(|(a, b)| a + b).collect();
+        round(&mut h, dtype);
+        let mut normed = vec![0f32; h.len()];
+        rms_row(&h, &to_f32(&inputs[4])?, self.eps, &mut normed);
+        round(&mut normed, dtype);
+        let [g, u]: [Vec<f32>; 2] = products(&normed, &inputs[8..14], &[gate, up], dtype)?.try_into().expect("two");
+        let activated = swiglu(&g, &u, dtype);
+        let y = product(&activated, &inputs[14..17], down, dtype)?;
+        h.iter_mut().zip(&y).for_each(|(h, y)| *h += y);
+        store(&mut outputs[0], &h)
+    }
+}

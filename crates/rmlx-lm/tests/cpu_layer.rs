@@ -1,0 +1,98 @@
+//! The fused CPU decoding step of Llama-family blocks (`nn::cpu_layer`): a quantised model decodes
+//! through it (two primitives a layer, counted in the step's graph), and its logits, step by step
+//! through the cache, and its greedy tokens are those of the composed step. The composed step is
+//! the same model with a zero adapter on every output projection, which makes the fused step
+//! decline and adds exactly zero to the products.
+
+mod common;
+
+use common::{fixture_with_tokenizer, ids, reference};
+use rmlx::{Array, Dtype};
+use rmlx_lm::nn::Lora;
+use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
+
+fn load(dir: &std::path::Path, dtype: Dtype) -> LoadedModel {
+    let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), ..LoadOptions::default() };
+    rmlx_lm::load(dir, &opts).unwrap()
+}
+
+/// Zero-valued adapters (`B = 0`) on every `o_proj`: the layer's output is unchanged, and the
+/// fused step, which takes no adapters, declines.
+fn decline_fused(lm: &mut LoadedModel, dtype: Dtype) {
+    let mut attached = 0;
+    lm.model.visit_linears("", &mut |path, linear| {
+        if path.ends_with("o_proj") {
+            let (input, output) = linear.dims();
+            linear.set_lora(Some(Lora::init(input, output, 4, 2.0, dtype, None).unwrap())).unwrap();
+            attached += 1;
+        }
+    });
+    assert_eq!(attached, lm.model.config().num_hidden_layers);
+}
+
+/// Logits `[vocab]` of every position, the prompt fed one token at a time.
+fn stepwise_logits(lm: &LoadedModel, prompt: &[u32]) -> Vec<Vec<f32>> {
+    let mut caches = lm.model.new_caches(None);
+    prompt
+        .iter()
+        .map(|&t| {
+            let ids = Array::from_slice(&[t as i32], &[1, 1]).unwrap();
+            let logits = lm.model.forward(&ids, &mut caches).unwrap();
+            logits.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+        })
+        .collect()
+}
+
+fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, ..GenerateOptions::default() };
+    lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
+}
+
+/// How many of each fused primitive one decoding step runs.
+fn fused_operations(lm: &LoadedModel, prompt: &[u32]) -> (usize, usize) {
+    let census = rmlx_lm::profile::decode_steps(lm, prompt, 1).unwrap().operations;
+    let count = |name: &str| census.get(name).copied().unwrap_or(0);
+    (count("CpuAttentionInputs"), count("CpuAttentionOutputMlp"))
+}
+
+#[test]
+fn fused_step_computes_the_composed_step() {
+    rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
+    for name in ["llama_gqa_q4", "qwen3_q4"] {
+        let dir = fixture_with_tokenizer(name);
+        let prompt = ids(&reference(name)["prompt_ids"]);
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let fused = load(dir.path(), dtype);
+            let layers = fused.model.config().num_hidden_layers;
+            assert_eq!(fused_operations(&fused, &prompt), (layers, layers), "{name} {dtype:?}: fused step");
+            let mut composed = load(dir.path(), dtype);
+            decline_fused(&mut composed, dtype);
+            assert_eq!(fused_operations(&composed, &prompt), (0, 0), "{name} {dtype:?}: composed step");
+
+            let (a, b) = (stepwise_logits(&fused, &prompt), stepwise_logits(&composed, &prompt));
+            // The same kernels and MLX's exp, every intermediate rounded where the composed
+            // graph rounds it: the same logits, bit for bit.
+            for (position, (x, y)) in a.iter().zip(&b).enumerate() {
+                let diff = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+                assert!(diff == 0.0, "{name} {dtype:?} position {position}: max |Δlogit| {diff}");
+            }
+            assert_eq!(greedy(&fused, &prompt, 24), greedy(&composed, &prompt, 24), "{name} {dtype:?} greedy");
+        }
+    }
+}
+
+/// Batches, prompts and adapters keep the composed graph: the fused step serves one sequence's
+/// decoding step only.
+#[test]
+fn prompts_run_composed() {
+    rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
+    let dir = fixture_with_tokenizer("llama_gqa_q4");
+    let lm = load(dir.path(), Dtype::Bfloat16);
+    let prompt = ids(&reference("llama_gqa_q4")["prompt_ids"]);
+    let mut caches = lm.model.new_caches(None);
+    let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+    let logits = lm.model.forward(&Array::from_slice(&ids, &[1, ids.len() as i32]).unwrap(), &mut caches).unwrap();
+    let census = rmlx::graph_census(&[logits]).unwrap();
+    assert!(!census.contains_key("CpuAttentionInputs"), "a prompt of {} positions: {census:?}", ids.len());
+    assert!(census.contains_key("CpuAffineQmm4x32Int8") || census.contains_key("Matmul"), "{census:?}");
+}
