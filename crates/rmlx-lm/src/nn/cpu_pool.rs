@@ -173,3 +173,63 @@ fn wait_until(done: impl Fn() -> bool) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_part_is_visited_once_with_its_index() {
+        for len in [0usize, 1, 7, 64, 1000] {
+            for _ in 0..200 {
+                let mut out = vec![0usize; len];
+                for_each_part(&mut out, 3, |i, part| part.iter_mut().for_each(|v| *v += i + 1));
+                let want: Vec<usize> = (0..len).map(|j| j / 3 + 1).collect();
+                assert_eq!(out, want, "{len} values");
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_part_reaches_the_caller_and_the_pool_goes_on() {
+        for _ in 0..50 {
+            let mut out = vec![0u32; 64];
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                for_each_part(&mut out, 1, |i, _| {
+                    if i % 8 == 7 {
+                        panic!("part {i}");
+                    }
+                })
+            }));
+            assert!(result.is_err(), "the panic of a part is raised");
+            let mut out = vec![0u32; 64];
+            for_each_part(&mut out, 1, |i, part| part[0] = i as u32);
+            assert_eq!(out, (0..64).collect::<Vec<u32>>());
+        }
+    }
+
+    #[test]
+    fn regions_after_the_helpers_went_to_sleep() {
+        for _ in 0..20 {
+            std::thread::sleep(IDLE * 2);
+            let mut out = vec![0u8; 16];
+            for_each_part(&mut out, 1, |_, part| part[0] = 1);
+            assert!(out.iter().all(|&v| v == 1));
+        }
+    }
+
+    #[test]
+    fn regions_from_several_threads_all_finish() {
+        std::thread::scope(|s| {
+            for t in 0..4usize {
+                s.spawn(move || {
+                    for _ in 0..300 {
+                        let mut out = vec![0usize; 40];
+                        for_each_part(&mut out, 4, |i, part| part.iter_mut().for_each(|v| *v = i + t));
+                        assert!(out.iter().enumerate().all(|(j, &v)| v == j / 4 + t));
+                    }
+                });
+            }
+        });
+    }
+}
