@@ -202,6 +202,10 @@ fn neg_inf(dtype: Dtype) -> Result<Array> {
 /// `logits - logsumexp(logits)` along the last axis: log-probabilities that sum to 1 in probability
 /// space.
 pub fn log_softmax(logits: &Array) -> Result<Array> {
+    if crate::nn::cpu_fast::applies(logits) && logits.dtype() == Dtype::Float32 && logits.ndim() >= 1 {
+        // The same arithmetic as one CPU primitive (see `cpu_fast::log_softmax`).
+        return Ok(crate::nn::cpu_fast::log_softmax(logits)?);
+    }
     Ok((logits - logits.logsumexp(-1, true)?)?)
 }
 

@@ -99,3 +99,30 @@ fn decode_attention_matches_mlx() {
     let bad = cpu_fast::decode_attention(&q, &k, &v, 41, 0.3);
     assert!(matches!(bad, Err(rmlx::Error::InvalidArgument(ref m)) if m.contains("41 valid")), "{:?}", bad.err());
 }
+
+/// The sampler's log-probabilities: MLX's arithmetic (its `exp`, summed in order) in one
+/// primitive, equal to `x - logsumexp(x)` bit for bit on x86-64, including rows with `-inf`
+/// (banned tokens) and an all-`-inf` row.
+#[test]
+fn log_softmax_equals_mlx_bit_for_bit() {
+    cpu();
+    let key = random::key(8).unwrap();
+    let x = random::normal(&[3, 49152], Dtype::Float32, 0.0, 4.0, Some(&key)).unwrap();
+    let mut values = x.to_vec::<f32>().unwrap();
+    values[7] = f32::NEG_INFINITY;
+    values[49152..2 * 49152].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+    values[2 * 49152 + 5] = 95.0;
+    let x = Array::from_slice(&values, &[3, 49152]).unwrap();
+    let got = cpu_fast::log_softmax(&x).unwrap().to_vec::<f32>().unwrap();
+    let want = (&x - x.logsumexp(-1, true).unwrap()).unwrap().to_vec::<f32>().unwrap();
+    // MLX sums one value at a time where it has no SIMD type (x86-64); elsewhere its sums may
+    // be ordered otherwise, and the results agree within float32 rounding.
+    let agree = |a: &f32, b: &f32| {
+        let exact = a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        exact || (!cfg!(target_arch = "x86_64") && (a - b).abs() <= 1e-5 * b.abs().max(1.0))
+    };
+    let first = got.iter().zip(&want).position(|(a, b)| !agree(a, b));
+    assert!(first.is_none(), "differs at {first:?}");
+    let bad = cpu_fast::log_softmax(&x.astype(Dtype::Bfloat16).unwrap());
+    assert!(matches!(bad, Err(rmlx::Error::InvalidArgument(_))), "{:?}", bad.err());
+}

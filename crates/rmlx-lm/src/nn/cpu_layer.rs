@@ -20,7 +20,7 @@
 //! It serves one sequence and one position (a decoding step of `generate`), outside training and
 //! traced transforms, when no adapter changes a projection: otherwise the block is composed.
 
-use super::cpu_fast::{rms_row, store, Angles, AttentionScratch, Rows};
+use super::cpu_fast::{mlx_exp, rms_row, store, Angles, AttentionScratch, Rows};
 use super::cpu_pool::for_each_part;
 use super::cpu_qmm::{row_products, to_f32, Packed};
 use super::{GatedMlp, Linear, LinearWeight, RmsNorm};
@@ -196,37 +196,6 @@ fn swiglu_portable(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
     y.iter_mut().zip(u).for_each(|(a, u)| *a *= u);
     round(&mut y, dtype);
     y
-}
-
-/// MLX's CPU `exp` (a degree-6 polynomial of the fraction of `x / ln 2`, scaled by a power of
-/// two), so that the sigmoid here equals the composed one bit for bit.
-#[inline(always)]
-#[allow(clippy::excessive_precision, clippy::approx_constant)] // MLX's constants, as written there
-fn mlx_exp(x: f32) -> f32 {
-    let t = x * 1.442695;
-    let whole = (t + 0.5).floor();
-    let f = t - whole;
-    let mut p = 1.535336188319500e-4f32;
-    for c in [
-        1.339887440266574e-3,
-        9.618437357674640e-3,
-        5.550332471162809e-2,
-        2.402264791363012e-1,
-        6.931472028550421e-1,
-        1.0,
-    ] {
-        p = p.mul_add(f, c);
-    }
-    let power = f32::from_bits(((whole as i32).wrapping_add(127) << 23) as u32);
-    if x.is_nan() {
-        x
-    } else if x > 88.0 {
-        f32::INFINITY
-    } else if x < -88.0 {
-        0.0
-    } else {
-        power * p
-    }
 }
 
 /// Rounds every value to `dtype`, as storing it in an array of that dtype would.
