@@ -11,10 +11,10 @@
 //!   of 32, integer dot products, about three times fewer instructions per value.
 //!
 //! Large products (the output head over the vocabulary) split their columns over the cores
-//! ([`super::cpu_pool`]); a layer's projections run on the evaluating thread, where waking other
-//! threads for each cost more than it saved (the fused decoding step, [`super::cpu_layer`], splits
-//! them: it has no scheduling between them). Many rows (a prompt) are better served by dequantising once and a BLAS product:
-//! [`CPU_QMM_MAX_ROWS`] is the switch.
+//! ([`super::cpu_pool`]); a layer's projections alone run on the evaluating thread (the fused
+//! decoding step, [`super::cpu_layer`], splits them too, through [`row_products`]). Many rows (a
+//! prompt) are better served by dequantising once and a BLAS product: [`CPU_QMM_MAX_ROWS`] is the
+//! switch.
 
 mod int8;
 
