@@ -106,9 +106,6 @@ CpuBuffer buffer_of(const mx::array& a) {
   b.nbytes = a.nbytes();
   b.dtype = detail::code_of_dtype(a.dtype());
   for (auto d : a.shape()) b.shape.push_back(d);
-  if (!a.flags().row_contiguous) {
-    for (auto s : a.strides()) b.strides.push_back(s);
-  }
   return b;
 }
 
@@ -121,6 +118,11 @@ class RustPrimitive : public mx::Primitive {
         name_(std::string(op_name(**op_))) {}
 
   void eval_cpu(const Arrays& inputs, Arrays& outputs) override {
+    for (auto& in : inputs) {
+      if (!in.flags().row_contiguous) {
+        throw std::runtime_error("[" + name_ + "] internal error: an input is not row-contiguous");
+      }
+    }
     for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& in : inputs) encoder.set_input_array(in);

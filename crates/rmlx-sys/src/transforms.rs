@@ -29,15 +29,13 @@ pub mod tffi {
         dtype: u8,
     }
 
-    /// One buffer handed to a primitive's CPU evaluation. `ptr` is the address of the first
-    /// element, `nbytes` the logical length in bytes (elements × their size).
+    /// One contiguous buffer handed to a primitive's CPU evaluation. `ptr` is the address of the
+    /// first element, `nbytes` the length in bytes.
     struct CpuBuffer {
         ptr: usize,
         nbytes: usize,
         dtype: u8,
         shape: Vec<i32>,
-        /// Element strides where the buffer is not row-contiguous (a view); empty where it is.
-        strides: Vec<i64>,
     }
 
     /// A GPU kernel from source and how to launch it. `backend`: 1 = CUDA, 2 = Metal.

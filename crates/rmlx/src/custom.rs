@@ -174,19 +174,14 @@ pub fn apply<P: CustomPrimitive>(op: P, inputs: &[Array]) -> Result<Vec<Array>> 
         (true, _) | (false, DeviceType::Cpu) => current(),
         (false, DeviceType::Gpu) => device_spec(Device::cpu()),
     };
-    // A kernel reads plain row-major buffers: inputs not computed so already get a `contiguous`
-    // node. The CPU evaluation gathers views itself (see `Adapter::eval_cpu`), so that its inputs
-    // need no node each: almost all of them are row-major when they are computed.
-    let contiguous = if on_gpu {
-        crate::device::with_stream_spec(stream, || {
-            inputs
-                .iter()
-                .map(|a| if a.is_computed_row_contiguous() { Ok(a.clone()) } else { crate::ops::contiguous(a) })
-                .collect::<Result<Vec<_>>>()
-        })?
-    } else {
-        inputs.to_vec()
-    };
+    // The CPU evaluation reads plain row-major buffers. Inputs computed so already (weights) are
+    // taken as they are: a `contiguous` node per input would be a scheduled task per call.
+    let contiguous = crate::device::with_stream_spec(stream, || {
+        inputs
+            .iter()
+            .map(|a| if a.is_computed_row_contiguous() { Ok(a.clone()) } else { crate::ops::contiguous(a) })
+            .collect::<Result<Vec<_>>>()
+    })?;
     let v = array_vec(&contiguous);
     let specs: Vec<ShapeDtype> = out_specs.iter().map(TensorSpec::to_ffi).collect();
     let boxed = Box::new(OpBox(Box::new(Adapter(op))));
@@ -202,36 +197,6 @@ pub(crate) fn check_eval_errors() -> Result<()> {
     } else {
         Err(Error::PrimitiveEval(errors.join("; ")))
     }
-}
-
-/// A strided input's elements in row-major order, or `None` for a buffer that is row-contiguous
-/// already (no strides). Held in 8-byte words, so that every element type is aligned.
-fn gather(b: &CpuBuffer) -> Option<Vec<u64>> {
-    if b.strides.is_empty() {
-        return None;
-    }
-    let size = Dtype::from_code(b.dtype).size();
-    let shape = usizes(&b.shape);
-    let count: usize = shape.iter().product();
-    let mut words = vec![0u64; (count * size).div_ceil(8)];
-    // SAFETY: the words hold at least `count * size` bytes.
-    let out = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, count * size) };
-    let mut index = vec![0usize; shape.len()];
-    for element in out.chunks_exact_mut(size) {
-        let offset: i64 = index.iter().zip(&b.strides).map(|(&i, &s)| i as i64 * s).sum();
-        // SAFETY: MLX's strides keep every in-range index inside the view's buffer; `ptr` is the
-        // view's first element (negative strides step back from it inside the same buffer).
-        let at = unsafe { (b.ptr as *const u8).offset(offset as isize * size as isize) };
-        element.copy_from_slice(unsafe { std::slice::from_raw_parts(at, size) });
-        for d in (0..shape.len()).rev() {
-            index[d] += 1;
-            if index[d] < shape[d] {
-                break;
-            }
-            index[d] = 0;
-        }
-    }
-    Some(words)
 }
 
 /// Bridges a [`CustomPrimitive`] to the shim's callbacks.
@@ -258,20 +223,12 @@ impl<P: CustomPrimitive> PrimitiveCallbacks for Adapter<P> {
     }
 
     fn eval_cpu(&self, inputs: &[CpuBuffer], outputs: &[CpuBuffer]) -> std::result::Result<(), String> {
-        // Views (a transpose, a broadcast, a column slice) come with their strides: they are
-        // gathered here into row-major copies, rather than by a `contiguous` node per input.
-        let gathered: Vec<Option<Vec<u64>>> = inputs.iter().map(gather).collect();
-        // SAFETY: the shim passes live MLX buffers of `nbytes` bytes, row-contiguous where they
-        // carry no strides; the outputs are freshly allocated for this evaluation and not aliased
-        // by the inputs.
+        // SAFETY: the shim passes live, row-contiguous MLX buffers of `nbytes` bytes; the outputs are
+        // freshly allocated for this evaluation and not aliased by the inputs.
         let ins: Vec<CpuTensor<'_>> = inputs
             .iter()
-            .zip(&gathered)
-            .map(|(b, copy)| CpuTensor {
-                bytes: match copy {
-                    Some(words) => unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, b.nbytes) },
-                    None => unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.nbytes) },
-                },
+            .map(|b| CpuTensor {
+                bytes: unsafe { std::slice::from_raw_parts(b.ptr as *const u8, b.nbytes) },
                 shape: &b.shape,
                 dtype: Dtype::from_code(b.dtype),
             })

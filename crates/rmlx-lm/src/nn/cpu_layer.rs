@@ -5,7 +5,8 @@
 //! operations. MLX runs the operations of a stream one after another on one worker thread, and
 //! each costs a scheduling round trip and a graph node built on the calling thread: the 2-core
 //! development machine spent more of a step on those than on the products, which could not use
-//! the second core. Here a block's step is four operations:
+//! the second core. Here a block's step is four operations (and the `contiguous` nodes
+//! `rmlx::custom::apply` puts before inputs not yet computed, which share their buffer):
 //!
 //! 1. the input norm, the stacked q/k/v product (and bias), per-head q/k
 //!    norms and the rotary embedding → the query, key and value heads of the new position;
