@@ -47,7 +47,8 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     assert_eq!(kinds["Flatten"].as_u64(), Some(1), "{p}");
     assert_eq!(kinds["CpuRmsNorm"].as_u64(), Some(30 * 2 + 1), "{p}");
     assert_eq!(kinds["CpuRope"].as_u64(), Some(30 * 2), "{p}");
-    assert_eq!(kinds["CpuDecodeAttention"].as_u64(), Some(30), "{p}");
+    assert_eq!(kinds["CpuCacheAttention"].as_u64(), Some(30), "{p}");
+    assert_eq!(kinds["CpuSwiGlu"].as_u64(), Some(30), "{p}");
     assert_eq!(kinds["SliceUpdate"].as_u64(), Some(30 * 2), "{p}");
     assert!(!kinds.contains_key("Softmax") && !kinds.contains_key("Sin"), "nothing composed: {p}");
 }

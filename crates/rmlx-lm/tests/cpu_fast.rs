@@ -78,26 +78,34 @@ fn training_keeps_mlx_operations() {
 }
 
 #[test]
-fn decode_attention_matches_mlx() {
+fn cache_attention_matches_mlx() {
     cpu();
     let key = random::key(9).unwrap();
-    // Two sequences, 4 query heads over 2 key/value heads, buffers of 40 positions, 29 valid.
-    let q = random::normal(&[2, 4, 1, 16], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
+    // Two sequences, 4 query heads over 2 key/value heads, buffers of 40 positions.
+    let q = random::normal(&[2, 4, 7, 16], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
     let k = random::normal(&[2, 2, 40, 16], Dtype::Float32, 0.0, 1.0, Some(&random::key(10).unwrap())).unwrap();
     let v = random::normal(&[2, 2, 40, 16], Dtype::Float32, 0.0, 1.0, Some(&random::key(11).unwrap())).unwrap();
     for (dtype, tol) in [(Dtype::Float32, 1e-5), (Dtype::Bfloat16, 0.02), (Dtype::Float16, 0.004)] {
         let (q, k, v) = (q.astype(dtype).unwrap(), k.astype(dtype).unwrap(), v.astype(dtype).unwrap());
-        for valid in [1, 29, 40] {
-            let got = cpu_fast::decode_attention(&q, &k, &v, valid, 0.3).unwrap();
+        // One query (a decoding step) over 1, 29 or 40 valid positions, then the last 7 of 7, 29
+        // or 40 causally (a prompt, its first chunk or a later one).
+        for (queries, valid) in [(1, 1), (1, 29), (1, 40), (7, 7), (7, 29), (7, 40)] {
+            let q = q.slice_axis(2, 0, queries, 1).unwrap();
+            let got = cpu_fast::cache_attention(&q, &k, &v, valid, 0.3).unwrap();
             let (kv, vv) = (k.slice_axis(2, 0, valid as i32, 1).unwrap(), v.slice_axis(2, 0, valid as i32, 1).unwrap());
-            let want = fast::scaled_dot_product_attention(&q, &kv, &vv, 0.3, fast::AttentionMask::None).unwrap();
+            let mask = if queries == 1 { fast::AttentionMask::None } else { fast::AttentionMask::Causal };
+            let want = fast::scaled_dot_product_attention(&q, &kv, &vv, 0.3, mask).unwrap();
             assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype));
             let err = max_abs_diff(&got, &want);
-            assert!(err <= tol, "{dtype:?}, {valid} valid: off by {err}");
+            assert!(err <= tol, "{dtype:?}, {queries} queries, {valid} valid: off by {err}");
         }
     }
-    let bad = cpu_fast::decode_attention(&q, &k, &v, 41, 0.3);
+    let one = q.slice_axis(2, 0, 1, 1).unwrap();
+    let bad = cpu_fast::cache_attention(&one, &k, &v, 41, 0.3);
     assert!(matches!(bad, Err(rmlx::Error::InvalidArgument(ref m)) if m.contains("41 valid")), "{:?}", bad.err());
+    // More queries than valid positions.
+    let bad = cpu_fast::cache_attention(&q, &k, &v, 6, 0.3);
+    assert!(matches!(bad, Err(rmlx::Error::InvalidArgument(ref m)) if m.contains("6 valid")), "{:?}", bad.err());
 }
 
 /// The sampler's log-probabilities: MLX's arithmetic (its `exp`, summed in order) in one

@@ -41,12 +41,15 @@ pub fn rope(x: &Array, dims: i32, divisors: &Array, scale: f32, offsets: &Array)
     Ok(out.into_iter().next().expect("one output"))
 }
 
-/// Attention of one query position, `q` `[B, Hq, 1, D]`, over the first `valid` positions of
-/// the cache buffers `keys`, `values` `[B, Hkv, capacity, D]` (`Hq` a multiple of `Hkv`: query
-/// head `h` reads key/value head `h / (Hq / Hkv)`), scores multiplied by `scale`. Softmax and
-/// sums in float32.
-pub fn decode_attention(q: &Array, keys: &Array, values: &Array, valid: usize, scale: f32) -> Result<Array> {
-    let op = DecodeAttentionCpu { valid, scale };
+/// Attention of the last `L` of `valid` positions, queries `q` `[B, Hq, L, D]`, over the first
+/// `valid` positions of the cache buffers `keys`, `values` `[B, Hkv, capacity, D]` (`Hq` a multiple
+/// of `Hkv`: query head `h` reads key/value head `h / (Hq / Hkv)`), causally (query `l` sees
+/// positions `0..=valid - L + l`), scores multiplied by `scale`. Softmax and sums in float32.
+/// One query (a decoding step) runs on the evaluating thread; a prompt's queries are split over
+/// the threads (MLX's CPU attention over a prompt of half-precision values runs its products
+/// without BLAS, on one thread).
+pub fn cache_attention(q: &Array, keys: &Array, values: &Array, valid: usize, scale: f32) -> Result<Array> {
+    let op = CacheAttentionCpu { valid, scale };
     let out = apply(op, &[q.clone(), keys.clone(), values.clone()])?;
     Ok(out.into_iter().next().expect("one output"))
 }
@@ -56,7 +59,16 @@ pub fn decode_attention(q: &Array, keys: &Array, values: &Array, valid: usize, s
 /// one pass of vectorised exponentials: MLX's own composes it from calls into libm per element,
 /// ~1 ms a step over a 49,152-token vocabulary.
 pub fn log_softmax(x: &Array) -> Result<Array> {
-    let out = apply(LogSoftmaxCpu, &[x.clone()])?;
+    let out = apply(LogSoftmaxCpu, std::slice::from_ref(x))?;
+    Ok(out.into_iter().next().expect("one output"))
+}
+
+/// `silu(gate) · up` of two arrays of one shape and dtype, computed as MLX's CPU backend computes
+/// the composed graph (its sigmoid on its own `exp`, each intermediate rounded to the dtype), in
+/// one vectorised pass split over the threads: MLX's composes it from calls into libm per
+/// element, a sixth of a prompt's time on the default model.
+pub fn swiglu_activation(gate: &Array, up: &Array) -> Result<Array> {
+    let out = apply(SwiGluCpu, &[gate.clone(), up.clone()])?;
     Ok(out.into_iter().next().expect("one output"))
 }
 
@@ -157,6 +169,44 @@ fn log_softmax_row_portable(x: &[f32], out: &mut [f32]) {
     out.iter_mut().zip(x).for_each(|(o, &v)| *o = v - lse);
 }
 
+struct SwiGluCpu;
+
+/// Elements per parallel part of [`SwiGluCpu`].
+const SWIGLU_PART: usize = 1 << 14;
+
+impl CustomPrimitive for SwiGluCpu {
+    fn name(&self) -> String {
+        "CpuSwiGlu".into()
+    }
+
+    fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
+        let (g, u) = (&inputs[0], &inputs[1]);
+        if g.shape != u.shape || g.dtype != u.dtype {
+            return Err(Error::InvalidArgument(format!(
+                "swiglu: gate {:?} ({:?}) and up {:?} ({:?}) differ",
+                g.shape, g.dtype, u.shape, u.dtype
+            )));
+        }
+        Ok(vec![g.clone()])
+    }
+
+    fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
+        let dtype = inputs[0].dtype();
+        let (g, u) = (to_f32(&inputs[0])?, to_f32(&inputs[1])?);
+        let mut y = vec![0f32; g.len()];
+        super::cpu_pool::for_each_part(&mut y, SWIGLU_PART, |part, out| {
+            let at = part * SWIGLU_PART;
+            let range = at..at + out.len();
+            out.copy_from_slice(&swiglu(&g[range.clone()], &u[range], dtype));
+        });
+        store(&mut outputs[0], &y)
+    }
+
+    fn is_equivalent(&self, _other: &Self) -> bool {
+        true
+    }
+}
+
 struct RopeCpu {
     dims: usize,
     scale: f32,
@@ -214,33 +264,33 @@ impl CustomPrimitive for RopeCpu {
     }
 }
 
-struct DecodeAttentionCpu {
+struct CacheAttentionCpu {
     valid: usize,
     scale: f32,
 }
 
-impl CustomPrimitive for DecodeAttentionCpu {
+impl CustomPrimitive for CacheAttentionCpu {
     fn name(&self) -> String {
-        "CpuDecodeAttention".into()
+        "CpuCacheAttention".into()
     }
 
     fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
         let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
         let fits = q.shape.len() == 4
-            && q.shape[2] == 1
+            && q.shape[2] >= 1
             && k.shape.len() == 4
             && k.shape == v.shape
             && k.shape[0] == q.shape[0]
             && k.shape[1] > 0
             && q.shape[1] % k.shape[1] == 0
             && k.shape[3] == q.shape[3]
-            && self.valid >= 1
+            && self.valid >= q.shape[2] as usize
             && self.valid <= k.shape[2] as usize
             && q.dtype == k.dtype
             && k.dtype == v.dtype;
         if !fits {
             return Err(Error::InvalidArgument(format!(
-                "decode attention: q {:?}, keys {:?}, values {:?}, {} valid positions",
+                "cache attention: q {:?}, keys {:?}, values {:?}, {} valid positions",
                 q.shape, k.shape, v.shape, self.valid
             )));
         }
@@ -249,26 +299,140 @@ impl CustomPrimitive for DecodeAttentionCpu {
 
     fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
         let (qs, ks) = (inputs[0].shape(), inputs[1].shape());
-        let (b, hq, d) = (qs[0] as usize, qs[1] as usize, qs[3] as usize);
+        let (b, hq, len, d) = (qs[0] as usize, qs[1] as usize, qs[2] as usize, qs[3] as usize);
         let (hkv, capacity) = (ks[1] as usize, ks[2] as usize);
         let q = to_f32(&inputs[0])?;
         let (keys, values) = (Rows::of(&inputs[1])?, Rows::of(&inputs[2])?);
         let mut y = vec![0f32; q.len()];
-        let mut scratch = AttentionScratch::default();
         let group = hq / hkv;
-        for bi in 0..b {
-            for kv in 0..hkv {
-                let heads = (bi * hq + kv * group) * d..(bi * hq + (kv + 1) * group) * d;
-                let at = (bi * hkv + kv) * capacity * d;
-                let cache = (keys.at(at), values.at(at));
-                scratch.attend(&q[heads.clone()], cache, self.valid, d, self.scale, &mut y[heads]);
+        if len == 1 {
+            let mut scratch = AttentionScratch::default();
+            for bi in 0..b {
+                for kv in 0..hkv {
+                    let heads = (bi * hq + kv * group) * d..(bi * hq + (kv + 1) * group) * d;
+                    let at = (bi * hkv + kv) * capacity * d;
+                    let cache = (keys.at(at), values.at(at));
+                    scratch.attend(&q[heads.clone()], cache, self.valid, d, self.scale, &mut y[heads]);
+                }
             }
+            return store(&mut outputs[0], &y);
         }
+        // A prompt: every key/value head's valid rows in float32 once, then one query row a part.
+        let heads: Vec<(Vec<f32>, Vec<f32>)> = (0..b * hkv)
+            .map(|h| {
+                let at = h * capacity * d;
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                keys.at(at).read(self.valid * d, &mut k);
+                values.at(at).read(self.valid * d, &mut v);
+                (k, v)
+            })
+            .collect();
+        let first_visible = self.valid - len + 1;
+        super::cpu_pool::for_each_part(&mut y, d, |row, out| {
+            let (head, l) = (row / len, row % len);
+            let (k, v) = &heads[(head / hq) * hkv + (head % hq) / group];
+            let query = &q[row * d..(row + 1) * d];
+            attend_row(query, k, v, first_visible + l, d, self.scale, out);
+        });
         store(&mut outputs[0], &y)
     }
 
     fn is_equivalent(&self, other: &Self) -> bool {
         self.valid == other.valid && self.scale == other.scale
+    }
+}
+
+/// One query over the first `visible` rows of `keys` and `values` (`[_, D]`, float32) into `out`:
+/// the scores' exponentials are MLX's `exp` (vectorised where the processor has FMA).
+fn attend_row(query: &[f32], keys: &[f32], values: &[f32], visible: usize, d: usize, scale: f32, out: &mut [f32]) {
+    let mut scores: Vec<f32> = keys.chunks_exact(d).take(visible).map(|k| scale * dot(query, k)).collect();
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    exponentials(&mut scores, max);
+    let total: f32 = scores.iter().sum();
+    out.fill(0.0);
+    for (p, v) in scores.iter().zip(values.chunks_exact(d)) {
+        let w = p / total;
+        out.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
+    }
+}
+
+/// `s ← exp(s - max)` for every score.
+fn exponentials(scores: &mut [f32], max: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("fma") {
+        // SAFETY: the processor has FMA.
+        return unsafe { exponentials_fma(scores, max) };
+    }
+    scores.iter_mut().for_each(|s| *s = mlx_exp(*s - max));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn exponentials_fma(scores: &mut [f32], max: f32) {
+    scores.iter_mut().for_each(|s| *s = mlx_exp(*s - max));
+}
+
+/// `silu(g) · u` as the composed graph computes it on the CPU: MLX's sigmoid (its own `exp`, the
+/// exponential rounded to `dtype`), times `g`, times `u`, each result rounded to `dtype`.
+pub(crate) fn swiglu(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("fma") {
+        // SAFETY: the processor has FMA.
+        return unsafe { swiglu_fma(g, u, dtype) };
+    }
+    swiglu_portable(g, u, dtype)
+}
+
+/// [`swiglu`] with the fused multiply-adds of MLX's `exp` as instructions, not calls into libm.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn swiglu_fma(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
+    swiglu_portable(g, u, dtype)
+}
+
+#[inline(always)]
+fn swiglu_portable(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
+    let mut exp: Vec<f32> = g.iter().map(|&g| mlx_exp(g.abs())).collect();
+    round(&mut exp, dtype);
+    let mut y: Vec<f32> = g
+        .iter()
+        .zip(&exp)
+        .map(|(&g, &e)| {
+            let s = 1.0 / (1.0 + e);
+            if g < 0.0 {
+                s
+            } else {
+                1.0 - s
+            }
+        })
+        .collect();
+    round(&mut y, dtype);
+    y.iter_mut().zip(g).for_each(|(s, g)| *s *= g);
+    round(&mut y, dtype);
+    y.iter_mut().zip(u).for_each(|(a, u)| *a *= u);
+    round(&mut y, dtype);
+    y
+}
+
+/// Rounds every value to `dtype`, as storing it in an array of that dtype would.
+pub(crate) fn round(v: &mut [f32], dtype: Dtype) {
+    match dtype {
+        Dtype::Bfloat16 => v.iter_mut().for_each(|x| *x = round_bf16(*x)),
+        Dtype::Float16 => v.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
+        _ => {}
+    }
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even), as `bf16::from_f32` rounds, without its
+/// branches (NaN stays NaN, overflow becomes infinity).
+#[inline]
+fn round_bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let rounded = f32::from_bits((bits.wrapping_add(0x7FFF + ((bits >> 16) & 1))) & 0xFFFF_0000);
+    if x.is_nan() {
+        x
+    } else {
+        rounded
     }
 }
 

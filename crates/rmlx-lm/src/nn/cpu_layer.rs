@@ -21,12 +21,11 @@
 //! It serves one sequence and one position (a decoding step of `generate`), outside training and
 //! traced transforms, when no adapter changes a projection: otherwise the block is composed.
 
-use super::cpu_fast::{mlx_exp, rms_row, store, Angles, AttentionScratch, Rows};
+use super::cpu_fast::{rms_row, round, store, swiglu, Angles, AttentionScratch, Rows};
 use super::cpu_pool::for_each_part;
 use super::cpu_qmm::{row_products, to_f32, Packed};
 use super::{GatedMlp, Linear, LinearWeight, RmsNorm};
 use crate::cache::StandardCache;
-use half::f16;
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
@@ -155,70 +154,6 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         inputs.extend(p.arrays());
     }
     Ok(apply(op, &inputs)?.into_iter().next())
-}
-
-/// `silu(g) · u` as the composed graph computes it on the CPU: MLX's sigmoid (its own `exp`, the
-/// exponential rounded to `dtype`), times `g`, times `u`, each result rounded to `dtype`.
-fn swiglu(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("fma") {
-        // SAFETY: the processor has FMA.
-        return unsafe { swiglu_fma(g, u, dtype) };
-    }
-    swiglu_portable(g, u, dtype)
-}
-
-/// [`swiglu`] with the fused multiply-adds of MLX's `exp` as instructions, not calls into libm.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-unsafe fn swiglu_fma(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
-    swiglu_portable(g, u, dtype)
-}
-
-#[inline(always)]
-fn swiglu_portable(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
-    let mut exp: Vec<f32> = g.iter().map(|&g| mlx_exp(g.abs())).collect();
-    round(&mut exp, dtype);
-    let mut y: Vec<f32> = g
-        .iter()
-        .zip(&exp)
-        .map(|(&g, &e)| {
-            let s = 1.0 / (1.0 + e);
-            if g < 0.0 {
-                s
-            } else {
-                1.0 - s
-            }
-        })
-        .collect();
-    round(&mut y, dtype);
-    y.iter_mut().zip(g).for_each(|(s, g)| *s *= g);
-    round(&mut y, dtype);
-    y.iter_mut().zip(u).for_each(|(a, u)| *a *= u);
-    round(&mut y, dtype);
-    y
-}
-
-/// Rounds every value to `dtype`, as storing it in an array of that dtype would.
-fn round(v: &mut [f32], dtype: Dtype) {
-    match dtype {
-        Dtype::Bfloat16 => v.iter_mut().for_each(|x| *x = round_bf16(*x)),
-        Dtype::Float16 => v.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
-        _ => {}
-    }
-}
-
-/// `x` rounded to the nearest bfloat16 (ties to even), as `bf16::from_f32` rounds, without its
-/// branches (NaN stays NaN, overflow becomes infinity).
-#[inline]
-fn round_bf16(x: f32) -> f32 {
-    let bits = x.to_bits();
-    let rounded = f32::from_bits((bits.wrapping_add(0x7FFF + ((bits >> 16) & 1))) & 0xFFFF_0000);
-    if x.is_nan() {
-        x
-    } else {
-        rounded
-    }
 }
 
 /// `x @ Wᵀ` of one row for each of `weights` (three tensors each: packed values, scales,

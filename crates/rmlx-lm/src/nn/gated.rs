@@ -1,6 +1,8 @@
 //! The gated activation of a feed-forward block, `act(gate) · up`, with SiLU (SwiGLU) or tanh-GELU
 //! (GeGLU). On the GPU, outside training, it runs as one compiled kernel, as mlx-lm compiles it:
 //! composed, it is 3 graph nodes (SiLU) or 10 (GELU), and a decoding step pays for every node.
+//! On the CPU, SwiGLU is one primitive ([`super::cpu_fast::swiglu_activation`]) with the composed
+//! graph's arithmetic.
 
 use super::training;
 use rmlx::compile::{compile_with, CompileOptions, Compiled};
@@ -9,6 +11,10 @@ use std::mem::ManuallyDrop;
 
 /// `silu(gate) · up`, or `gelu_approx(gate) · up` with `gelu`.
 pub fn gated_activation(gate: &Array, up: &Array, gelu: bool) -> rmlx::Result<Array> {
+    let same = gate.shape() == up.shape() && gate.dtype() == up.dtype();
+    if !gelu && same && super::cpu_fast::applies(gate) && !up.is_tracer() {
+        return super::cpu_fast::swiglu_activation(gate, up);
+    }
     let fused = rmlx::default_device().kind == DeviceType::Gpu && !training() && !gate.is_tracer() && !up.is_tracer();
     if !fused {
         return composed(gate, up, gelu);

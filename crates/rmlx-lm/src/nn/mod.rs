@@ -235,7 +235,7 @@ impl Embedding {
 }
 
 /// `x Wᵀ` for a quantised `W` outside training. On the CPU, MLX's quantised product is slow (one
-/// thread, no SIMD): a few rows go through [`cpu_qmm`], a prompt's many rows through `W`
+/// thread, no SIMD): affine 4- and 8-bit products go through [`cpu_qmm`], others through `W`
 /// dequantised and a BLAS product. Elsewhere, MLX's quantised product.
 fn quantized_product(x: &Array, q: &Quantized) -> Result<Array> {
     if rmlx::default_device().kind != DeviceType::Cpu {

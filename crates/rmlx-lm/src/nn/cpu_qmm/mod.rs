@@ -12,10 +12,11 @@
 //!
 //! Large products (the output head over the vocabulary) split their columns over the cores
 //! ([`super::cpu_pool`]); a layer's projections alone run on the evaluating thread (the fused
-//! decoding step, [`super::cpu_layer`], splits them too, through [`row_products`]). Many rows (a
-//! prompt) are better served by dequantising once and a BLAS product: [`CPU_QMM_MAX_ROWS`] is the
-//! switch.
+//! decoding step, [`super::cpu_layer`], splits them too, through [`row_products`]). More rows
+//! than [`CPU_QMM_MAX_ROWS`] (a prompt) take a third form, [`gemm`]: the matrix unpacked a panel
+//! of features at a time, which all the rows multiply in float32 register tiles.
 
+mod gemm;
 mod int8;
 
 use half::{bf16, f16};
@@ -24,19 +25,19 @@ use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Error, Result};
 
-/// The most rows of `x` the primitive takes; more go through a dequantised BLAS product.
+/// The most rows of `x` multiplied row by row; more (a prompt) take the panel form ([`gemm`]),
+/// in float32 whatever the input dtype.
 pub const CPU_QMM_MAX_ROWS: usize = 8;
 
 /// `x @ dequantize(q).T` on the CPU for affine 4- or 8-bit `q`, or `None` where this primitive
-/// does not apply (another mode or width, a group size that does not divide into words, more than
-/// [`CPU_QMM_MAX_ROWS`] rows, an input dtype other than float32, bfloat16 or float16).
+/// does not apply (another mode or width, a group size that does not divide into words, an input
+/// dtype other than float32, bfloat16 or float16).
 pub fn cpu_quantized_matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
     let rows: i64 = x.shape()[..x.ndim().saturating_sub(1)].iter().map(|&d| d as i64).product();
     let float = |d: Dtype| matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16);
     if q.mode != QuantMode::Affine
         || !matches!(q.bits, 4 | 8)
         || q.group_size % (32 / q.bits) != 0
-        || rows as usize > CPU_QMM_MAX_ROWS
         || !float(x.dtype())
         || !float(q.scales.dtype())
     {
@@ -44,8 +45,8 @@ pub fn cpu_quantized_matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
     }
     let Some(biases) = &q.biases else { return Ok(None) };
     let group = q.group_size as usize;
-    // Half-precision inputs take the integer form (see `int8`), float32 inputs the float one.
-    let integer = x.dtype() != Dtype::Float32 && group % int8::BLOCK == 0;
+    // A few half-precision rows take the integer form (see `int8`), float32 rows the float one.
+    let integer = x.dtype() != Dtype::Float32 && group % int8::BLOCK == 0 && rows as usize <= CPU_QMM_MAX_ROWS;
     let op = CpuQmm { group, bits: q.bits as usize, integer };
     let out = apply(op, &[x.clone(), q.weight.clone(), q.scales.clone(), biases.clone()])?;
     Ok(out.into_iter().next())
@@ -84,7 +85,11 @@ impl CustomPrimitive for CpuQmm {
         let x = to_f32(&inputs[0])?;
         let packed = Packed::of(&inputs[1], &inputs[2], &inputs[3], self.bits, self.group)?;
         let (n, m) = (packed.n, x.len() / k.max(1));
-        let y = packed.product(&x, self.integer, n * k * m >= PARALLEL_MIN_PRODUCTS);
+        let y = if m > CPU_QMM_MAX_ROWS {
+            packed.gemm(&x)
+        } else {
+            packed.product(&x, self.integer, n * k * m >= PARALLEL_MIN_PRODUCTS)
+        };
         // `y` is [n, m]; the output [m, n].
         let out = &mut outputs[0];
         match out.dtype() {
