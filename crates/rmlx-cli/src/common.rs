@@ -19,9 +19,14 @@ pub struct ModelArgs {
     /// Compute dtype: float32, bfloat16 or float16 (default: the checkpoint's).
     #[arg(long)]
     pub dtype: Option<String>,
-    /// Keep quantised weights quantised even on the CPU (default: dequantise on the CPU).
-    #[arg(long)]
+    /// Keep every quantised weight quantised (default: all but, on the CPU, those rmlx's CPU
+    /// products do not take, which are dequantised: only affine 4- and 8-bit ones stay)
+    #[arg(long, conflicts_with = "dequantize")]
     pub keep_quantized: bool,
+    /// Dequantise every quantised weight at load (on the CPU: float32 BLAS products, exact where
+    /// the quantised ones round a decoding step's activations to 8 bits, and more memory)
+    #[arg(long)]
+    pub dequantize: bool,
     /// LoRA adapters (an mlx-lm adapter folder: adapters.safetensors + adapter_config.json). For
     /// `rmlx lora`, where they are written (default: ./adapters).
     #[arg(long)]
@@ -69,7 +74,11 @@ impl ModelArgs {
         };
         let opts = LoadOptions {
             dtype: self.dtype.as_deref().map(parse_dtype).transpose()?,
-            dequantize: if self.keep_quantized { Some(false) } else { None },
+            dequantize: match (self.keep_quantized, self.dequantize) {
+                (true, _) => Some(false),
+                (_, true) => Some(true),
+                _ => None,
+            },
             progress: true,
             allow_missing_tokenizer,
         };

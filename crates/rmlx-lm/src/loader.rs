@@ -26,8 +26,10 @@ use std::time::Instant;
 pub struct LoadOptions {
     /// Compute dtype; default: the checkpoint's (for GGUF files: float32 on the CPU, else bfloat16).
     pub dtype: Option<Dtype>,
-    /// Dequantise quantised weights at load; default: when the default device is the CPU, where
-    /// MLX's quantised matmul is slow.
+    /// Dequantise quantised weights at load (`Some(true)`) or keep them all quantised
+    /// (`Some(false)`). Default: keep them, except on the CPU those rmlx's CPU products do not
+    /// take ([`crate::nn::cpu_qmm::serves`]: affine 4- and 8-bit ones), where MLX's quantised
+    /// matmul is slow.
     pub dequantize: Option<bool>,
     /// Show progress and a summary on stderr.
     pub progress: bool,
@@ -158,9 +160,10 @@ pub(crate) fn finish(
     source: &Path,
 ) -> Result<LoadedModel> {
     let started = Instant::now();
-    let dequantize = opts.dequantize.unwrap_or_else(|| rmlx::default_device().kind == rmlx::DeviceType::Cpu);
+    let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
     crate::checkpoint::check_layers(&cfg, &weights, source)?;
-    let mut b = Builder::new(weights, dtype, dequantize);
+    let mut b = Builder::new(weights, dtype, opts.dequantize == Some(true));
+    b.dequantize_unserved = opts.dequantize.is_none() && on_cpu;
     let model = models::build(&cfg, &mut b)?;
     let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
     crate::checkpoint::warn_unused(&unused_tensors, source);
@@ -181,6 +184,11 @@ pub(crate) fn finish(
     eos_ids.sort_unstable();
     eos_ids.dedup();
     if opts.progress {
+        let quantized = match (b.quantized_kept, b.quantized_dequantized) {
+            (_, 0) => String::new(),
+            (0, _) => ", dequantised".to_string(),
+            (kept, dense) => format!(", {dense} of {} quantised matrices dequantised", kept + dense),
+        };
         tracing::info!(
             "loaded {} ({}, {:.1}M parameters, {:.2} GB of weights as {}{}) in {:.1}s",
             source.display(),
@@ -188,7 +196,7 @@ pub(crate) fn finish(
             parameters as f64 / 1e6,
             weight_bytes as f64 / 1e9,
             dtype.name(),
-            if dequantize { ", dequantised" } else { "" },
+            quantized,
             started.elapsed().as_secs_f64()
         );
     }

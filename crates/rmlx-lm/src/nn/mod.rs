@@ -364,18 +364,33 @@ pub struct Builder {
     weights: Weights,
     /// The compute dtype: dense weights, scales and biases are converted to it.
     pub dtype: Dtype,
-    /// Dequantise quantised matrices at load (faster on MLX's CPU backend).
+    /// Dequantise quantised matrices at load.
     pub dequantize: bool,
+    /// Dequantise at load the quantised matrices rmlx's CPU products do not take
+    /// ([`cpu_qmm::serves`]), keeping the others quantised.
+    pub dequantize_unserved: bool,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
     /// Parameters handed out so far (logical elements: quantised matrices count unpacked).
     parameters: u64,
+    /// Quantised matrices kept quantised and dequantised so far.
+    pub quantized_kept: usize,
+    pub quantized_dequantized: usize,
 }
 
 impl Builder {
     /// A builder over `weights`.
     pub fn new(weights: Weights, dtype: Dtype, dequantize: bool) -> Self {
-        Self { weights, dtype, dequantize, built: Vec::new(), parameters: 0 }
+        Self {
+            weights,
+            dtype,
+            dequantize,
+            dequantize_unserved: false,
+            built: Vec::new(),
+            parameters: 0,
+            quantized_kept: 0,
+            quantized_dequantized: 0,
+        }
     }
 
     /// The arrays of the layers built so far, emptying the list.
@@ -452,9 +467,11 @@ impl Builder {
                     biases: q.biases.map(|b| b.astype(self.dtype)).transpose()?,
                     ..q
                 };
-                if self.dequantize {
+                if self.dequantize || (self.dequantize_unserved && !cpu_qmm::serves(&q)) {
+                    self.quantized_dequantized += 1;
                     Weight::Dense(dequantize(&q, Some(self.dtype))?)
                 } else {
+                    self.quantized_kept += 1;
                     Weight::Quantized(q)
                 }
             }

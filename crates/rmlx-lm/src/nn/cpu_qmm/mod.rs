@@ -4,17 +4,23 @@
 //! CPU was slower than decoding it dequantised to float32, which reads six times the bytes. This
 //! primitive reads the packed weights (4 or 8 bits, MLX's layout: values packed low bits first
 //! in `uint32` words, a scale and a bias per group of the row) and multiplies them with `x`, with
-//! AVX2 and FMA where the processor has them (detected at run time), in one of two forms:
+//! AVX2 and FMA where the processor has them (detected at run time), in one of three forms:
 //!
-//! - float32 inputs: every value unpacked to a float, the product exact to float32 summation;
-//! - bfloat16 and float16 inputs: the integer form ([`int8`]): `x` rounded to 8 bits per block
-//!   of 32, integer dot products, about three times fewer instructions per value.
+//! - up to [`CPU_QMM_MAX_ROWS`] rows (a decoding step), groups of a multiple of 32: the integer
+//!   form ([`int8`]), `x` rounded to 8 bits per block of 32 as llama.cpp rounds its activations,
+//!   integer dot products, about three times fewer instructions per value than unpacking every
+//!   weight to a float (whatever `x`'s dtype: in float32 it decoded the default model ~1.4×
+//!   faster, the speed of bfloat16);
+//! - up to [`CPU_QMM_MAX_ROWS`] rows, other groups: the float form, every weight unpacked to a
+//!   float, exact to float32 summation;
+//! - more rows (a prompt): the panel form ([`gemm`]), exact to float32 summation.
 //!
 //! Large products (the output head over the vocabulary) split their columns over the cores
 //! ([`super::cpu_pool`]); a layer's projections alone run on the evaluating thread (the fused
-//! decoding step, [`super::cpu_layer`], splits them too, through [`row_products`]). More rows
-//! than [`CPU_QMM_MAX_ROWS`] (a prompt) take a third form, [`gemm`]: the matrix unpacked a panel
-//! of features at a time, which all the rows multiply in float32 register tiles.
+//! decoding step, [`super::cpu_layer`], splits them too, through [`row_products`]).
+//!
+//! [`serves`] says which quantised matrices these products take: the loader keeps those
+//! quantised on the CPU and dequantises the others.
 
 mod gemm;
 mod int8;
@@ -25,8 +31,8 @@ use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Error, Result};
 
-/// The most rows of `x` multiplied row by row; more (a prompt) take the panel form ([`gemm`]),
-/// in float32 whatever the input dtype.
+/// The most rows of `x` multiplied row by row (in the integer form where the group allows); more
+/// (a prompt) take the panel form ([`gemm`]), in float32 whatever the input dtype.
 pub const CPU_QMM_MAX_ROWS: usize = 8;
 
 /// `x @ dequantize(q).T` on the CPU for affine 4- or 8-bit `q`, or `None` where this primitive
@@ -34,22 +40,31 @@ pub const CPU_QMM_MAX_ROWS: usize = 8;
 /// dtype other than float32, bfloat16 or float16).
 pub fn cpu_quantized_matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
     let rows: i64 = x.shape()[..x.ndim().saturating_sub(1)].iter().map(|&d| d as i64).product();
-    let float = |d: Dtype| matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16);
-    if q.mode != QuantMode::Affine
-        || !matches!(q.bits, 4 | 8)
-        || q.group_size % (32 / q.bits) != 0
-        || !float(x.dtype())
-        || !float(q.scales.dtype())
-    {
+    if !serves(q) || !float(x.dtype()) {
         return Ok(None);
     }
     let Some(biases) = &q.biases else { return Ok(None) };
     let group = q.group_size as usize;
-    // A few half-precision rows take the integer form (see `int8`), float32 rows the float one.
-    let integer = x.dtype() != Dtype::Float32 && group % int8::BLOCK == 0 && rows as usize <= CPU_QMM_MAX_ROWS;
+    // A decoding step's few rows take the integer form (see `int8`) where the group allows.
+    let integer = group % int8::BLOCK == 0 && rows as usize <= CPU_QMM_MAX_ROWS;
     let op = CpuQmm { group, bits: q.bits as usize, integer };
     let out = apply(op, &[x.clone(), q.weight.clone(), q.scales.clone(), biases.clone()])?;
     Ok(out.into_iter().next())
+}
+
+/// Whether [`cpu_quantized_matmul`] takes products with `q` (for float inputs): affine 4- or
+/// 8-bit values with biases, groups that fill whole `uint32` words, float scales.
+pub fn serves(q: &Quantized) -> bool {
+    q.mode == QuantMode::Affine
+        && matches!(q.bits, 4 | 8)
+        && q.group_size > 0
+        && q.group_size % (32 / q.bits) == 0
+        && float(q.scales.dtype())
+        && q.biases.is_some()
+}
+
+fn float(d: Dtype) -> bool {
+    matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
 }
 
 struct CpuQmm {
