@@ -16,11 +16,16 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["peer"], "rmlx");
     assert_eq!((v["prompt_tokens"].as_u64(), v["gen_tokens"].as_u64()), (Some(16), Some(4)));
-    // SmolLM2-135M, dequantised to float32: 30 layers of 3 key/value heads of 64, 1,536 bytes a
-    // position and layer; decoding after 16 tokens reads 17 to 20 positions, 18.5 on average.
+    // SmolLM2-135M in float32: 30 layers of 3 key/value heads of 64, 1,536 bytes a position and
+    // layer; decoding after 16 tokens reads 17 to 20 positions, 18.5 on average.
     assert_eq!(v["kv_bytes_per_token"].as_u64(), Some(30 * 1536 * 74 / 4));
-    // 134,515,008 parameters in float32, the tied embedding read whole as the output head.
-    assert_eq!(v["weight_bytes_per_token"].as_u64(), Some(134_515_008 * 4));
+    // 134,515,008 parameters, kept quantised on the CPU as MLX affine matrices with a float32
+    // scale and bias per group of 32 values (2 bits a value more): the tied embedding (Q8_0 in
+    // the file, 49,152 × 576, read whole as the output head) in 8 bits, the other matrices
+    // (Q4_1) in 4; the 61 norm weights (35,136) in float32.
+    let (embedding, norms) = (49_152 * 576u64, 35_136u64);
+    let matrices = 134_515_008 - embedding - norms;
+    assert_eq!(v["weight_bytes_per_token"].as_u64(), Some((embedding * 10 + matrices * 6) / 8 + norms * 4));
     let bytes = v["bytes_per_token"].as_f64().unwrap();
     let (bandwidth, floor) = (v["bandwidth_gb_s"].as_f64().unwrap(), v["floor_tok_s"].as_f64().unwrap());
     assert!((floor - bandwidth * 1e9 / bytes).abs() <= 0.1 + floor * 1e-3, "{v}");

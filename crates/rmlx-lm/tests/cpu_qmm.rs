@@ -1,9 +1,10 @@
-//! The CPU quantised product against MLX's: 4 and 8 bits, groups of 32 and 64, float32, bfloat16
-//! and float16, one to eight rows (row by row) and more (the panel form, with partial register
-//! tiles and panels), a column count that leaves a partial task; and what it leaves to others
-//! (3 bits, integer inputs). Half-precision inputs take the integer form (activations
-//! quantised to 8 bits per block of 32): checked against that definition computed here, and for
-//! NaN passing through.
+//! The CPU quantised product against MLX's: 4 and 8 bits, groups of 16, 32 and 64, float32,
+//! bfloat16 and float16 inputs and scales. Up to eight rows (a decoding step) take the integer form
+//! where the group is a multiple of 32 (activations rounded to 8 bits per block of 32): checked
+//! against that definition computed here, and for NaN passing through; with groups of 16 the
+//! float form, and more rows (a prompt) the panel form, both exact to float32 summation (with
+//! partial register tiles and panels, and a column count that leaves a partial task). And what it
+//! leaves to others (3 bits, integer inputs).
 
 use rmlx::quantization::{dequantize, quantize, QuantMode};
 use rmlx::{ops, random, Array, Dtype};
@@ -14,18 +15,36 @@ fn max_abs_diff(a: &Array, b: &Array) -> f32 {
     d.abs().unwrap().max(rmlx::Axes::All, false).unwrap().item::<f32>().unwrap()
 }
 
+/// `w` quantised with `group` values per scale; MLX quantises in groups of 32 at least, so groups
+/// of 16 are groups of 32 with every scale and bias given twice (the same values).
+fn quantized(w: &Array, group: i32, bits: i32) -> rmlx::quantization::Quantized {
+    if group >= 32 {
+        return quantize(w, group, bits, QuantMode::Affine).unwrap();
+    }
+    let q = quantize(w, 32, bits, QuantMode::Affine).unwrap();
+    let twice = |a: &Array| ops::repeat(a, 2, Some(1)).unwrap();
+    rmlx::quantization::Quantized {
+        scales: twice(&q.scales),
+        biases: q.biases.as_ref().map(twice),
+        group_size: group,
+        ..q
+    }
+}
+
 #[test]
 fn matches_the_dequantised_product() {
     rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
     let key = random::key(7).unwrap();
     let (n, k) = (70, 256);
     let w = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap();
-    for (bits, group) in [(4, 32), (4, 64), (8, 32), (8, 64)] {
+    for (bits, group) in [(4, 16), (4, 32), (4, 64), (8, 16), (8, 32), (8, 64)] {
         for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
-            let q = quantize(&w.astype(dtype).unwrap(), group, bits, QuantMode::Affine).unwrap();
+            let q = quantized(&w.astype(dtype).unwrap(), group, bits);
             let dense = dequantize(&q, Some(Dtype::Float32)).unwrap();
-            // 13 and 40 rows: the panel form, whole register tiles of 6 rows and a partial one.
-            for rows in [1, 3, CPU_QMM_MAX_ROWS as i32, 13, 40] {
+            // Groups of 16: the float form for a few rows. 13 and 40 rows: the panel form, whole
+            // blocks of 16 rows and a partial one; 70 features: whole panels of 6 and a partial one.
+            let rows: &[i32] = if group == 16 { &[1, 3, CPU_QMM_MAX_ROWS as i32, 13, 40] } else { &[13, 40] };
+            for &rows in rows {
                 let x = random::normal(&[rows, k], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
                 let want = x.matmul(&dense.transpose().unwrap()).unwrap();
                 let got = cpu_quantized_matmul(&x.astype(dtype).unwrap(), &q).unwrap().expect("applies");
@@ -79,16 +98,16 @@ fn integer_form_reference(x: &[f32], rows: usize, k: i32, q: &rmlx::quantization
 }
 
 #[test]
-fn half_inputs_take_the_integer_form() {
+fn decoding_rows_take_the_integer_form() {
     rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
     let key = random::key(11).unwrap();
     // 37 columns: whole passes of four and a remainder.
     let (n, k) = (37, 128);
     let w = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap();
     for (bits, group) in [(4, 32), (4, 64), (8, 32), (8, 64)] {
-        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
             let q = quantize(&w.astype(dtype).unwrap(), group, bits, QuantMode::Affine).unwrap();
-            for rows in [1usize, 5] {
+            for rows in [1usize, 5, CPU_QMM_MAX_ROWS] {
                 let x = random::normal(&[rows as i32, k], Dtype::Float32, 0.0, 1.0, Some(&key))
                     .unwrap()
                     .astype(dtype)
@@ -98,8 +117,12 @@ fn half_inputs_take_the_integer_form() {
                 let got = cpu_quantized_matmul(&x, &q).unwrap().unwrap();
                 assert_eq!(got.dtype(), dtype);
                 let got = got.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
-                // Computed in float32, then rounded once to the half type (unit roundoff `u`).
-                let u = if dtype == Dtype::Bfloat16 { 2f32.powi(-8) } else { 2f32.powi(-11) };
+                // Computed in float32, then rounded once to the dtype (unit roundoff `u`).
+                let u = match dtype {
+                    Dtype::Bfloat16 => 2f32.powi(-8),
+                    Dtype::Float16 => 2f32.powi(-11),
+                    _ => 2f32.powi(-20),
+                };
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     let tol = u * w.abs() + 1e-4;
                     assert!((g - w).abs() <= tol, "{bits} bits, group {group}, {dtype:?}, element {i}: {g} vs {w}");
