@@ -1,7 +1,8 @@
 //! `rmlx bench`: the protocol of mlx-lm's peer benchmark (`peer_bench.py`), so the two can be
 //! compared side by side: prompt ids `(i·7919) mod 50000 + 10` (folded into the vocabulary when it
 //! is smaller), greedy decoding past EOS, one warm-up run of 8 tokens, then `-n` runs; medians of
-//! the time to first token, prefill and decode speeds, and the peak memory. Decoding is also put
+//! the time to first token, prefill and decode speeds, and the peak memory (beside the memory the
+//! loaded model holds before any run, `loaded_gb`). Decoding is also put
 //! beside its bandwidth floor ([`rmlx_lm::roofline`]): the bytes a token reads over the device's
 //! bandwidth, measured by a copy before the runs. `--json` also lists the greedy ids of the first
 //! run, so that two builds (or devices) can be checked to decode the same tokens.
@@ -54,6 +55,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!(a.trials > 0 && a.gen_tokens > 1 && a.prompt_tokens > 0, "need -n ≥ 1, -g ≥ 2, -p ≥ 1");
     let lm = a.model.load_interruptible(true)?;
+    // What the loaded model holds (weights and anything kept beside them), before any run.
+    let resident = gb(rmlx::memory::active_memory());
     let vocab = lm.model.config().vocab_size as usize;
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|i| (((i * 7919) % 50000 + 10) % vocab) as u32).collect();
     let bandwidth = rmlx_lm::roofline::measure_bandwidth()?;
@@ -79,6 +82,7 @@ pub fn run(a: Args) -> Result<()> {
             serde_json::json!({"peer": "rmlx", "model": name, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
                 "ttft_ms": (ttft * 1e5).round() / 100.0, "prefill_tok_s": (a.prompt_tokens as f64 / ttft * 10.0).round() / 10.0,
                 "decode_tok_s": (decode * 10.0).round() / 10.0, "peak_gb": (peak * 1000.0).round() / 1000.0,
+                "loaded_gb": (resident * 1000.0).round() / 1000.0,
                 "dtype": lm.dtype.name(), "device": device,
                 "bytes_per_token": floor.bytes(), "weight_bytes_per_token": floor.weight_bytes,
                 "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
@@ -108,7 +112,7 @@ pub fn run(a: Args) -> Result<()> {
             floor.tokens_per_second(),
             100.0 * floor.fraction(decode)
         );
-        println!("peak memory {peak:.3} GB");
+        println!("peak memory {peak:.3} GB ({resident:.3} GB held after loading)");
         if let Some(p) = &profile {
             println!(
                 "profile     a step {:.0} µs = build {:.0} + launch {:.0} + wait {:.0} ({} steps one at a time); \

@@ -248,7 +248,12 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     };
     let adapter_dir = a.model.adapter_path.clone().unwrap_or_else(|| PathBuf::from("adapters"));
     let splits = tuner::load_dir(&a.data, &DataOptions { mask_prompt: a.mask_prompt, ..DataOptions::default() })?;
-    let base = ModelArgs { adapter_path: None, ..a.model.clone() };
+    // Training on the CPU multiplies dense float32 weights (BLAS), forward and backward, faster
+    // than dequantising quantised ones for every product: quantised weights are dequantised at
+    // load there unless `--keep-quantized` asks for QLoRA.
+    let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
+    let dequantize = a.model.dequantize || (on_cpu && !a.model.keep_quantized);
+    let base = ModelArgs { adapter_path: None, dequantize, ..a.model.clone() };
     let mut lm = base.load()?;
     let tokenize = |d: &Option<tuner::Dataset>| -> Result<Vec<Sequence>> {
         d.as_ref().map_or(Ok(Vec::new()), |d| Ok(d.tokenize(&lm.tokenizer, &lm.chat_template)?))

@@ -26,6 +26,10 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     let (embedding, norms) = (49_152 * 576u64, 35_136u64);
     let matrices = 134_515_008 - embedding - norms;
     assert_eq!(v["weight_bytes_per_token"].as_u64(), Some((embedding * 10 + matrices * 6) / 8 + norms * 4));
+    // The model as loaded holds its quantised weights (0.115 GB) and little else; the runs add the
+    // cache and the activations.
+    let (loaded, peak) = (v["loaded_gb"].as_f64().unwrap(), v["peak_gb"].as_f64().unwrap());
+    assert!((0.115..0.125).contains(&loaded) && loaded < peak, "{v}");
     let bytes = v["bytes_per_token"].as_f64().unwrap();
     let (bandwidth, floor) = (v["bandwidth_gb_s"].as_f64().unwrap(), v["floor_tok_s"].as_f64().unwrap());
     assert!((floor - bandwidth * 1e9 / bytes).abs() <= 0.1 + floor * 1e-3, "{v}");
@@ -35,11 +39,10 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     // The greedy ids of the first run: those of the layer-by-layer path before the q/k/v products
     // were stacked and the blocks took 2-D rows.
     assert_eq!(v["token_ids"], serde_json::json!([260, 905, 506, 768]), "{v}");
-    // The profile of a step: its three parts, and its operations counted by kind. On the CPU
-    // every layer runs 5 products (q, k and v stacked into one, split once), 2 norms, 2 rotations
-    // and one attention as rmlx's own CPU primitives (`nn::cpu_fast`), and writes its keys and
-    // values into the cache; the final norm and the output head come once. The blocks work on 2-D
-    // rows, so only the head's product (over `[B, L, hidden]`) is flattened.
+    // The profile of a step: its three parts, and its operations counted by kind. On the CPU the
+    // quantised weights stay packed and every layer's step is the fused one (`nn::cpu_layer`): two
+    // primitives and the two cache writes; the final norm and the output head (the tied 8-bit
+    // embedding, integer form) come once. Nothing is composed from MLX's products or softmax.
     let p = &v["profile"];
     assert_eq!(p["steps"].as_u64(), Some(2), "{p}");
     for part in ["build_us", "launch_us", "wait_us"] {
@@ -47,13 +50,42 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     }
     let kinds = p["operations_by_kind"].as_object().unwrap();
     assert_eq!(kinds.values().map(|n| n.as_u64().unwrap()).sum::<u64>(), p["operations"].as_u64().unwrap());
-    assert_eq!(kinds["Matmul"].as_u64(), Some(30 * 5 + 1), "{p}");
-    assert_eq!(kinds["Split"].as_u64(), Some(30), "{p}");
-    assert_eq!(kinds["Flatten"].as_u64(), Some(1), "{p}");
-    assert_eq!(kinds["CpuRmsNorm"].as_u64(), Some(30 * 2 + 1), "{p}");
-    assert_eq!(kinds["CpuRope"].as_u64(), Some(30 * 2), "{p}");
-    assert_eq!(kinds["CpuCacheAttention"].as_u64(), Some(30), "{p}");
-    assert_eq!(kinds["CpuSwiGlu"].as_u64(), Some(30), "{p}");
+    assert_eq!(kinds["CpuAttentionInputs"].as_u64(), Some(30), "{p}");
+    assert_eq!(kinds["CpuAttentionOutputMlp"].as_u64(), Some(30), "{p}");
     assert_eq!(kinds["SliceUpdate"].as_u64(), Some(30 * 2), "{p}");
+    assert_eq!(kinds["CpuRmsNorm"].as_u64(), Some(1), "{p}");
+    assert_eq!(kinds["CpuAffineQmm8x32Int8"].as_u64(), Some(1), "{p}");
+    assert!(!kinds.contains_key("Matmul"), "{p}");
     assert!(!kinds.contains_key("Softmax") && !kinds.contains_key("Sin"), "nothing composed: {p}");
+}
+
+/// `--dequantize`: the float32 weights BLAS multiplies, the same greedy ids, and a step composed of
+/// MLX's products and rmlx's single-purpose CPU primitives.
+#[test]
+fn bench_of_the_dequantised_model() {
+    let out = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args(["bench", "-p", "16", "-g", "4", "-n", "1", "--json", "--profile", "1", "--dequantize"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // 134,515,008 parameters in float32, the tied embedding read whole as the output head.
+    assert_eq!(v["weight_bytes_per_token"].as_u64(), Some(134_515_008 * 4));
+    assert!(v["loaded_gb"].as_f64().is_some_and(|g| (0.538..0.56).contains(&g)), "{v}");
+    assert_eq!(v["token_ids"], serde_json::json!([260, 905, 506, 768]), "{v}");
+    // Every layer runs 5 products (q, k and v stacked into one, split once), 2 norms, 2 rotations,
+    // one attention and one SwiGLU as rmlx's own CPU primitives (`nn::cpu_fast`), and writes its
+    // keys and values into the cache; the final norm and the output head come once. The blocks work
+    // on 2-D rows, so only the head's product (over `[B, L, hidden]`) is flattened.
+    let kinds = v["profile"]["operations_by_kind"].as_object().unwrap();
+    assert_eq!(kinds["Matmul"].as_u64(), Some(30 * 5 + 1), "{kinds:?}");
+    assert_eq!(kinds["Split"].as_u64(), Some(30), "{kinds:?}");
+    assert_eq!(kinds["Flatten"].as_u64(), Some(1), "{kinds:?}");
+    assert_eq!(kinds["CpuRmsNorm"].as_u64(), Some(30 * 2 + 1), "{kinds:?}");
+    assert_eq!(kinds["CpuRope"].as_u64(), Some(30 * 2), "{kinds:?}");
+    assert_eq!(kinds["CpuCacheAttention"].as_u64(), Some(30), "{kinds:?}");
+    assert_eq!(kinds["CpuSwiGlu"].as_u64(), Some(30), "{kinds:?}");
+    assert_eq!(kinds["SliceUpdate"].as_u64(), Some(30 * 2), "{kinds:?}");
+    assert!(!kinds.contains_key("Softmax") && !kinds.contains_key("Sigmoid"), "nothing composed: {kinds:?}");
 }

@@ -167,8 +167,8 @@ fn products(x: &[f32], weights: &[CpuTensor<'_>], layouts: &[Layout], dtype: Dty
     if let Some(p) = packed.iter().find(|p| p.k != x.len()) {
         return Err(Error::InvalidArgument(format!("packed weights of {} inputs for a row of {}", p.k, x.len())));
     }
-    // The integer form, as the composed step's products take it (the groups are multiples of 32).
-    let mut ys = row_products(x, true, &packed.iter().collect::<Vec<_>>());
+    // The form the composed step's products take: the integer one for half-precision rows.
+    let mut ys = row_products(x, dtype != Dtype::Float32, &packed.iter().collect::<Vec<_>>());
     ys.iter_mut().for_each(|y| round(y, dtype));
     Ok(ys)
 }

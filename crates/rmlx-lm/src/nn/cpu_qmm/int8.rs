@@ -1,4 +1,4 @@
-//! The integer form of the product, for the rows of a decoding step: every block of 32 input values is
+//! The integer form of the product, for half-precision rows: every block of 32 input values is
 //! quantised to 8 bits with one float32 scale (`d = max|x| / 127`), as llama.cpp quantises its
 //! activations, and each block's dot product with the 4- or 8-bit weights is a sum of integer
 //! products — 32 multiply-adds per AVX2 instruction (`maddubs`) where the float form does 8.
@@ -8,8 +8,7 @@
 //! `x̂` in the biases' term too keeps the two halves of `w = scale · q + bias` cancelling as they
 //! do in `w`; the exact `Σx` there made the error several times larger. The rounding is at most
 //! half a step of `max|x| / 127` per value, the size of the rounding a bfloat16 input already
-//! carries (8 significant bits); for float32 inputs it is llama.cpp's rounding of activations
-//! before its quantised products (its `Q8` blocks of 32 values).
+//! carries (8 significant bits), which is why the float form stays the one for float32 inputs.
 
 use super::Scalar;
 

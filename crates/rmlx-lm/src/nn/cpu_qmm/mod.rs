@@ -6,13 +6,12 @@
 //! in `uint32` words, a scale and a bias per group of the row) and multiplies them with `x`, with
 //! AVX2 and FMA where the processor has them (detected at run time), in one of three forms:
 //!
-//! - up to [`CPU_QMM_MAX_ROWS`] rows (a decoding step), groups of a multiple of 32: the integer
-//!   form ([`int8`]), `x` rounded to 8 bits per block of 32 as llama.cpp rounds its activations,
-//!   integer dot products, about three times fewer instructions per value than unpacking every
-//!   weight to a float (whatever `x`'s dtype: in float32 it decoded the default model ~1.4×
-//!   faster, the speed of bfloat16);
-//! - up to [`CPU_QMM_MAX_ROWS`] rows, other groups: the float form, every weight unpacked to a
-//!   float, exact to float32 summation;
+//! - up to [`CPU_QMM_MAX_ROWS`] rows (a decoding step) of bfloat16 or float16: the integer form
+//!   ([`int8`]), `x` rounded to 8 bits per block of 32 as llama.cpp rounds its activations,
+//!   integer dot products, about three times fewer instructions per value;
+//! - up to [`CPU_QMM_MAX_ROWS`] rows of float32: the float form, every weight unpacked to a float,
+//!   exact to float32 summation (the integer form moved the default model's logits by up to 0.5
+//!   against transformers' and changed greedy tokens: float32 stays exact);
 //! - more rows (a prompt): the panel form ([`gemm`]), exact to float32 summation.
 //!
 //! Large products (the output head over the vocabulary) split their columns over the cores
@@ -31,8 +30,8 @@ use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Error, Result};
 
-/// The most rows of `x` multiplied row by row (in the integer form where the group allows); more
-/// (a prompt) take the panel form ([`gemm`]), in float32 whatever the input dtype.
+/// The most rows of `x` multiplied row by row; more (a prompt) take the panel form ([`gemm`]), in
+/// float32 whatever the input dtype.
 pub const CPU_QMM_MAX_ROWS: usize = 8;
 
 /// `x @ dequantize(q).T` on the CPU for affine 4- or 8-bit `q`, or `None` where this primitive
@@ -45,8 +44,9 @@ pub fn cpu_quantized_matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
     }
     let Some(biases) = &q.biases else { return Ok(None) };
     let group = q.group_size as usize;
-    // A decoding step's few rows take the integer form (see `int8`) where the group allows.
-    let integer = group % int8::BLOCK == 0 && rows as usize <= CPU_QMM_MAX_ROWS;
+    // A decoding step's few half-precision rows take the integer form (see `int8`), float32 rows
+    // the float one.
+    let integer = x.dtype() != Dtype::Float32 && group % int8::BLOCK == 0 && rows as usize <= CPU_QMM_MAX_ROWS;
     let op = CpuQmm { group, bits: q.bits as usize, integer };
     let out = apply(op, &[x.clone(), q.weight.clone(), q.scales.clone(), biases.clone()])?;
     Ok(out.into_iter().next())
@@ -380,10 +380,47 @@ impl<S: Scalar> Row<'_, S> {
         self.dot_portable(bits, group, x, xsum)
     }
 
+    /// Eight values at a time (a 4-bit word, or two 8-bit ones) unpacked, converted and multiplied
+    /// into four independent sums per group (one sum made the loop wait on each addition), each
+    /// group's sum scaled into a vector total.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot_avx2(&self, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        self.dot_portable(bits, group, x, xsum)
+        use std::arch::x86_64::*;
+        if group % 32 != 0 || !matches!(bits, 4 | 8) {
+            return self.dot_portable(bits, group, x, xsum);
+        }
+        let (groups, words_per_group) = (self.scales.len(), group * bits / 32);
+        assert!(self.w.len() == groups * words_per_group && x.len() == groups * group && xsum.len() >= groups);
+        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        let nibble = _mm256_set1_epi32(15);
+        // Values `8c..8c + 8` of a group's words, as floats.
+        let eight = |words: *const u32, c: usize| -> __m256i {
+            if bits == 4 {
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(*words.add(c) as i32), shifts), nibble)
+            } else {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(words.add(2 * c) as *const __m128i))
+            }
+        };
+        let mut total = _mm256_setzero_ps();
+        let mut bias = 0f32;
+        for g in 0..groups {
+            let words = self.w.as_ptr().add(g * words_per_group);
+            let xg = x.as_ptr().add(g * group);
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for c in (0..group / 8).step_by(4) {
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let v = _mm256_cvtepi32_ps(eight(words, c + i));
+                    *a = _mm256_fmadd_ps(v, _mm256_loadu_ps(xg.add(8 * (c + i))), *a);
+                }
+            }
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            total = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g].f()), sum, total);
+            bias += self.biases[g].f() * xsum[g];
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), total);
+        lanes.iter().sum::<f32>() + bias
     }
 
     /// Written for the compiler to vectorise: eight (or four) lanes, one per value of a word.
