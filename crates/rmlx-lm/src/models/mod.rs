@@ -227,7 +227,7 @@ pub(crate) fn token_grid(ids: &Array) -> Result<(i32, i32)> {
 pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCache, scale: f32) -> Result<Array> {
     if let KvCache::Standard(c) = cache {
         // On the CPU: causal attention over the cache's buffers in one primitive.
-        if q.ndim() == 4 && crate::nn::cpu_fast::applies(q) {
+        if q.ndim() == 4 && q.shape()[2] > 0 && crate::nn::cpu_fast::applies(q) {
             let (keys, values, valid) = c.write(k, v)?;
             return Ok(crate::nn::cpu_fast::cache_attention(q, &keys, &values, valid, scale)?);
         }

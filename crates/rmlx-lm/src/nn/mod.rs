@@ -229,6 +229,7 @@ impl Embedding {
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match &self.weight {
             Weight::Dense(w) => Ok(x.matmul(&w.transpose()?)?),
+            Weight::Quantized(q) if training() => dequantized_matmul(x, q),
             Weight::Quantized(q) => quantized_product(x, q),
         }
     }
@@ -241,8 +242,11 @@ fn quantized_product(x: &Array, q: &Quantized) -> Result<Array> {
     if rmlx::default_device().kind != DeviceType::Cpu {
         return Ok(quantized_matmul(x, q, true)?);
     }
-    if let Some(y) = cpu_qmm::cpu_quantized_matmul(x, q)? {
-        return Ok(y);
+    // rmlx's CPU products have no derivatives: traced transforms keep MLX's operations.
+    if !x.is_tracer() {
+        if let Some(y) = cpu_qmm::cpu_quantized_matmul(x, q)? {
+            return Ok(y);
+        }
     }
     // MLX's CPU products of half types do not go through BLAS: those run in float32.
     let dtype = x.dtype();
