@@ -402,9 +402,8 @@ impl<S: Scalar> Row<'_, S> {
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(words.add(2 * c) as *const __m128i))
             }
         };
-        let mut total = _mm256_setzero_ps();
-        let mut bias = 0f32;
-        for g in 0..groups {
+        // One group's `Σ q·x` in eight lanes.
+        let group_sum = |g: usize| -> __m256 {
             let words = self.w.as_ptr().add(g * words_per_group);
             let xg = x.as_ptr().add(g * group);
             let mut acc = [_mm256_setzero_ps(); 4];
@@ -414,10 +413,26 @@ impl<S: Scalar> Row<'_, S> {
                     *a = _mm256_fmadd_ps(v, _mm256_loadu_ps(xg.add(8 * (c + i))), *a);
                 }
             }
-            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-            total = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g].f()), sum, total);
-            bias += self.biases[g].f() * xsum[g];
+            _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))
+        };
+        // Even and odd groups into separate totals: one total made every group wait for the
+        // previous group's multiply-add (and the biases' sum for its addition).
+        let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut bias_even, mut bias_odd) = (0f32, 0f32);
+        let mut g = 0;
+        while g + 1 < groups {
+            even = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g].f()), group_sum(g), even);
+            bias_even += self.biases[g].f() * xsum[g];
+            odd = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g + 1].f()), group_sum(g + 1), odd);
+            bias_odd += self.biases[g + 1].f() * xsum[g + 1];
+            g += 2;
         }
+        if g < groups {
+            even = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g].f()), group_sum(g), even);
+            bias_even += self.biases[g].f() * xsum[g];
+        }
+        let bias = bias_even + bias_odd;
+        let total = _mm256_add_ps(even, odd);
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), total);
         lanes.iter().sum::<f32>() + bias
