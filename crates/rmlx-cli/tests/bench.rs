@@ -32,7 +32,8 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     assert!((0.115..0.125).contains(&loaded) && loaded < peak, "{v}");
     let bytes = v["bytes_per_token"].as_f64().unwrap();
     let (bandwidth, floor) = (v["bandwidth_gb_s"].as_f64().unwrap(), v["floor_tok_s"].as_f64().unwrap());
-    assert!((floor - bandwidth * 1e9 / bytes).abs() <= 0.1 + floor * 1e-3, "{v}");
+    // The bandwidth is printed to 0.1 GB/s and the floor to 0.1 tok/s: within those roundings.
+    assert!((floor - bandwidth * 1e9 / bytes).abs() <= 0.05e9 / bytes + 0.05 + 1e-6, "{v}");
     let fraction = v["floor_fraction"].as_f64().unwrap();
     let decode = v["decode_tok_s"].as_f64().unwrap();
     assert!(decode > 0.0 && (fraction - decode / floor).abs() < 1e-3 + fraction * 1e-2, "{v}");

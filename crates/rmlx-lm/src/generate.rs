@@ -227,10 +227,13 @@ impl<'m> Generation<'m> {
         self.finish
     }
 
-    /// Runs the prompt through the model in chunks; leaves the first token pending.
+    /// Runs the prompt but its last token through the model in chunks, evaluating only what the
+    /// caches need, then queues the last token's step; leaves the first token pending. (With the
+    /// last chunk and the sampled step in one graph, a 512-token prompt peaked 0.16–0.3 GB above
+    /// mlx-lm on CUDA, which prefills this way.)
     fn prefill(&mut self, prompt: &[u32]) -> Result<()> {
         let chunk = self.opts.prefill_chunk;
-        let (body, last) = prompt.split_at(prompt.len() - (prompt.len() - 1) % chunk - 1);
+        let (body, last) = prompt.split_at(prompt.len() - 1);
         for part in body.chunks(chunk) {
             self.lm.model.forward_hidden(&ids_array(part)?, &mut self.caches)?;
             let state: Vec<&Array> = self.caches.iter().flat_map(KvCache::state).collect();
