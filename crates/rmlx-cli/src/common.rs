@@ -23,8 +23,8 @@ pub struct ModelArgs {
     /// products do not take, which are dequantised: only affine 4- and 8-bit ones stay)
     #[arg(long, conflicts_with = "dequantize")]
     pub keep_quantized: bool,
-    /// Dequantise every quantised weight at load (on the CPU: float32 BLAS products, exact where
-    /// the quantised ones round a decoding step's activations to 8 bits, and more memory)
+    /// Dequantise every quantised weight at load (on the CPU: BLAS products of dense weights, about
+    /// 5× the memory of 4-bit ones and slower decoding; in float32 the packed products are exact too)
     #[arg(long)]
     pub dequantize: bool,
     /// LoRA adapters (an mlx-lm adapter folder: adapters.safetensors + adapter_config.json). For

@@ -94,8 +94,9 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             tokenizer.add_eos_id(id);
         }
     }
-    // GGUF has no compute dtype. On the CPU float32 is fastest (BLAS; MLX's bf16 matmul there is
-    // plain SIMD code); elsewhere bfloat16.
+    // GGUF has no compute dtype. On the CPU float32: rmlx's packed products there are exact in it
+    // (bfloat16 rounds activations to 8 bits for the products of a decoding step); elsewhere
+    // bfloat16.
     let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
     let dtype = opts.dtype.unwrap_or(if on_cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
     finish(cfg, weights, tokenizer, template, dtype, opts, path)
