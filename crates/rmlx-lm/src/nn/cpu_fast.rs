@@ -1,6 +1,6 @@
-//! RMSNorm, RoPE, one query's attention over a key/value cache and the sampler's log-softmax on
-//! the CPU, as one primitive each (and their arithmetic on slices, which the fused decoding step,
-//! [`super::cpu_layer`], shares).
+//! RMSNorm, RoPE, causal attention over a key/value cache (a decoding step's query or a prompt's),
+//! SwiGLU and the sampler's log-softmax on the CPU, as one primitive each (and their arithmetic on
+//! slices, which the fused decoding step, [`super::cpu_layer`], shares).
 //!
 //! MLX's CPU backend has no kernels for its fused `rms_norm` and `rope`: it composes each from
 //! a dozen or more small operations (squares, sums, broadcasts, `Arange`, `Sin`, `Cos`,
