@@ -332,7 +332,7 @@ impl CustomPrimitive for CacheAttentionCpu {
             let (head, l) = (row / len, row % len);
             let (k, v) = &heads[(head / hq) * hkv + (head % hq) / group];
             let query = &q[row * d..(row + 1) * d];
-            attend_row(query, k, v, first_visible + l, d, self.scale, out);
+            attend_row(query, (k, v), first_visible + l, d, self.scale, exponentials, &mut Vec::new(), out);
         });
         store(&mut outputs[0], &y)
     }
@@ -343,12 +343,23 @@ impl CustomPrimitive for CacheAttentionCpu {
 }
 
 /// One query over the first `visible` rows of `keys` and `values` (`[_, D]`, float32) into `out`:
-/// the scores' exponentials are MLX's `exp` (vectorised where the processor has FMA).
-fn attend_row(query: &[f32], keys: &[f32], values: &[f32], visible: usize, d: usize, scale: f32, out: &mut [f32]) {
-    let mut scores: Vec<f32> = keys.chunks_exact(d).take(visible).map(|k| scale * dot(query, k)).collect();
+/// scores in `scores`, their exponentials less the maximum by `exp`, summed in order.
+#[allow(clippy::too_many_arguments)]
+fn attend_row(
+    query: &[f32],
+    (keys, values): (&[f32], &[f32]),
+    visible: usize,
+    d: usize,
+    scale: f32,
+    exp: impl Fn(&mut [f32], f32),
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    scores.clear();
+    scores.extend(keys.chunks_exact(d).take(visible).map(|k| scale * dot(query, k)));
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    exponentials(&mut scores, max);
-    let total: f32 = scores.iter().sum();
+    exp(scores, max);
+    let total = scores.iter().fold(0f32, |t, &s| t + s);
     out.fill(0.0);
     for (p, v) in scores.iter().zip(values.chunks_exact(d)) {
         let w = p / total;
@@ -584,22 +595,12 @@ impl AttentionScratch {
     ) {
         keys.read(valid * d, &mut self.keys);
         values.read(valid * d, &mut self.values);
-        self.scores.resize(valid, 0.0);
+        // libm's `exp` here (a decoding step's tokens were measured with it); a prompt's rows
+        // take MLX's, vectorised.
+        let libm = |s: &mut [f32], max: f32| s.iter_mut().for_each(|v| *v = (*v - max).exp());
         for (qh, oh) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            for (s, k) in self.scores.iter_mut().zip(self.keys.chunks_exact(d)) {
-                *s = scale * dot(qh, k);
-            }
-            let max = self.scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let mut total = 0f32;
-            for s in self.scores.iter_mut() {
-                *s = (*s - max).exp();
-                total += *s;
-            }
-            oh.fill(0.0);
-            for (p, v) in self.scores.iter().zip(self.values.chunks_exact(d)) {
-                let w = p / total;
-                oh.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
-            }
+            let rows = (&self.keys[..], &self.values[..]);
+            attend_row(qh, rows, valid, d, scale, libm, &mut self.scores, oh);
         }
     }
 }
