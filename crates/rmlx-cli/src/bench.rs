@@ -83,7 +83,7 @@ pub fn run(a: Args) -> Result<()> {
                 "ttft_ms": (ttft * 1e5).round() / 100.0, "prefill_tok_s": (a.prompt_tokens as f64 / ttft * 10.0).round() / 10.0,
                 "decode_tok_s": (decode * 10.0).round() / 10.0, "peak_gb": (peak * 1000.0).round() / 1000.0,
                 "loaded_gb": (resident * 1000.0).round() / 1000.0,
-                "dtype": lm.dtype.name(), "device": device,
+                "dtype": lm.dtype.name(), "device": device, "cuda_graph_ops": rmlx::cuda_graph_ops(),
                 "bytes_per_token": floor.bytes(), "weight_bytes_per_token": floor.weight_bytes,
                 "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
                 "floor_tok_s": (floor.tokens_per_second() * 10.0).round() / 10.0,

@@ -44,6 +44,7 @@ mod array;
 mod blas;
 mod callback;
 pub mod compile;
+mod cuda_graphs;
 pub mod custom;
 mod device;
 mod dtype;
@@ -63,6 +64,7 @@ pub mod transforms;
 
 pub use array::{async_eval, eval, graph_census, Array};
 pub use blas::{blas_threads, set_blas_threads};
+pub use cuda_graphs::{cuda_graph_ops, keep_mlx_cuda_graph_ops, CUDA_GRAPH_OPS};
 pub use device::{
     default_device, mlx_version, set_default_device, synchronize, with_device, with_stream, Device, DeviceType, Stream,
 };

@@ -20,6 +20,7 @@ pub(crate) fn locked<T>(f: impl FnOnce() -> T) -> T {
         return f();
     }
     crate::blas::configure_once();
+    crate::cuda_graphs::configure_once();
     evaluator::start();
     let _guard = MLX.lock();
     f()
