@@ -182,6 +182,15 @@ fn tojson_like_python() {
         r#"{"a": {"c": 2, "d": 1}, "b": 1}"#
     );
     assert_eq!(t("{{ x | tojson }}", json!("\u{1}\t")), r#""\u0001\t""#);
+    // Keys that are not strings become strings as Python's json converts them; integers beyond
+    // 64 bits stay integers; an indentation string; `ensure_ascii` off keeps DEL as it is.
+    assert_eq!(
+        t("{{ {1: 'a', 2.5: 'b', none: 'c', false: 'd'} | tojson }}", json!(null)),
+        r#"{"1": "a", "2.5": "b", "null": "c", "false": "d"}"#
+    );
+    assert_eq!(t("{{ (2 ** 70) | tojson }}", json!(null)), "1180591620717411303424");
+    assert_eq!(t("{{ x | tojson(indent='\t') }}", json!([1, []])), "[\n\t1,\n\t[]\n]");
+    assert_eq!(t("{{ x | tojson }}", json!("\u{7f}é")), "\"\u{7f}é\"");
 }
 
 /// Python string methods, namespaces, loops, slices and tests the Hub's templates rely on.
