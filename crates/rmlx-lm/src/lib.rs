@@ -36,7 +36,6 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod gguf;
-pub mod gguf_model;
 pub mod grammar;
 pub mod loader;
 pub mod models;

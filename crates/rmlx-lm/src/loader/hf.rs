@@ -1,113 +1,23 @@
-//! Loading a model from a Hugging Face folder (config.json, safetensors shards, tokenizer files,
-//! generation_config.json; plain or MLX-quantised) or a GGUF file (see [`crate::gguf_model`]),
-//! into a [`LoadedModel`]: the model, its tokenizer, chat template and stop ids.
-//!
-//! A model file is untrusted input: safetensors headers are validated before MLX reads them
-//! ([`crate::safetensors_header`]), config values are type- and range-checked by name
-//! ([`crate::config`]), and the checkpoint is checked against the config ([`crate::checkpoint`]),
-//! so that a broken or lying file gets an [`Error`] rather than a panic, an abort or garbage.
+//! A Hugging Face model folder: `config.json`, the safetensors shards (plain or MLX-quantised,
+//! with the index when there is one), the tokenizer files and `generation_config.json`.
 
+use super::{family, finish, LoadOptions, LoadedModel};
 use crate::chat::ChatTemplate;
-use crate::config::{Architecture, ModelConfig};
-use crate::models::{self, Model};
-use crate::nn::Builder;
+use crate::config::ModelConfig;
 use crate::tokenizer::Tokenizer;
-use crate::vocab::VocabBounds;
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
-
-/// How to load.
-#[derive(Clone, Debug, Default)]
-pub struct LoadOptions {
-    /// Compute dtype; default: the checkpoint's (for GGUF files: float32 on the CPU, else bfloat16).
-    pub dtype: Option<Dtype>,
-    /// Dequantise quantised weights at load (`Some(true)`) or keep them all quantised
-    /// (`Some(false)`). Default: keep them, except on the CPU those rmlx's CPU products do not
-    /// take ([`crate::nn::cpu_qmm::serves`]: affine 4- and 8-bit ones), where MLX's quantised
-    /// matmul is slow.
-    pub dequantize: Option<bool>,
-    /// Show progress and a summary on stderr.
-    pub progress: bool,
-    /// Load a folder without tokenizer.json, with a placeholder tokenizer whose tokens are `<id>`
-    /// (benchmarks of random-weight checkpoints).
-    pub allow_missing_tokenizer: bool,
-}
-
-/// A model ready to generate with.
-pub struct LoadedModel {
-    pub model: Box<dyn Model>,
-    pub tokenizer: Tokenizer,
-    /// The checkpoint's chat template, else the family's built-in one.
-    pub chat_template: ChatTemplate,
-    /// Token ids that end generation (config, generation_config and tokenizer EOS).
-    pub eos_ids: Vec<u32>,
-    /// The compute dtype.
-    pub dtype: Dtype,
-    /// Parameters (quantised matrices counted unpacked).
-    pub parameters: u64,
-    /// Bytes of weights held.
-    pub weight_bytes: u64,
-    /// Where it came from.
-    pub source: PathBuf,
-    /// Checkpoint tensors the model did not use (also reported on stderr at load).
-    pub unused_tensors: Vec<String>,
-    /// Embedding rows versus tokenizer ids: the id check every input goes through and the mask
-    /// that keeps padding ids from being sampled.
-    pub vocab: VocabBounds,
-}
-
-impl LoadedModel {
-    /// Each layer's sliding window (`None`: the layer attends to every position).
-    pub fn layer_windows(&self) -> Vec<Option<usize>> {
-        self.model.new_caches(None).iter().map(crate::cache::KvCache::window).collect()
-    }
-
-    /// Bytes of one position's keys and values in one layer, in the compute dtype.
-    pub fn kv_bytes_per_layer_position(&self) -> usize {
-        let cfg = self.model.config();
-        2 * cfg.kv_heads() as usize * cfg.head_dim() as usize * self.dtype.size()
-    }
-}
-
-/// Loads a Hugging Face folder or a GGUF file (recognised by its magic bytes `GGUF`, whatever its
-/// extension; a `.gguf` file without them gets [`Error::Corrupt`]).
-pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
-    let path = path.as_ref();
-    if path.is_file() {
-        if is_gguf(path)? || path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-            return crate::gguf_model::load(path, opts);
-        }
-        return Err(Error::Corrupt {
-            path: path.display().to_string(),
-            reason: "not a GGUF file (no `GGUF` magic) and not a model folder".into(),
-        });
-    }
-    if !path.is_dir() {
-        return Err(Error::MissingFile(format!("{} is neither a model folder nor a GGUF file", path.display())));
-    }
-    load_dir(path, opts)
-}
-
-/// Whether a file starts with GGUF's magic bytes.
-fn is_gguf(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut magic = [0u8; 4];
-    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let n = f.read(&mut magic).map_err(|e| Error::io(path, e))?;
-    Ok(n == 4 && &magic == b"GGUF")
-}
 
 fn read_json(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| Error::Config(format!("{} is not valid JSON: {e}", path.display())))
 }
 
-fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+pub(super) fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let config_path = dir.join("config.json");
     if !config_path.is_file() {
         return Err(Error::MissingFile(format!("{} (a model folder needs config.json)", config_path.display())));
@@ -149,71 +59,6 @@ fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     finish(cfg, weights, tokenizer, template, dtype, opts, dir)
 }
 
-/// Builds the model, evaluates its weights (with progress) and checks the tokenizer fits.
-pub(crate) fn finish(
-    cfg: ModelConfig,
-    weights: Weights,
-    tokenizer: Tokenizer,
-    chat_template: ChatTemplate,
-    dtype: Dtype,
-    opts: &LoadOptions,
-    source: &Path,
-) -> Result<LoadedModel> {
-    let started = Instant::now();
-    let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
-    crate::checkpoint::check_layers(&cfg, &weights, source)?;
-    let mut b = Builder::new(weights, dtype, opts.dequantize == Some(true));
-    b.dequantize_unserved = opts.dequantize.is_none() && on_cpu;
-    let model = models::build(&cfg, &mut b)?;
-    let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
-    crate::checkpoint::warn_unused(&unused_tensors, source);
-    let arrays = b.take_built();
-    let bar = crate::progress::Progress::new(opts.progress, "loading weights", arrays.len() as u64);
-    let mut weight_bytes = 0u64;
-    for chunk in arrays.chunks(16) {
-        rmlx::eval(chunk.iter())?;
-        weight_bytes += chunk.iter().map(|a| a.nbytes() as u64).sum::<u64>();
-        bar.inc(chunk.len() as u64);
-    }
-    bar.finish();
-    let parameters = b.parameters();
-    // The tokenizer may be larger than the embedding (Gemma 3's `<image_soft_token>`) or smaller
-    // (padding rows): see `crate::vocab`.
-    let vocab = VocabBounds::new(cfg.vocab_size.max(0) as usize, &tokenizer, dtype)?;
-    let mut eos_ids: Vec<u32> = tokenizer.eos_ids().to_vec();
-    eos_ids.sort_unstable();
-    eos_ids.dedup();
-    if opts.progress {
-        let quantized = match (b.quantized_kept, b.quantized_dequantized) {
-            (_, 0) => String::new(),
-            (0, _) => ", dequantised".to_string(),
-            (kept, dense) => format!(", {dense} of {} quantised matrices dequantised", kept + dense),
-        };
-        tracing::info!(
-            "loaded {} ({}, {:.1}M parameters, {:.2} GB of weights as {}{}) in {:.1}s",
-            source.display(),
-            cfg.model_type,
-            parameters as f64 / 1e6,
-            weight_bytes as f64 / 1e9,
-            dtype.name(),
-            quantized,
-            started.elapsed().as_secs_f64()
-        );
-    }
-    Ok(LoadedModel {
-        model,
-        tokenizer,
-        chat_template,
-        eos_ids,
-        dtype,
-        parameters,
-        weight_bytes,
-        source: source.to_path_buf(),
-        unused_tensors,
-        vocab,
-    })
-}
-
 /// A word-level tokenizer whose tokens are `<0>`, `<1>`, … (decoding shows the ids).
 fn placeholder_tokenizer(vocab: usize) -> Result<Tokenizer> {
     let map: serde_json::Map<String, Value> = (0..vocab).map(|i| (format!("<{i}>"), Value::from(i))).collect();
@@ -225,15 +70,6 @@ fn placeholder_tokenizer(vocab: usize) -> Result<Tokenizer> {
     let inner: tokenizers::Tokenizer =
         json.to_string().parse().map_err(|e| Error::Tokenizer(format!("placeholder: {e}")))?;
     Ok(Tokenizer::from_parts(inner, None, None))
-}
-
-/// The built-in chat template family of an architecture.
-pub(crate) fn family(cfg: &ModelConfig) -> Result<&'static str> {
-    Ok(match cfg.architecture()? {
-        Architecture::Llama => "llama3",
-        Architecture::Qwen2 | Architecture::Qwen3 => "chatml",
-        Architecture::Gemma3 => "gemma",
-    })
 }
 
 /// The safetensors files: those the index names (all must exist), else every `*.safetensors`.

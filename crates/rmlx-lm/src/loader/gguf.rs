@@ -2,9 +2,9 @@
 //! names mapped to Hugging Face ones (with llama.cpp's Q/K row permutation and Gemma's `+1` norms
 //! undone), and the tokenizer and chat template from `tokenizer.*` metadata.
 
+use super::{family, finish, LoadOptions, LoadedModel};
 use crate::chat::ChatTemplate;
 use crate::gguf::{unpermute_llama_rows, GgufFile, MetaValue};
-use crate::loader::{finish, LoadOptions, LoadedModel};
 use crate::progress::Progress;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{Weight, Weights};
@@ -86,7 +86,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let (bos, eos) = (tokenizer.bos_token().map(str::to_string), tokenizer.eos_token().map(str::to_string));
     let template = match file.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
         Some(src) => ChatTemplate::new(src, bos.as_deref(), eos.as_deref())?,
-        None => ChatTemplate::fallback(crate::loader::family(&cfg)?, bos.as_deref(), eos.as_deref())?,
+        None => ChatTemplate::fallback(family(&cfg)?, bos.as_deref(), eos.as_deref())?,
     };
     // End-of-turn markers the family's generation_config would list.
     for marker in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"] {
