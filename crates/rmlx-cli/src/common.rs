@@ -81,8 +81,9 @@ impl ModelArgs {
             },
             progress: true,
             allow_missing_tokenizer,
+            backend: Default::default(),
         };
-        rmlx_lm::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+        rmlx_lm::loader::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
     }
 
     /// [`ModelArgs::load_with`] where Ctrl-C during the default model's first download stops it

@@ -4,6 +4,7 @@
 
 mod limits;
 
+use crate::models::spec::{self, ArchitectureSpec};
 use crate::{Error, Result};
 use serde::Deserialize;
 use serde_json::Value;
@@ -21,27 +22,20 @@ pub enum Architecture {
     Gemma3,
 }
 
-/// `model_type` values accepted, and what they map to.
-pub const SUPPORTED: &[(&str, Architecture)] = &[
-    ("llama", Architecture::Llama),
-    ("mistral", Architecture::Llama),
-    ("qwen2", Architecture::Qwen2),
-    ("qwen3", Architecture::Qwen3),
-    ("gemma3_text", Architecture::Gemma3),
-    ("gemma3", Architecture::Gemma3),
-];
-
 impl Architecture {
     /// The architecture of a `model_type`, or [`Error::UnsupportedArchitecture`] listing the
-    /// supported ones.
+    /// supported ones ([`crate::models::spec::ARCHITECTURES`]).
     pub fn from_model_type(model_type: &str) -> Result<Self> {
-        SUPPORTED.iter().find(|(n, _)| *n == model_type).map(|(_, a)| *a).ok_or_else(|| {
-            Error::UnsupportedArchitecture {
-                model_type: model_type.to_string(),
-                supported: SUPPORTED.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
-            }
-        })
+        spec_of(model_type).map(|s| s.architecture)
     }
+}
+
+/// The native architecture serving `model_type`, or [`Error::UnsupportedArchitecture`].
+fn spec_of(model_type: &str) -> Result<&'static ArchitectureSpec> {
+    spec::for_model_type(model_type).ok_or_else(|| Error::UnsupportedArchitecture {
+        model_type: model_type.to_string(),
+        supported: spec::model_type_list(),
+    })
 }
 
 /// `rope_scaling`, the variants rmlx implements.
@@ -233,7 +227,12 @@ impl ModelConfig {
     /// The architecture (`model_type` may still be empty for Qwen 2/3 configs without one: the
     /// loader decides from the weights).
     pub fn architecture(&self) -> Result<Architecture> {
-        Architecture::from_model_type(&self.model_type)
+        Ok(self.spec()?.architecture)
+    }
+
+    /// The native architecture's entry in [`crate::models::spec::ARCHITECTURES`].
+    pub fn spec(&self) -> Result<&'static ArchitectureSpec> {
+        spec_of(&self.model_type)
     }
 
     /// Key/value heads (defaults to the query heads).
@@ -370,16 +369,8 @@ fn normalize_rope_parameters(top: &mut serde_json::Map<String, Value>) {
 }
 
 fn guess_model_type(top: &serde_json::Map<String, Value>) -> Option<String> {
-    let arch = top.get("architectures")?.as_array()?.first()?.as_str()?;
-    let table = [
-        ("LlamaForCausalLM", "llama"),
-        ("MistralForCausalLM", "mistral"),
-        ("Qwen2ForCausalLM", "qwen2"),
-        ("Qwen3ForCausalLM", "qwen3"),
-        ("Gemma3ForCausalLM", "gemma3_text"),
-        ("Gemma3ForConditionalGeneration", "gemma3"),
-    ];
-    table.iter().find(|(a, _)| *a == arch).map(|(_, t)| t.to_string())
+    let class = top.get("architectures")?.as_array()?.first()?.as_str()?;
+    spec::for_hf_class(class).map(|(_, t)| t.to_string())
 }
 
 /// RoPE divisors `base^(2i/dims)` for `i < dims/2`, with Llama 3 scaling applied (the form

@@ -49,6 +49,10 @@ pub enum Error {
     /// that differs from the file's first line).
     #[error("{file}:{line}: {reason}")]
     Data { file: String, line: usize, reason: String },
+    /// A backend failed outside the model's own errors: the mlx-lm subprocess could not start,
+    /// exited, stopped answering, or reported an error of its own.
+    #[error("{backend} backend: {message}")]
+    Backend { backend: String, message: String },
     /// Downloading a registry package (the default model, tokenizer files) failed.
     #[error("download {url}: {reason}")]
     Download { url: String, reason: String },

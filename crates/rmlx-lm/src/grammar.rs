@@ -7,7 +7,7 @@
 //!
 //! ```
 //! use rmlx_lm::grammar::{Grammar, GrammarCompiler};
-//! let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &Default::default())?;
+//! let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model()?, &Default::default())?;
 //! let compiler = GrammarCompiler::new(&lm)?;
 //! let mut c = compiler.compile(&Grammar::Regex("(yes|no)".into()))?;
 //! let allowed = c.allowed()?;

@@ -10,7 +10,7 @@
 //!
 //! # fn main() -> rmlx_lm::Result<()> {
 //! // A folder with config.json + safetensors + tokenizer.json, or a .gguf file.
-//! let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &LoadOptions::default())?;
+//! let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model()?, &LoadOptions::default())?;
 //! let prompt = lm.chat_prompt(&[Message::user("Name three colours.")])?;
 //! let mut opts = GenerateOptions { max_tokens: 64, ..GenerateOptions::default() };
 //! opts.sampler.temperature = 0.7;
@@ -28,6 +28,7 @@
 //! model, the tests' fixtures) over HTTPS into the per-user cache, checked against their hashes.
 //! With `default-features = false`, rmlx-lm loads local files only and pulls in no HTTP client.
 
+pub mod backend;
 pub mod cache;
 pub mod chat;
 pub mod checkpoint;
@@ -53,6 +54,7 @@ pub mod tuner;
 pub mod vocab;
 pub mod weights;
 
+pub use backend::{load, LanguageModel, Prompt};
 pub use error::{Error, Result};
 pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
-pub use loader::{load, LoadOptions, LoadedModel};
+pub use loader::{LoadOptions, LoadedModel};

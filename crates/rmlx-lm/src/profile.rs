@@ -11,7 +11,7 @@
 //!
 //! ```no_run
 //! # fn main() -> rmlx_lm::Result<()> {
-//! let lm = rmlx_lm::load(std::path::Path::new("model-dir"), &rmlx_lm::LoadOptions::default())?;
+//! let lm = rmlx_lm::loader::load(std::path::Path::new("model-dir"), &rmlx_lm::LoadOptions::default())?;
 //! let p = rmlx_lm::profile::decode_steps(&lm, &[1, 2, 3], 32)?;
 //! println!("{:.0} µs to build, {:.0} to launch, {:.0} waiting; {} operations", p.build_us, p.launch_us, p.wait_us, p.operation_count());
 //! # Ok(()) }

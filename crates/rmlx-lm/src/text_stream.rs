@@ -3,7 +3,7 @@
 //!
 //! ```
 //! # fn main() -> rmlx_lm::Result<()> {
-//! # let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &Default::default())?;
+//! # let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model()?, &Default::default())?;
 //! use rmlx_lm::text_stream::TextStream;
 //! let ids = lm.tokenizer.encode("one. two. three.", false)?;
 //! let mut text = TextStream::new(lm.tokenizer.stream(), vec![" two".into()]);
@@ -23,35 +23,74 @@ use crate::Result;
 
 pub struct TextStream {
     decoder: StreamDecoder,
-    /// Decoded text not handed out yet: it may begin a stop string.
-    held: String,
-    stop_strings: Vec<String>,
-    stopped: bool,
+    stop: StopFilter,
 }
 
 impl TextStream {
     /// A stream decoding with `decoder` and ending at the first of `stop_strings`.
     pub fn new(decoder: StreamDecoder, stop_strings: Vec<String>) -> TextStream {
-        TextStream { decoder, held: String::new(), stop_strings, stopped: false }
+        TextStream { decoder, stop: StopFilter::new(stop_strings) }
     }
 
     /// Adds token `id`; returns the text that can be handed out now (possibly empty).
     pub fn push(&mut self, id: u32) -> Result<String> {
-        self.held.push_str(&self.decoder.push(id)?);
-        Ok(self.release(false))
+        let piece = self.decoder.push(id)?;
+        Ok(self.stop.push(&piece))
     }
 
     /// The text still held (an incomplete character, a possible stop string's beginning): what
     /// is left when generation ends for another reason than a stop string.
     pub fn finish(&mut self) -> Result<String> {
-        if self.stopped {
+        if self.stop.stopped() {
             return Ok(String::new());
         }
-        self.held.push_str(&self.decoder.finish()?);
-        Ok(self.release(true))
+        let rest = self.decoder.finish()?;
+        let mut out = self.stop.push(&rest);
+        out.push_str(&self.stop.finish());
+        Ok(out)
     }
 
     /// Whether a stop string was met (the text ended before it).
+    pub fn stopped(&self) -> bool {
+        self.stop.stopped()
+    }
+}
+
+/// Stop strings over text arriving in pieces: holds back what could still grow into a stop
+/// string, and ends the text before the first one met.
+///
+/// ```
+/// use rmlx_lm::text_stream::StopFilter;
+/// let mut f = StopFilter::new(vec!["END".into()]);
+/// assert_eq!(f.push("one E"), "one ");
+/// assert_eq!(f.push("N"), "");
+/// assert_eq!(f.push("D two"), "");
+/// assert!(f.stopped());
+/// ```
+pub struct StopFilter {
+    /// Text not handed out yet: it may begin a stop string.
+    held: String,
+    stop_strings: Vec<String>,
+    stopped: bool,
+}
+
+impl StopFilter {
+    pub fn new(stop_strings: Vec<String>) -> StopFilter {
+        StopFilter { held: String::new(), stop_strings, stopped: false }
+    }
+
+    /// Adds `piece`; returns the text that can be handed out now (possibly empty).
+    pub fn push(&mut self, piece: &str) -> String {
+        self.held.push_str(piece);
+        self.release(false)
+    }
+
+    /// Everything still held (nothing after a stop string).
+    pub fn finish(&mut self) -> String {
+        self.release(true)
+    }
+
+    /// Whether a stop string was met.
     pub fn stopped(&self) -> bool {
         self.stopped
     }

@@ -13,7 +13,7 @@ use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
 
 fn load(dir: &std::path::Path, dtype: Dtype) -> LoadedModel {
     let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), ..LoadOptions::default() };
-    rmlx_lm::load(dir, &opts).unwrap()
+    rmlx_lm::loader::load(dir, &opts).unwrap()
 }
 
 /// Zero-valued adapters (`B = 0`) on every `o_proj`: the layer's output is unchanged, and the

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 fn load(name: &str) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
     (dir, lm)
 }
 

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 fn load() -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer("llama_gqa");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
     (dir, lm)
 }
 

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 #[test]
 fn constrained_rows_follow_their_grammar_and_the_others_are_untouched() {
     // The default model: grammars need a real (byte-level) tokenizer.
-    let lm = rmlx_lm::load(rmlx_lm::registry::default_model().unwrap(), &Default::default()).unwrap();
+    let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model().unwrap(), &Default::default()).unwrap();
     let p = lm.encode_prompt("Name an animal and a number, then list some letters.", true, None).unwrap();
     let sampled = |seed| GenerateOptions {
         max_tokens: 40,

@@ -9,7 +9,7 @@ use serde_json::Value;
 use std::path::Path;
 
 fn load(dir: &Path) -> rmlx_lm::Result<rmlx_lm::LoadedModel> {
-    rmlx_lm::load(dir, &LoadOptions { progress: false, ..LoadOptions::default() })
+    rmlx_lm::loader::load(dir, &LoadOptions { progress: false, ..LoadOptions::default() })
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, Value>)) {

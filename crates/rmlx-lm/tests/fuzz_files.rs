@@ -361,7 +361,7 @@ fn fuzz_config_floats_through_the_loader() {
                 set_field(&mut c, f, v);
             }
             std::fs::write(dir.path().join("config.json"), Value::Object(c).to_string()).unwrap();
-            match rmlx_lm::load(dir.path(), &rmlx_lm::LoadOptions::default()) {
+            match rmlx_lm::loader::load(dir.path(), &rmlx_lm::LoadOptions::default()) {
                 Ok(lm) => {
                     let mut caches = lm.model.new_caches(None);
                     let logits = lm.model.forward(&ids, &mut caches).unwrap();
@@ -435,7 +435,7 @@ fn fuzz_gguf_model_metadata_through_the_loader() {
                     }
                 }
             });
-            match rmlx_lm::load(&path, &rmlx_lm::LoadOptions::default()) {
+            match rmlx_lm::loader::load(&path, &rmlx_lm::LoadOptions::default()) {
                 Ok(lm) => {
                     let mut caches = lm.model.new_caches(None);
                     let logits = lm.model.forward(&ids, &mut caches).unwrap();
@@ -463,7 +463,7 @@ fn regression_subnormal_rope_theta() {
     let mut c = base_config();
     c.insert("rope_theta".into(), json!(1e-45));
     std::fs::write(dir.path().join("config.json"), Value::Object(c).to_string()).unwrap();
-    match rmlx_lm::load(dir.path(), &rmlx_lm::LoadOptions::default()) {
+    match rmlx_lm::loader::load(dir.path(), &rmlx_lm::LoadOptions::default()) {
         Err(Error::Config(m)) => assert!(m.contains("`rope_theta` must be at least 1"), "{m}"),
         Err(e) => panic!("expected Error::Config, got {e:?}"),
         Ok(_) => panic!("rope_theta 1e-45 accepted"),

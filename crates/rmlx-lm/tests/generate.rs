@@ -11,7 +11,7 @@ use rmlx_lm::{FinishReason, GenerateOptions, LoadOptions, LoadedModel};
 fn setup() -> (common::TempDir, LoadedModel, Vec<u32>, Vec<u32>) {
     let r = reference("llama_gqa");
     let dir = fixture_with_tokenizer("llama_gqa");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
     (dir, lm, ids(&r["prompt_ids"]), ids(&r["greedy"]))
 }
 

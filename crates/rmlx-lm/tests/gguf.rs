@@ -5,7 +5,8 @@
 use half::{bf16, f16};
 use rmlx::quantization::{dequantize, QuantMode, Quantized};
 use rmlx::{Array, Dtype};
-use rmlx_lm::gguf::{unpermute_llama_rows, GgmlType, GgufFile, MetaValue};
+use rmlx_lm::gguf::{GgmlType, GgufFile, MetaValue};
+use rmlx_lm::models::llama::unpermute_llama_rows;
 use rmlx_lm::weights::Weight;
 use rmlx_lm::Error;
 use std::path::PathBuf;

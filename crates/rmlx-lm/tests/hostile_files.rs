@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 
 fn load(dir: &Path) -> rmlx_lm::Result<rmlx_lm::LoadedModel> {
-    rmlx_lm::load(dir, &LoadOptions { progress: false, ..LoadOptions::default() })
+    rmlx_lm::loader::load(dir, &LoadOptions { progress: false, ..LoadOptions::default() })
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut Map<String, Value>)) {
@@ -282,7 +282,7 @@ fn placeholder_vocabulary_is_sized_from_the_checkpoint() {
         c.insert("vocab_size".into(), json!(1 << 24));
     });
     let opts = LoadOptions { allow_missing_tokenizer: true, ..LoadOptions::default() };
-    match rmlx_lm::load(d.path(), &opts).err().unwrap() {
+    match rmlx_lm::loader::load(d.path(), &opts).err().unwrap() {
         Error::ShapeMismatch { name, expected, found } => {
             assert_eq!((name.as_str(), expected, found), (EMBED, vec![1 << 24, 64], vec![384, 64]));
         }
@@ -292,7 +292,7 @@ fn placeholder_vocabulary_is_sized_from_the_checkpoint() {
     edit_config(d.path(), |c| {
         c.insert("vocab_size".into(), json!(384));
     });
-    assert_eq!(rmlx_lm::load(d.path(), &opts).unwrap().tokenizer.vocab_size(), 384);
+    assert_eq!(rmlx_lm::loader::load(d.path(), &opts).unwrap().tokenizer.vocab_size(), 384);
 }
 
 #[test]

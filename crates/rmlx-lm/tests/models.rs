@@ -13,7 +13,7 @@ use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
 
 fn load(dir: &std::path::Path, dtype: Dtype) -> LoadedModel {
     let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), ..LoadOptions::default() };
-    rmlx_lm::load(dir, &opts).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
+    rmlx_lm::loader::load(dir, &opts).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()))
 }
 
 fn dtype_of(name: &str) -> Dtype {

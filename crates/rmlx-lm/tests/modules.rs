@@ -15,7 +15,7 @@ fn load(name: &str) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);
     // Quantised fixtures stay quantised: their parameters are weight, scales and biases.
     let opts = LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(false), ..LoadOptions::default() };
-    let lm = rmlx_lm::load(dir.path(), &opts).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &opts).unwrap();
     (dir, lm)
 }
 

@@ -62,7 +62,7 @@ fn check(lm: &LoadedModel, r: &Value) {
 }
 
 fn load(path: &Path) -> LoadedModel {
-    rmlx_lm::load(path, &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap()
+    rmlx_lm::loader::load(path, &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap()
 }
 
 #[test]

@@ -12,7 +12,7 @@ use rmlx_lm::LoadOptions;
 #[test]
 fn weight_bytes_are_every_tensor_but_an_untied_embedding_read_one_row() {
     let dir = fixture_with_tokenizer("llama_mqa_untied");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
     let (mut all, mut embedding) = (0, 0);
     for f in std::fs::read_dir(dir.path()).unwrap() {
         let path = f.unwrap().path();
@@ -32,7 +32,7 @@ fn weight_bytes_are_every_tensor_but_an_untied_embedding_read_one_row() {
 
     // A tied table is the output head too: read whole.
     let dir = fixture_with_tokenizer("llama_gqa");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
     let all: u64 = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|f| f.unwrap().path())
@@ -49,7 +49,7 @@ fn key_value_bytes_count_each_layers_window() {
     // 256 bytes a position and layer. Decoding 4 tokens after 20 reads positions 21..=24 in the
     // global layers and 8 in the others: (2 × 90 + 4 × 4 × 8) / 4 × 256 = 19,712 bytes a token.
     let dir = fixture_with_tokenizer("gemma3_text");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
     assert_eq!(kv_bytes_per_token(&lm, 20, 4), 19_712);
     // Within the window every layer reads every position: 6 × (1 + 2 + 3) / 3 × 256.
     assert_eq!(kv_bytes_per_token(&lm, 0, 3), 3_072);

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use synth::{Arch, Spec};
 
 fn load(dir: &std::path::Path) -> LoadedModel {
-    rmlx_lm::load(dir, &LoadOptions::default()).unwrap()
+    rmlx_lm::loader::load(dir, &LoadOptions::default()).unwrap()
 }
 
 fn greedy(lm: &LoadedModel, prompt: &[u32], opts: GenerateOptions) -> Vec<u32> {
@@ -139,7 +139,7 @@ fn huge_sliding_window_is_not_truncated() {
     assert_eq!(ids((1 << 31) - 1), ids(4096));
     for window in [1u64 << 31, (1 << 32) + 8] {
         let dir = write(window);
-        match rmlx_lm::load(dir.path(), &LoadOptions::default()) {
+        match rmlx_lm::loader::load(dir.path(), &LoadOptions::default()) {
             Err(Error::Config(m)) => assert!(m.contains("sliding_window"), "{m}"),
             other => panic!("sliding_window {window}: expected a config error, got {:?}", other.map(|_| ())),
         }

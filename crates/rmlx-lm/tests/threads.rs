@@ -45,7 +45,7 @@ fn eight_threads_run_forward_passes_of_their_own_models() {
 
     // Each pass p of a thread feeds the prompt plus the first (p % 4) greedy tokens, so the next
     // token is known from transformers: greedy[p % 4].
-    let lm = rmlx_lm::load(dir.0.as_path(), &opts).unwrap();
+    let lm = rmlx_lm::loader::load(dir.0.as_path(), &opts).unwrap();
     let inputs: Vec<Vec<u32>> = (0..4).map(|k| prompt.iter().chain(&greedy[..k]).copied().collect()).collect();
     let single: Vec<Vec<f32>> = inputs.iter().map(|x| last_logits(&lm, x)).collect();
     for (k, logits) in single.iter().enumerate() {
@@ -60,7 +60,7 @@ fn eight_threads_run_forward_passes_of_their_own_models() {
             let (dir, single, inputs, greedy, opts) =
                 (dir.clone(), single.clone(), inputs.clone(), greedy.clone(), opts.clone());
             thread::spawn(move || {
-                let lm = rmlx_lm::load(dir.0.as_path(), &opts).unwrap();
+                let lm = rmlx_lm::loader::load(dir.0.as_path(), &opts).unwrap();
                 for p in 0..passes {
                     let k = (p + t) % 4;
                     let logits = last_logits(&lm, &inputs[k]);

@@ -16,7 +16,8 @@ use rmlx_lm::{LoadOptions, LoadedModel};
 
 fn load(name: &str) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+        .unwrap();
     (dir, lm)
 }
 
@@ -89,7 +90,7 @@ fn lora_loss_and_gradients_equal_those_without_checkpointing() {
 fn qlora_and_dora_gradients_equal_those_without_checkpointing() {
     let dir = fixture_with_tokenizer("llama_gqa_q4");
     let opts = LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(false), ..LoadOptions::default() };
-    let mut lm = rmlx_lm::load(dir.path(), &opts).unwrap();
+    let mut lm = rmlx_lm::loader::load(dir.path(), &opts).unwrap();
     let trainable = with_lora(&mut lm, 0.0, false);
     let (plain, checkpointed) = both(&mut lm, &trainable);
     assert_same("llama_gqa_q4", &plain, &checkpointed);

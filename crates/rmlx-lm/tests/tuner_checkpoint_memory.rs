@@ -59,7 +59,8 @@ fn larger_llama() -> (common::TempDir, LoadedModel) {
         }
     }
     rmlx::io::save_safetensors(dir.path().join("model.safetensors"), &w, &BTreeMap::new()).unwrap();
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+        .unwrap();
     (dir, lm)
 }
 

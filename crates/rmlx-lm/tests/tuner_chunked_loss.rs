@@ -15,7 +15,7 @@ use rmlx_lm::{LoadOptions, LoadedModel};
 fn load(name: &str, dequantize: bool) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);
     let opts = LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(dequantize), ..LoadOptions::default() };
-    let lm = rmlx_lm::load(dir.path(), &opts).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &opts).unwrap();
     (dir, lm)
 }
 

@@ -19,7 +19,8 @@ use std::collections::HashMap;
 fn load() -> (TempDir, LoadedModel, Vec<String>) {
     let dir = fixture_with_tokenizer("llama_gqa");
     let mut lm =
-        rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Bfloat16), ..LoadOptions::default() }).unwrap();
+        rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Bfloat16), ..LoadOptions::default() })
+            .unwrap();
     let cfg = LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
     apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 0).unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());

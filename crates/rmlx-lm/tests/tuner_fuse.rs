@@ -13,7 +13,7 @@ use rmlx_lm::{LoadOptions, LoadedModel};
 use std::path::Path;
 
 fn load(dir: &Path) -> LoadedModel {
-    rmlx_lm::load(dir, &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap()
+    rmlx_lm::loader::load(dir, &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap()
 }
 
 fn logits(lm: &LoadedModel, ids: &[i32]) -> Vec<f32> {
@@ -81,7 +81,7 @@ fn quantised_base_is_written_dequantised_and_gemma_norms_round_trip() {
     let ids = [1, 5, 9, 3];
     for name in ["llama_gqa_q4", "gemma3_text"] {
         let src = fixture_with_tokenizer(name);
-        let mut lm = rmlx_lm::load(
+        let mut lm = rmlx_lm::loader::load(
             src.path(),
             &LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(false), ..LoadOptions::default() },
         )

@@ -12,7 +12,8 @@ use rmlx_lm::{Error, LoadOptions, LoadedModel};
 
 fn load() -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer("llama_gqa");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+        .unwrap();
     (dir, lm)
 }
 
@@ -169,7 +170,7 @@ fn gradients_equal_finite_differences() {
 fn qlora_gradients_through_a_quantised_base() {
     let dir = fixture_with_tokenizer("llama_gqa_q4");
     let opts = LoadOptions { dtype: Some(Dtype::Float32), dequantize: Some(false), ..LoadOptions::default() };
-    let mut lm = rmlx_lm::load(dir.path(), &opts).unwrap();
+    let mut lm = rmlx_lm::loader::load(dir.path(), &opts).unwrap();
     let mut quantized = 0;
     lm.model.visit_linears("", &mut |_, l| quantized += l.is_quantized() as usize);
     assert!(quantized > 0, "the base stays quantised");
@@ -196,7 +197,8 @@ fn qlora_gradients_through_a_quantised_base() {
 fn dora_magnitude_gradient_equals_finite_differences() {
     let dir = fixture_with_tokenizer("llama_gqa");
     let mut lm =
-        rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+        rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+            .unwrap();
     rmlx_lm::tuner::apply_dora(
         lm.model.as_mut(),
         Some(1),

@@ -13,7 +13,8 @@ use std::path::Path;
 
 fn model() -> (TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer("llama_gqa");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+        .unwrap();
     (dir, lm)
 }
 

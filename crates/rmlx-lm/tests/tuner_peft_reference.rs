@@ -34,7 +34,8 @@ fn reference(case: &str) -> (Value, HashMap<String, Array>) {
 fn model_with(fixture: &str, adapter_dir: &Path) -> (TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(fixture);
     let mut lm =
-        rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+        rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+            .unwrap();
     peft::load(lm.model.as_mut(), adapter_dir, Dtype::Float32).unwrap();
     (dir, lm)
 }
@@ -159,7 +160,8 @@ fn check_rmlx_trained(case: &str) {
     // Trained, not fresh: the adapter changes the logits.
     let base_dir = fixture_with_tokenizer("llama_gqa");
     let base =
-        rmlx_lm::load(base_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+        rmlx_lm::loader::load(base_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+            .unwrap();
     assert!(max_abs_diff(&logits(&base, &ids), &want) > 1e-2);
 }
 
@@ -178,7 +180,8 @@ fn make_rmlx_trained_peft_fixtures() {
 fn make_rmlx_trained(case: &str, dora: bool) {
     let src = fixture_with_tokenizer("llama_gqa");
     let mut lm =
-        rmlx_lm::load(src.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+        rmlx_lm::loader::load(src.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+            .unwrap();
     let config = tuner::LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
     if dora {
         tuner::apply_dora(lm.model.as_mut(), None, &config, Dtype::Float32, 7).unwrap();

@@ -15,7 +15,8 @@ use std::cell::Cell;
 
 fn load() -> (TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer("llama_gqa");
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() }).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
+        .unwrap();
     (dir, lm)
 }
 
@@ -149,9 +150,11 @@ fn mlx_lm_adapters_give_mlx_lm_logits() {
         let reference: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
         let model_dir = fixture_with_tokenizer(reference["model"].as_str().unwrap());
-        let mut lm =
-            rmlx_lm::load(model_dir.path(), &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() })
-                .unwrap();
+        let mut lm = rmlx_lm::loader::load(
+            model_dir.path(),
+            &LoadOptions { dtype: Some(Dtype::Float32), ..LoadOptions::default() },
+        )
+        .unwrap();
         let ids: Vec<i32> = reference["ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap() as i32).collect();
         let base = logits(&lm, &ids);
         let cfg = adapters::load(lm.model.as_mut(), &dir, Dtype::Float32).unwrap();

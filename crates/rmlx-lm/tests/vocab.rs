@@ -16,7 +16,7 @@ fn build(arch: Arch, family: &str, vocab: usize, padding_from: Option<usize>) ->
     let dir = TempDir::new(family);
     synth::write(dir.path(), &Spec { arch, vocab, padding_from, config: json!({}) });
     synth::real_tokenizer(dir.path(), family);
-    let lm = rmlx_lm::load(dir.path(), &LoadOptions::default()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
     (dir, lm)
 }
 

@@ -16,7 +16,7 @@
 //! # fn main() -> rmlx_lm::Result<()> {
 //! use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
 //! use rmlx_lm::GenerateOptions;
-//! let lm = rmlx_lm::load(rmlx_lm::registry::default_model()?, &Default::default())?;
+//! let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model()?, &Default::default())?;
 //! let mut engine = Engine::new(&lm, EngineOptions::default());
 //! let options = GenerateOptions { max_tokens: 4, ..Default::default() };
 //! for text in ["The capital of France is", "One, two, three,"] {

@@ -15,7 +15,8 @@
 //!   [`Weight::Dense`].
 //!
 //! Shapes are row-major: GGUF lists dimensions fastest-first (`[ne0, ne1]`), rmlx gets `[ne1, ne0]`.
-//! llama.cpp permutes the rows of llama's Q and K projections; [`unpermute_llama_rows`] undoes it.
+//! What llama.cpp's converter did to particular architectures' tensors is undone beside each model
+//! ([`crate::models::spec::GgufSpec::fix_up`]).
 
 mod dequant;
 mod directory;
@@ -506,34 +507,4 @@ fn dense<T: rmlx::Element, const N: usize>(bytes: &[u8], shape: &[i32], conv: fn
     }
     let v: Vec<T> = bytes.chunks_exact(N).map(|b| conv(b.try_into().expect("N bytes"))).collect();
     Ok(Array::from_slice(&v, shape)?)
-}
-
-/// Undoes llama.cpp's permutation of llama's Q/K projection rows. `convert_hf_to_gguf` stores
-/// `w.reshape(n_head, 2, rows / n_head / 2, ...).swapaxes(1, 2).reshape(w.shape)`, so GGUF row
-/// `h·hd + 2i + t` is Hugging Face row `h·hd + t·hd/2 + i` (`hd = rows / n_head`). A quantised
-/// weight gets the same row permutation on its packed weight, scales and biases. Pass the number of
-/// query heads for Q and of key/value heads for K.
-pub fn unpermute_llama_rows(w: Weight, n_head: usize) -> Result<Weight> {
-    let shape = w.shape();
-    let rows = *shape.first().ok_or_else(|| Error::Config("unpermute_llama_rows: a 0-d tensor".into()))? as usize;
-    if n_head.checked_mul(2).is_none_or(|pair| pair == 0 || rows % pair != 0) {
-        return Err(Error::Config(format!(
-            "unpermute_llama_rows: {rows} rows cannot be split into {n_head} heads of pairs"
-        )));
-    }
-    let perm = |a: &Array| -> Result<Array> {
-        let orig = a.shape().to_vec();
-        let mut s = vec![n_head as i32, (rows / n_head / 2) as i32, 2];
-        s.extend_from_slice(&orig[1..]);
-        Ok(a.reshape(&s)?.swapaxes(1, 2)?.reshape(&orig)?)
-    };
-    Ok(match w {
-        Weight::Dense(a) => Weight::Dense(perm(&a)?),
-        Weight::Quantized(q) => Weight::Quantized(Quantized {
-            weight: perm(&q.weight)?,
-            scales: perm(&q.scales)?,
-            biases: q.biases.as_ref().map(perm).transpose()?,
-            ..q
-        }),
-    })
 }

@@ -1,10 +1,11 @@
 //! Building a model from a GGUF file: the configuration from `<arch>.*` metadata, llama.cpp tensor
-//! names mapped to Hugging Face ones (with llama.cpp's Q/K row permutation and Gemma's `+1` norms
-//! undone), and the tokenizer and chat template from `tokenizer.*` metadata.
+//! names mapped to Hugging Face ones (what llama.cpp's converter did undone by each
+//! architecture's [`GgufSpec::fix_up`]), and the tokenizer and chat template from `tokenizer.*` metadata.
 
 use super::{family, finish, LoadOptions, LoadedModel};
 use crate::chat::ChatTemplate;
-use crate::gguf::{unpermute_llama_rows, GgufFile, MetaValue};
+use crate::gguf::{GgufFile, MetaValue};
+use crate::models::spec::{self, GgufSpec, HeadCounts};
 use crate::progress::Progress;
 use crate::tokenizer::Tokenizer;
 use crate::weights::{Weight, Weights};
@@ -12,10 +13,6 @@ use crate::{Error, Result};
 use rmlx::Dtype;
 use serde_json::{json, Map, Value};
 use std::path::Path;
-
-/// GGUF architectures and the `model_type` each becomes.
-const ARCHITECTURES: &[(&str, &str)] =
-    &[("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma3", "gemma3_text")];
 
 /// Loads a `.gguf` file.
 pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
@@ -25,21 +22,21 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         .and_then(MetaValue::as_str)
         .ok_or_else(|| Error::Config(format!("{}: no `general.architecture`", path.display())))?
         .to_string();
-    let Some(&(_, model_type)) = ARCHITECTURES.iter().find(|(a, _)| *a == arch) else {
+    let Some(gguf) = spec::for_gguf(&arch).and_then(|s| s.gguf.as_ref()) else {
         return Err(Error::UnsupportedArchitecture {
             model_type: format!("{arch} (GGUF)"),
-            supported: ARCHITECTURES.iter().map(|(a, _)| *a).collect::<Vec<_>>().join(", "),
+            supported: spec::gguf_list(),
         });
     };
-    let mut raw = config_from_metadata(&file, &arch, model_type)?;
+    let mut raw = config_from_metadata(&file, gguf)?;
     crate::config::ModelConfig::check_fields(&raw).map_err(|e| match e {
         Error::Config(m) => Error::Config(format!("{}: {m} (from the GGUF metadata)", path.display())),
         other => other,
     })?;
-    let (heads, kv_heads) = (
-        raw["num_attention_heads"].as_u64().unwrap_or(1) as usize,
-        raw["num_key_value_heads"].as_u64().unwrap_or(1) as usize,
-    );
+    let heads = HeadCounts {
+        heads: raw["num_attention_heads"].as_u64().unwrap_or(1) as usize,
+        kv_heads: raw["num_key_value_heads"].as_u64().unwrap_or(1) as usize,
+    };
 
     let bar = Progress::new(opts.progress, "reading GGUF tensors", file.tensors().len() as u64);
     let mut weights = Weights::new();
@@ -53,24 +50,14 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             raw["rope_freq_factors"] = json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?);
             continue;
         }
-        let Some(name) = hf_name(&info.name, &arch) else {
+        let Some(name) = hf_name(&info.name, gguf) else {
             return Err(Error::Config(format!(
                 "{}: unexpected tensor `{}` for a {arch} model",
                 path.display(),
                 info.name
             )));
         };
-        let mut w = file.load(info)?;
-        if arch == "llama" && name.ends_with("q_proj.weight") {
-            w = unpermute_llama_rows(w, heads)?;
-        } else if arch == "llama" && name.ends_with("k_proj.weight") {
-            w = unpermute_llama_rows(w, kv_heads)?;
-        } else if arch == "gemma3" && name.ends_with("norm.weight") {
-            // llama.cpp stores Gemma's norm weights as `1 + w`.
-            if let Weight::Dense(a) = w {
-                w = Weight::Dense((a.astype(Dtype::Float32)? - 1.0)?);
-            }
-        }
+        let w = (gguf.fix_up)(&name, file.load(info)?, &heads)?;
         weights.insert(name, w);
     }
     bar.finish();
@@ -103,7 +90,8 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
 }
 
 /// The Hugging Face config a GGUF's metadata describes.
-fn config_from_metadata(file: &GgufFile, arch: &str, model_type: &str) -> Result<Value> {
+fn config_from_metadata(file: &GgufFile, gguf: &GgufSpec) -> Result<Value> {
+    let arch = gguf.arch;
     // A NaN or infinite number would become JSON null, silently replaced by a default.
     let prefix = format!("{arch}.");
     for (k, v) in file.metadata().range(prefix.clone()..).take_while(|(k, _)| k.starts_with(&prefix)) {
@@ -119,7 +107,7 @@ fn config_from_metadata(file: &GgufFile, arch: &str, model_type: &str) -> Result
     let need = |k: &str| num(k).ok_or_else(|| Error::Config(format!("GGUF metadata lacks `{}`", key(k))));
     let heads = need("attention.head_count")?;
     let mut c = Map::new();
-    c.insert("model_type".into(), json!(model_type));
+    c.insert("model_type".into(), json!(gguf.model_type));
     c.insert("hidden_size".into(), json!(need("embedding_length")? as i64));
     c.insert("num_hidden_layers".into(), json!(need("block_count")? as i64));
     c.insert("intermediate_size".into(), json!(need("feed_forward_length")? as i64));
@@ -140,17 +128,7 @@ fn config_from_metadata(file: &GgufFile, arch: &str, model_type: &str) -> Result
     if let (Some("linear"), Some(f)) = (scaling, num("rope.scaling.factor")) {
         c.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": f}));
     }
-    if arch == "gemma3" {
-        if let Some(w) = num("attention.sliding_window") {
-            c.insert("sliding_window".into(), json!(w as i64));
-        }
-        // llama.cpp hard-codes Gemma 3's layout: every sixth layer global, local RoPE base 10⁴.
-        c.insert("sliding_window_pattern".into(), json!(6));
-        c.insert("rope_local_base_freq".into(), json!(10000.0));
-        if let Some(d) = num("attention.key_length") {
-            c.insert("query_pre_attn_scalar".into(), json!(d));
-        }
-    }
+    (gguf.config)(&num, &mut c);
     if let Some(id) = file.get("tokenizer.ggml.eos_token_id").and_then(MetaValue::as_u64) {
         c.insert("eos_token_id".into(), json!(id));
     }
@@ -158,8 +136,8 @@ fn config_from_metadata(file: &GgufFile, arch: &str, model_type: &str) -> Result
 }
 
 /// llama.cpp's tensor name → the Hugging Face name the model files take.
-fn hf_name(gguf: &str, arch: &str) -> Option<String> {
-    let global = match gguf {
+fn hf_name(gguf_name: &str, spec: &GgufSpec) -> Option<String> {
+    let global = match gguf_name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
         "output.weight" => Some("lm_head.weight"),
@@ -168,11 +146,10 @@ fn hf_name(gguf: &str, arch: &str) -> Option<String> {
     if let Some(g) = global {
         return Some(g.to_string());
     }
-    let rest = gguf.strip_prefix("blk.")?;
+    let rest = gguf_name.strip_prefix("blk.")?;
     let (layer, tensor) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (base, suffix) = tensor.rsplit_once('.')?;
-    let ffn_norm = if arch == "gemma3" { "pre_feedforward_layernorm" } else { "post_attention_layernorm" };
     let module = match base {
         "attn_norm" => "input_layernorm",
         "attn_q" => "self_attn.q_proj",
@@ -181,7 +158,7 @@ fn hf_name(gguf: &str, arch: &str) -> Option<String> {
         "attn_output" => "self_attn.o_proj",
         "attn_q_norm" => "self_attn.q_norm",
         "attn_k_norm" => "self_attn.k_norm",
-        "ffn_norm" => ffn_norm,
+        "ffn_norm" => spec.ffn_norm,
         "post_attention_norm" => "post_attention_layernorm",
         "post_ffw_norm" => "post_feedforward_layernorm",
         "ffn_gate" => "mlp.gate_proj",

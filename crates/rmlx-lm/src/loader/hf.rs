@@ -26,7 +26,7 @@ pub(super) fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let mut weights = read_weights(dir, opts.progress)?;
     normalize_names(&mut weights);
     if cfg.model_type.is_empty() {
-        cfg.model_type = guess_from_weights(&weights).into();
+        cfg.model_type = crate::models::spec::guess_from_tensors(|n| weights.contains(n)).into();
     }
     group_quantized(&mut weights, &cfg)?;
     infer_head_dim(&mut cfg, &weights);
@@ -176,16 +176,6 @@ fn normalize_names(w: &mut Weights) {
     }
     for name in w.names().filter(|n| n.contains("rotary_emb.inv_freq")).map(str::to_string).collect::<Vec<_>>() {
         w.take_opt(&name);
-    }
-}
-
-fn guess_from_weights(w: &Weights) -> &'static str {
-    if w.contains("model.layers.0.self_attn.q_norm.weight") {
-        "qwen3"
-    } else if w.contains("model.layers.0.self_attn.q_proj.bias") {
-        "qwen2"
-    } else {
-        "llama"
     }
 }
 

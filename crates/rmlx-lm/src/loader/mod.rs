@@ -11,7 +11,7 @@ mod gguf;
 mod hf;
 
 use crate::chat::ChatTemplate;
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::models::{self, Model};
 use crate::nn::Builder;
 use crate::tokenizer::Tokenizer;
@@ -37,6 +37,9 @@ pub struct LoadOptions {
     /// Load a folder without tokenizer.json, with a placeholder tokenizer whose tokens are `<id>`
     /// (benchmarks of random-weight checkpoints).
     pub allow_missing_tokenizer: bool,
+    /// Which backend [`crate::load`] uses (default: the first that supports the checkpoint).
+    /// [`load`] itself is the native backend and ignores it.
+    pub backend: crate::backend::BackendChoice,
 }
 
 /// A model ready to generate with.
@@ -170,9 +173,5 @@ pub(super) fn finish(
 
 /// The built-in chat template family of an architecture.
 pub(super) fn family(cfg: &ModelConfig) -> Result<&'static str> {
-    Ok(match cfg.architecture()? {
-        Architecture::Llama => "llama3",
-        Architecture::Qwen2 | Architecture::Qwen3 => "chatml",
-        Architecture::Gemma3 => "gemma",
-    })
+    Ok(cfg.spec()?.chat_family)
 }

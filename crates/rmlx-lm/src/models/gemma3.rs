@@ -5,12 +5,54 @@
 
 use super::attention::{Attention, AttentionSpec};
 use super::llama::output_head;
+use super::spec::{ArchitectureSpec, GgufSpec, HeadCounts, MetadataNumber};
 use super::{softcap, Rope};
 use crate::cache::KvCache;
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig};
 use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm};
+use crate::weights::Weight;
 use crate::{Error, Result};
-use rmlx::Array;
+use rmlx::{Array, Dtype};
+use serde_json::{json, Map, Value};
+
+/// Gemma 3 in [`super::spec::ARCHITECTURES`].
+pub static SPEC: ArchitectureSpec = ArchitectureSpec {
+    name: "gemma3",
+    architecture: Architecture::Gemma3,
+    model_types: &["gemma3_text", "gemma3"],
+    hf_classes: &[("Gemma3ForCausalLM", "gemma3_text"), ("Gemma3ForConditionalGeneration", "gemma3")],
+    signature_tensor: None,
+    chat_family: "gemma",
+    gguf: Some(GgufSpec {
+        arch: "gemma3",
+        model_type: "gemma3_text",
+        ffn_norm: "pre_feedforward_layernorm",
+        fix_up: gguf_fix_up,
+        config: gguf_config,
+    }),
+    build: |cfg, b| Ok(Box::new(Model::load(cfg, b)?)),
+};
+
+/// llama.cpp stores Gemma's norm weights as `1 + w`.
+fn gguf_fix_up(name: &str, w: Weight, _: &HeadCounts) -> Result<Weight> {
+    match w {
+        Weight::Dense(a) if name.ends_with("norm.weight") => Ok(Weight::Dense((a.astype(Dtype::Float32)? - 1.0)?)),
+        w => Ok(w),
+    }
+}
+
+/// llama.cpp hard-codes Gemma 3's layout: every sixth layer global, local RoPE base 10⁴; the
+/// window and the query scale (the key length) are in the metadata.
+fn gguf_config(num: MetadataNumber, c: &mut Map<String, Value>) {
+    if let Some(w) = num("attention.sliding_window") {
+        c.insert("sliding_window".into(), json!(w as i64));
+    }
+    c.insert("sliding_window_pattern".into(), json!(6));
+    c.insert("rope_local_base_freq".into(), json!(10000.0));
+    if let Some(d) = num("attention.key_length") {
+        c.insert("query_pre_attn_scalar".into(), json!(d));
+    }
+}
 
 /// Gemma's attention: q/k norms with `(1 + w)` weights, `query_pre_attn_scalar^-½` scale;
 /// `sliding` layers use the local RoPE base (and a rotating cache), global ones `rope_theta` with

@@ -3,12 +3,16 @@
 //! Qwen 2 and Qwen 3 are this model with a different [`AttentionSpec`].
 
 use super::attention::{Attention, AttentionSpec};
+use super::spec::{self, ArchitectureSpec, GgufSpec, HeadCounts};
 use super::{uniform_caches, Rope};
 use crate::cache::KvCache;
+use crate::config::Architecture;
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::{self, BlockParts};
 use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm};
+use crate::weights::Weight;
 use crate::Result;
+use rmlx::quantization::Quantized;
 use rmlx::Array;
 
 /// Llama's attention: biases only when `attention_bias`, no q/k norms, `1/√head_dim` scale.
@@ -18,6 +22,66 @@ pub fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
         qk_norm: None,
         scale: (cfg.head_dim() as f32).powf(-0.5),
         rope: Rope::global(cfg)?,
+    })
+}
+
+/// The Llama family in [`super::spec::ARCHITECTURES`].
+pub static SPEC: ArchitectureSpec = ArchitectureSpec {
+    name: "llama",
+    architecture: Architecture::Llama,
+    model_types: &["llama", "mistral"],
+    hf_classes: &[("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral")],
+    signature_tensor: None,
+    chat_family: "llama3",
+    gguf: Some(GgufSpec {
+        arch: "llama",
+        model_type: "llama",
+        ffn_norm: "post_attention_layernorm",
+        fix_up: gguf_fix_up,
+        config: spec::no_config,
+    }),
+    build: |cfg, b| Ok(Box::new(Model::load(cfg, b)?)),
+};
+
+/// llama.cpp permutes the rows of llama's query and key projections.
+fn gguf_fix_up(name: &str, w: Weight, heads: &HeadCounts) -> Result<Weight> {
+    if name.ends_with("q_proj.weight") {
+        unpermute_llama_rows(w, heads.heads)
+    } else if name.ends_with("k_proj.weight") {
+        unpermute_llama_rows(w, heads.kv_heads)
+    } else {
+        Ok(w)
+    }
+}
+
+/// Undoes llama.cpp's permutation of llama's Q/K projection rows. `convert_hf_to_gguf` stores
+/// `w.reshape(n_head, 2, rows / n_head / 2, ...).swapaxes(1, 2).reshape(w.shape)`, so GGUF row
+/// `h·hd + 2i + t` is Hugging Face row `h·hd + t·hd/2 + i` (`hd = rows / n_head`). A quantised
+/// weight gets the same row permutation on its packed weight, scales and biases. Pass the number of
+/// query heads for Q and of key/value heads for K.
+pub fn unpermute_llama_rows(w: Weight, n_head: usize) -> Result<Weight> {
+    let shape = w.shape();
+    let rows =
+        *shape.first().ok_or_else(|| crate::Error::Config("unpermute_llama_rows: a 0-d tensor".into()))? as usize;
+    if n_head.checked_mul(2).is_none_or(|pair| pair == 0 || rows % pair != 0) {
+        return Err(crate::Error::Config(format!(
+            "unpermute_llama_rows: {rows} rows cannot be split into {n_head} heads of pairs"
+        )));
+    }
+    let perm = |a: &Array| -> Result<Array> {
+        let orig = a.shape().to_vec();
+        let mut s = vec![n_head as i32, (rows / n_head / 2) as i32, 2];
+        s.extend_from_slice(&orig[1..]);
+        Ok(a.reshape(&s)?.swapaxes(1, 2)?.reshape(&orig)?)
+    };
+    Ok(match w {
+        Weight::Dense(a) => Weight::Dense(perm(&a)?),
+        Weight::Quantized(q) => Weight::Quantized(Quantized {
+            weight: perm(&q.weight)?,
+            scales: perm(&q.scales)?,
+            biases: q.biases.as_ref().map(perm).transpose()?,
+            ..q
+        }),
     })
 }
 

@@ -6,9 +6,10 @@ pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod spec;
 
 use crate::cache::{KvCache, Offset};
-use crate::config::{llama3_rope_divisors, Architecture, ModelConfig, RopeScaling};
+use crate::config::{llama3_rope_divisors, ModelConfig, RopeScaling};
 use crate::nn::cuda_fast::Rotation;
 use crate::nn::{Builder, Module};
 use crate::Result;
@@ -96,14 +97,9 @@ macro_rules! decoder_module {
 }
 pub(crate) use decoder_module;
 
-/// Builds the model of `cfg.model_type` from the checkpoint's tensors.
+/// Builds the model of `cfg.model_type` from the checkpoint's tensors ([`spec::ARCHITECTURES`]).
 pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
-    Ok(match cfg.architecture()? {
-        Architecture::Llama => Box::new(llama::Model::load(cfg, b)?),
-        Architecture::Qwen2 => Box::new(qwen2::load(cfg, b)?),
-        Architecture::Qwen3 => Box::new(qwen3::load(cfg, b)?),
-        Architecture::Gemma3 => Box::new(gemma3::Model::load(cfg, b)?),
-    })
+    (cfg.spec()?.build)(cfg, b)
 }
 
 /// Caches for layers that are all global (`None`) or bounded by `context_limit`.

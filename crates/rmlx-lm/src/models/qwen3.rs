@@ -3,6 +3,8 @@
 
 use super::attention::AttentionSpec;
 use super::llama;
+use super::spec::{self, ArchitectureSpec, GgufSpec};
+use crate::config::Architecture;
 use crate::config::ModelConfig;
 use crate::nn::Builder;
 use crate::Result;
@@ -16,3 +18,21 @@ pub fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
 pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<llama::Model> {
     llama::Model::load_with(cfg, b, attention_spec)
 }
+
+/// Qwen 3 in [`super::spec::ARCHITECTURES`].
+pub static SPEC: ArchitectureSpec = ArchitectureSpec {
+    name: "qwen3",
+    architecture: Architecture::Qwen3,
+    model_types: &["qwen3"],
+    hf_classes: &[("Qwen3ForCausalLM", "qwen3")],
+    signature_tensor: Some("model.layers.0.self_attn.q_norm.weight"),
+    chat_family: "chatml",
+    gguf: Some(GgufSpec {
+        arch: "qwen3",
+        model_type: "qwen3",
+        ffn_norm: "post_attention_layernorm",
+        fix_up: spec::no_fix_up,
+        config: spec::no_config,
+    }),
+    build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
+};

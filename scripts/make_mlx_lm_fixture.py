@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Tiny random-weight ``phi3`` checkpoint for the mlx-lm backend tests.
+
+The native backend does not implement ``phi3`` (fused ``qkv_proj`` and ``gate_up_proj``, partial
+rotary embedding), so this model can only run through the mlx-lm bridge
+(``crates/rmlx-lm/src/backend/mlx_lm_bridge.py``). Run it with mlx-lm's Python, e.g.:
+
+    python3 -m pip install --target /root/.cache/rmlx/mlx-lm-0.32.2 \\
+        "mlx[cpu]==0.32.4" "mlx-lm==0.32.2"
+    PYTHONPATH=/root/.cache/rmlx/mlx-lm-0.32.2 python3 scripts/make_mlx_lm_fixture.py \\
+        --out crates/rmlx-lm/tests/fixtures/models/phi3_mlx_lm
+
+It writes ``config.json`` and ``model.safetensors`` (float32, about 200 KB) and nothing else: the
+tests add a word-level tokenizer (``t0`` .. ``t511``) to a temporary copy.
+
+The parameter names and shapes come from mlx-lm's own ``phi3.Model``; the values from numpy's
+PCG64 generator, so the output is the same on every machine. Among seeds ``--seed``,
+``--seed + 1``, ... the first one is kept whose greedy continuation of ``t1 t2 t3`` (float32, 16
+tokens) has a top1 - top2 logit margin of at least ``--min-margin`` (0.1) at every step, never
+emits the EOS id and has at least 12 distinct ids, so that backends that round differently (TF32
+matmuls) still agree on the greedy ids. Finally the folder is loaded back with ``mlx_lm.load``
+as a check.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_lm.models import phi3
+
+VOCAB = 512
+EOS_ID = 2
+
+CONFIG = {
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": 0,
+    "hidden_act": "silu",
+    "torch_dtype": "float32",
+}
+
+PROBE_PROMPT = [1, 2, 3]  # "t1 t2 t3" with the tests' word-level tokenizer
+PROBE_STEPS = 16
+
+
+def random_weights(seed):
+    """Weights for every parameter of mlx-lm's phi3.Model, drawn with numpy."""
+    model = phi3.Model(phi3.ModelArgs.from_dict(CONFIG))
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, p in sorted(tree_flatten(model.parameters())):
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * rng.standard_normal(p.shape)  # RMSNorm gains around 1
+        else:
+            w = 0.5 * rng.standard_normal(p.shape)  # large: peaked, non-repetitive logits
+        weights[name] = mx.array(w.astype(np.float32))
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model, weights
+
+
+def greedy_probe(model):
+    """Greedy ids for PROBE_PROMPT (no cache: full forward each step) and the smallest margin."""
+    ids = list(PROBE_PROMPT)
+    out, min_margin = [], float("inf")
+    for _ in range(PROBE_STEPS):
+        logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+        top2 = mx.sort(logits)[-2:].tolist()
+        min_margin = min(min_margin, top2[1] - top2[0])
+        nxt = int(mx.argmax(logits).item())
+        out.append(nxt)
+        ids.append(nxt)
+    return out, min_margin
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output folder (created or overwritten)")
+    ap.add_argument("--seed", type=int, default=0, help="first seed tried (default 0)")
+    ap.add_argument("--min-margin", type=float, default=0.1)
+    args = ap.parse_args()
+
+    for seed in range(args.seed, args.seed + 1000):
+        model, weights = random_weights(seed)
+        greedy, margin = greedy_probe(model)
+        if margin >= args.min_margin and EOS_ID not in greedy and len(set(greedy)) >= 12:
+            break
+    else:
+        sys.exit("no seed found")
+
+    os.makedirs(args.out, exist_ok=True)
+    for stale in ("config.json", "model.safetensors"):
+        if os.path.exists(os.path.join(args.out, stale)):
+            os.remove(os.path.join(args.out, stale))
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(CONFIG, f, indent=2)
+        f.write("\n")
+    mx.save_safetensors(
+        os.path.join(args.out, "model.safetensors"), weights, metadata={"format": "mlx"}
+    )
+
+    # Check: mlx_lm.load reads the folder back (with the tests' tokenizer, in a temp copy) and
+    # reproduces the probe.
+    from mlx_lm import load
+
+    tmp = tempfile.mkdtemp(prefix="phi3_fixture_check_")
+    try:
+        for f in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(args.out, f), tmp)
+        vocab = {f"t{i}": i for i in range(VOCAB)}
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+            "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": None, "decoder": None,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
+        }
+        with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+            json.dump(tokenizer, f)
+        loaded, tok = load(tmp)
+        assert tok.encode("t1 t2 t3") == PROBE_PROMPT, tok.encode("t1 t2 t3")
+        again, _ = greedy_probe(loaded)
+        assert again == greedy, (again, greedy)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
+    print(
+        f"wrote {args.out}: seed {seed}, {size} bytes, greedy(t1 t2 t3) = {greedy}, "
+        f"min margin {margin:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
