@@ -128,8 +128,7 @@ fn streams_report_metrics_and_cancel() {
 
     // The same prompt as text (the word tokenizer reads `t<id>`).
     let text: Vec<String> = ids(&r["prompt_ids"]).iter().map(|t| format!("t{t}")).collect();
-    let as_text: Vec<u32> =
-        lm.generate(&Prompt::from(text.join(" ")), &opts).unwrap().map(|t| t.unwrap().id).collect();
+    let as_text: Vec<u32> = lm.generate(&Prompt::from(text.join(" ")), &opts).unwrap().map(|t| t.unwrap().id).collect();
     assert_eq!(as_text, got);
 
     let mut stream = lm.generate(&prompt, &opts).unwrap();

@@ -310,6 +310,13 @@ impl Backend for MlxLmBackend {
     }
 
     fn load(&self, path: &Path, _opts: &LoadOptions) -> Result<Box<dyn LanguageModel>> {
+        Ok(Box::new(self.open(path)?))
+    }
+}
+
+impl MlxLmBackend {
+    /// Starts a bridge and loads the model folder `path` in it.
+    pub fn open(&self, path: &Path) -> Result<MlxLmModel> {
         if !path.join("config.json").is_file() {
             return Err(Error::MissingFile(format!(
                 "{} (the mlx-lm backend loads model folders with a config.json)",
@@ -336,7 +343,7 @@ impl Backend for MlxLmBackend {
             last: None,
         };
         model.running()?;
-        Ok(Box::new(model))
+        Ok(model)
     }
 }
 
@@ -350,10 +357,17 @@ pub struct MlxLmModel {
 }
 
 impl MlxLmModel {
+    /// The process id of the running bridge (`None` between a failure and the next call).
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(|p| p.child.id())
+    }
+
     /// The subprocess, started (and the model loaded) if it is not running.
     fn running(&mut self) -> Result<&mut Process> {
-        if self.process.as_mut().is_some_and(|p| !p.alive()) {
-            self.process = None;
+        if let Some(mut p) = self.process.take_if(|p| !p.alive()) {
+            // Died since the last call: said once, and the next call starts a new one.
+            let status = p.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+            return Err(backend_error(format!("the mlx-lm process exited ({status}); the next call starts a new one")));
         }
         if self.process.is_none() {
             let mut p = Process::start(&self.backend)?;

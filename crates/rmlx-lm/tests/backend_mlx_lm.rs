@@ -1,0 +1,193 @@
+//! The mlx-lm backend against Python's mlx-lm, installed by this test into the per-user cache
+//! (the versions pinned in scripts/requirements.txt): the same greedy tokens, classifications and
+//! batch results as the native backend on a fixture both implement, an architecture only mlx-lm
+//! has through `auto`, cancel and stop strings over the bridge, and a dead or hung bridge.
+
+mod common;
+
+use common::{fixture_dir, fixture_with_tokenizer, ids, reference, word_tokenizer, TempDir};
+use rmlx_lm::backend::mlx_lm::{self, MlxLmBackend, Timeouts};
+use rmlx_lm::backend::{ClassifyOptions, LanguageModel, Prompt};
+use rmlx_lm::{Error, FinishReason, GenerateOptions, LoadOptions};
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Installs mlx-lm once per test process (a no-op when the cache has it).
+fn mlx_lm_installed() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        mlx_lm::install(Path::new("python3")).expect("pip-installing mlx-lm into the cache");
+    });
+}
+
+/// mlx-lm reads the word-level tokenizer through transformers' generic fast tokenizer.
+fn with_tokenizer_config(dir: &TempDir) {
+    std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#)
+        .unwrap();
+}
+
+fn load(dir: &Path, backend: &str) -> Box<dyn LanguageModel> {
+    mlx_lm_installed();
+    let opts = LoadOptions { backend: backend.parse().unwrap(), ..LoadOptions::default() };
+    rmlx_lm::load(dir, &opts).unwrap_or_else(|e| panic!("{backend}: {e}"))
+}
+
+fn greedy(lm: &mut dyn LanguageModel, prompt: &Prompt, n: usize) -> Vec<u32> {
+    let opts = GenerateOptions { max_tokens: n, ..GenerateOptions::default() };
+    lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
+}
+
+#[test]
+fn pins_agree_with_requirements_txt() {
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/requirements.txt")).unwrap();
+    let pins: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# mlx-lm-backend: ")).collect();
+    assert_eq!(pins, [format!("mlx[cpu]=={}", mlx_lm::MLX_VERSION), format!("mlx-lm=={}", mlx_lm::MLX_LM_VERSION)]);
+}
+
+#[test]
+fn same_greedy_tokens_classification_and_batch_as_native() {
+    let dir = fixture_with_tokenizer("llama_gqa");
+    with_tokenizer_config(&dir);
+    let r = reference("llama_gqa");
+    let prompt = ids(&r["prompt_ids"]);
+    let mut native = load(dir.path(), "native");
+    let mut bridge = load(dir.path(), "mlx-lm");
+    let info = bridge.info();
+    assert_eq!((info.backend.as_str(), info.architecture.as_str()), ("mlx-lm", "llama"));
+    assert_eq!((info.vocab_size, info.layers, info.hidden_size, info.heads, info.kv_heads), (384, 2, 64, 4, 2));
+    assert_eq!(info.dtype, "float32");
+
+    // transformers' greedy continuation, from both backends, as ids and as text.
+    let tokens = Prompt::Tokens(prompt.clone());
+    assert_eq!(greedy(bridge.as_mut(), &tokens, 12), ids(&r["greedy"]));
+    assert_eq!(greedy(native.as_mut(), &tokens, 12), ids(&r["greedy"]));
+    let text: Vec<String> = prompt.iter().map(|t| format!("t{t}")).collect();
+    let as_text = Prompt::Text(text.join(" "));
+    assert_eq!(greedy(bridge.as_mut(), &as_text, 12), ids(&r["greedy"]));
+    let m = bridge.metrics().unwrap();
+    assert_eq!((m.prompt_tokens, m.generated_tokens), (24, 12));
+
+    // Classification: prefixes of different lengths, batched on both sides.
+    let prompts: Vec<Prompt> = [24usize, 3, 17, 1].iter().map(|&n| Prompt::Tokens(prompt[..n].to_vec())).collect();
+    let opts = ClassifyOptions { top_logprobs: 4, logits: true, ..ClassifyOptions::default() };
+    let a = native.classify(&prompts, &opts).unwrap();
+    let b = bridge.classify(&prompts, &opts).unwrap();
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((x.token_id, &x.token, x.prompt_tokens), (y.token_id, &y.token, y.prompt_tokens));
+        assert_eq!(x.top.iter().map(|t| t.0).collect::<Vec<_>>(), y.top.iter().map(|t| t.0).collect::<Vec<_>>());
+        let (lx, ly) = (x.logits.as_ref().unwrap(), y.logits.as_ref().unwrap());
+        let d = lx.iter().zip(ly).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max);
+        assert!(d < 1e-4, "max |Δlogit| {d}");
+        assert!((x.logprob - y.logprob).abs() < 1e-4);
+    }
+
+    // Batch generation: each prompt's greedy tokens equal the native backend's.
+    let gen = GenerateOptions { max_tokens: 6, ..GenerateOptions::default() };
+    let a = native.batch_generate(&prompts, &gen).unwrap();
+    let b = bridge.batch_generate(&prompts, &gen).unwrap();
+    for (x, y) in a.iter().zip(&b) {
+        let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+        assert_eq!((&x.token_ids, &x.text, x.finish_reason), (&y.token_ids, &y.text, y.finish_reason));
+    }
+    bridge.close().unwrap();
+}
+
+/// phi3 is an architecture the native backend lacks: `auto` runs it through mlx-lm.
+#[test]
+fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
+    let dir = TempDir::new("phi3");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture_dir("phi3_mlx_lm").join(f), dir.path().join(f)).unwrap();
+    }
+    std::fs::write(dir.path().join("tokenizer.json"), word_tokenizer(512)).unwrap();
+    with_tokenizer_config(&dir);
+    let native_only = LoadOptions { backend: "native".parse().unwrap(), ..LoadOptions::default() };
+    assert!(matches!(rmlx_lm::load(dir.path(), &native_only), Err(Error::UnsupportedArchitecture { .. })));
+    let mut lm = load(dir.path(), "auto");
+    assert_eq!((lm.info().backend.as_str(), lm.info().architecture.as_str()), ("mlx-lm", "phi3"));
+    // mlx-lm's own greedy tokens (scripts/make_mlx_lm_fixture.py chose the seed for wide margins).
+    let got = greedy(lm.as_mut(), &Prompt::from("t1 t2 t3"), 8);
+    assert_eq!(got, [381, 446, 277, 94, 168, 511, 488, 381]);
+
+    // A stop string ends the text before it, and the bridge stops generating.
+    let opts = GenerateOptions { max_tokens: 8, stop_strings: vec![" t94".into()], ..GenerateOptions::default() };
+    let mut stream = lm.generate(&Prompt::from("t1 t2 t3"), &opts).unwrap();
+    let text: String = stream.by_ref().map(|t| t.unwrap().text).collect();
+    assert_eq!(text.split_whitespace().collect::<Vec<_>>(), ["t381", "t446", "t277"]);
+    assert_eq!(stream.finish_reason(), Some(FinishReason::StopString));
+    drop(stream);
+
+    // Cancelled mid-stream, then the bridge serves the next request.
+    let long = GenerateOptions { max_tokens: 500, ..GenerateOptions::default() };
+    let mut stream = lm.generate(&Prompt::from("t1 t2 t3"), &long).unwrap();
+    let cancel = stream.cancel_handle();
+    let first: Vec<u32> = stream.by_ref().take(3).map(|t| t.unwrap().id).collect();
+    assert_eq!(first, [381, 446, 277]);
+    cancel.cancel();
+    assert!(stream.next().is_none());
+    assert_eq!(stream.finish_reason(), Some(FinishReason::Cancelled));
+    drop(stream);
+    assert_eq!(greedy(lm.as_mut(), &Prompt::from("t1 t2 t3"), 2), [381, 446]);
+
+    // No chat template in this folder: the bridge's error, as an Err.
+    let err = match lm.chat(&[rmlx_lm::chat::Message::user("t5")], &opts) {
+        Err(e) => e,
+        Ok(mut s) => s.next().unwrap().unwrap_err(),
+    };
+    assert!(matches!(err, Error::Backend { ref message, .. } if message.contains("template")), "{err}");
+}
+
+#[test]
+fn a_killed_bridge_is_reported_and_restarted() {
+    mlx_lm_installed();
+    let dir = TempDir::new("phi3-kill");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture_dir("phi3_mlx_lm").join(f), dir.path().join(f)).unwrap();
+    }
+    std::fs::write(dir.path().join("tokenizer.json"), word_tokenizer(512)).unwrap();
+    with_tokenizer_config(&dir);
+    let mut lm = MlxLmBackend::default().open(dir.path()).unwrap();
+    let pid = lm.pid().unwrap();
+    std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let opts = GenerateOptions { max_tokens: 2, ..GenerateOptions::default() };
+    let err = match lm.generate(&Prompt::from("t1 t2 t3"), &opts) {
+        Err(e) => e,
+        Ok(mut s) => s.next().unwrap().unwrap_err(),
+    };
+    assert!(
+        matches!(err, Error::Backend { ref message, .. } if message.contains("exited") || message.contains("gone")),
+        "{err}"
+    );
+    let again: Vec<u32> = lm.generate(&Prompt::from("t1 t2 t3"), &opts).unwrap().map(|t| t.unwrap().id).collect();
+    assert_eq!(again, [381, 446]);
+    assert_ne!(lm.pid(), Some(pid));
+}
+
+#[test]
+fn a_hung_or_missing_interpreter_is_an_error() {
+    let dir = fixture_with_tokenizer("llama_gqa");
+    // An "interpreter" that announces itself and then never answers.
+    let fake = TempDir::new("fake-python");
+    let script = fake.path().join("python");
+    std::fs::write(&script, "#!/bin/sh\necho '{\"ready\": true}'\nexec sleep 30\n").unwrap();
+    std::process::Command::new("chmod").arg("+x").arg(&script).status().unwrap();
+    let timeouts =
+        Timeouts { start: Duration::from_secs(5), load: Duration::from_secs(1), step: Duration::from_secs(1) };
+    let hung = MlxLmBackend { python: script, timeouts: timeouts.clone() };
+    let started = std::time::Instant::now();
+    let err = hung.open(dir.path()).err().unwrap();
+    assert!(
+        matches!(err, Error::Backend { ref message, .. } if message.contains("did not answer within 1 s")),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+
+    let missing = MlxLmBackend { python: "/nonexistent/python3".into(), timeouts };
+    let err = missing.open(dir.path()).err().unwrap();
+    assert!(matches!(err, Error::Backend { ref message, .. } if message.contains("cannot start")), "{err}");
+    let err = missing.open(&dir.path().join("nothing")).err().unwrap();
+    assert!(matches!(err, Error::MissingFile(_)), "{err}");
+}
