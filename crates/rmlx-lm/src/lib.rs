@@ -38,6 +38,7 @@ pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod grammar;
+pub mod inspect;
 pub mod loader;
 pub mod models;
 pub mod nn;
