@@ -5,6 +5,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use rmlx::Dtype;
+use rmlx_lm::backend::{Backend, BackendChoice, LanguageModel};
 use rmlx_lm::sample::SamplerConfig;
 use rmlx_lm::{LoadOptions, LoadedModel};
 use std::path::PathBuf;
@@ -63,16 +64,40 @@ impl ModelArgs {
         Ok(lm)
     }
 
-    /// Loads the model; `allow_missing_tokenizer` accepts folders without tokenizer.json.
-    pub fn load_with(&self, allow_missing_tokenizer: bool) -> Result<LoadedModel> {
-        let path = match &self.model {
+    /// `--model`, or the default model (fetched once).
+    fn path(&self) -> Result<PathBuf> {
+        Ok(match &self.model {
             Some(p) => p.clone(),
             None => {
                 eprintln!("no --model given: using the default model, {}", rmlx_lm::registry::DEFAULT_MODEL_NAME);
                 rmlx_lm::registry::default_model().context("fetching the default model")?
             }
+        })
+    }
+
+    /// Loads the model with the backend `choice` names (`auto`: the native one when it has the
+    /// architecture, else the first other that supports it). Adapters need the native backend.
+    pub fn open(&self, choice: &str) -> Result<Box<dyn LanguageModel>> {
+        let choice: BackendChoice = choice.parse()?;
+        let path = crate::interrupt::while_loading(|| self.path())??;
+        let native = match &choice {
+            BackendChoice::Named(name) => name == rmlx_lm::backend::native::NAME,
+            BackendChoice::Auto => rmlx_lm::backend::native::NativeBackend.supports(&path).is_ok(),
         };
-        let opts = LoadOptions {
+        if native {
+            let args = ModelArgs { model: Some(path), ..self.clone() };
+            return Ok(Box::new(rmlx_lm::backend::native::NativeModel::new(args.load()?)));
+        }
+        if self.adapter_path.is_some() {
+            bail!("--adapter-path needs the native backend");
+        }
+        let mut opts = self.options(false)?;
+        opts.backend = choice;
+        rmlx_lm::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+    }
+
+    fn options(&self, allow_missing_tokenizer: bool) -> Result<LoadOptions> {
+        Ok(LoadOptions {
             dtype: self.dtype.as_deref().map(parse_dtype).transpose()?,
             dequantize: match (self.keep_quantized, self.dequantize) {
                 (true, _) => Some(false),
@@ -82,7 +107,14 @@ impl ModelArgs {
             progress: true,
             allow_missing_tokenizer,
             backend: Default::default(),
-        };
+        })
+    }
+
+    /// Loads the model with the native backend; `allow_missing_tokenizer` accepts folders without
+    /// tokenizer.json.
+    pub fn load_with(&self, allow_missing_tokenizer: bool) -> Result<LoadedModel> {
+        let path = self.path()?;
+        let opts = self.options(allow_missing_tokenizer)?;
         rmlx_lm::loader::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
     }
 

@@ -3,7 +3,8 @@
 use crate::common::{count, gb, positive, ModelArgs, SamplingArgs};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
-use rmlx_lm::GenerateOptions;
+use rmlx_lm::chat::Message;
+use rmlx_lm::{GenerateOptions, Prompt};
 use std::io::{Read, Write};
 
 #[derive(ClapArgs, Debug)]
@@ -34,6 +35,10 @@ pub struct Args {
     /// Print one JSON object with the text, token ids and statistics instead of streaming.
     #[arg(long)]
     json: bool,
+    /// Who runs the model: `native` (rmlx), `mlx-lm` (Python's mlx-lm in a subprocess), or
+    /// `auto` (native when it has the architecture, else mlx-lm).
+    #[arg(long, default_value = "auto")]
+    backend: String,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -45,8 +50,8 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let lm = a.model.load()?;
-    let prompt = lm.encode_prompt(&prompt_text, a.raw, a.system.as_deref())?;
+    let mut lm = a.model.open(&a.backend)?;
+    let lm_backend = lm.info().backend;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampler,
@@ -54,7 +59,16 @@ pub fn run(a: Args) -> Result<()> {
         context_limit: a.context_limit,
         ..GenerateOptions::default()
     };
-    let mut generation = lm.generate(&prompt, &opts)?;
+    let mut generation = if a.raw {
+        lm.generate(&Prompt::Text(prompt_text), &opts)?
+    } else {
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(Message::system(s));
+        }
+        messages.push(Message::user(prompt_text.as_str()));
+        lm.chat(&messages, &opts)?
+    };
     let (mut text, mut ids) = (String::new(), Vec::new());
     let mut out = std::io::stdout().lock();
     for token in generation.by_ref() {
@@ -66,7 +80,7 @@ pub fn run(a: Args) -> Result<()> {
             out.flush()?;
         }
     }
-    let m = generation.metrics().clone();
+    let m = generation.metrics();
     let reason = generation.finish_reason();
     if a.json {
         let obj = serde_json::json!({
@@ -79,6 +93,7 @@ pub fn run(a: Args) -> Result<()> {
             "ttft_ms": m.time_to_first_token.as_secs_f64() * 1e3,
             "peak_memory_gb": gb(m.peak_memory),
             "finish_reason": reason.map(|r| format!("{r:?}").to_lowercase()),
+            "backend": lm_backend,
         });
         writeln!(out, "{obj}")?;
     } else {

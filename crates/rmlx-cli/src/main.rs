@@ -3,12 +3,14 @@
 //! Text goes to stdout, progress, statistics and errors to stderr; `--json` prints one
 //! machine-readable object to stdout instead of the text.
 
+mod backends;
 mod batch;
 mod bench;
 mod chat;
 mod common;
 mod fuse;
 mod generate;
+mod inspect;
 mod interrupt;
 mod lora;
 mod lora_config;
@@ -44,6 +46,10 @@ enum Command {
     /// Complete every prompt of a jsonl file, batched (or, with --classify, report each prompt's
     /// next-token distribution); one jsonl result per prompt.
     Batch(batch::Args),
+    /// The post-RoPE attention keys of every layer after a prompt, to safetensors or .npy.
+    Inspect(inspect::Args),
+    /// The inference backends (native, mlx-lm) and whether each can run here or a given model.
+    Backends(backends::Args),
 }
 
 fn main() {
@@ -80,6 +86,8 @@ fn main() {
         Command::Fuse(a) => fuse::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Batch(a) => batch::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Backends(a) => backends::run(a),
     });
     if let Err(e) = result {
         eprintln!("error: {e:#}");

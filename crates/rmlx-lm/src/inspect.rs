@@ -88,7 +88,8 @@ impl<'m> AttentionInspector<'m> {
         rmlx::eval([&all])?;
         let (kv_heads, head_dim) = (cfg.kv_heads() as usize, cfg.head_dim() as usize);
         let data = all.to_vec::<f32>()?;
-        let keys = Keys { layers: caches.len(), kv_heads, positions: prompt.len(), head_dim, data, prompt: prompt.to_vec() };
+        let keys =
+            Keys { layers: caches.len(), kv_heads, positions: prompt.len(), head_dim, data, prompt: prompt.to_vec() };
         if keys.data.len() != keys.layers * kv_heads * keys.positions * head_dim {
             return Err(Error::InvalidParameter(format!("keys of shape {:?}", all.shape())));
         }

@@ -66,7 +66,8 @@ fn layer0_keys_match_a_hand_computation() {
     for l in 0..2 {
         for h in 0..2 {
             for p in 0..7 {
-                let d = short.key(l, h, p).iter().zip(keys.key(l, h, p)).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                let d =
+                    short.key(l, h, p).iter().zip(keys.key(l, h, p)).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
                 assert!(d < 1e-5, "layer {l} head {h} position {p}: {d}");
             }
         }
@@ -113,7 +114,8 @@ fn summary_and_files() {
     assert_eq!((10 + header_len) % 64, 0);
     let header = std::str::from_utf8(&bytes[10..10 + header_len]).unwrap();
     assert!(header.starts_with("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 2, 2), }"), "{header}");
-    let body: Vec<f32> = bytes[10 + header_len..].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let body: Vec<f32> =
+        bytes[10 + header_len..].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     assert_eq!(body, keys.data);
 
     let st = dir.path().join("keys.safetensors");

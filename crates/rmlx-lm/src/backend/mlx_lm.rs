@@ -278,8 +278,9 @@ fn check(v: Value) -> Result<Value> {
     }
 }
 
-/// What each interpreter said when probed (its `ready` line, or why it failed), once per process.
-fn probe(backend: &MlxLmBackend) -> std::result::Result<Value, String> {
+/// What the backend's interpreter says when the bridge starts (its `ready` line: versions, model
+/// types), or why it cannot run mlx-lm; asked once per process and interpreter.
+pub fn probe(backend: &MlxLmBackend) -> std::result::Result<Value, String> {
     static PROBES: OnceLock<Mutex<HashMap<PathBuf, std::result::Result<Value, String>>>> = OnceLock::new();
     let mut probes = PROBES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     probes

@@ -1,0 +1,120 @@
+//! `--backend` on `rmlx generate` (native and auto give the same tokens; an architecture only
+//! mlx-lm has runs through it), `rmlx backends` (listing, installing mlx-lm), and `rmlx inspect`
+//! (the keys file and the summary table).
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+const RMLX: &str = env!("CARGO_BIN_EXE_rmlx");
+
+fn rmlx(args: &[&str]) -> Output {
+    Command::new(RMLX).args(args).stdin(Stdio::null()).output().unwrap()
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn temp(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("rmlx-cli-backends-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).unwrap();
+    p
+}
+
+#[test]
+fn generate_native_and_auto_agree_and_name_the_backend() {
+    let run = |backend: &str| {
+        json_of(&rmlx(&[
+            "generate",
+            "-p",
+            "The capital of France is",
+            "--raw",
+            "-m",
+            "6",
+            "--json",
+            "--backend",
+            backend,
+        ]))
+    };
+    let (native, auto) = (run("native"), run("auto"));
+    assert_eq!(native["token_ids"], auto["token_ids"]);
+    assert_eq!(native["token_ids"].as_array().unwrap().len(), 6);
+    assert_eq!((native["backend"].as_str(), auto["backend"].as_str()), (Some("native"), Some("native")));
+    let out = rmlx(&["generate", "-p", "x", "--backend", "bogus"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown backend `bogus`") && err.contains("mlx-lm"), "{err}");
+}
+
+/// A phi3 fixture (an architecture rmlx does not implement) with a word-level tokenizer.
+fn phi3_folder() -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rmlx-lm/tests/fixtures/models/phi3_mlx_lm");
+    let dir = temp("phi3");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let vocab: serde_json::Map<String, Value> = (0..512).map(|i| (format!("t{i}"), Value::from(i))).collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+    dir
+}
+
+#[test]
+fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
+    let listed = json_of(&rmlx(&["backends", "--install-mlx-lm", "--json"]));
+    let names: Vec<&str> = listed["backends"].as_array().unwrap().iter().map(|b| b["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["native", "mlx-lm"]);
+    assert_eq!(listed["mlx_lm"]["available"], true, "{listed}");
+    assert_eq!(listed["mlx_lm"]["version"], "0.32.2");
+
+    let model = phi3_folder();
+    let m = model.to_str().unwrap();
+    let checked = json_of(&rmlx(&["backends", "--model", m, "--json"]));
+    assert_eq!(checked["backends"][0]["supports_model"], false);
+    assert!(checked["backends"][0]["why_not"].as_str().unwrap().contains("phi3"));
+    assert_eq!(checked["backends"][1]["supports_model"], true);
+
+    let v = json_of(&rmlx(&["generate", "--model", m, "-p", "t1 t2 t3", "--raw", "-m", "8", "--json"]));
+    assert_eq!(v["backend"], "mlx-lm");
+    assert_eq!(v["token_ids"], serde_json::json!([381, 446, 277, 94, 168, 511, 488, 381]));
+    assert_eq!(v["finish_reason"], "length");
+    let out = rmlx(&["generate", "--model", m, "-p", "t1", "--raw", "--backend", "native"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported architecture `phi3`"));
+    let _ = std::fs::remove_dir_all(&model);
+}
+
+#[test]
+fn inspect_writes_the_keys_and_a_summary() {
+    let dir = temp("inspect");
+    let out_path = dir.join("keys.npy");
+    let out = rmlx(&["inspect", "-p", "Hello there, keys", "--raw", "--out", out_path.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&out_path).unwrap();
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + header_len]).unwrap();
+    // SmolLM2-135M: 30 layers, 3 KV heads of 64 dims.
+    let shape = header.split("'shape': (").nth(1).unwrap().split(')').next().unwrap().to_string();
+    let dims: Vec<usize> = shape.split(',').map(|d| d.trim().parse().unwrap()).collect();
+    assert_eq!((dims[0], dims[1], dims[3]), (30, 3, 64));
+    assert_eq!(bytes.len() - 10 - header_len, dims.iter().product::<usize>() * 4);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let rows = stderr
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|w| w.len() == 5 && w[0].parse::<usize>().is_ok() && w[1].parse::<f64>().is_ok())
+        .count();
+    assert_eq!(rows, 30, "{stderr}");
+    let bad = rmlx(&["inspect", "-p", "x", "--raw", "--out", dir.join("keys.txt").to_str().unwrap()]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains(".safetensors or .npy"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
