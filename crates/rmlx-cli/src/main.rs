@@ -6,6 +6,7 @@
 mod backends;
 mod batch;
 mod bench;
+mod bench_batch;
 mod chat;
 mod common;
 mod fuse;
@@ -37,6 +38,8 @@ enum Command {
     Perplexity(perplexity::Args),
     /// Prefill and decode speed with the protocol of mlx-lm's peer benchmark.
     Bench(bench::Args),
+    /// Classification and batch-generation throughput of a backend (native or mlx-lm).
+    BenchBatch(bench_batch::Args),
     /// Fine-tune LoRA adapters (--train) and test them (--test), with mlx_lm.lora's flags.
     Lora(lora::Args),
     /// Merge LoRA adapters into the base weights and write a Hugging Face folder.
@@ -82,6 +85,7 @@ fn main() {
         Command::Chat(a) => chat::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::BenchBatch(a) => bench_batch::run(a),
         Command::Lora(a) => lora::run(a, lora_matches),
         Command::Fuse(a) => fuse::run(a),
         Command::Serve(a) => serve::run(a),
