@@ -1,6 +1,6 @@
 //! CPU decoding of ggml's block formats, following the reference `dequantize_row_*` functions of
 //! ggml-quants.c term for term (same products in the same order, so the float32 results match
-//! ggml's), and the lossless repacking of `Q4_0`, `Q4_1` and `Q8_0` into MLX's affine layout.
+//! ggml's). The lossless repacking of some types into MLX's layout is `to_mlx.rs`.
 //!
 //! Blocks never straddle rows (a row's length is a multiple of the block size), so every function
 //! here works on a flat run of blocks and splits it between threads at block boundaries.
@@ -282,7 +282,7 @@ fn mxfp4(b: &[u8], y: &mut [f32]) {
 }
 
 /// Number of threads for `n_units` of work, at least `min_per_thread` units each.
-fn threads_for(n_units: usize, min_per_thread: usize) -> usize {
+pub(super) fn threads_for(n_units: usize, min_per_thread: usize) -> usize {
     let hw = std::thread::available_parallelism().map_or(1, |n| n.get());
     hw.min(n_units / min_per_thread.max(1)).max(1)
 }
@@ -306,101 +306,4 @@ pub(super) fn dequantize(data: &[u8], n_elems: usize, block_elems: usize, block_
         }
     });
     out
-}
-
-/// A tensor repacked into MLX's affine layout with group size 32: `bits`-bit codes packed into
-/// `uint32` (element `j` of a word at bits `[j·bits, (j+1)·bits)`), float16 scale and bias per group.
-pub(super) struct Affine {
-    pub bits: i32,
-    pub weight: Vec<u32>,
-    pub scales: Vec<f16>,
-    pub biases: Vec<f16>,
-}
-
-/// `c · d` as float16 when exact; `None` when it overflows (or `d` is not finite).
-fn f16_times(d: f16, c: f32) -> Option<f16> {
-    let v = d.to_f32() * c;
-    let h = f16::from_f32(v);
-    (h.is_finite() && h.to_f32() == v).then_some(h)
-}
-
-/// One `Q4_0`/`Q4_1`/`Q8_0` block as 4 or 8 packed words, scale and bias (`None` on overflow).
-fn affine_block(t: GgmlType, b: &[u8], words: &mut [u32]) -> Option<(f16, f16)> {
-    let d = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
-    let pack4 = |qs: &[u8], words: &mut [u32]| {
-        // ggml: byte i holds element i (low nibble) and element i + 16 (high nibble).
-        let mut q = [0u8; 32];
-        for i in 0..16 {
-            q[i] = qs[i] & 0x0F;
-            q[i + 16] = qs[i] >> 4;
-        }
-        for (w, word) in words.iter_mut().enumerate() {
-            *word = (0..8).fold(0u32, |acc, j| acc | (q[8 * w + j] as u32) << (4 * j));
-        }
-    };
-    match t {
-        GgmlType::Q4_0 => {
-            pack4(&b[2..18], words);
-            Some((d, f16_times(d, -8.0)?))
-        }
-        GgmlType::Q4_1 => {
-            pack4(&b[4..20], words);
-            Some((d, f16::from_bits(u16::from_le_bytes([b[2], b[3]]))))
-        }
-        GgmlType::Q8_0 => {
-            // int8 q becomes the unsigned q + 128 (flipping the sign bit).
-            for (w, word) in words.iter_mut().enumerate() {
-                let q = &b[2 + 4 * w..6 + 4 * w];
-                *word = u32::from_le_bytes([q[0] ^ 0x80, q[1] ^ 0x80, q[2] ^ 0x80, q[3] ^ 0x80]);
-            }
-            Some((d, f16_times(d, -128.0)?))
-        }
-        _ => None,
-    }
-}
-
-/// Repacks a `Q4_0`, `Q4_1` or `Q8_0` tensor into MLX's affine layout, losslessly: `None` when a
-/// bias (`-8d`, `-128d`) does not fit in float16 (then the caller dequantises instead).
-pub(super) fn to_affine(t: GgmlType, data: &[u8], n_elems: usize) -> Option<Affine> {
-    let (bits, block_bytes) = match t {
-        GgmlType::Q4_0 => (4usize, 18usize),
-        GgmlType::Q4_1 => (4, 20),
-        GgmlType::Q8_0 => (8, 34),
-        _ => return None,
-    };
-    let n_blocks = n_elems / 32;
-    let wpb = bits; // 32 elements · bits / 32 bits per word
-    let mut a = Affine {
-        bits: bits as i32,
-        weight: vec![0; n_blocks * wpb],
-        scales: vec![f16::ZERO; n_blocks],
-        biases: vec![f16::ZERO; n_blocks],
-    };
-    if n_blocks == 0 {
-        return Some(a);
-    }
-    let per = n_blocks.div_ceil(threads_for(n_blocks, 2048));
-    let ok = std::thread::scope(|s| {
-        let handles: Vec<_> = a
-            .weight
-            .chunks_mut(per * wpb)
-            .zip(a.scales.chunks_mut(per))
-            .zip(a.biases.chunks_mut(per))
-            .zip(data.chunks(per * block_bytes))
-            .map(|(((w, sc), bi), src)| {
-                s.spawn(move || {
-                    for (i, b) in src.chunks_exact(block_bytes).enumerate() {
-                        let Some((scale, bias)) = affine_block(t, b, &mut w[i * wpb..(i + 1) * wpb]) else {
-                            return false;
-                        };
-                        sc[i] = scale;
-                        bi[i] = bias;
-                    }
-                    true
-                })
-            })
-            .collect();
-        handles.into_iter().all(|h| h.join().unwrap_or(false))
-    });
-    ok.then_some(a)
 }

@@ -1,18 +1,15 @@
 //! A pure-Rust reader of GGUF files (llama.cpp's single-file checkpoints, versions 2 and 3) that
-//! turns their tensors into rmlx [`Weight`]s.
+//! turns their tensors into rmlx [`Weight`](crate::weights::Weight)s.
 //!
 //! [`GgufFile::open`] memory-maps the file, parses the metadata and the tensor directory and checks
-//! that every tensor's data lies inside the file. [`GgufFile::load`] converts one tensor:
+//! that every tensor's data lies inside the file. [`GgufFile::load`] converts one tensor (`to_mlx.rs`):
 //!
-//! * `F32`, `F16`, `BF16`: a [`Weight::Dense`] of that dtype;
-//! * `Q4_0`, `Q4_1`, `Q8_0`: a [`Weight::Quantized`] in MLX's affine format (group size 32, 4 or 8
-//!   bits, float16 scales and biases), mapped losslessly: `Q4_0`'s `d·(q−8)` becomes scale `d`,
-//!   bias `−8d`; `Q4_1`'s `d·q + m` becomes scale `d`, bias `m`; `Q8_0`'s `d·q` becomes the unsigned
-//!   code `q + 128` with scale `d`, bias `−128d`. Should a bias overflow float16, the tensor is
-//!   dequantised to float32 instead;
+//! * `F32`, `F16`, `BF16`: a [`Weight::Dense`](crate::weights::Weight::Dense) of that dtype;
+//! * `Q4_0`, `Q4_1`, `Q8_0`: a [`Weight::Quantized`](crate::weights::Weight::Quantized) in MLX's
+//!   affine format, repacked losslessly (`to_mlx.rs` says how);
 //! * `Q5_0`, `Q5_1`, `Q8_1`, the k-quants `Q2_K`…`Q8_K`, `IQ4_NL`, `IQ4_XS`, `MXFP4` and the
 //!   integer and `F64` types: dequantised on the CPU (ggml's reference formulas) to a float32
-//!   [`Weight::Dense`].
+//!   [`Weight::Dense`](crate::weights::Weight::Dense).
 //!
 //! Shapes are row-major: GGUF lists dimensions fastest-first (`[ne0, ne1]`), rmlx gets `[ne1, ne0]`.
 //! What llama.cpp's converter did to particular architectures' tensors is undone beside each model
@@ -20,13 +17,10 @@
 
 mod dequant;
 mod directory;
+mod to_mlx;
 
-use crate::weights::Weight;
 use crate::{Error, Result};
-use half::{bf16, f16};
 use memmap2::Mmap;
-use rmlx::quantization::{QuantMode, Quantized};
-use rmlx::Array;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -446,65 +440,4 @@ impl GgufFile {
             }),
         }
     }
-
-    /// Converts a tensor (see the [module documentation](self) for what each type becomes).
-    /// [`Error::Config`] names the tensor and its type when the type is not supported.
-    pub fn load(&self, info: &TensorInfo) -> Result<Weight> {
-        let unsupported = || {
-            Error::Config(format!(
-                "{}: tensor `{}` has type {} ({}), which rmlx cannot convert",
-                self.path.display(),
-                info.name,
-                info.ggml_type,
-                info.ggml_type.id()
-            ))
-        };
-        let Some((block_elems, block_bytes)) = info.ggml_type.block_layout() else { return Err(unsupported()) };
-        let bytes = self.raw_bytes(info)?;
-        let shape: Vec<i32> =
-            info.shape.iter().map(|&d| i32::try_from(d)).collect::<std::result::Result<_, _>>().map_err(|_| {
-                Error::Config(format!("tensor `{}`: dimension of {:?} exceeds i32", info.name, info.shape))
-            })?;
-        let n = info.numel();
-        match info.ggml_type {
-            GgmlType::F32 => return Ok(Weight::Dense(dense(bytes, &shape, f32::from_le_bytes)?)),
-            GgmlType::F16 => return Ok(Weight::Dense(dense(bytes, &shape, f16::from_le_bytes)?)),
-            GgmlType::BF16 => return Ok(Weight::Dense(dense(bytes, &shape, bf16::from_le_bytes)?)),
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if !shape.is_empty() => {
-                if let Some(a) = dequant::to_affine(info.ggml_type, bytes, n) {
-                    let mut ws = shape.clone();
-                    let mut gs = shape.clone();
-                    let last = *shape.last().expect("non-empty");
-                    *ws.last_mut().expect("non-empty") = (last as i64 * a.bits as i64 / 32) as i32;
-                    *gs.last_mut().expect("non-empty") = last / 32;
-                    return Ok(Weight::Quantized(Quantized {
-                        weight: Array::from_slice(&a.weight, &ws)?,
-                        scales: Array::from_slice(&a.scales, &gs)?,
-                        biases: Some(Array::from_slice(&a.biases, &gs)?),
-                        group_size: 32,
-                        bits: a.bits,
-                        mode: QuantMode::Affine,
-                    }));
-                }
-            }
-            _ => {}
-        }
-        let f = dequant::decoder(info.ggml_type).ok_or_else(unsupported)?;
-        let values = dequant::dequantize(bytes, n, block_elems, block_bytes, f);
-        Ok(Weight::Dense(Array::from_slice(&values, &shape)?))
-    }
-}
-
-/// A dense array from little-endian `F32`/`F16`/`BF16` data: straight from the map when aligned on a
-/// little-endian host, else decoded element by element. `T` must be `f32`, `f16` or `bf16`.
-fn dense<T: rmlx::Element, const N: usize>(bytes: &[u8], shape: &[i32], conv: fn([u8; N]) -> T) -> Result<Array> {
-    debug_assert_eq!(std::mem::size_of::<T>(), N);
-    if cfg!(target_endian = "little") && bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0 {
-        // SAFETY: T is a plain float type of N bytes for which every bit pattern is valid, the
-        // pointer is aligned, and the slice covers `bytes.len() / N` whole elements.
-        let s = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / N) };
-        return Ok(Array::from_slice(s, shape)?);
-    }
-    let v: Vec<T> = bytes.chunks_exact(N).map(|b| conv(b.try_into().expect("N bytes"))).collect();
-    Ok(Array::from_slice(&v, shape)?)
 }

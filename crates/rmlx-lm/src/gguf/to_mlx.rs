@@ -1,0 +1,174 @@
+//! Converting a GGUF tensor into an rmlx [`Weight`]: the float types as they are, `Q4_0`, `Q4_1`
+//! and `Q8_0` repacked losslessly into MLX's affine layout (group size 32, float16 scales and
+//! biases: `Q4_0`'s `d·(q−8)` becomes scale `d`, bias `−8d`; `Q4_1`'s `d·q + m` scale `d`, bias
+//! `m`; `Q8_0`'s `d·q` the unsigned code `q + 128` with scale `d`, bias `−128d`; a bias that
+//! overflows float16 makes the tensor dequantised instead), every other type dequantised on the CPU
+//! by ggml's reference formulas (`dequant.rs`). The reader itself (`mod.rs`) only parses and checks.
+
+use super::dequant::{self, threads_for};
+use super::{GgmlType, GgufFile, TensorInfo};
+use crate::weights::Weight;
+use crate::{Error, Result};
+use half::{bf16, f16};
+use rmlx::quantization::{QuantMode, Quantized};
+use rmlx::Array;
+
+impl GgufFile {
+    /// Converts a tensor (see [`crate::gguf`] for what each type becomes).
+    /// [`Error::Config`] names the tensor and its type when the type is not supported.
+    pub fn load(&self, info: &TensorInfo) -> Result<Weight> {
+        let unsupported = || {
+            Error::Config(format!(
+                "{}: tensor `{}` has type {} ({}), which rmlx cannot convert",
+                self.path.display(),
+                info.name,
+                info.ggml_type,
+                info.ggml_type.id()
+            ))
+        };
+        let Some((block_elems, block_bytes)) = info.ggml_type.block_layout() else { return Err(unsupported()) };
+        let bytes = self.raw_bytes(info)?;
+        let shape: Vec<i32> =
+            info.shape.iter().map(|&d| i32::try_from(d)).collect::<std::result::Result<_, _>>().map_err(|_| {
+                Error::Config(format!("tensor `{}`: dimension of {:?} exceeds i32", info.name, info.shape))
+            })?;
+        let n = info.numel();
+        match info.ggml_type {
+            GgmlType::F32 => return Ok(Weight::Dense(dense(bytes, &shape, f32::from_le_bytes)?)),
+            GgmlType::F16 => return Ok(Weight::Dense(dense(bytes, &shape, f16::from_le_bytes)?)),
+            GgmlType::BF16 => return Ok(Weight::Dense(dense(bytes, &shape, bf16::from_le_bytes)?)),
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if !shape.is_empty() => {
+                if let Some(a) = to_affine(info.ggml_type, bytes, n) {
+                    let mut ws = shape.clone();
+                    let mut gs = shape.clone();
+                    let last = *shape.last().expect("non-empty");
+                    *ws.last_mut().expect("non-empty") = (last as i64 * a.bits as i64 / 32) as i32;
+                    *gs.last_mut().expect("non-empty") = last / 32;
+                    return Ok(Weight::Quantized(Quantized {
+                        weight: Array::from_slice(&a.weight, &ws)?,
+                        scales: Array::from_slice(&a.scales, &gs)?,
+                        biases: Some(Array::from_slice(&a.biases, &gs)?),
+                        group_size: 32,
+                        bits: a.bits,
+                        mode: QuantMode::Affine,
+                    }));
+                }
+            }
+            _ => {}
+        }
+        let f = dequant::decoder(info.ggml_type).ok_or_else(unsupported)?;
+        let values = dequant::dequantize(bytes, n, block_elems, block_bytes, f);
+        Ok(Weight::Dense(Array::from_slice(&values, &shape)?))
+    }
+}
+
+/// A dense array from little-endian `F32`/`F16`/`BF16` data: straight from the map when aligned on a
+/// little-endian host, else decoded element by element. `T` must be `f32`, `f16` or `bf16`.
+fn dense<T: rmlx::Element, const N: usize>(bytes: &[u8], shape: &[i32], conv: fn([u8; N]) -> T) -> Result<Array> {
+    debug_assert_eq!(std::mem::size_of::<T>(), N);
+    if cfg!(target_endian = "little") && bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0 {
+        // SAFETY: T is a plain float type of N bytes for which every bit pattern is valid, the
+        // pointer is aligned, and the slice covers `bytes.len() / N` whole elements.
+        let s = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / N) };
+        return Ok(Array::from_slice(s, shape)?);
+    }
+    let v: Vec<T> = bytes.chunks_exact(N).map(|b| conv(b.try_into().expect("N bytes"))).collect();
+    Ok(Array::from_slice(&v, shape)?)
+}
+
+/// A tensor repacked into MLX's affine layout with group size 32: `bits`-bit codes packed into
+/// `uint32` (element `j` of a word at bits `[j·bits, (j+1)·bits)`), float16 scale and bias per group.
+pub(super) struct Affine {
+    pub bits: i32,
+    pub weight: Vec<u32>,
+    pub scales: Vec<f16>,
+    pub biases: Vec<f16>,
+}
+
+/// `c · d` as float16 when exact; `None` when it overflows (or `d` is not finite).
+fn f16_times(d: f16, c: f32) -> Option<f16> {
+    let v = d.to_f32() * c;
+    let h = f16::from_f32(v);
+    (h.is_finite() && h.to_f32() == v).then_some(h)
+}
+
+/// One `Q4_0`/`Q4_1`/`Q8_0` block as 4 or 8 packed words, scale and bias (`None` on overflow).
+fn affine_block(t: GgmlType, b: &[u8], words: &mut [u32]) -> Option<(f16, f16)> {
+    let d = f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+    let pack4 = |qs: &[u8], words: &mut [u32]| {
+        // ggml: byte i holds element i (low nibble) and element i + 16 (high nibble).
+        let mut q = [0u8; 32];
+        for i in 0..16 {
+            q[i] = qs[i] & 0x0F;
+            q[i + 16] = qs[i] >> 4;
+        }
+        for (w, word) in words.iter_mut().enumerate() {
+            *word = (0..8).fold(0u32, |acc, j| acc | (q[8 * w + j] as u32) << (4 * j));
+        }
+    };
+    match t {
+        GgmlType::Q4_0 => {
+            pack4(&b[2..18], words);
+            Some((d, f16_times(d, -8.0)?))
+        }
+        GgmlType::Q4_1 => {
+            pack4(&b[4..20], words);
+            Some((d, f16::from_bits(u16::from_le_bytes([b[2], b[3]]))))
+        }
+        GgmlType::Q8_0 => {
+            // int8 q becomes the unsigned q + 128 (flipping the sign bit).
+            for (w, word) in words.iter_mut().enumerate() {
+                let q = &b[2 + 4 * w..6 + 4 * w];
+                *word = u32::from_le_bytes([q[0] ^ 0x80, q[1] ^ 0x80, q[2] ^ 0x80, q[3] ^ 0x80]);
+            }
+            Some((d, f16_times(d, -128.0)?))
+        }
+        _ => None,
+    }
+}
+
+/// Repacks a `Q4_0`, `Q4_1` or `Q8_0` tensor into MLX's affine layout, losslessly: `None` when a
+/// bias (`-8d`, `-128d`) does not fit in float16 (then the caller dequantises instead).
+pub(super) fn to_affine(t: GgmlType, data: &[u8], n_elems: usize) -> Option<Affine> {
+    let (bits, block_bytes) = match t {
+        GgmlType::Q4_0 => (4usize, 18usize),
+        GgmlType::Q4_1 => (4, 20),
+        GgmlType::Q8_0 => (8, 34),
+        _ => return None,
+    };
+    let n_blocks = n_elems / 32;
+    let wpb = bits; // 32 elements · bits / 32 bits per word
+    let mut a = Affine {
+        bits: bits as i32,
+        weight: vec![0; n_blocks * wpb],
+        scales: vec![f16::ZERO; n_blocks],
+        biases: vec![f16::ZERO; n_blocks],
+    };
+    if n_blocks == 0 {
+        return Some(a);
+    }
+    let per = n_blocks.div_ceil(threads_for(n_blocks, 2048));
+    let ok = std::thread::scope(|s| {
+        let handles: Vec<_> = a
+            .weight
+            .chunks_mut(per * wpb)
+            .zip(a.scales.chunks_mut(per))
+            .zip(a.biases.chunks_mut(per))
+            .zip(data.chunks(per * block_bytes))
+            .map(|(((w, sc), bi), src)| {
+                s.spawn(move || {
+                    for (i, b) in src.chunks_exact(block_bytes).enumerate() {
+                        let Some((scale, bias)) = affine_block(t, b, &mut w[i * wpb..(i + 1) * wpb]) else {
+                            return false;
+                        };
+                        sc[i] = scale;
+                        bi[i] = bias;
+                    }
+                    true
+                })
+            })
+            .collect();
+        handles.into_iter().all(|h| h.join().unwrap_or(false))
+    });
+    ok.then_some(a)
+}
