@@ -14,7 +14,7 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
 use rmlx_lm::engine::{Engine, EngineOptions, Request, Update, Usage};
-use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
+use rmlx_lm::{FinishReason, GenerateOptions, LanguageModel, LoadedModel};
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
@@ -34,19 +34,40 @@ pub struct Args {
     /// Print statistics after each reply.
     #[arg(long)]
     stats: bool,
+    /// Who runs the model: `native`, `mlx-lm` or `auto` (native when it has the architecture).
+    /// Only the native backend keeps the conversation's keys and values between turns.
+    #[arg(long, default_value = "auto")]
+    backend: String,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let sampler = a.sampling.checked_config()?;
-    let lm = a.model.load()?;
+    let mut model = a.model.open(&a.backend)?;
     let opts = GenerateOptions { max_tokens: a.max_tokens, sampler, ..GenerateOptions::default() };
     interrupt::install()?;
+    let info = model.info();
+    eprintln!(
+        "chatting with {} ({}) — /reset, /stats, /exit; Ctrl-C stops a reply",
+        info.source.display(),
+        info.backend
+    );
+    if let Some(lm) = model.as_native() {
+        // One sequence at a time; the prompt cache holds the conversation so far.
+        let mut engine = Engine::new(lm, EngineOptions { max_batch: 1, ..EngineOptions::default() });
+        converse(&a, &mut |messages, out| reply(lm, &mut engine, messages, &opts, out))
+    } else {
+        converse(&a, &mut |messages, out| reply_streamed(model.as_mut(), messages, &opts, out))
+    }
+}
+
+/// What answers a turn: streams the reply to `messages` into the writer.
+type Replier<'a> = dyn FnMut(&[Message], &mut std::io::Stdout) -> Result<(String, Usage, Duration)> + 'a;
+
+/// The conversation loop: reads messages and commands, and prints the replies.
+fn converse(a: &Args, reply: &mut Replier<'_>) -> Result<()> {
     let start: Vec<Message> = a.system.iter().map(|s| Message::system(s.as_str())).collect();
     let mut messages = start.clone();
     let mut stats = a.stats;
-    // One sequence at a time; the prompt cache holds the conversation so far.
-    let mut engine = Engine::new(&lm, EngineOptions { max_batch: 1, ..EngineOptions::default() });
-    eprintln!("chatting with {} — /reset, /stats, /exit; Ctrl-C stops a reply", lm.source.display());
     let mut stdin = std::io::stdin().lock();
     let mut out = std::io::stdout();
     loop {
@@ -76,7 +97,7 @@ pub fn run(a: Args) -> Result<()> {
             _ => {}
         }
         messages.push(Message::user(line));
-        match reply(&lm, &mut engine, &messages, &opts, &mut out) {
+        match reply(&messages, &mut out) {
             Ok((text, usage, decode_time)) => {
                 if stats {
                     let ttft = usage.time_to_first_token.unwrap_or_default().as_secs_f64().max(1e-9);
@@ -101,6 +122,52 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A reply through the backend-neutral interface (the mlx-lm backend): the whole conversation
+/// is the prompt each turn.
+fn reply_streamed(
+    lm: &mut dyn LanguageModel,
+    messages: &[Message],
+    opts: &GenerateOptions,
+    out: &mut impl Write,
+) -> Result<(String, Usage, Duration)> {
+    let _replying = Replying::start();
+    let mut stream = lm.chat(messages, opts)?;
+    let cancel = stream.cancel_handle();
+    let mut text = String::new();
+    for token in stream.by_ref() {
+        let token = match token {
+            Ok(t) => t,
+            Err(e) => {
+                if !text.is_empty() {
+                    writeln!(out)?;
+                }
+                return Err(e.into());
+            }
+        };
+        text.push_str(&token.text);
+        out.write_all(token.text.as_bytes())?;
+        out.flush()?;
+        if interrupt::requested() {
+            cancel.cancel();
+        }
+    }
+    let m = stream.metrics();
+    let reason = stream.finish_reason();
+    if !text.is_empty() || reason == Some(FinishReason::Cancelled) {
+        writeln!(out)?;
+    }
+    if reason == Some(FinishReason::Cancelled) {
+        eprintln!("(reply stopped)");
+    }
+    let usage = Usage {
+        prompt_tokens: m.prompt_tokens,
+        cached_tokens: 0,
+        completion_tokens: m.generated_tokens,
+        time_to_first_token: Some(m.time_to_first_token),
+    };
+    Ok((text, usage, m.decode_time))
 }
 
 /// Generates and streams the reply to `messages`; returns its text (what was shown, also when

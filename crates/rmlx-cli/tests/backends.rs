@@ -63,7 +63,10 @@ fn phi3_folder() -> PathBuf {
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
     });
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    std::fs::write(dir.join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#).unwrap();
+    // A chat template that writes the messages' contents one after another.
+    let config = r#"{"tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}"#;
+    std::fs::write(dir.join("tokenizer_config.json"), config).unwrap();
     dir
 }
 
@@ -86,6 +89,22 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
     assert_eq!(v["backend"], "mlx-lm");
     assert_eq!(v["token_ids"], serde_json::json!([381, 446, 277, 94, 168, 511, 488, 381]));
     assert_eq!(v["finish_reason"], "length");
+    // A conversation through the bridge: the template gives the prompt "t1 t2 t3 ".
+    let mut chat = Command::new(RMLX)
+        .args(["chat", "--model", m, "-m", "4"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    chat.stdin.take().unwrap().write_all(b"t1 t2 t3\n/exit\n").unwrap();
+    let out = chat.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let reply = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(reply.split_whitespace().collect::<Vec<_>>(), ["t381", "t446", "t277", "t94"], "{reply}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("(mlx-lm)"));
+
     let out = rmlx(&["generate", "--model", m, "-p", "t1", "--raw", "--backend", "native"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported architecture `phi3`"));
