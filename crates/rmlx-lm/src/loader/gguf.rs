@@ -1,6 +1,6 @@
 //! Building a model from a GGUF file: the configuration from `<arch>.*` metadata, llama.cpp tensor
-//! names mapped to Hugging Face ones (what llama.cpp's converter did undone by each
-//! architecture's [`GgufSpec::fix_up`]), and the tokenizer and chat template from `tokenizer.*` metadata.
+//! names mapped to Hugging Face ones (what llama.cpp's converter did undone by each architecture's
+//! [`GgufSpec::fix_up`]), and the tokenizer and chat template from `tokenizer.*` metadata.
 
 use super::{family, finish, LoadOptions, LoadedModel};
 use crate::chat::ChatTemplate;
