@@ -305,7 +305,8 @@ impl Backend for MlxLmBackend {
         let ready = probe(self)?;
         let known = ready.get("model_types").and_then(Value::as_array);
         if known.is_some_and(|k| !k.iter().any(|t| t.as_str() == Some(model_type.as_str()))) {
-            return Err(format!("mlx-lm {} has no `{model_type}` model", ready["mlx_lm_version"]));
+            let version = ready["mlx_lm_version"].as_str().unwrap_or("?");
+            return Err(format!("mlx-lm {version} has no `{model_type}` model"));
         }
         Ok(())
     }

@@ -156,8 +156,8 @@ pub struct ModelInfo {
     pub source: PathBuf,
 }
 
-/// A loaded model, whatever runs it. Not thread-safe: use it from one thread (MLX evaluates there).
-pub trait LanguageModel {
+/// A loaded model, whatever runs it. It may move between threads, but is used from one at a time.
+pub trait LanguageModel: Send {
     /// What the model is.
     fn info(&self) -> ModelInfo;
 
