@@ -91,6 +91,13 @@ fn same_greedy_tokens_classification_and_batch_as_native() {
         let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
         assert_eq!((&x.token_ids, &x.text, x.finish_reason), (&y.token_ids, &y.text, y.finish_reason));
     }
+    // Past end-of-sequence tokens: batch generation (mlx-lm's BatchGenerator without stop tokens)
+    // takes it, streamed generation refuses it by name.
+    let past = GenerateOptions { ignore_eos: true, ..gen.clone() };
+    let c = bridge.batch_generate(&prompts, &past).unwrap();
+    assert!(c.iter().all(|r| r.as_ref().unwrap().token_ids.len() == 6));
+    let err = bridge.generate(&tokens, &past).err().unwrap();
+    assert!(matches!(err, Error::InvalidParameter(ref m) if m.contains("ignore_eos")), "{err}");
     bridge.close().unwrap();
 }
 

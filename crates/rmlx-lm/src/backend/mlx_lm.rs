@@ -397,6 +397,13 @@ impl MlxLmModel {
         if opts.max_tokens == 0 {
             return Err(Error::InvalidParameter("the mlx-lm backend generates at least one token".into()));
         }
+        if opts.ignore_eos {
+            // mlx-lm's stream_generate always stops at end-of-sequence tokens.
+            return Err(Error::InvalidParameter(
+                "the mlx-lm backend's generation stops at end-of-sequence tokens (ignore_eos: native, or batch_generate)"
+                    .into(),
+            ));
+        }
         sampling(&mut request, opts);
         let p = self.running()?;
         let id = p.send(request)?;
@@ -421,6 +428,7 @@ fn sampling(request: &mut Value, opts: &GenerateOptions) {
     request["top_k"] = json!(s.top_k);
     request["min_p"] = json!(s.min_p);
     request["seed"] = json!(s.seed);
+    request["ignore_eos"] = json!(opts.ignore_eos);
 }
 
 fn prompt_fields(request: &mut Value, prompt: &Prompt) {

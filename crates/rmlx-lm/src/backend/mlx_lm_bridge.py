@@ -436,8 +436,9 @@ def op_batch_generate(req):
     metrics = {"prompt_tokens": 0, "generation_tokens": 0, "prompt_tps": 0.0,
                "generation_tps": 0.0, "peak_memory_gb": mx.get_peak_memory() / 1e9}
     if valid:
-        gen = BatchGenerator(model, max_tokens=max_tokens, sampler=sampler,
-                             stop_tokens=[[t] for t in tokenizer.eos_token_ids])
+        # "ignore_eos" (benchmarks): every prompt gets its max_tokens.
+        stop_tokens = [] if req.get("ignore_eos") else [[t] for t in tokenizer.eos_token_ids]
+        gen = BatchGenerator(model, max_tokens=max_tokens, sampler=sampler, stop_tokens=stop_tokens)
         try:
             uids = gen.insert([p for _, p in valid], [max_tokens] * len(valid))
             index = {uid: i for uid, (i, _) in zip(uids, valid)}
