@@ -5,6 +5,7 @@
 use crate::common::{count, ModelArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
+use rmlx_lm::backend::{finish_reason_name, ClassifyOptions, LanguageModel, Prompt};
 use rmlx_lm::chat::Message;
 use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
 use rmlx_lm::grammar::Grammar;
@@ -55,6 +56,10 @@ pub struct Args {
     /// Tokens reported per prompt with `--classify`.
     #[arg(long, default_value_t = 5, value_parser = count)]
     top: usize,
+    /// Who runs the model: `native` (the batching engine), `mlx-lm` (its own batch generation,
+    /// lines grouped by their settings; no `response_format`), or `auto`.
+    #[arg(long, default_value = "auto")]
+    backend: String,
 }
 
 /// One line of the prompts file.
@@ -107,9 +112,13 @@ fn encode(lm: &LoadedModel, line: &Line) -> rmlx_lm::Result<Vec<u32>> {
 pub fn run(a: Args) -> Result<()> {
     let base = a.sampling.checked_config()?;
     let lines = read_lines(&a.prompts)?;
-    let lm = a.model.load()?;
+    let mut model = a.model.open(&a.backend)?;
+    let Some(lm) = model.as_native() else {
+        let results = through_interface(&a, model.as_mut(), &lines, &base)?;
+        return write_results(&a, &results);
+    };
     let mut engine = Engine::new(
-        &lm,
+        lm,
         EngineOptions { max_batch: a.max_batch, prefill_batch: a.prefill_batch, ..EngineOptions::default() },
     );
     let start = std::time::Instant::now();
@@ -130,7 +139,7 @@ pub fn run(a: Args) -> Result<()> {
             ignore_eos: a.classify || a.ignore_eos,
             ..GenerateOptions::default()
         };
-        let prompt = encode(&lm, line).with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
+        let prompt = encode(lm, line).with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
         let seq = engine
             .submit(Request { prompt, options, top_logprobs, grammar: line.grammar.clone(), ..Default::default() })
             .with_context(|| format!("{}, prompt {}", a.prompts.display(), i + 1))?;
@@ -182,15 +191,94 @@ pub fn run(a: Args) -> Result<()> {
         generated as f64 / secs.max(1e-9),
         rmlx::memory::peak_memory() as f64 / 1e9
     );
+    write_results(&a, &results)
+}
+
+/// The results, one JSON line each, to `--output` or stdout.
+fn write_results(a: &Args, results: &[Value]) -> Result<()> {
     let mut out: Box<dyn Write> = match &a.output {
         Some(p) => Box::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
         )),
         None => Box::new(std::io::stdout().lock()),
     };
-    for r in &results {
+    for r in results {
         writeln!(out, "{r}")?;
     }
     out.flush()?;
     Ok(())
+}
+
+/// A backend other than the native one: `classify`, or `batch_generate` once per group of lines
+/// that share their settings (token budget, temperature, seed).
+fn through_interface(
+    a: &Args,
+    lm: &mut dyn LanguageModel,
+    lines: &[Line],
+    base: &rmlx_lm::sample::SamplerConfig,
+) -> Result<Vec<Value>> {
+    if let Some(i) = lines.iter().position(|l| l.response_format.is_some()) {
+        bail!("{}, line {}: response_format needs the native backend", a.prompts.display(), i + 1);
+    }
+    let prompt = |l: &Line| match (&l.prompt, &l.messages) {
+        (Some(p), _) => Prompt::Text(p.clone()),
+        (_, Some(m)) => Prompt::Chat(m.clone()),
+        _ => unreachable!("checked when read"),
+    };
+    let mut results: Vec<Value> = lines.iter().enumerate().map(|(i, l)| json!({"index": i, "id": l.id})).collect();
+    let start = std::time::Instant::now();
+    if a.classify {
+        let prompts: Vec<Prompt> = lines.iter().map(prompt).collect();
+        let opts = ClassifyOptions { top_logprobs: a.top, ..ClassifyOptions::default() };
+        for (r, c) in results.iter_mut().zip(lm.classify(&prompts, &opts)?) {
+            r["prompt_tokens"] = json!(c.prompt_tokens);
+            r["top"] = c.top.iter().map(|t| json!({"id": t.id, "token": t.token, "logprob": t.logprob})).collect();
+        }
+    } else {
+        // Lines that share (max_tokens, temperature bits, seed) go together.
+        type Settings = (usize, u32, Option<u64>);
+        let mut groups: Vec<(Settings, Vec<usize>)> = Vec::new();
+        for (i, l) in lines.iter().enumerate() {
+            let key = (
+                l.max_tokens.unwrap_or(a.max_tokens),
+                l.temperature.unwrap_or(base.temperature).to_bits(),
+                l.seed.or(base.seed),
+            );
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((key, vec![i])),
+            }
+        }
+        let progress = Progress::new(true, "generating", lines.len() as u64);
+        for ((max_tokens, temperature, seed), members) in groups {
+            let mut sampler = base.clone();
+            sampler.temperature = f32::from_bits(temperature);
+            sampler.seed = seed;
+            let opts = GenerateOptions {
+                max_tokens,
+                sampler,
+                stop_strings: a.stop.clone(),
+                ignore_eos: a.ignore_eos,
+                ..GenerateOptions::default()
+            };
+            let prompts: Vec<Prompt> = members.iter().map(|&i| prompt(&lines[i])).collect();
+            for (&i, c) in members.iter().zip(lm.batch_generate(&prompts, &opts)?) {
+                let c = c.with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
+                let r = &mut results[i];
+                r["prompt_tokens"] = json!(c.prompt_tokens);
+                r["text"] = json!(c.text);
+                r["completion_tokens"] = json!(c.token_ids.len());
+                r["finish_reason"] = json!(finish_reason_name(c.finish_reason));
+                progress.inc(1);
+            }
+        }
+        progress.finish();
+    }
+    eprintln!(
+        "{} prompts through the {} backend in {:.2} s",
+        lines.len(),
+        lm.info().backend,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(results)
 }

@@ -88,8 +88,18 @@ impl ModelArgs {
             let args = ModelArgs { model: Some(path), ..self.clone() };
             return Ok(Box::new(rmlx_lm::backend::native::NativeModel::new(args.load()?)));
         }
-        if self.adapter_path.is_some() {
-            bail!("--adapter-path needs the native backend");
+        let native_only = [
+            ("--adapter-path", self.adapter_path.is_some()),
+            ("--dtype", self.dtype.is_some()),
+            ("--keep-quantized", self.keep_quantized),
+            ("--dequantize", self.dequantize),
+        ];
+        if let Some((flag, _)) = native_only.iter().find(|(_, set)| *set) {
+            let by = match &choice {
+                BackendChoice::Named(name) => format!("--backend {name}"),
+                BackendChoice::Auto => "another backend: the native one does not support it".into(),
+            };
+            bail!("{flag} needs the native backend, and {} is loaded with {by}", path.display());
         }
         let mut opts = self.options(false)?;
         opts.backend = choice;

@@ -105,6 +105,36 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
     assert_eq!(reply.split_whitespace().collect::<Vec<_>>(), ["t381", "t446", "t277", "t94"], "{reply}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("(mlx-lm)"));
 
+    // rmlx batch through mlx-lm: lines grouped by their settings, in input order; --classify.
+    let prompts = model.join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        concat!(
+            r#"{"id": "a", "prompt": "t1 t2 t3", "max_tokens": 4}"#,
+            "\n",
+            r#"{"id": "b", "messages": [{"role": "user", "content": "t1 t2 t3"}], "max_tokens": 4}"#,
+            "\n",
+            r#"{"id": "c", "prompt": "t1 t2 t3", "max_tokens": 2}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let p = prompts.to_str().unwrap();
+    let out = rmlx(&["batch", "--model", m, "--prompts", p]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let texts: Vec<&str> = lines.iter().map(|l| l["text"].as_str().unwrap().trim()).collect();
+    assert_eq!(texts, ["t381 t446 t277 t94", "t381 t446 t277 t94", "t381 t446"]);
+    assert_eq!(lines[2]["id"], "c");
+    assert_eq!(lines[0]["finish_reason"], "length");
+    let out = rmlx(&["batch", "--model", m, "--prompts", p, "--classify", "--top", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let first: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
+    assert_eq!(first["top"][0]["id"], 381);
+    assert_eq!(first["top"][0]["token"], "t381");
+    assert_eq!(first["top"].as_array().unwrap().len(), 2);
+
     let out = rmlx(&["generate", "--model", m, "-p", "t1", "--raw", "--backend", "native"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported architecture `phi3`"));

@@ -44,9 +44,10 @@ fn classify_batched_matches_transformers_per_prompt() {
             assert!(d < tol, "{name}, prefix {n}: max |Δlogit| {d} > {tol}");
             let argmax = (0..vocab).max_by(|&a, &b| want[a].total_cmp(&want[b])).unwrap() as u32;
             assert_eq!(c.token_id, argmax, "{name}, prefix {n}");
-            assert_eq!(c.top[0].0, argmax);
+            assert_eq!((c.top[0].id, c.top[0].token.as_str()), (argmax, c.token.as_str()));
             assert_eq!(c.top.len(), 3);
-            assert!(c.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            assert!(c.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+            assert_eq!(c.top[0].logprob, c.logprob);
             assert_eq!(c.prompt_tokens, n);
             assert_eq!(c.token, format!("t{argmax}"));
             // log-softmax of the reference row at the chosen token

@@ -22,9 +22,11 @@ fn mlx_lm_installed() {
 }
 
 /// mlx-lm reads the word-level tokenizer through transformers' generic fast tokenizer.
+/// The template writes the messages' contents one after another.
 fn with_tokenizer_config(dir: &TempDir) {
-    std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"tokenizer_class": "PreTrainedTokenizerFast"}"#)
-        .unwrap();
+    let config = r#"{"tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}"#;
+    std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
 }
 
 fn load(dir: &Path, backend: &str) -> Box<dyn LanguageModel> {
@@ -76,7 +78,9 @@ fn same_greedy_tokens_classification_and_batch_as_native() {
     let b = bridge.classify(&prompts, &opts).unwrap();
     for (x, y) in a.iter().zip(&b) {
         assert_eq!((x.token_id, &x.token, x.prompt_tokens), (y.token_id, &y.token, y.prompt_tokens));
-        assert_eq!(x.top.iter().map(|t| t.0).collect::<Vec<_>>(), y.top.iter().map(|t| t.0).collect::<Vec<_>>());
+        let top =
+            |c: &rmlx_lm::backend::Classification| c.top.iter().map(|t| (t.id, t.token.clone())).collect::<Vec<_>>();
+        assert_eq!(top(x), top(y));
         let (lx, ly) = (x.logits.as_ref().unwrap(), y.logits.as_ref().unwrap());
         let d = lx.iter().zip(ly).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max);
         assert!(d < 1e-4, "max |Δlogit| {d}");
@@ -91,6 +95,23 @@ fn same_greedy_tokens_classification_and_batch_as_native() {
         let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
         assert_eq!((&x.token_ids, &x.text, x.finish_reason), (&y.token_ids, &y.text, y.finish_reason));
     }
+    // Conversations and mixed kinds of prompts: both backends render the folder's chat template.
+    let chat = vec![rmlx_lm::chat::Message::user("t16 t377"), rmlx_lm::chat::Message::user("t147")];
+    let mixed = vec![Prompt::Chat(chat.clone()), Prompt::Tokens(prompt[..5].to_vec()), Prompt::from("t3 t4 t5")];
+    let a = native.batch_generate(&mixed, &gen).unwrap();
+    let b = bridge.batch_generate(&mixed, &gen).unwrap();
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.as_ref().unwrap().token_ids, y.as_ref().unwrap().token_ids);
+    }
+    // The conversation renders to "t16 t377 t147 ": the reference prompt's first three ids.
+    assert_eq!(a[0].as_ref().unwrap().prompt_tokens, 3);
+    assert_eq!(b[0].as_ref().unwrap().prompt_tokens, 3);
+    let x = native.classify(&mixed, &opts).unwrap();
+    let y = bridge.classify(&mixed, &opts).unwrap();
+    assert_eq!(x.iter().map(|c| c.token_id).collect::<Vec<_>>(), y.iter().map(|c| c.token_id).collect::<Vec<_>>());
+    let streamed: Vec<u32> = bridge.generate(&Prompt::Chat(chat), &gen).unwrap().map(|t| t.unwrap().id).collect();
+    assert_eq!(streamed, a[0].as_ref().unwrap().token_ids);
+
     // Past end-of-sequence tokens: batch generation (mlx-lm's BatchGenerator without stop tokens)
     // takes it, streamed generation refuses it by name.
     let past = GenerateOptions { ignore_eos: true, ..gen.clone() };
@@ -109,7 +130,10 @@ fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
         std::fs::copy(fixture_dir("phi3_mlx_lm").join(f), dir.path().join(f)).unwrap();
     }
     std::fs::write(dir.path().join("tokenizer.json"), word_tokenizer(512)).unwrap();
-    with_tokenizer_config(&dir);
+    // A template that refuses system messages.
+    let config = r#"{"tokenizer_class": "PreTrainedTokenizerFast", "chat_template":
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}{{ m['content'] }} {% endfor %}"}"#;
+    std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
     let native_only = LoadOptions { backend: "native".parse().unwrap(), ..LoadOptions::default() };
     assert!(matches!(rmlx_lm::load(dir.path(), &native_only), Err(Error::UnsupportedArchitecture { .. })));
     let mut lm = load(dir.path(), "auto");
@@ -138,12 +162,12 @@ fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
     drop(stream);
     assert_eq!(greedy(lm.as_mut(), &Prompt::from("t1 t2 t3"), 2), [381, 446]);
 
-    // No chat template in this folder: the bridge's error, as an Err.
-    let err = match lm.chat(&[rmlx_lm::chat::Message::user("t5")], &opts) {
+    // A chat template that fails: the bridge's error, as an Err.
+    let err = match lm.chat(&[rmlx_lm::chat::Message::system("t5")], &opts) {
         Err(e) => e,
         Ok(mut s) => s.next().unwrap().unwrap_err(),
     };
-    assert!(matches!(err, Error::Backend { ref message, .. } if message.contains("template")), "{err}");
+    assert!(matches!(err, Error::Backend { ref message, .. } if message.contains("no system messages")), "{err}");
 }
 
 #[test]

@@ -8,8 +8,8 @@
 //! * it starts with `{"ready": true, "mlx_lm_version", "mlx_version", "model_types"}`;
 //! * requests carry `"op"` and an integer `"id"`: `load {path}`, `info`, `generate {prompt |
 //!   prompt_tokens, max_tokens, temperature, top_p, top_k, min_p, seed}`, `chat {messages, ...}`,
-//!   `classify {prompt_tokens | prompts, top_logprobs, logits}`, `batch_generate {...}`,
-//!   `cancel {target}`, `quit`;
+//!   `classify {inputs, top_logprobs, logits}` and `batch_generate {inputs, ...}` (each input
+//!   `{prompt}`, `{prompt_tokens}` or `{messages}`), `cancel {target}`, `quit`;
 //! * a generation streams `{"id", "token", "token_id", "logprob"}` lines and ends with
 //!   `{"id", "done": true, "finish_reason", "metrics"}`; other requests get one `{"id", "ok": true,
 //!   ...}` line; a failure is `{"id", "error", "kind"}`.
@@ -18,7 +18,9 @@
 //! [`Error::Backend`] and killed; the next call starts a new one and loads the model again.
 //! Stop strings are applied on this side ([`crate::text_stream::StopFilter`]).
 
-use super::{Backend, Classification, ClassifyOptions, Completion, LanguageModel, ModelInfo, Prompt, TokenStream};
+use super::{
+    Backend, Candidate, Classification, ClassifyOptions, Completion, LanguageModel, ModelInfo, Prompt, TokenStream,
+};
 use crate::chat::Message;
 use crate::generate::{CancelHandle, FinishReason, GenerateOptions, Metrics, Token};
 use crate::loader::LoadOptions;
@@ -431,25 +433,13 @@ fn sampling(request: &mut Value, opts: &GenerateOptions) {
     request["ignore_eos"] = json!(opts.ignore_eos);
 }
 
-fn prompt_fields(request: &mut Value, prompt: &Prompt) {
+/// One prompt as the bridge takes it: `{"prompt"}`, `{"prompt_tokens"}` or `{"messages"}`.
+fn input_of(prompt: &Prompt) -> Value {
     match prompt {
-        Prompt::Text(t) => request["prompt"] = json!(t),
-        Prompt::Tokens(ids) => request["prompt_tokens"] = json!(ids),
+        Prompt::Text(t) => json!({"prompt": t}),
+        Prompt::Tokens(ids) => json!({"prompt_tokens": ids}),
+        Prompt::Chat(messages) => json!({"messages": messages}),
     }
-}
-
-/// The prompts of a batched request: all token ids, or all texts (the bridge takes one kind).
-fn prompts_field(request: &mut Value, prompts: &[Prompt]) -> Result<()> {
-    if prompts.iter().all(|p| matches!(p, Prompt::Tokens(_))) {
-        request["prompt_tokens"] =
-            prompts.iter().map(|p| if let Prompt::Tokens(t) = p { json!(t) } else { json!([]) }).collect();
-    } else if prompts.iter().all(|p| matches!(p, Prompt::Text(_))) {
-        request["prompts"] =
-            prompts.iter().map(|p| if let Prompt::Text(t) = p { json!(t) } else { json!("") }).collect();
-    } else {
-        return Err(Error::InvalidParameter("the mlx-lm backend takes prompts all as text or all as token ids".into()));
-    }
-    Ok(())
 }
 
 fn info_from(v: &Value, path: &Path) -> ModelInfo {
@@ -634,8 +624,8 @@ impl LanguageModel for MlxLmModel {
     }
 
     fn generate<'a>(&'a mut self, prompt: &Prompt, opts: &GenerateOptions) -> Result<Box<dyn TokenStream + 'a>> {
-        let mut request = json!({"op": "generate"});
-        prompt_fields(&mut request, prompt);
+        let mut request = input_of(prompt);
+        request["op"] = json!(if matches!(prompt, Prompt::Chat(_)) { "chat" } else { "generate" });
         self.stream(request, opts)
     }
 
@@ -645,8 +635,9 @@ impl LanguageModel for MlxLmModel {
     }
 
     fn classify(&mut self, prompts: &[Prompt], opts: &ClassifyOptions) -> Result<Vec<Classification>> {
-        let mut request = json!({"op": "classify", "top_logprobs": opts.top_logprobs, "logits": opts.logits});
-        prompts_field(&mut request, prompts)?;
+        let inputs: Vec<Value> = prompts.iter().map(input_of).collect();
+        let request =
+            json!({"op": "classify", "inputs": inputs, "top_logprobs": opts.top_logprobs, "logits": opts.logits});
         let reply = self.call(request)?;
         let results = reply["results"].as_array().cloned().unwrap_or_default();
         if results.len() != prompts.len() {
@@ -658,7 +649,11 @@ impl LanguageModel for MlxLmModel {
                 .as_array()
                 .map(|t| {
                     t.iter()
-                        .map(|p| (p[0].as_u64().unwrap_or(0) as u32, p[1].as_f64().unwrap_or(f64::NAN) as f32))
+                        .map(|p| Candidate {
+                            id: p[0].as_u64().unwrap_or(0) as u32,
+                            logprob: p[1].as_f64().map_or(f32::NAN, |x| x as f32),
+                            token: p[2].as_str().unwrap_or("").to_string(),
+                        })
                         .collect()
                 })
                 .unwrap_or_default();
@@ -681,8 +676,8 @@ impl LanguageModel for MlxLmModel {
 
     fn batch_generate(&mut self, prompts: &[Prompt], opts: &GenerateOptions) -> Result<Vec<Result<Completion>>> {
         opts.sampler.validate()?;
-        let mut request = json!({"op": "batch_generate"});
-        prompts_field(&mut request, prompts)?;
+        let inputs: Vec<Value> = prompts.iter().map(input_of).collect();
+        let mut request = json!({"op": "batch_generate", "inputs": inputs});
         sampling(&mut request, opts);
         let reply = self.call(request)?;
         let results = reply["results"].as_array().cloned().unwrap_or_default();

@@ -261,16 +261,30 @@ def check_tokens(tokens, what):
     return tokens
 
 
-def prompt_list(req):
-    """The token lists of a batched request ("prompts" texts or "prompt_tokens" lists)."""
+def prompt_list(req, per_prompt_errors=False):
+    """The token lists of a batched request: "inputs" (objects, each {"prompt": text},
+    {"prompt_tokens": ids} or {"messages": [...]}), "prompts" (texts) or "prompt_tokens" (lists).
+    With per_prompt_errors, an input that cannot be encoded becomes its BridgeError."""
     _, tokenizer, _ = loaded()
+    if isinstance(req.get("inputs"), list) and req["inputs"]:
+        out = []
+        for x in req["inputs"]:
+            try:
+                if not isinstance(x, dict):
+                    raise bad('an input is an object with "prompt", "prompt_tokens" or "messages"')
+                out.append(prompt_of(x, "messages" in x))
+            except BridgeError as e:
+                if not per_prompt_errors:
+                    raise
+                out.append(e)
+        return out
     if isinstance(req.get("prompts"), list) and req["prompts"]:
         if not all(isinstance(p, str) for p in req["prompts"]):
             raise bad('"prompts" must be a list of strings')
         return [tokenizer.encode(p) for p in req["prompts"]]
     if isinstance(req.get("prompt_tokens"), list) and req["prompt_tokens"]:
         return list(req["prompt_tokens"])
-    raise bad('needs "prompts" (non-empty list of strings) or "prompt_tokens" (list of lists)')
+    raise bad('needs "inputs", "prompts" (non-empty list of strings) or "prompt_tokens" (list of lists)')
 
 
 def prompt_of(req, chat):
@@ -411,7 +425,7 @@ def op_classify(req):
     for i, g in enumerate(greedy.tolist()):
         lp = logprobs[i]
         r = {"prompt_tokens": lengths[i], "token_id": g, "token": tokenizer.decode([g]),
-             "logprob": lp[g].item(), "top": [[t, lp[t].item()] for t in order[i].tolist()]}
+             "logprob": lp[g].item(), "top": [[t, lp[t].item(), tokenizer.decode([t])] for t in order[i].tolist()]}
         if want_logits:
             r["logits"] = last[i].tolist()
         results.append(r)
@@ -423,11 +437,13 @@ def op_batch_generate(req):
     model, tokenizer, _ = loaded()
     max_tokens, sampler, seed, stops = sampling(req)
     req_id = req["id"]
-    prompts = prompt_list(req)
+    prompts = prompt_list(req, per_prompt_errors=True)
     results = [None] * len(prompts)
     valid = []
     for i, p in enumerate(prompts):
         try:
+            if isinstance(p, BridgeError):
+                raise p
             valid.append((i, check_tokens(p, "a prompt")))
         except BridgeError as e:
             results[i] = {"error": str(e)}

@@ -41,11 +41,13 @@ use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock, RwLock};
 
-/// A prompt: text (encoded as the tokenizer does by default, special tokens included) or token ids.
+/// A prompt: text (encoded as the tokenizer does by default, special tokens included), token ids,
+/// or a conversation (the model's chat template, with the generation prompt).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
+    Chat(Vec<Message>),
 }
 
 impl From<&str> for Prompt {
@@ -57,6 +59,12 @@ impl From<&str> for Prompt {
 impl From<String> for Prompt {
     fn from(s: String) -> Self {
         Prompt::Text(s)
+    }
+}
+
+impl From<Vec<Message>> for Prompt {
+    fn from(messages: Vec<Message>) -> Self {
+        Prompt::Chat(messages)
     }
 }
 
@@ -86,11 +94,19 @@ pub struct Classification {
     pub token_id: u32,
     pub token: String,
     pub logprob: f32,
-    /// The `top_logprobs` most likely tokens, most likely first: `(id, log-probability)`.
-    pub top: Vec<(u32, f32)>,
+    /// The `top_logprobs` most likely tokens, most likely first.
+    pub top: Vec<Candidate>,
     /// All the last position's logits (float32), when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub logits: Option<Vec<f32>>,
+}
+
+/// One of the most likely next tokens.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    pub id: u32,
+    pub token: String,
+    pub logprob: f32,
 }
 
 /// How to classify.
@@ -161,7 +177,7 @@ pub trait LanguageModel: Send {
     /// What the model is.
     fn info(&self) -> ModelInfo;
 
-    /// Generates after `prompt` (no chat template).
+    /// Generates after `prompt` (the chat template only for [`Prompt::Chat`]).
     fn generate<'a>(&'a mut self, prompt: &Prompt, opts: &GenerateOptions) -> Result<Box<dyn TokenStream + 'a>>;
 
     /// Generates the assistant's reply to `messages` (the model's chat template).

@@ -2,7 +2,9 @@
 //! [`Generation`]s; classification is a padded, batched prefill (the layout the engine uses for
 //! newcomers, [`BatchCache::padded`]); batch generation runs the continuous-batching [`Engine`].
 
-use super::{Backend, Classification, ClassifyOptions, Completion, LanguageModel, ModelInfo, Prompt, TokenStream};
+use super::{
+    Backend, Candidate, Classification, ClassifyOptions, Completion, LanguageModel, ModelInfo, Prompt, TokenStream,
+};
 use crate::cache::{BatchCache, KvCache};
 use crate::chat::Message;
 use crate::engine::{Engine, EngineOptions, Request, Update};
@@ -77,6 +79,7 @@ impl NativeModel {
                 self.lm.vocab.check(ids)?;
                 Ok(ids.clone())
             }
+            Prompt::Chat(messages) => self.lm.chat_prompt(messages),
         }
     }
 }
@@ -328,6 +331,10 @@ fn classify_rows(lm: &LoadedModel, rows: &[&[u32]], opts: &ClassifyOptions) -> R
             None => Vec::new(),
         };
         row_top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let row_top = row_top
+            .into_iter()
+            .map(|(id, logprob)| Ok(Candidate { id, token: lm.tokenizer.decode(&[id], false)?, logprob }))
+            .collect::<Result<Vec<_>>>()?;
         let id = best[r] as u32;
         out.push(Some(Classification {
             prompt_tokens: prompt.len(),
