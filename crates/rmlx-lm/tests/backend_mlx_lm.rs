@@ -119,6 +119,11 @@ fn same_greedy_tokens_classification_and_batch_as_native() {
     assert!(c.iter().all(|r| r.as_ref().unwrap().token_ids.len() == 6));
     let err = bridge.generate(&tokens, &past).err().unwrap();
     assert!(matches!(err, Error::InvalidParameter(ref m) if m.contains("ignore_eos")), "{err}");
+    // Sampling the bridge does not do is refused by name, not ignored.
+    let mut penalised = gen.clone();
+    penalised.sampler.repetition_penalty = 1.3;
+    let err = bridge.batch_generate(&prompts, &penalised).err().unwrap();
+    assert!(matches!(err, Error::InvalidParameter(ref m) if m.contains("repetition_penalty")), "{err}");
     bridge.close().unwrap();
 }
 

@@ -395,7 +395,7 @@ impl MlxLmModel {
     }
 
     fn stream<'a>(&'a mut self, mut request: Value, opts: &GenerateOptions) -> Result<Box<dyn TokenStream + 'a>> {
-        opts.sampler.validate()?;
+        check_supported(opts)?;
         if opts.max_tokens == 0 {
             return Err(Error::InvalidParameter("the mlx-lm backend generates at least one token".into()));
         }
@@ -418,6 +418,25 @@ impl MlxLmModel {
             finish: None,
             metrics: Metrics::default(),
         }))
+    }
+}
+
+/// Refuses what the bridge does not do (rather than ignoring it): the penalties, logit bias and
+/// a context limit.
+fn check_supported(opts: &GenerateOptions) -> Result<()> {
+    let s = &opts.sampler;
+    let unsupported = [
+        ("repetition_penalty", s.repetition_penalty != 1.0),
+        ("presence_penalty", s.presence_penalty != 0.0),
+        ("frequency_penalty", s.frequency_penalty != 0.0),
+        ("logit_bias", !s.logit_bias.is_empty()),
+        ("context_limit", opts.context_limit.is_some()),
+    ];
+    match unsupported.iter().find(|(_, set)| *set) {
+        Some((name, _)) => Err(Error::InvalidParameter(format!(
+            "{name} is not supported by the mlx-lm backend (it takes temperature, top_p, top_k, min_p, seed, stop strings)"
+        ))),
+        None => opts.sampler.validate(),
     }
 }
 
@@ -675,7 +694,7 @@ impl LanguageModel for MlxLmModel {
     }
 
     fn batch_generate(&mut self, prompts: &[Prompt], opts: &GenerateOptions) -> Result<Vec<Result<Completion>>> {
-        opts.sampler.validate()?;
+        check_supported(opts)?;
         let inputs: Vec<Value> = prompts.iter().map(input_of).collect();
         let mut request = json!({"op": "batch_generate", "inputs": inputs});
         sampling(&mut request, opts);
