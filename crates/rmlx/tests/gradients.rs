@@ -654,7 +654,7 @@ fn gpu_float32_gradients_agree_with_cpu_float64() {
             // computation from Python (mlx.core on CUDA) is off by up to 1.28 against the CPU, while
             // widths 64 and 1024 agree to 2e-6. Not rmlx's: skipped here, reported upstream-worthy.
             let mlx_cuda_layer_norm_bug = name == "layer_norm" && arg == 0;
-            if !(worst <= 5e-2) && !mlx_cuda_layer_norm_bug {
+            if (worst.is_nan() || worst > 5e-2) && !mlx_cuda_layer_norm_bug {
                 failures.push(what);
             }
         }
