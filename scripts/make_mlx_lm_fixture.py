@@ -3,7 +3,7 @@
 
 The native backend does not implement ``phi3`` (fused ``qkv_proj`` and ``gate_up_proj``, partial
 rotary embedding), so this model can only run through the mlx-lm bridge
-(``crates/rmlx-lm/src/backend/mlx_lm_bridge.py``). Run it with mlx-lm's Python, e.g.:
+(``crates/rmlx-lm/src/backend/mlx_lm/bridge.py``). Run it with mlx-lm's Python, e.g.:
 
     python3 -m pip install --target /root/.cache/rmlx/mlx-lm-0.32.2 \\
         "mlx[cpu]==0.32.4" "mlx-lm==0.32.2"
