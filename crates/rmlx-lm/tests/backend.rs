@@ -72,12 +72,16 @@ fn classify_batched_matches_transformers_per_prompt() {
 }
 
 #[test]
-fn classify_refuses_empty_and_out_of_vocabulary_prompts() {
-    let dir = fixture_with_tokenizer("llama_gqa");
+fn classify_refuses_empty_too_long_and_out_of_vocabulary_prompts() {
+    let dir = fixture_with_tokenizer("qwen2");
     let mut lm = native(dir.path());
     let opts = ClassifyOptions::default();
     let err = lm.classify(&[Prompt::Tokens(vec![1, 2]), Prompt::Tokens(vec![])], &opts).unwrap_err();
     assert!(matches!(err, Error::Prompt(ref m) if m.contains("prompt 1")), "{err}");
+    // qwen2's config allows 256 positions.
+    let long = Prompt::Tokens(vec![5; 257]);
+    let err = lm.classify(&[Prompt::Tokens(vec![1]), long], &opts).unwrap_err();
+    assert!(matches!(err, Error::Prompt(ref m) if m.contains("prompt 1 has 257 tokens")), "{err}");
     let vocab = lm.info().vocab_size as u32;
     let err = lm.classify(&[Prompt::Tokens(vec![vocab])], &opts).unwrap_err();
     assert!(matches!(err, Error::Prompt(_)), "{err}");

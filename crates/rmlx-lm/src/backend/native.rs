@@ -159,6 +159,14 @@ impl LanguageModel for NativeModel {
         if let Some(i) = ids.iter().position(Vec::is_empty) {
             return Err(Error::Prompt(format!("prompt {i} is empty")));
         }
+        if let Some(limit) = self.lm.model.config().max_position_embeddings {
+            if let Some(i) = ids.iter().position(|p| p.len() > limit) {
+                return Err(Error::Prompt(format!(
+                    "prompt {i} has {} tokens, more than the context limit of {limit}",
+                    ids[i].len()
+                )));
+            }
+        }
         let mut results: Vec<Option<Classification>> = vec![None; ids.len()];
         for group in groups(&ids, opts.max_batch_tokens) {
             let rows = group.iter().map(|&i| ids[i].as_slice()).collect::<Vec<_>>();
