@@ -30,6 +30,7 @@
 
 pub mod backend;
 pub mod cache;
+pub mod cache_dir;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;

@@ -314,6 +314,19 @@ pub fn apply_min_p(logprobs: &Array, min_p: f32, min_tokens_to_keep: usize) -> R
     Ok(ops::r#where(&remove, &neg_inf(logprobs.dtype())?, logprobs)?)
 }
 
+/// The `k` most likely tokens of each row of `logprobs: [rows, vocab]`, in no particular order:
+/// their ids `[rows, k]` (uint32) and log-probabilities `[rows, k]`. `k` must be in `1..=vocab`.
+pub fn top_candidates(logprobs: &Array, k: i32) -> Result<(Array, Array)> {
+    let ids = ops::argpartition(&logprobs.negative()?, k - 1, Some(-1))?.slice_axis(-1, 0, k, 1)?;
+    let values = ops::take_along_axis(logprobs, &ids, Some(-1))?;
+    Ok((ids.astype(Dtype::Uint32)?, values))
+}
+
+/// `(id, log-probability)` pairs most likely first, ties by id.
+pub fn sort_candidates(row: &mut [(u32, f32)]) {
+    row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+}
+
 /// Top-k filter on log-probabilities: keeps the `k` largest entries and sets the others to `-inf`
 /// (among equal values at the boundary, which ones survive is unspecified). `k` at or above the
 /// vocabulary size returns the input unchanged.

@@ -45,6 +45,10 @@ fn layer0_keys(prompt: &[u32]) -> Vec<Vec<Vec<f32>>> {
     out
 }
 
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
 #[test]
 fn layer0_keys_match_a_hand_computation() {
     let dir = fixture_with_tokenizer("qwen2");
@@ -56,8 +60,7 @@ fn layer0_keys_match_a_hand_computation() {
     let mut worst = 0f32;
     for (h, head) in want.iter().enumerate() {
         for (p, k) in head.iter().enumerate() {
-            let got = keys.key(0, h, p);
-            worst = got.iter().zip(k).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
+            worst = worst.max(max_abs_diff(keys.key(0, h, p), k));
         }
     }
     assert!(worst < 1e-4, "max |Δ| {worst}");
@@ -66,8 +69,7 @@ fn layer0_keys_match_a_hand_computation() {
     for l in 0..2 {
         for h in 0..2 {
             for p in 0..7 {
-                let d =
-                    short.key(l, h, p).iter().zip(keys.key(l, h, p)).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                let d = max_abs_diff(short.key(l, h, p), keys.key(l, h, p));
                 assert!(d < 1e-5, "layer {l} head {h} position {p}: {d}");
             }
         }
@@ -83,7 +85,7 @@ fn sliding_layers_report_every_position() {
     let keys = AttentionInspector::new(&lm).keys(&prompt).unwrap();
     assert_eq!((keys.layers, keys.positions), (6, 24));
     let short = AttentionInspector::new(&lm).keys(&prompt[..20]).unwrap();
-    let d = short.key(0, 0, 19).iter().zip(keys.key(0, 0, 19)).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let d = max_abs_diff(short.key(0, 0, 19), keys.key(0, 0, 19));
     assert!(d < 1e-5);
     assert!(AttentionInspector::new(&lm).keys(&[]).is_err());
     assert!(matches!(AttentionInspector::new(&lm).keys(&[100_000]), Err(rmlx_lm::Error::Prompt(_))));

@@ -12,7 +12,7 @@ use crate::generate::{CancelHandle, FinishReason, GenerateOptions, Generation, M
 use crate::gguf::{GgufFile, MetaValue};
 use crate::loader::{LoadOptions, LoadedModel};
 use crate::models::spec;
-use crate::sample::log_softmax;
+use crate::sample::{log_softmax, sort_candidates, top_candidates};
 use crate::{Error, Result};
 use rmlx::{ops, Array, Dtype};
 use std::path::Path;
@@ -183,7 +183,7 @@ impl LanguageModel for NativeModel {
     fn batch_generate(&mut self, prompts: &[Prompt], opts: &GenerateOptions) -> Result<Vec<Result<Completion>>> {
         let started = Instant::now();
         let mut engine = Engine::new(&self.lm, EngineOptions { prompt_cache_bytes: 0, ..EngineOptions::default() });
-        let mut results: Vec<Option<Result<Completion>>> = Vec::with_capacity(prompts.len());
+        let mut results: Vec<Result<Completion>> = Vec::with_capacity(prompts.len());
         let mut rows = std::collections::HashMap::new();
         for (i, prompt) in prompts.iter().enumerate() {
             let submitted = self
@@ -198,9 +198,9 @@ impl LanguageModel for NativeModel {
                         prompt_tokens: 0,
                         finish_reason: FinishReason::Length,
                     };
-                    results.push(Some(Ok(empty)));
+                    results.push(Ok(empty));
                 }
-                Err(e) => results.push(Some(Err(e))),
+                Err(e) => results.push(Err(e)),
             }
         }
         let mut metrics = Metrics::default();
@@ -216,7 +216,7 @@ impl LanguageModel for NativeModel {
                 let result = &mut results[rows[&seq]];
                 match update {
                     Update::Token { id, text, .. } => {
-                        if let Some(Ok(c)) = result {
+                        if let Ok(c) = result {
                             c.token_ids.push(id);
                             c.text.push_str(&text);
                             if metrics.time_to_first_token.is_zero() {
@@ -225,19 +225,19 @@ impl LanguageModel for NativeModel {
                         }
                     }
                     Update::Text { text, .. } => {
-                        if let Some(Ok(c)) = result {
+                        if let Ok(c) = result {
                             c.text.push_str(&text);
                         }
                     }
                     Update::Finished { reason, usage, .. } => {
-                        if let Some(Ok(c)) = result {
+                        if let Ok(c) = result {
                             c.finish_reason = reason;
                             c.prompt_tokens = usage.prompt_tokens;
                         }
                         metrics.prompt_tokens += usage.prompt_tokens;
                         metrics.generated_tokens += usage.completion_tokens;
                     }
-                    Update::Failed { error, .. } => *result = Some(Err(error)),
+                    Update::Failed { error, .. } => *result = Err(error),
                     Update::Started { .. } => {}
                 }
             }
@@ -245,7 +245,7 @@ impl LanguageModel for NativeModel {
         metrics.decode_time = started.elapsed().saturating_sub(metrics.time_to_first_token);
         metrics.peak_memory = rmlx::memory::peak_memory();
         self.last = Some(metrics);
-        Ok(results.into_iter().map(|r| r.expect("one result per prompt")).collect())
+        Ok(results)
     }
 
     fn metrics(&self) -> Option<Metrics> {
@@ -304,13 +304,7 @@ fn classify_rows(lm: &LoadedModel, rows: &[&[u32]], opts: &ClassifyOptions) -> R
     let best = logprobs.argmax(Some(-1), false)?.astype(Dtype::Int32)?;
     let best_lp = ops::take_along_axis(&logprobs, &best.reshape(&[rows.len() as i32, 1])?, Some(-1))?;
     let k = opts.top_logprobs.min(lm.vocab.sampleable()) as i32;
-    let top = if k > 0 {
-        let idx = ops::argpartition(&logprobs.negative()?, k - 1, Some(-1))?.slice_axis(-1, 0, k, 1)?;
-        let values = ops::take_along_axis(&logprobs, &idx, Some(-1))?;
-        Some((idx, values))
-    } else {
-        None
-    };
+    let top = if k > 0 { Some(top_candidates(&logprobs, k)?) } else { None };
     let mut outputs = vec![&best, &best_lp];
     if let Some((i, v)) = &top {
         outputs.extend([i, v]);
@@ -323,7 +317,7 @@ fn classify_rows(lm: &LoadedModel, rows: &[&[u32]], opts: &ClassifyOptions) -> R
     let best = best.to_vec::<i32>()?;
     let best_lp = best_lp.to_vec::<f32>()?;
     let top = match &top {
-        Some((i, v)) => Some((i.astype(Dtype::Int32)?.to_vec::<i32>()?, v.to_vec::<f32>()?)),
+        Some((i, v)) => Some((i.to_vec::<u32>()?, v.to_vec::<f32>()?)),
         None => None,
     };
     let all_logits = if opts.logits { Some(logits.to_vec::<f32>()?) } else { None };
@@ -335,10 +329,10 @@ fn classify_rows(lm: &LoadedModel, rows: &[&[u32]], opts: &ClassifyOptions) -> R
             continue;
         }
         let mut row_top: Vec<(u32, f32)> = match &top {
-            Some((i, v)) => (0..k as usize).map(|j| (i[r * k as usize + j] as u32, v[r * k as usize + j])).collect(),
+            Some((i, v)) => (0..k as usize).map(|j| (i[r * k as usize + j], v[r * k as usize + j])).collect(),
             None => Vec::new(),
         };
-        row_top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        sort_candidates(&mut row_top);
         let row_top = row_top
             .into_iter()
             .map(|(id, logprob)| Ok(Candidate { id, token: lm.tokenizer.decode(&[id], false)?, logprob }))

@@ -71,7 +71,7 @@ impl Read {
     pub fn top(&self, i: usize) -> Vec<(u32, f32)> {
         let Some((ids, values, k)) = &self.top else { return Vec::new() };
         let mut row: Vec<(u32, f32)> = (0..*k).map(|j| (ids[i * k + j], values[i * k + j])).collect();
-        row.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        crate::sample::sort_candidates(&mut row);
         row.truncate(self.wanted[i]);
         row
     }
@@ -114,12 +114,6 @@ pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Arra
     let chosen = ops::take_along_axis(&logprobs, &tokens.astype(Dtype::Int32)?.reshape(&[rows, 1])?, Some(-1))?;
     let wanted: Vec<usize> = seqs.iter().map(|s| s.top_logprobs).collect();
     let k = wanted.iter().copied().max().unwrap_or(0).min(logprobs.shape()[1] as usize) as i32;
-    let top = if k > 0 {
-        let ids = ops::argpartition(&logprobs.negative()?, k - 1, Some(-1))?.slice_axis(-1, 0, k, 1)?;
-        let values = ops::take_along_axis(&logprobs, &ids, Some(-1))?;
-        Some((ids.astype(Dtype::Uint32)?, values))
-    } else {
-        None
-    };
+    let top = if k > 0 { Some(crate::sample::top_candidates(&logprobs, k)?) } else { None };
     Ok(Sampled { tokens, logprobs: chosen.reshape(&[rows])?, finite, top, wanted })
 }

@@ -89,32 +89,7 @@ const NPM_REGISTRY: &str = "https://registry.npmjs.org";
 /// How often a download is tried before giving up on network errors (not on digest mismatches).
 const ATTEMPTS: u32 = 3;
 
-/// Per-user cache root: `$RMLX_CACHE_DIR`, else `$XDG_CACHE_HOME/rmlx`, else `~/.cache/rmlx`
-/// (`~/Library/Caches/rmlx` on macOS); the same rule as rmlx-sys's build script, which keeps the
-/// MLX distribution there. Falls back to `./.rmlx-cache` when not even `HOME` is set.
-pub fn cache_dir() -> PathBuf {
-    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    cache_dir_from(var("RMLX_CACHE_DIR"), var("XDG_CACHE_HOME"), var("HOME"))
-}
-
-/// [`cache_dir`]'s rule applied to given values of `RMLX_CACHE_DIR`, `XDG_CACHE_HOME` and `HOME`.
-pub fn cache_dir_from(
-    rmlx_cache_dir: Option<PathBuf>,
-    xdg_cache_home: Option<PathBuf>,
-    home: Option<PathBuf>,
-) -> PathBuf {
-    if let Some(dir) = rmlx_cache_dir {
-        return dir;
-    }
-    if let Some(dir) = xdg_cache_home {
-        return dir.join("rmlx");
-    }
-    match home {
-        Some(home) if cfg!(target_os = "macos") => home.join("Library/Caches/rmlx"),
-        Some(home) => home.join(".cache/rmlx"),
-        None => PathBuf::from(".rmlx-cache"),
-    }
-}
+pub use crate::cache_dir::{cache_dir, cache_dir_from};
 
 /// A file to download: its URL, its expected sha256 (lower-case hex) and its size in bytes (only
 /// used for the progress bar; 0 when unknown).

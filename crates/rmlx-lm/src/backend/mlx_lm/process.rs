@@ -2,6 +2,7 @@
 //! the script and talking to it line by line with timeouts.
 
 use super::{MlxLmBackend, BRIDGE_SCRIPT, MLX_LM_VERSION, MLX_VERSION, NAME};
+use crate::cache_dir::cache_dir;
 use crate::{Error, Result};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -12,25 +13,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-/// The per-user cache root (the rule of rmlx-sys's build script).
-fn cache_root() -> PathBuf {
-    let var = |name| std::env::var_os(name).filter(|v: &std::ffi::OsString| !v.is_empty()).map(PathBuf::from);
-    if let Some(dir) = var("RMLX_CACHE_DIR") {
-        return dir;
-    }
-    if let Some(dir) = var("XDG_CACHE_HOME") {
-        return dir.join("rmlx");
-    }
-    match var("HOME") {
-        Some(home) if cfg!(target_os = "macos") => home.join("Library/Caches/rmlx"),
-        Some(home) => home.join(".cache/rmlx"),
-        None => PathBuf::from(".rmlx-cache"),
-    }
-}
-
 /// Where [`install`] puts mlx-lm: a pip `--target` folder in the per-user cache.
 pub fn install_dir() -> PathBuf {
-    cache_root().join(format!("mlx-lm-{MLX_LM_VERSION}"))
+    cache_dir().join(format!("mlx-lm-{MLX_LM_VERSION}"))
 }
 
 /// Installs mlx-lm [`MLX_LM_VERSION`] with MLX [`MLX_VERSION`] (`mlx[cpu]` on Linux without CUDA)
@@ -72,7 +57,7 @@ pub fn install(python: &Path) -> Result<PathBuf> {
 /// The bridge script in the cache (written once per content).
 fn script_path() -> Result<PathBuf> {
     let hash = BRIDGE_SCRIPT.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-    let path = cache_root().join("bridge").join(format!("mlx_lm_bridge-{hash:016x}.py"));
+    let path = cache_dir().join("bridge").join(format!("mlx_lm_bridge-{hash:016x}.py"));
     if !path.is_file() {
         let dir = path.parent().expect("has a parent");
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
