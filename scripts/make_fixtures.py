@@ -30,6 +30,9 @@ Fixtures (all attention references use ``attn_implementation="eager"``):
   llama_mqa_untied          llama, 1 kv head, head_dim != hidden/heads, untied, linear rope, bf16,
                             2 shards + model.safetensors.index.json
   mistral                   mistral, float16, 2 shards WITHOUT index file, sliding_window null
+  mistral_window            mistral with sliding_window 8 < prompt on every layer (no layer_types), float32
+  qwen2_window              qwen2 with use_sliding_window, sliding_window 8, max_window_layers 1 (layer 1
+                            slides, layer 0 does not), float32
   qwen2                     q/k/v biases (random, non-zero), tied, 2 kv heads, float32
   qwen3                     q/k norms (random), head_dim != hidden/heads, untied, bf16,
                             config in transformers-5 layout (rope_parameters)
@@ -245,6 +248,65 @@ FAMILIES = [
         ),
         "covers": "mistral (llama-style); hidden 128, head_dim 32; untied; sliding_window null; float16; "
         "2 shards WITHOUT index file",
+    },
+    {
+        "name": "mistral_window",
+        "base_seed": 3500,
+        "dtype": "float32",
+        "layout": "single",
+        "legacy_config": True,
+        "norm_style": "one_plus_noise",
+        "config": dict(
+            model_type="mistral",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            sliding_window=8,
+            tie_word_embeddings=False,
+            initializer_range=0.15,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "covers": "mistral with sliding_window 8 < 24-token prompt, on every layer (no layer_types, as "
+        "Mistral-7B-v0.1's config); untied; float32",
+    },
+    {
+        "name": "qwen2_window",
+        "base_seed": 4500,
+        "dtype": "float32",
+        "layout": "single",
+        "legacy_config": True,
+        "drop_layer_types": True,
+        "norm_style": "one_plus_noise",
+        "bias_std": 0.2,
+        "config": dict(
+            model_type="qwen2",
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+            initializer_range=0.15,
+            rms_norm_eps=1e-6,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "covers": "qwen2 with use_sliding_window, sliding_window 8, max_window_layers 1: layer 0 global, "
+        "layer 1 sliding (no layer_types in config.json: derived from max_window_layers); q/k/v biases; tied; "
+        "float32",
     },
     {
         "name": "qwen2",
@@ -700,6 +762,9 @@ def finalise_config(out: Path, fam_or_variant: dict, extra: dict | None = None, 
         assert cfg.get("layer_types") == expected, (cfg.get("layer_types"), expected)
         cfg.pop("layer_types")
         cfg["sliding_window_pattern"] = drop_layer_types_pattern
+    if fam_or_variant.get("drop_layer_types"):
+        # Hub checkpoints of Qwen 2.5 have no layer_types: transformers derives them again on reading
+        cfg.pop("layer_types", None)
     if fam_or_variant.get("legacy_config", True):
         cfg = to_legacy_config(cfg)
     if extra:
@@ -954,14 +1019,15 @@ def compute_reference(d: Path, expect: dict | None, fam: dict | None, notes: lis
             lhf = forward_logits(hf, prompt)
             checks["from_pretrained_vs_manual_load_max_abs"] = f32((lhf - logits).abs().max())
             assert checks["from_pretrained_vs_manual_load_max_abs"] == 0.0
-    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or []):
+    slides = "sliding_attention" in (getattr(config, "layer_types", None) or []) or config.model_type == "mistral"
+    if getattr(config, "sliding_window", None) and slides:
         w = config.sliding_window
         c2 = copy.deepcopy(config)
         c2.sliding_window = 10**6
         lnw = forward_logits(model_from_state(c2, state, torch.float32), prompt)
         diff = (lnw - logits).abs().max(-1).values
         checks["sliding_window"] = w
-        checks["layer_types_as_read_by_transformers"] = list(config.layer_types)
+        checks["layer_types_as_read_by_transformers"] = list(getattr(config, "layer_types", None) or [])
         checks["without_window_max_abs_diff_positions_lt_window"] = f32(diff[:w].max())
         checks["without_window_max_abs_diff_positions_ge_window"] = f32(diff[w:].max())
         assert float(diff[:w].max()) == 0.0 and float(diff[w:].min()) > 1e-3
@@ -1295,6 +1361,20 @@ def write_readme() -> None:
         "",
     ]
     lines += mlx_lm_lines()
+    # scripts/make_mlx_lm_fixture.py makes this one; its description lives here so the README keeps it
+    lines += [
+        "",
+        '## `phi3_mlx_lm` (not from `make_fixtures.py`)',
+        '',
+        'A `phi3` checkpoint (fused `qkv_proj` / `gate_up_proj`, partial rotary factor 0.5; hidden 32, 4',
+        "query / 2 KV heads, 2 layers, vocabulary 512, untied, float32, 207 KB) for the mlx-lm backend's",
+        'tests: an architecture rmlx does not implement, so it runs only through the mlx-lm bridge. Made by',
+        '`scripts/make_mlx_lm_fixture.py` with mlx-lm 0.32.2 (deterministic; seed 3 is the first whose greedy',
+        'continuation of `t1 t2 t3` keeps a top-1/top-2 margin of at least 0.1 for 16 tokens, without EOS).',
+        "There is no `reference.json`: the tests compare with mlx-lm's own greedy ids,",
+        '`[381, 446, 277, 94, 168, 511, 488, 381]` for `t1 t2 t3`.',
+        "",
+    ]
     (MODELS_DIR / "README.md").write_text("\n".join(lines))
     print(f"total fixture size: {total / 1024:.0f} KiB")
 

@@ -3,6 +3,7 @@
 //! RoPE frequencies, which layers slide).
 
 mod limits;
+mod unsupported;
 
 use crate::models::spec::{self, ArchitectureSpec};
 use crate::{Error, Result};
@@ -73,9 +74,15 @@ pub struct ModelConfig {
     pub max_position_embeddings: Option<usize>,
     #[serde(default)]
     pub attention_bias: Option<bool>,
-    /// Gemma 3: window of the local layers.
+    /// The window of the layers that slide ([`ModelConfig::layer_window`] says which do).
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Qwen 2/3: whether `sliding_window` applies at all (from layer `max_window_layers` on).
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
+    /// Qwen 2/3: the first layer that slides when `use_sliding_window` (transformers' default 28).
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
     #[serde(default)]
@@ -166,6 +173,11 @@ impl ModelConfig {
                 }
             }
         }
+        if model_type == "mistral" && !top.contains_key("sliding_window") {
+            // transformers' MistralConfig: a window of 4096 unless the config says otherwise.
+            top.insert("sliding_window".into(), Value::from(4096));
+        }
+        unsupported::check(&model_type, &top)?;
         top.insert("model_type".into(), Value::String(model_type));
         limits::check_fields(&top)?;
         let cfg: ModelConfig =
@@ -283,6 +295,29 @@ impl ModelConfig {
                 Err(Error::Config(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)")))
             }
         }
+    }
+
+    /// The sliding window of layer `i` (a query sees itself and the `window - 1` positions before
+    /// it), or `None` when the layer attends to the whole past. Which layers slide follows each
+    /// family's transformers class:
+    /// - Gemma 3: [`ModelConfig::is_sliding`];
+    /// - Mistral: every layer, unless `layer_types` names the sliding ones;
+    /// - Qwen 2/3: none unless `use_sliding_window`, then those `layer_types` names, else the
+    ///   layers from `max_window_layers` (default 28) on;
+    /// - Llama: those `layer_types` names (as mlx-lm's llama; transformers' has no window). A window
+    ///   without `layer_types` is ignored by both, and by rmlx, with a warning at load.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        let window = self.sliding_window?;
+        let listed = |i: usize| self.layer_types.as_ref().map(|t| t.get(i).is_some_and(|t| t == "sliding_attention"));
+        let sliding = match self.model_type.as_str() {
+            "gemma3" | "gemma3_text" => self.is_sliding(i),
+            "mistral" => listed(i).unwrap_or(true),
+            "qwen2" | "qwen3" => {
+                self.use_sliding_window == Some(true) && listed(i).unwrap_or(i >= self.max_window_layers.unwrap_or(28))
+            }
+            _ => listed(i).unwrap_or(false),
+        };
+        sliding.then_some(window)
     }
 
     /// Gemma 3: whether layer `i` attends through a sliding window.

@@ -142,8 +142,14 @@ fn seeded_sampling_is_the_same_alone_or_in_a_batch() {
 
 #[test]
 fn sliding_window_layers_in_a_batch() {
-    // Gemma 3 fixture: local layers see 8 positions; prompts of 20 and 11 tokens and 16 generated.
-    let (_d, lm) = load("gemma3_text");
+    for name in ["gemma3_text", "mistral_window"] {
+        sliding_window_layers_in_a_batch_of(name);
+    }
+}
+
+fn sliding_window_layers_in_a_batch_of(name: &str) {
+    // Windowed layers see 8 positions; prompts of 20 and 11 tokens and 16 generated.
+    let (_d, lm) = load(name);
     let a: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 256).collect();
     let b: Vec<u32> = (0..11).map(|i| (i * 53 + 7) % 256).collect();
     let greedy = options(16, SamplerConfig::default());

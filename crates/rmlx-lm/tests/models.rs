@@ -105,6 +105,19 @@ fn mistral_alias_f16_shards_without_index() {
     check("mistral");
 }
 
+/// Mistral-7B-v0.1's layout: a window on every layer, no `layer_types` (transformers' MistralConfig).
+/// Ignoring the window changes the logits of positions 8..24 by up to 16.8 (reference checks).
+#[test]
+fn mistral_sliding_window_on_every_layer() {
+    check("mistral_window");
+}
+
+/// Qwen 2.5 with `use_sliding_window`: layers from `max_window_layers` on slide, the first does not.
+#[test]
+fn qwen2_sliding_window_from_max_window_layers() {
+    check("qwen2_window");
+}
+
 #[test]
 fn qwen2_qkv_bias() {
     check("qwen2");

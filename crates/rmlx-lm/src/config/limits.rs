@@ -38,6 +38,8 @@ const FIELDS: &[(&str, Kind)] = &[
     ("vocab_size", Kind::Int(1, 1 << 24)),
     ("max_position_embeddings", Kind::Int(1, MAX_I32)),
     ("sliding_window", Kind::Int(1, MAX_I32)),
+    ("use_sliding_window", Kind::Bool),
+    ("max_window_layers", Kind::Int(0, 1 << 12)),
     ("sliding_window_pattern", Kind::Int(1, 1 << 12)),
     ("rms_norm_eps", Kind::Positive),
     ("rope_theta", Kind::AtLeastOne),

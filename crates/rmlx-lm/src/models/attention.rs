@@ -7,7 +7,7 @@ use crate::cache::{KvCache, Offset};
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::AttentionParts;
 use crate::nn::cuda_fast::{self, HeadNorms};
-use crate::nn::{join, Builder, Linear, Module, RmsNorm, Stacked};
+use crate::nn::{join, Builder, Linear, Module, RmsNorm, Role, Stacked};
 use crate::Result;
 use rmlx::{ops, Array};
 
@@ -147,7 +147,7 @@ impl Attention {
 }
 
 impl Module for Attention {
-    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, &Array)) {
+    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
         self.q_proj.visit(&join(p, "q_proj"), f);
         self.k_proj.visit(&join(p, "k_proj"), f);
         self.v_proj.visit(&join(p, "v_proj"), f);

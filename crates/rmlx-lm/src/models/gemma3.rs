@@ -9,7 +9,7 @@ use super::spec::{ArchitectureSpec, GgufSpec, HeadCounts, MetadataNumber};
 use super::{softcap, Rope};
 use crate::cache::KvCache;
 use crate::config::{Architecture, ModelConfig};
-use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm};
+use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
 use crate::weights::Weight;
 use crate::{Error, Result};
 use rmlx::{Array, Dtype};
@@ -80,7 +80,6 @@ pub struct Block {
     pre_feedforward_layernorm: RmsNorm,
     mlp: GatedMlp,
     post_feedforward_layernorm: RmsNorm,
-    sliding: bool,
 }
 
 impl Block {
@@ -97,7 +96,6 @@ impl Block {
             pre_feedforward_layernorm,
             mlp: GatedMlp::load(b, &format!("{p}.mlp"), h, cfg.intermediate_size, true)?,
             post_feedforward_layernorm,
-            sliding,
         })
     }
 
@@ -174,15 +172,7 @@ impl super::Model for Model {
     }
 
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
-        let window = self.cfg.sliding_window.unwrap_or(usize::MAX);
-        self.layers
-            .iter()
-            .map(|l| match (l.sliding, context_limit) {
-                (true, limit) => KvCache::bounded(window.min(limit.unwrap_or(usize::MAX)), 0),
-                (false, Some(n)) => KvCache::bounded(n, 4),
-                (false, None) => KvCache::standard(),
-            })
-            .collect()
+        super::layer_caches(&self.cfg, context_limit)
     }
 
     fn config(&self) -> &ModelConfig {
@@ -195,7 +185,7 @@ impl super::Model for Model {
 }
 
 impl Module for Block {
-    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, &Array)) {
+    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
         self.input_layernorm.visit(&join(p, "input_layernorm"), f);
         self.self_attn.visit(&join(p, "self_attn"), f);
         self.post_attention_layernorm.visit(&join(p, "post_attention_layernorm"), f);

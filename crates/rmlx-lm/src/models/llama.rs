@@ -3,17 +3,18 @@
 //! Qwen 2 and Qwen 3 are this model with a different [`AttentionSpec`].
 
 use super::attention::{Attention, AttentionSpec};
-use super::spec::{self, ArchitectureSpec, GgufSpec, HeadCounts};
-use super::{uniform_caches, Rope};
+use super::spec::{ArchitectureSpec, GgufSpec, HeadCounts, MetadataNumber};
+use super::{layer_caches, Rope};
 use crate::cache::KvCache;
 use crate::config::Architecture;
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::{self, BlockParts};
-use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm};
+use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
 use crate::weights::Weight;
 use crate::Result;
 use rmlx::quantization::Quantized;
 use rmlx::Array;
+use serde_json::{json, Map, Value};
 
 /// Llama's attention: biases only when `attention_bias`, no q/k norms, `1/√head_dim` scale.
 pub fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
@@ -38,10 +39,21 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         model_type: "llama",
         ffn_norm: "post_attention_layernorm",
         fix_up: gguf_fix_up,
-        config: spec::no_config,
+        config: gguf_config,
     }),
     build: |cfg, b| Ok(Box::new(Model::load(cfg, b)?)),
 };
+
+/// A window in the metadata (`llama.attention.sliding_window`, as llama.cpp writes Mistral's)
+/// slides every layer.
+fn gguf_config(num: MetadataNumber, c: &mut Map<String, Value>) {
+    if let (Some(window), Some(layers)) = (num("attention.sliding_window"), num("block_count")) {
+        c.insert("sliding_window".into(), json!(window as i64));
+        if (1.0..=4096.0).contains(&layers) {
+            c.insert("layer_types".into(), json!(vec!["sliding_attention"; layers as usize]));
+        }
+    }
+}
 
 /// llama.cpp permutes the rows of llama's query and key projections.
 fn gguf_fix_up(name: &str, w: Weight, heads: &HeadCounts) -> Result<Weight> {
@@ -150,6 +162,12 @@ impl Model {
         b: &mut Builder,
         spec: fn(&ModelConfig) -> Result<AttentionSpec>,
     ) -> Result<Self> {
+        if cfg.model_type == "llama" && cfg.sliding_window.is_some() && cfg.layer_types.is_none() {
+            tracing::warn!(
+                "config.json sets `sliding_window` without `layer_types`: a llama model attends to the whole past \
+                 (as transformers and mlx-lm do); use model_type `mistral` for a window on every layer"
+            );
+        }
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), spec(cfg)?))
             .collect::<Result<_>>()?;
@@ -193,7 +211,7 @@ impl super::Model for Model {
     }
 
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
-        uniform_caches(self.layers.len(), context_limit)
+        layer_caches(&self.cfg, context_limit)
     }
 
     fn config(&self) -> &ModelConfig {
@@ -206,7 +224,7 @@ impl super::Model for Model {
 }
 
 impl Module for Block {
-    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, &Array)) {
+    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
         self.input_layernorm.visit(&join(p, "input_layernorm"), f);
         self.self_attn.visit(&join(p, "self_attn"), f);
         self.post_attention_layernorm.visit(&join(p, "post_attention_layernorm"), f);

@@ -65,10 +65,10 @@ pub trait Model: Module + Send {
 macro_rules! decoder_module {
     ($model:ty) => {
         impl $crate::nn::Module for $model {
-            fn visit(&self, p: &str, f: &mut dyn FnMut(&str, &rmlx::Array)) {
+            fn visit(&self, p: &str, f: &mut dyn FnMut(&str, $crate::nn::Role, &rmlx::Array)) {
                 use $crate::nn::{join, visit_list};
                 self.embed_tokens.visit(&join(p, "model.embed_tokens"), f);
-                visit_list(&self.layers, &join(p, "model.layers"), f);
+                visit_list(&self.layers, &join(p, $crate::models::BLOCKS), f);
                 self.norm.visit(&join(p, "model.norm"), f);
                 if let Some(head) = &self.lm_head {
                     head.visit(&join(p, "lm_head"), f);
@@ -78,7 +78,7 @@ macro_rules! decoder_module {
             fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut rmlx::Array)) {
                 use $crate::nn::{join, visit_list_mut};
                 self.embed_tokens.visit_mut(&join(p, "model.embed_tokens"), f);
-                visit_list_mut(&mut self.layers, &join(p, "model.layers"), f);
+                visit_list_mut(&mut self.layers, &join(p, $crate::models::BLOCKS), f);
                 self.norm.visit_mut(&join(p, "model.norm"), f);
                 if let Some(head) = &mut self.lm_head {
                     head.visit_mut(&join(p, "lm_head"), f);
@@ -87,7 +87,7 @@ macro_rules! decoder_module {
 
             fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut $crate::nn::Linear)) {
                 use $crate::nn::{join, visit_list_linears};
-                visit_list_linears(&mut self.layers, &join(p, "model.layers"), f);
+                visit_list_linears(&mut self.layers, &join(p, $crate::models::BLOCKS), f);
                 if let Some(head) = &mut self.lm_head {
                     head.visit_linears(&join(p, "lm_head"), f);
                 }
@@ -97,17 +97,33 @@ macro_rules! decoder_module {
 }
 pub(crate) use decoder_module;
 
+/// Where every decoder's blocks live in its parameter names: `model.layers.<i>.…`.
+pub const BLOCKS: &str = "model.layers";
+
+/// The block index and the path inside the block of a parameter or layer name
+/// (`model.layers.3.self_attn.q_proj` → `(3, "self_attn.q_proj")`); `None` outside the blocks.
+pub fn block_path(name: &str) -> Option<(usize, &str)> {
+    let rest = name.strip_prefix(BLOCKS)?.strip_prefix('.')?;
+    match rest.split_once('.') {
+        Some((i, inner)) => Some((i.parse().ok()?, inner)),
+        None => Some((rest.parse().ok()?, "")),
+    }
+}
+
 /// Builds the model of `cfg.model_type` from the checkpoint's tensors ([`spec::ARCHITECTURES`]).
 pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
     (cfg.spec()?.build)(cfg, b)
 }
 
-/// Caches for layers that are all global (`None`) or bounded by `context_limit`.
-pub(crate) fn uniform_caches(layers: usize, context_limit: Option<usize>) -> Vec<KvCache> {
-    (0..layers)
-        .map(|_| match context_limit {
-            Some(n) => KvCache::bounded(n, 4),
-            None => KvCache::standard(),
+/// One cache per layer of `cfg`: a layer with a sliding window ([`ModelConfig::layer_window`])
+/// keeps the window (or `context_limit`, when smaller); another is bounded by `context_limit`
+/// (keeping the first 4 positions) or unbounded.
+pub(crate) fn layer_caches(cfg: &ModelConfig, context_limit: Option<usize>) -> Vec<KvCache> {
+    (0..cfg.num_hidden_layers)
+        .map(|i| match (cfg.layer_window(i), context_limit) {
+            (Some(window), limit) => KvCache::bounded(window.min(limit.unwrap_or(usize::MAX)), 0),
+            (None, Some(n)) => KvCache::bounded(n, 4),
+            (None, None) => KvCache::standard(),
         })
         .collect()
 }

@@ -1,0 +1,79 @@
+//! Config fields that change the model: which layers slide, per family as transformers decides it,
+//! and fields a family does not implement refused by name instead of dropped.
+
+use rmlx_lm::config::ModelConfig;
+use rmlx_lm::Error;
+use serde_json::{json, Value};
+
+fn config(model_type: &str, extra: Value) -> rmlx_lm::Result<ModelConfig> {
+    let mut c = json!({
+        "model_type": model_type, "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        c[k] = v.clone();
+    }
+    ModelConfig::from_value(c)
+}
+
+fn windows(c: &ModelConfig) -> Vec<Option<usize>> {
+    (0..c.num_hidden_layers).map(|i| c.layer_window(i)).collect()
+}
+
+#[test]
+fn which_layers_slide() {
+    // Mistral: transformers' default window (4096) when the key is absent; null means none.
+    assert_eq!(windows(&config("mistral", json!({})).unwrap()), vec![Some(4096); 4]);
+    assert_eq!(windows(&config("mistral", json!({"sliding_window": null})).unwrap()), vec![None; 4]);
+    assert_eq!(windows(&config("mistral", json!({"sliding_window": 8})).unwrap()), vec![Some(8); 4]);
+    // Qwen 2/3: only with use_sliding_window, from max_window_layers (default 28) on.
+    let qwen = |extra| windows(&config("qwen2", extra).unwrap());
+    assert_eq!(qwen(json!({"sliding_window": 8})), vec![None; 4]);
+    assert_eq!(qwen(json!({"sliding_window": 8, "use_sliding_window": true})), vec![None; 4]);
+    assert_eq!(
+        qwen(json!({"sliding_window": 8, "use_sliding_window": true, "max_window_layers": 2})),
+        vec![None, None, Some(8), Some(8)]
+    );
+    let types = json!(["sliding_attention", "full_attention", "sliding_attention", "full_attention"]);
+    assert_eq!(
+        windows(&config("qwen3", json!({"sliding_window": 8, "use_sliding_window": true, "layer_types": types})).unwrap()),
+        vec![Some(8), None, Some(8), None]
+    );
+    // Llama: the layers `layer_types` names (mlx-lm's llama); a bare window is ignored, as by
+    // transformers and mlx-lm.
+    assert_eq!(windows(&config("llama", json!({"sliding_window": 8, "layer_types": types})).unwrap()), vec![
+        Some(8),
+        None,
+        Some(8),
+        None
+    ]);
+    assert_eq!(windows(&config("llama", json!({"sliding_window": 8})).unwrap()), vec![None; 4]);
+}
+
+#[test]
+fn fields_a_family_does_not_implement_are_refused_by_name() {
+    let refused = [
+        ("llama", json!({"mlp_bias": true}), "mlp_bias"),
+        ("qwen2", json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+        ("mistral", json!({"hidden_act": "gelu"}), "hidden_act"),
+        ("llama", json!({"final_logit_softcapping": 30.0}), "final_logit_softcapping"),
+        ("gemma3_text", json!({"attn_logit_softcapping": 50.0, "sliding_window_pattern": 6}), "attn_logit_softcapping"),
+        ("gemma3_text", json!({"hidden_activation": "silu", "sliding_window_pattern": 6}), "hidden_activation"),
+        ("gemma3_text", json!({"use_bidirectional_attention": true}), "use_bidirectional_attention"),
+    ];
+    for (model_type, extra, field) in refused {
+        match config(model_type, extra.clone()) {
+            Err(Error::Config(m)) => assert!(m.contains(field) && m.contains(model_type), "{m}"),
+            other => panic!("{model_type} {extra}: {:?}", other.map(|c| c.model_type)),
+        }
+    }
+    // Neutral values, and the ones a family implements, load.
+    let accepted = [
+        ("llama", json!({"mlp_bias": false, "partial_rotary_factor": 1.0, "hidden_act": "silu"})),
+        ("qwen3", json!({"attn_logit_softcapping": null, "final_logit_softcapping": null})),
+        ("gemma3_text", json!({"hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0})),
+    ];
+    for (model_type, extra) in accepted {
+        config(model_type, extra.clone()).unwrap_or_else(|e| panic!("{model_type} {extra}: {e}"));
+    }
+}
