@@ -13,9 +13,6 @@ pub struct Args {
     /// Where the fused model is written.
     #[arg(long, default_value = "fused_model")]
     save_path: PathBuf,
-    /// Accepted for mlx_lm.fuse compatibility: the output is always dequantised.
-    #[arg(long)]
-    dequantize: bool,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -26,7 +23,9 @@ pub fn run(a: Args) -> Result<()> {
         source.display()
     );
     let adapters = a.model.adapter_path.clone().unwrap_or_else(|| PathBuf::from("adapters"));
-    let args = ModelArgs { adapter_path: Some(adapters), keep_quantized: true, ..a.model.clone() };
+    // The output is always dequantised (`--dequantize`, mlx_lm.fuse's flag, is accepted and changes
+    // nothing); quantised weights stay packed in memory until they are written.
+    let args = ModelArgs { adapter_path: Some(adapters), keep_quantized: true, dequantize: false, ..a.model.clone() };
     let mut lm = args.load()?;
     let s = rmlx_lm::tuner::fuse::fuse(&mut lm, &source, &a.save_path)?;
     eprintln!(

@@ -372,7 +372,28 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
             &crate::interrupt::requested,
         );
         bar.finish();
-        result?;
+        let summary = result?;
+        if summary.interrupted {
+            let main = adapter_dir.join(adapters::WEIGHTS);
+            let state = tuner::TrainState::path_for(&main);
+            if state.exists() {
+                eprintln!(
+                    "interrupted at iteration {}: adapters and training state saved ({}, {}); \
+                     --resume-adapter-file {} continues the run exactly",
+                    summary.iterations,
+                    main.display(),
+                    state.display(),
+                    main.display()
+                );
+            } else {
+                eprintln!(
+                    "interrupted at iteration {} with gradients still accumulating: adapters saved to {} \
+                     (no training state: a resumed run starts its optimizer afresh)",
+                    summary.iterations,
+                    main.display()
+                );
+            }
+        }
         if a.adapter_format == "peft" {
             ensure!(fine_tune_type != FineTuneType::Full, "--adapter-format peft needs --fine-tune-type lora or dora");
             let dir = adapter_dir.join("peft");

@@ -497,7 +497,18 @@ fn ctrl_c_saves_the_adapters_and_stops() {
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert_eq!(status.code(), Some(0), "{err}");
     assert!(err.contains("  save  ") && err.contains("adapters.safetensors"), "{err}");
+    assert!(err.contains("interrupted at iteration"), "{err}");
     assert!(out_dir.join("adapters.safetensors").exists());
+    assert!(out_dir.join("state.safetensors").exists());
+    // The adapters written at the interruption resume the run.
+    let last = out_dir.join("adapters.safetensors");
+    let out = rmlx(&[
+        "lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&w.join("b")),
+        "--resume-adapter-file", s(&last), "--iters", "100", "--json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("resuming at iteration"), "{err}");
     let _ = std::fs::remove_dir_all(&w);
 }
 
@@ -571,5 +582,43 @@ fn grad_checkpoint_trains_as_without_it() {
         (Some(true), Some(0.25))
     );
     assert_ne!(with_dropout, both);
+    let _ = std::fs::remove_dir_all(&w);
+}
+
+/// `rmlx fuse` runs for real (bare, and with mlx_lm.fuse's `--dequantize`), and the fused folder
+/// generates what the base model with the adapters generates.
+#[test]
+fn fuse_writes_a_model_that_generates_as_the_adapters_do() {
+    let w = workspace("fuse");
+    let (model, data, adapters) = (w.join("model"), w.join("data"), w.join("adapters"));
+    let out = rmlx(&[
+        "lora", "--model", s(&model), "--dtype", "float32", "--train", "--data", s(&data),
+        "--adapter-path", s(&adapters), "--iters", "12", "--batch-size", "4", "--learning-rate", "1e-2",
+        "--num-layers", "-1", "--lora-rank", "4", "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let help = rmlx(&["fuse", "--help"]);
+    assert_eq!(String::from_utf8_lossy(&help.stdout).matches("--dequantize").count(), 1);
+    for (tag, extra) in [("bare", &[][..]), ("dequantize", &["--dequantize"][..])] {
+        let fused = w.join(format!("fused-{tag}"));
+        let mut args = vec!["fuse", "--model", s(&model), "--adapter-path", s(&adapters), "--save-path", s(&fused)];
+        args.extend_from_slice(extra);
+        let out = rmlx(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{tag}: {err}");
+        assert!(err.contains("fused 14 adapted layers"), "{err}");
+        std::fs::copy(model.join("tokenizer.json"), fused.join("tokenizer.json")).unwrap();
+        let gen = |m: &Path, extra: &[&str]| {
+            let mut args =
+                vec!["generate", "--model", s(m), "--dtype", "float32", "--prompt", "t2 t5 t8 t11", "--raw"];
+            args.extend_from_slice(&["--max-tokens", "8", "--temp", "0", "--json"]);
+            args.extend_from_slice(extra);
+            let out = rmlx(&args);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+            v["token_ids"].clone()
+        };
+        assert_eq!(gen(&fused, &[]), gen(&model, &["--adapter-path", s(&adapters)]), "{tag}");
+    }
     let _ = std::fs::remove_dir_all(&w);
 }

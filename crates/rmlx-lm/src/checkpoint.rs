@@ -18,15 +18,17 @@ const LISTED: usize = 8;
 
 /// [`Error::Config`] when the checkpoint holds layers beyond the config's `num_hidden_layers`.
 pub fn check_layers(cfg: &ModelConfig, w: &Weights, source: &Path) -> Result<()> {
-    let layer = |n: &str| n.strip_prefix("model.layers.")?.split('.').next()?.parse::<usize>().ok();
-    let Some(top) = w.names().filter_map(layer).max() else { return Ok(()) };
+    let Some(top) = w.names().filter_map(|n| crate::models::block_path(n).map(|(i, _)| i)).max() else {
+        return Ok(());
+    };
     if top >= cfg.num_hidden_layers {
         return Err(Error::Config(format!(
             "{}: config and checkpoint disagree: num_hidden_layers is {} but the checkpoint holds {} layers \
-             (tensors `model.layers.{top}.*`)",
+             (tensors `{}.{top}.*`)",
             source.display(),
             cfg.num_hidden_layers,
-            top + 1
+            top + 1,
+            crate::models::BLOCKS
         )));
     }
     Ok(())

@@ -50,7 +50,7 @@ impl Floor {
 pub fn weight_bytes_per_token(lm: &LoadedModel) -> u64 {
     let (mut all, mut embedding) = (0u64, 0u64);
     let mut head = false;
-    lm.model.visit("", &mut |name, a| {
+    lm.model.visit("", &mut |name, _, a| {
         all += a.nbytes() as u64;
         if name.starts_with("model.embed_tokens.") {
             embedding += a.nbytes() as u64;

@@ -64,7 +64,7 @@ fn stacked_product_equals_the_layers_and_declines_when_they_change() {
         assert!(max_abs_diff(&y, &want) <= 1e-4, "{quantized:?}: off by {}", max_abs_diff(&y, &want));
         // The k projection's weight is rows 64..96 of the stacked one.
         let mut k_weight = None;
-        layers[1].visit("", &mut |name, a| {
+        layers[1].visit("", &mut |name, _, a| {
             if name == "weight" {
                 k_weight = Some(a.clone());
             }

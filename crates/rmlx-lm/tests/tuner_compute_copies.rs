@@ -11,18 +11,24 @@ use rmlx::{Array, Dtype};
 use rmlx_lm::nn::ModuleExt;
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
 use rmlx_lm::tuner::{
-    apply_lora, lora_parameter_names, train, Batch, CompiledLossAndGrad, LoraConfig, Sequence, TrainConfig,
+    apply_dora, apply_lora, lora_parameter_names, train, Batch, CompiledLossAndGrad, LoraConfig, Sequence, TrainConfig,
 };
 use rmlx_lm::{LoadOptions, LoadedModel};
 use std::collections::HashMap;
 
 fn load() -> (TempDir, LoadedModel, Vec<String>) {
+    load_adapted(false)
+}
+
+/// The bfloat16 model with float32 LoRA (or, with `dora`, DoRA) adapters on every block.
+fn load_adapted(dora: bool) -> (TempDir, LoadedModel, Vec<String>) {
     let dir = fixture_with_tokenizer("llama_gqa");
     let mut lm =
         rmlx_lm::loader::load(dir.path(), &LoadOptions { dtype: Some(Dtype::Bfloat16), ..LoadOptions::default() })
             .unwrap();
     let cfg = LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
-    apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 0).unwrap();
+    let apply = if dora { apply_dora } else { apply_lora };
+    apply(lm.model.as_mut(), None, &cfg, Dtype::Float32, 0).unwrap();
     let trainable = lora_parameter_names(lm.model.as_ref());
     move_lora_b(&mut lm, &trainable, 1);
     (dir, lm, trainable)
@@ -105,10 +111,15 @@ fn training_with_copies_equals_training_without() {
     let data: Vec<Sequence> = (0..8u32)
         .map(|i| Sequence { tokens: (0..12).map(|k| (i * 7 + 3 * k) % 60 + 2).collect(), offset: 0 })
         .collect();
-    for accumulation in [1, 2] {
+    // DoRA computes its magnitudes from the float32 factors: it takes no copies, so the setting
+    // changes nothing there either (its magnitudes, role `DoraMagnitude`, are recognised by role).
+    for (accumulation, dora) in [(1, false), (2, false), (1, true)] {
         let mut runs = Vec::new();
         for copies in [false, true] {
-            let (_d, mut lm, trainable) = load();
+            let (_d, mut lm, trainable) = load_adapted(dora);
+            if dora {
+                assert!(trainable.iter().any(|n| n.ends_with(".m")), "{trainable:?}");
+            }
             let cfg = TrainConfig {
                 iters: 4,
                 batch_size: 2,
@@ -142,6 +153,6 @@ fn training_with_copies_equals_training_without() {
             runs.push((losses, adapters));
         }
         assert_eq!(runs[0].0.len(), 4);
-        assert_eq!(runs[0], runs[1], "accumulating {accumulation}");
+        assert_eq!(runs[0], runs[1], "accumulating {accumulation}, dora {dora}");
     }
 }

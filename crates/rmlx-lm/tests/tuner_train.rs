@@ -226,7 +226,8 @@ fn resuming_from_a_checkpoint_continues_exactly() {
 fn resume_exactly(dropout: f32) {
     use rmlx_lm::tuner::TrainState;
     let lora = LoraConfig { rank: 2, scale: 2.0, dropout, keys: None };
-    let run = |dir: &std::path::Path, resume_from: Option<&std::path::Path>| {
+    // `stop_at`: a stop request (Ctrl-C) after that iteration.
+    let run = |dir: &std::path::Path, resume_from: Option<&std::path::Path>, stop_at: Option<usize>| {
         let (_d, mut lm) = load();
         apply_lora(lm.model.as_mut(), None, &lora, Dtype::Float32, 9).unwrap();
         let trainable = lora_parameter_names(lm.model.as_ref());
@@ -246,29 +247,45 @@ fn resume_exactly(dropout: f32) {
         }
         let mut opt = Optimizer::new(OptimizerKind::adamw(), Schedule::Constant(5e-3));
         let mut losses = Vec::new();
-        train(
+        let reached = std::cell::Cell::new(0);
+        let summary = train(
             lm.model.as_mut(),
             &trainable,
             &mut opt,
             &data(6, 0),
             &[],
             &cfg,
-            &mut |r| {
-                if let Report::Train { iter, loss, trained_tokens, .. } = r {
-                    losses.push((*iter, *loss, *trained_tokens));
-                }
+            &mut |r| match r {
+                Report::Train { iter, loss, trained_tokens, .. } => losses.push((*iter, *loss, *trained_tokens)),
+                Report::Step { iter, .. } => reached.set(*iter),
+                _ => {}
             },
-            &|| false,
+            &|| stop_at == Some(reached.get()),
         )
         .unwrap();
+        assert_eq!(summary.interrupted, stop_at.is_some());
         (losses, logits(&lm, &[2, 5, 8, 11]))
     };
     let (a, b) = (TempDir::new("resume-a"), TempDir::new("resume-b"));
-    let (straight, end) = run(a.path(), None);
+    let (straight, end) = run(a.path(), None, None);
     assert_eq!(straight.len(), 12);
     let ckpt = a.path().join("0000005_adapters.safetensors");
     assert!(TrainState::path_for(&ckpt).ends_with("0000005_state.safetensors"));
-    let (resumed, end_resumed) = run(b.path(), Some(&ckpt));
+    let (resumed, end_resumed) = run(b.path(), Some(&ckpt), None);
     assert_eq!(resumed, straight[5..].to_vec(), "dropout {dropout}: iterations 6..12: same losses, same token counts");
     assert_eq!(end_resumed, end, "dropout {dropout}: same final model");
+    // The final adapters.safetensors resumes too (its state is state.safetensors beside it).
+    let last = a.path().join("adapters.safetensors");
+    assert!(TrainState::path_for(&last).ends_with("state.safetensors"));
+    assert_eq!(TrainState::load(&TrainState::path_for(&last)).unwrap().iteration, 12);
+    // Stopped after iteration 7 (between checkpoints 5 and 10): adapters.safetensors and its state
+    // hold iteration 7, and resuming from them continues exactly.
+    let (c, d) = (TempDir::new("resume-c"), TempDir::new("resume-d"));
+    let (first, _) = run(c.path(), None, Some(7));
+    assert_eq!(first, straight[..7].to_vec());
+    let stopped = c.path().join("adapters.safetensors");
+    assert_eq!(TrainState::load(&TrainState::path_for(&stopped)).unwrap().iteration, 7);
+    let (rest, end_rest) = run(d.path(), Some(&stopped), None);
+    assert_eq!(rest, straight[7..].to_vec(), "dropout {dropout}: resumed after the stop at 7");
+    assert_eq!(end_rest, end, "dropout {dropout}: same final model after the stop");
 }

@@ -59,7 +59,7 @@ where
     // The differentiated parameters, by position in visiting order, become explicit inputs.
     let mut differentiated = Vec::new();
     let mut inputs = vec![x.clone()];
-    block.visit("", &mut |_, a| {
+    block.visit("", &mut |_, _, a| {
         let tracer = a.is_tracer();
         differentiated.push(tracer);
         if tracer {

@@ -21,7 +21,7 @@ pub use gated::gated_activation;
 pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
 pub use head::Head;
 pub use lora::{training, with_dropout_key, with_training, Lora};
-pub use module::{join, Module, ModuleExt};
+pub use module::{join, Module, ModuleExt, Role};
 pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
 pub use stacked::Stacked;
 
@@ -151,25 +151,19 @@ impl Linear {
 }
 
 impl Module for Linear {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
         match &self.weight {
-            LinearWeight::Dense { w, .. } => f(&join(prefix, "weight"), w),
-            LinearWeight::Quantized(q) => {
-                f(&join(prefix, "weight"), &q.weight);
-                f(&join(prefix, "scales"), &q.scales);
-                if let Some(b) = &q.biases {
-                    f(&join(prefix, "biases"), b);
-                }
-            }
+            LinearWeight::Dense { w, .. } => f(&join(prefix, "weight"), Role::Weight, w),
+            LinearWeight::Quantized(q) => visit_quantized(prefix, Role::Weight, q, f),
         }
         if let Some(b) = &self.bias {
-            f(&join(prefix, "bias"), b);
+            f(&join(prefix, "bias"), Role::Bias, b);
         }
         if let Some(l) = &self.lora {
-            f(&join(prefix, "lora_a"), &l.a);
-            f(&join(prefix, "lora_b"), &l.b);
+            f(&join(prefix, "lora_a"), Role::LoraA, &l.a);
+            f(&join(prefix, "lora_b"), Role::LoraB, &l.b);
             if let Some(m) = &l.magnitude {
-                f(&join(prefix, "m"), m);
+                f(&join(prefix, "m"), Role::DoraMagnitude, m);
             }
         }
     }
@@ -205,6 +199,16 @@ impl Module for Linear {
 
     fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
         f(prefix, self);
+    }
+}
+
+/// A quantised matrix's arrays under `prefix`: its packed values in `role`, then its scales and
+/// biases ([`Role::Quantization`]).
+fn visit_quantized(prefix: &str, role: Role, q: &Quantized, f: &mut dyn FnMut(&str, Role, &Array)) {
+    f(&join(prefix, "weight"), role, &q.weight);
+    f(&join(prefix, "scales"), Role::Quantization, &q.scales);
+    if let Some(b) = &q.biases {
+        f(&join(prefix, "biases"), Role::Quantization, b);
     }
 }
 
@@ -288,16 +292,10 @@ fn quantized_rows(q: &Quantized, ids: &Array, dtype: Dtype) -> Result<Array> {
 }
 
 impl Module for Embedding {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
         match &self.weight {
-            Weight::Dense(w) => f(&join(prefix, "weight"), w),
-            Weight::Quantized(q) => {
-                f(&join(prefix, "weight"), &q.weight);
-                f(&join(prefix, "scales"), &q.scales);
-                if let Some(b) = &q.biases {
-                    f(&join(prefix, "biases"), b);
-                }
-            }
+            Weight::Dense(w) => f(&join(prefix, "weight"), Role::Embedding, w),
+            Weight::Quantized(q) => visit_quantized(prefix, Role::Embedding, q, f),
         }
     }
 
@@ -354,8 +352,8 @@ impl RmsNorm {
 }
 
 impl Module for RmsNorm {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
-        f(&join(prefix, "weight"), &self.weight);
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
+        f(&join(prefix, "weight"), Role::Norm, &self.weight);
     }
 
     fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
@@ -546,7 +544,7 @@ impl GatedMlp {
 }
 
 impl Module for GatedMlp {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
         self.gate.visit(&join(prefix, "gate_proj"), f);
         self.up.visit(&join(prefix, "up_proj"), f);
         self.down.visit(&join(prefix, "down_proj"), f);

@@ -22,10 +22,39 @@ use crate::{Error, Result};
 use rmlx::Array;
 use std::collections::HashMap;
 
+/// What a parameter is for. Training and conversion decide by role (which arrays an adapter run
+/// trains, which stay in float32, which belong to a packed weight), never by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// A linear layer's weight (dense, or a quantised one's packed values).
+    Weight,
+    /// A linear layer's bias.
+    Bias,
+    /// A normalisation's scale.
+    Norm,
+    /// The token embedding table (dense, or a quantised one's packed values).
+    Embedding,
+    /// The scales or biases of a quantised weight or embedding.
+    Quantization,
+    /// A LoRA adapter's down projection `A` (`…lora_a`, `[in, rank]`).
+    LoraA,
+    /// A LoRA adapter's up projection `B` (`…lora_b`, `[rank, out]`).
+    LoraB,
+    /// A DoRA adapter's learned magnitude per output row (`…m`, `[out]`, float32).
+    DoraMagnitude,
+}
+
+impl Role {
+    /// Whether the array belongs to an adapter (LoRA factors, DoRA magnitudes).
+    pub fn is_adapter(self) -> bool {
+        matches!(self, Role::LoraA | Role::LoraB | Role::DoraMagnitude)
+    }
+}
+
 /// A layer (or a model) with named parameters.
 pub trait Module {
-    /// Calls `f` with the full name and the array of every parameter, under `prefix`.
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Array));
+    /// Calls `f` with the full name, the role and the array of every parameter, under `prefix`.
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array));
 
     /// Calls `f` with the full name of every parameter and the array, which `f` may replace (with
     /// one of the same shape: [`ModuleExt::update`] checks that).
@@ -50,14 +79,21 @@ pub trait ModuleExt: Module {
     /// `(name, array)` for every parameter (cheap handles, not copies).
     fn parameters(&self, prefix: &str) -> Vec<(String, Array)> {
         let mut out = Vec::new();
-        self.visit(prefix, &mut |name, a| out.push((name.to_string(), a.clone())));
+        self.visit(prefix, &mut |name, _, a| out.push((name.to_string(), a.clone())));
+        out
+    }
+
+    /// `(name, role)` of every parameter, in visiting order.
+    fn roles(&self, prefix: &str) -> Vec<(String, Role)> {
+        let mut out = Vec::new();
+        self.visit(prefix, &mut |name, role, _| out.push((name.to_string(), role)));
         out
     }
 
     /// The names of every parameter, in visiting order.
     fn parameter_names(&self, prefix: &str) -> Vec<String> {
         let mut out = Vec::new();
-        self.visit(prefix, &mut |name, _| out.push(name.to_string()));
+        self.visit(prefix, &mut |name, _, _| out.push(name.to_string()));
         out
     }
 
@@ -66,7 +102,7 @@ pub trait ModuleExt: Module {
     fn update(&mut self, prefix: &str, mut new: HashMap<String, Array>) -> Result<usize> {
         // Check everything first: a failed update changes nothing.
         let mut shapes = HashMap::new();
-        self.visit(prefix, &mut |name, a| {
+        self.visit(prefix, &mut |name, _, a| {
             if new.contains_key(name) {
                 shapes.insert(name.to_string(), a.shape().to_vec());
             }
@@ -100,7 +136,7 @@ pub trait ModuleExt: Module {
 impl<M: Module + ?Sized> ModuleExt for M {}
 
 /// Visits a list of modules as `prefix.0`, `prefix.1`, ...
-pub(crate) fn visit_list<M: Module>(items: &[M], prefix: &str, f: &mut dyn FnMut(&str, &Array)) {
+pub(crate) fn visit_list<M: Module>(items: &[M], prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
     for (i, m) in items.iter().enumerate() {
         m.visit(&join(prefix, &i.to_string()), f);
     }

@@ -6,7 +6,7 @@
 
 use super::lora::{apply_lora, lora_parameter_names, LoraConfig};
 use crate::models::Model;
-use crate::nn::ModuleExt;
+use crate::nn::{ModuleExt, Role};
 use crate::{Error, Result};
 use rmlx::{Array, Dtype};
 use serde_json::{json, Value};
@@ -182,9 +182,12 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
             return Err(Error::MissingTensor(format!("{missing} (in {})", weights.display())));
         }
     }
-    let new: HashMap<String, Array> =
-        // DoRA's magnitudes stay float32, as the adapters keep them.
-        arrays.into_iter().map(|(n, a)| Ok(if n.ends_with(".m") { (n, a) } else { (n, a.astype(dtype)?) })).collect::<Result<_>>()?;
+    // DoRA's magnitudes stay float32, as the adapters keep them.
+    let roles: HashMap<String, Role> = model.roles("").into_iter().collect();
+    let new: HashMap<String, Array> = arrays
+        .into_iter()
+        .map(|(n, a)| Ok(if roles.get(&n) == Some(&Role::DoraMagnitude) { (n, a) } else { (n, a.astype(dtype)?) }))
+        .collect::<Result<_>>()?;
     model.update("", new)?;
     Ok(config)
 }

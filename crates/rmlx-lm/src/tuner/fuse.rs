@@ -7,7 +7,7 @@
 //! model's compute dtype. Gemma's norms go back to the checkpoint's `w` (rmlx keeps `1 + w`).
 
 use crate::config::Architecture;
-use crate::nn::ModuleExt;
+use crate::nn::Role;
 use crate::{Error, LoadedModel, Result};
 use rmlx::quantization::{dequantize, QuantMode, Quantized};
 use rmlx::{Array, Dtype};
@@ -55,19 +55,21 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
         return Err(e);
     }
     let gemma = lm.model.config().architecture()? == Architecture::Gemma3;
+    let mut params = Vec::new();
+    lm.model.visit("", &mut |name, role, a| params.push((name.to_string(), role, a.clone())));
     let mut out = BTreeMap::new();
-    for (name, a) in lm.model.parameters("") {
+    for (name, role, a) in params {
         let owner = name.rsplit_once('.').map_or("", |(p, _)| p);
-        if name.ends_with(".lora_a") || name.ends_with(".lora_b") || name.ends_with(".m") {
+        if role.is_adapter() {
             continue;
         }
-        if replaced.contains_key(&format!("{owner}.weight")) && (name.ends_with(".scales") || name.ends_with(".biases"))
-        {
+        if role == Role::Quantization && replaced.contains_key(&format!("{owner}.weight")) {
             continue; // a dequantised linear's quantisation arrays
         }
         let a = match replaced.get(&name) {
             Some(w) => w.clone(),
-            None if gemma && name.ends_with("norm.weight") => (a.astype(Dtype::Float32)? - 1.0)?.astype(a.dtype())?,
+            // Gemma's norms are kept as `1 + w`; checkpoints store `w`.
+            None if gemma && role == Role::Norm => (a.astype(Dtype::Float32)? - 1.0)?.astype(a.dtype())?,
             None => a,
         };
         out.insert(name, a);

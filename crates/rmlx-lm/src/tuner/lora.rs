@@ -2,8 +2,8 @@
 //! layers of the last `num_layers` blocks (all of them, or those whose path inside the block is
 //! one of `keys`, such as `self_attn.q_proj`), each initialised fresh.
 
-use crate::models::Model;
-use crate::nn::Lora;
+use crate::models::{block_path, Model};
+use crate::nn::{Lora, Role};
 use crate::{Error, Result};
 use rmlx::Dtype;
 
@@ -22,13 +22,6 @@ impl Default for LoraConfig {
     fn default() -> Self {
         LoraConfig { rank: 8, scale: 20.0, dropout: 0.0, keys: None }
     }
-}
-
-/// The block index and the path inside the block of `model.layers.<i>.<rest>`.
-fn block_path(path: &str) -> Option<(usize, &str)> {
-    let rest = path.strip_prefix("model.layers.")?;
-    let (i, inner) = rest.split_once('.')?;
-    Some((i.parse().ok()?, inner))
 }
 
 /// Attaches fresh adapters to the linears of the last `num_layers` blocks (`None`: all blocks)
@@ -115,26 +108,23 @@ fn attach(
     Ok(adapted)
 }
 
-/// The names of the adapters' parameters (`<path>.lora_a`, `<path>.lora_b`, and DoRA's `<path>.m`):
-/// what training updates.
+/// The names of the adapters' parameters (`<path>.lora_a`, `<path>.lora_b`, and DoRA's `<path>.m`:
+/// every [`Role::is_adapter`]): what training updates.
 pub fn lora_parameter_names(model: &dyn Model) -> Vec<String> {
     use crate::nn::ModuleExt;
-    model
-        .parameter_names("")
-        .into_iter()
-        .filter(|n| n.ends_with(".lora_a") || n.ends_with(".lora_b") || n.ends_with(".m"))
-        .collect()
+    model.roles("").into_iter().filter(|(_, role)| role.is_adapter()).map(|(n, _)| n).collect()
 }
 
 /// The parameters full fine-tuning trains: every floating-point array of the last `num_layers`
 /// blocks (`None`: all blocks, plus the embedding, final norm and output head, as mlx-lm unfreezes
 /// the whole model for `-1`). Quantised weights cannot be trained and are an error.
 pub fn full_parameter_names(model: &dyn Model, num_layers: Option<usize>) -> Result<Vec<String>> {
-    use crate::nn::ModuleExt;
     let blocks = model.config().num_hidden_layers;
     let first = blocks - num_layers.unwrap_or(blocks).min(blocks);
     let mut names = Vec::new();
-    for (name, a) in model.parameters("") {
+    let mut params = Vec::new();
+    model.visit("", &mut |name, role, a| params.push((name.to_string(), role, a.dtype())));
+    for (name, role, dtype) in params {
         let selected = match block_path(&name) {
             Some((block, _)) => block >= first,
             None => num_layers.is_none(),
@@ -142,7 +132,7 @@ pub fn full_parameter_names(model: &dyn Model, num_layers: Option<usize>) -> Res
         if !selected {
             continue;
         }
-        if !a.dtype().is_floating() || name.ends_with(".scales") || name.ends_with(".biases") {
+        if !dtype.is_floating() || role == Role::Quantization {
             return Err(Error::InvalidParameter(format!(
                 "`{name}` is quantised: full fine-tuning needs a dense model (load it without --keep-quantized, or dequantise it)"
             )));

@@ -138,9 +138,7 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
         ranks.insert(l.rank());
         scales.push(l.scale);
         targets.insert(path.rsplit('.').next().unwrap_or(path).to_string());
-        if let Some(i) =
-            path.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok())
-        {
+        if let Some((i, _)) = crate::models::block_path(path) {
             layers.insert(i);
         }
         match (l.a.transpose(), l.b.transpose()) {

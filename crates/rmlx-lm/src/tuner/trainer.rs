@@ -12,7 +12,7 @@ use super::data::Sequence;
 use super::loss::{batch_loss, loss_and_grad, CompiledLossAndGrad};
 use super::optim::Optimizer;
 use crate::models::Model;
-use crate::nn::{with_grad_checkpoint, ModuleExt};
+use crate::nn::{with_grad_checkpoint, ModuleExt, Role};
 use crate::{Error, Result};
 use rmlx::Array;
 use serde_json::{json, Value};
@@ -68,11 +68,16 @@ pub struct TrainState {
 const STATE_KEY: &str = "rmlx_train_state";
 
 impl TrainState {
-    /// `NNNNNNN_state.safetensors` beside `NNNNNNN_adapters.safetensors`.
-    pub fn path_for(checkpoint: &Path) -> PathBuf {
-        let name =
-            checkpoint.file_name().map(|n| n.to_string_lossy().replace("_adapters.safetensors", "_state.safetensors"));
-        checkpoint.with_file_name(name.unwrap_or_else(|| "state.safetensors".into()))
+    /// The state beside an adapters file: `NNNNNNN_state.safetensors` beside
+    /// `NNNNNNN_adapters.safetensors`, `state.safetensors` beside `adapters.safetensors`, and
+    /// `<name>.state.safetensors` beside any other `<name>.safetensors`.
+    pub fn path_for(adapters: &Path) -> PathBuf {
+        let name = adapters.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let state = match name.strip_suffix("adapters.safetensors") {
+            Some(stem) if stem.is_empty() || stem.ends_with('_') => format!("{stem}state.safetensors"),
+            _ => format!("{}.state.safetensors", name.strip_suffix(".safetensors").unwrap_or(&name)),
+        };
+        adapters.with_file_name(state)
     }
 
     /// Writes the state (the optimizer's arrays, the rest as JSON metadata).
@@ -184,6 +189,9 @@ pub struct TrainSummary {
     pub iterations: usize,
     pub trained_tokens: usize,
     pub last_val_loss: Option<f32>,
+    /// Whether a stop request ended the run before its last iteration (the adapters, and the
+    /// training state when it resumes exactly, were saved at the iteration it reached).
+    pub interrupted: bool,
 }
 
 /// Trains the parameters named in `trainable` of `model` on `train`, validating on `valid`.
@@ -213,24 +221,33 @@ pub fn train(
     if cfg.grad_accumulation_steps == 0 {
         return Err(crate::Error::InvalidParameter("grad_accumulation_steps must be positive".into()));
     }
-    // `adapters.safetensors`; with a checkpoint's state also `NNNNNNN_adapters.safetensors` and
+    // `adapters.safetensors` and, when the state resumes exactly (no gradient pending),
+    // `state.safetensors` beside it; at a checkpoint also `NNNNNNN_adapters.safetensors` and
     // `NNNNNNN_state.safetensors`.
-    let save =
-        |model: &dyn Model, it: usize, state: Option<TrainState>, report: &mut dyn FnMut(&Report)| -> Result<()> {
-            let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
-            let main = dir.join(adapters::WEIGHTS);
-            adapters::save_weights(model, trainable, &main)?;
-            report(&Report::Saved { iter: it, path: main.clone() });
-            if let Some(state) = state {
-                let path = dir.join(format!("{it:07}_adapters.safetensors"));
-                adapters::save_weights(model, trainable, &path)?;
-                if state.iteration == it {
-                    state.save(&TrainState::path_for(&path))?;
-                }
-                report(&Report::Saved { iter: it, path });
+    let save = |model: &dyn Model,
+                it: usize,
+                state: &TrainState,
+                checkpoint: bool,
+                report: &mut dyn FnMut(&Report)|
+     -> Result<()> {
+        let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
+        let mut paths = vec![dir.join(adapters::WEIGHTS)];
+        if checkpoint {
+            paths.push(dir.join(format!("{it:07}_adapters.safetensors")));
+        }
+        for path in paths {
+            adapters::save_weights(model, trainable, &path)?;
+            let state_path = TrainState::path_for(&path);
+            if state.iteration == it {
+                state.save(&state_path)?;
+            } else if state_path.exists() {
+                // An older state beside these weights would resume from the wrong place.
+                std::fs::remove_file(&state_path).map_err(|e| crate::Error::io(&state_path, e))?;
             }
-            Ok(())
-        };
+            report(&Report::Saved { iter: it, path });
+        }
+        Ok(())
+    };
     if let Some(st) = &cfg.resume {
         it = st.iteration;
         trained_tokens = st.trained_tokens;
@@ -358,27 +375,31 @@ pub fn train(
             (window_loss, window_steps, window_tokens, window_all) = (0.0, 0, 0, 0);
             window_start = Instant::now();
         }
-        if stop() {
-            save(model, it, None, report)?;
-            return Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val });
-        }
-        if it % cfg.save_every == 0 {
+        // With gradients pending, the state could not resume exactly: only the weights go.
+        let state = |order: &BatchOrder, queue: &[usize]| {
             let (optimizer_state, optimizer_step) = optimizer.state_arrays();
-            // With gradients pending, the state could not resume exactly: only the weights go.
-            let iteration = if pending == 0 { it } else { 0 };
-            let state = TrainState {
-                iteration,
+            TrainState {
+                iteration: if pending == 0 { it } else { 0 },
                 trained_tokens,
                 optimizer_step,
                 optimizer: optimizer_state,
                 rng: order.rng_state(),
-                queue: queue.clone(),
-            };
-            save(model, it, Some(state), report)?;
+                queue: queue.to_vec(),
+            }
+        };
+        if stop() {
+            save(model, it, &state(&order, &queue), false, report)?;
+            return Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val, interrupted: true });
+        }
+        if it % cfg.save_every == 0 {
+            save(model, it, &state(&order, &queue), true, report)?;
         }
     }
-    save(model, it, None, report)?;
-    Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val })
+    // The last iteration applied its gradient: the state resumes exactly.
+    let (optimizer, optimizer_step) = optimizer.state_arrays();
+    let state = TrainState { iteration: it, trained_tokens, optimizer_step, optimizer, rng: order.rng_state(), queue };
+    save(model, it, &state, false, report)?;
+    Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val, interrupted: false })
 }
 
 /// Evaluates a step's outputs; at debug level (`RMLX_LOG=debug`) it logs where the step's time
@@ -424,20 +445,32 @@ fn log_memory(when: &str) {
 /// values or, quantised, scales). `None` when nothing is to be copied: no LoRA factor, factors
 /// already in that dtype, or DoRA (whose magnitudes are computed from the factors in float32).
 fn lora_compute_dtype(model: &dyn Model, trainable: &[String]) -> Option<rmlx::Dtype> {
-    let params = model.parameters("");
-    if trainable.iter().any(|n| n.ends_with(".magnitude")) {
+    let mut factor = None;
+    let (mut dora, mut embedding, mut packed_embedding) = (false, None, false);
+    model.visit("", &mut |name, role, a| match role {
+        Role::DoraMagnitude if trainable.iter().any(|n| n == name) => dora = true,
+        Role::LoraA | Role::LoraB if factor.is_none() && trainable.iter().any(|n| n == name) => {
+            factor = Some(a.dtype())
+        }
+        Role::Embedding if embedding.is_none() => {
+            if a.dtype().is_floating() {
+                embedding = Some(a.dtype());
+            } else {
+                packed_embedding = true;
+            }
+        }
+        // A quantised embedding's scales come right after its packed values.
+        Role::Quantization if packed_embedding && embedding.is_none() => embedding = Some(a.dtype()),
+        _ => packed_embedding = false,
+    });
+    if dora {
         return None;
     }
-    let factor =
-        params.iter().find(|(n, _)| trainable.contains(n) && (n.ends_with(".lora_a") || n.ends_with(".lora_b")))?;
-    let activations = params.iter().find_map(|(n, a)| {
-        let float = a.dtype().is_floating();
-        ((n.ends_with("embed_tokens.weight") && float) || n.ends_with("embed_tokens.scales")).then(|| a.dtype())
-    })?;
-    (activations != factor.1.dtype()).then_some(activations)
+    let (factor, activations) = (factor?, embedding?);
+    (activations != factor).then_some(activations)
 }
 
 /// The block index in a parameter's name (`model.layers.3.…` → 3); names outside blocks last.
 fn block_of(name: &str) -> usize {
-    name.split('.').find_map(|p| p.parse::<usize>().ok()).unwrap_or(usize::MAX)
+    crate::models::block_path(name).map_or(usize::MAX, |(i, _)| i)
 }
