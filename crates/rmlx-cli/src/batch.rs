@@ -5,12 +5,12 @@
 use crate::common::{count, ModelArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
-use rmlx_lm::backend::{finish_reason_name, ClassifyOptions, LanguageModel, Prompt};
+use rmlx_lm::backend::{ClassifyOptions, LanguageModel, Prompt};
 use rmlx_lm::chat::Message;
 use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
 use rmlx_lm::grammar::Grammar;
 use rmlx_lm::progress::Progress;
-use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
+use rmlx_lm::{GenerateOptions, LoadedModel};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -90,7 +90,9 @@ fn read_lines(path: &PathBuf) -> Result<Vec<Line>> {
             line.grammar = Grammar::from_response_format(f).with_context(at)?;
         }
         match (&line.prompt, &line.messages) {
-            (Some(_), None) | (None, Some(_)) => {}
+            (Some(_), None) => {}
+            (None, Some(m)) if m.is_empty() => bail!("{}: \"messages\" is empty", at()),
+            (None, Some(_)) => {}
             _ => bail!("{}: a line needs exactly one of \"prompt\" and \"messages\"", at()),
         }
         lines.push(line);
@@ -113,9 +115,10 @@ pub fn run(a: Args) -> Result<()> {
     let base = a.sampling.checked_config()?;
     let lines = read_lines(&a.prompts)?;
     let mut model = a.model.open(&a.backend)?;
+    let mut out = Output::new(&a, &lines)?;
     let Some(lm) = model.as_native() else {
-        let results = through_interface(&a, model.as_mut(), &lines, &base)?;
-        return write_results(&a, &results);
+        through_interface(&a, model.as_mut(), &lines, &base, &mut out)?;
+        return out.finish();
     };
     let mut engine = Engine::new(
         lm,
@@ -125,6 +128,7 @@ pub fn run(a: Args) -> Result<()> {
     rmlx::memory::reset_peak_memory();
     let (mut prompt_tokens, mut cached_tokens, mut generated) = (0, 0, 0);
     let mut index = HashMap::new();
+    let progress = Progress::new(true, if a.classify { "classifying" } else { "generating" }, lines.len() as u64);
     for (i, line) in lines.iter().enumerate() {
         let mut sampler = base.clone();
         sampler.temperature = line.temperature.unwrap_or(sampler.temperature);
@@ -139,14 +143,21 @@ pub fn run(a: Args) -> Result<()> {
             ignore_eos: a.classify || a.ignore_eos,
             ..GenerateOptions::default()
         };
-        let prompt = encode(lm, line).with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
-        let seq = engine
-            .submit(Request { prompt, options, top_logprobs, grammar: line.grammar.clone(), ..Default::default() })
-            .with_context(|| format!("{}, prompt {}", a.prompts.display(), i + 1))?;
-        index.insert(seq, i);
+        // A prompt that cannot run (too long, a template or grammar that fails) gets its error
+        // in its place; the others run.
+        let submitted = encode(lm, line).and_then(|prompt| {
+            engine.submit(Request { prompt, options, top_logprobs, grammar: line.grammar.clone(), ..Default::default() })
+        });
+        match submitted {
+            Ok(seq) => {
+                index.insert(seq, i);
+            }
+            Err(e) => {
+                out.fail(i, &e)?;
+                progress.inc(1);
+            }
+        }
     }
-    let progress = Progress::new(true, if a.classify { "classifying" } else { "generating" }, lines.len() as u64);
-    let mut results: Vec<Value> = lines.iter().enumerate().map(|(i, l)| json!({"index": i, "id": l.id})).collect();
     let mut texts = vec![String::new(); lines.len()];
     while !engine.is_idle() {
         for update in engine.step()? {
@@ -156,14 +167,14 @@ pub fn run(a: Args) -> Result<()> {
                     texts[i].push_str(&text);
                     if a.classify {
                         let piece = |t: u32| lm.tokenizer.decode(&[t], false).unwrap_or_default();
-                        results[i]["top"] =
+                        out.results[i]["top"] =
                             top.iter().map(|&(t, lp)| json!({"id": t, "token": piece(t), "logprob": lp})).collect();
                     }
                 }
                 Update::Text { seq, text } => texts[index[&seq]].push_str(&text),
                 Update::Finished { seq, reason, usage } => {
                     let i = index[&seq];
-                    let r = &mut results[i];
+                    let r = &mut out.results[i];
                     r["prompt_tokens"] = json!(usage.prompt_tokens);
                     r["cached_tokens"] = json!(usage.cached_tokens);
                     prompt_tokens += usage.prompt_tokens;
@@ -172,11 +183,15 @@ pub fn run(a: Args) -> Result<()> {
                     if !a.classify {
                         r["text"] = json!(std::mem::take(&mut texts[i]));
                         r["completion_tokens"] = json!(usage.completion_tokens);
-                        r["finish_reason"] = json!(if reason == FinishReason::Length { "length" } else { "stop" });
+                        r["finish_reason"] = json!(reason.as_str());
                     }
+                    out.done(i)?;
                     progress.inc(1);
                 }
-                Update::Failed { seq, error } => bail!("prompt {}: {error}", index[&seq] + 1),
+                Update::Failed { seq, error } => {
+                    out.fail(index[&seq], &error)?;
+                    progress.inc(1);
+                }
                 Update::Started { .. } => {}
             }
         }
@@ -191,22 +206,66 @@ pub fn run(a: Args) -> Result<()> {
         generated as f64 / secs.max(1e-9),
         rmlx::memory::peak_memory() as f64 / 1e9
     );
-    write_results(&a, &results)
+    out.finish()
 }
 
-/// The results, one JSON line each, to `--output` or stdout.
-fn write_results(a: &Args, results: &[Value]) -> Result<()> {
-    let mut out: Box<dyn Write> = match &a.output {
-        Some(p) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => Box::new(std::io::stdout().lock()),
-    };
-    for r in results {
-        writeln!(out, "{r}")?;
+/// The results, one JSON line per prompt in input order, to `--output` or stdout: each is
+/// written as soon as it and every line before it are complete (a run stopped half way keeps what
+/// it finished). A prompt that failed gets `{"index", "id", "error"}` in its place.
+struct Output {
+    results: Vec<Value>,
+    complete: Vec<bool>,
+    written: usize,
+    failed: usize,
+    sink: Box<dyn Write>,
+}
+
+impl Output {
+    fn new(a: &Args, lines: &[Line]) -> Result<Output> {
+        let sink: Box<dyn Write> = match &a.output {
+            Some(p) => Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?),
+            None => Box::new(std::io::stdout()),
+        };
+        Ok(Output {
+            results: lines.iter().enumerate().map(|(i, l)| json!({"index": i, "id": l.id})).collect(),
+            complete: vec![false; lines.len()],
+            written: 0,
+            failed: 0,
+            sink,
+        })
     }
-    out.flush()?;
-    Ok(())
+
+    /// Line `i` is complete: writes it and the complete lines after it, in order.
+    fn done(&mut self, i: usize) -> Result<()> {
+        self.complete[i] = true;
+        let mut text = String::new();
+        while self.written < self.results.len() && self.complete[self.written] {
+            text.push_str(&format!("{}\n", self.results[self.written]));
+            self.written += 1;
+        }
+        if !text.is_empty() {
+            self.sink.write_all(text.as_bytes())?;
+            self.sink.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Line `i` failed with `error`.
+    fn fail(&mut self, i: usize, error: &dyn std::fmt::Display) -> Result<()> {
+        let r = &mut self.results[i];
+        *r = json!({"index": r["index"], "id": r["id"], "error": error.to_string()});
+        self.failed += 1;
+        self.done(i)
+    }
+
+    /// Every line is written; an error (exit status 1) when any prompt failed.
+    fn finish(mut self) -> Result<()> {
+        self.sink.flush()?;
+        if self.failed > 0 {
+            bail!("{} of {} prompts failed (their lines carry \"error\")", self.failed, self.results.len());
+        }
+        Ok(())
+    }
 }
 
 /// A backend other than the native one: `classify`, or `batch_generate` once per group of lines
@@ -216,7 +275,8 @@ fn through_interface(
     lm: &mut dyn LanguageModel,
     lines: &[Line],
     base: &rmlx_lm::sample::SamplerConfig,
-) -> Result<Vec<Value>> {
+    out: &mut Output,
+) -> Result<()> {
     if let Some(i) = lines.iter().position(|l| l.response_format.is_some()) {
         bail!("{}, line {}: response_format needs the native backend", a.prompts.display(), i + 1);
     }
@@ -225,14 +285,15 @@ fn through_interface(
         (_, Some(m)) => Prompt::Chat(m.clone()),
         _ => unreachable!("checked when read"),
     };
-    let mut results: Vec<Value> = lines.iter().enumerate().map(|(i, l)| json!({"index": i, "id": l.id})).collect();
     let start = std::time::Instant::now();
     if a.classify {
         let prompts: Vec<Prompt> = lines.iter().map(prompt).collect();
         let opts = ClassifyOptions { top_logprobs: a.top, ..ClassifyOptions::default() };
-        for (r, c) in results.iter_mut().zip(lm.classify(&prompts, &opts)?) {
+        for (i, c) in lm.classify(&prompts, &opts)?.into_iter().enumerate() {
+            let r = &mut out.results[i];
             r["prompt_tokens"] = json!(c.prompt_tokens);
             r["top"] = c.top.iter().map(|t| json!({"id": t.id, "token": t.token, "logprob": t.logprob})).collect();
+            out.done(i)?;
         }
     } else {
         // Lines that share (max_tokens, temperature bits, seed) go together.
@@ -263,12 +324,17 @@ fn through_interface(
             };
             let prompts: Vec<Prompt> = members.iter().map(|&i| prompt(&lines[i])).collect();
             for (&i, c) in members.iter().zip(lm.batch_generate(&prompts, &opts)?) {
-                let c = c.with_context(|| format!("{}, line {}", a.prompts.display(), i + 1))?;
-                let r = &mut results[i];
-                r["prompt_tokens"] = json!(c.prompt_tokens);
-                r["text"] = json!(c.text);
-                r["completion_tokens"] = json!(c.token_ids.len());
-                r["finish_reason"] = json!(finish_reason_name(c.finish_reason));
+                match c {
+                    Ok(c) => {
+                        let r = &mut out.results[i];
+                        r["prompt_tokens"] = json!(c.prompt_tokens);
+                        r["text"] = json!(c.text);
+                        r["completion_tokens"] = json!(c.token_ids.len());
+                        r["finish_reason"] = json!(c.finish_reason.as_str());
+                        out.done(i)?;
+                    }
+                    Err(e) => out.fail(i, &e)?,
+                }
                 progress.inc(1);
             }
         }
@@ -280,5 +346,5 @@ fn through_interface(
         lm.info().backend,
         start.elapsed().as_secs_f64()
     );
-    Ok(results)
+    Ok(())
 }

@@ -92,7 +92,7 @@ pub fn run(a: Args) -> Result<()> {
             "generation_tps": m.generation_tps(),
             "ttft_ms": m.time_to_first_token.as_secs_f64() * 1e3,
             "peak_memory_gb": gb(m.peak_memory),
-            "finish_reason": reason.map(|r| format!("{r:?}").to_lowercase()),
+            "finish_reason": reason.map(|r| r.as_str()),
             "backend": lm_backend,
         });
         writeln!(out, "{obj}")?;

@@ -37,7 +37,7 @@ pub struct Args {
     #[arg(long, default_value = "lora")]
     fine_tune_type: String,
     /// Blocks, from the last, that get adapters (-1: all).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = DEFAULT_NUM_LAYERS)]
     num_layers: i64,
     #[arg(long, default_value_t = 4, value_parser = positive)]
     batch_size: usize,
@@ -225,6 +225,9 @@ pub fn limit_gpu_graphs() {
     rmlx::keep_mlx_cuda_graph_ops();
 }
 
+/// `--num-layers` when not given (mlx-lm's).
+const DEFAULT_NUM_LAYERS: i64 = 16;
+
 pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     let yaml = apply_config(&mut a, matches.as_ref())?;
     ensure!(a.train || a.test, "nothing to do: pass --train, --test or both");
@@ -239,6 +242,12 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         "--adapter-format {} is unknown (mlx or peft)",
         a.adapter_format
     );
+    ensure!(
+        a.learning_rate.is_finite() && a.learning_rate >= 0.0,
+        "--learning-rate must be a finite number, 0 or more, got {}",
+        a.learning_rate
+    );
+    ensure!(a.lora_scale.is_finite(), "--lora-scale must be a finite number, got {}", a.lora_scale);
     let num_layers = all_or(a.num_layers, "num-layers")?;
     let (val_batches, test_batches) = (all_or(a.val_batches, "val-batches")?, all_or(a.test_batches, "test-batches")?);
     let kind = match (&yaml.optimizer, a.optimizer.as_str()) {
@@ -265,12 +274,20 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         let train = tokenize(&splits.train)?;
         ensure!(!train.is_empty(), "no training data: {} is missing or empty", a.data.join("train.jsonl").display());
         let valid = tokenize(&splits.valid)?;
-        if valid.is_empty() {
-            eprintln!(
-                "warning: no validation set ({}): training proceeds without validation",
-                a.data.join("valid.jsonl").display()
-            );
-        }
+        // As mlx-lm: training reports its validation loss, so the set must be there.
+        ensure!(
+            !valid.is_empty(),
+            "no validation data: {} is missing or empty (training needs a validation set)",
+            a.data.join("valid.jsonl").display()
+        );
+        // mlx-lm's default (16) adapts every block of a smaller model; a count asked for that the
+        // model does not have is an error, not a number recorded in adapter_config.json.
+        let blocks = lm.model.config().num_hidden_layers;
+        let num_layers = match num_layers {
+            Some(n) if n > blocks && a.num_layers == DEFAULT_NUM_LAYERS => Some(blocks),
+            Some(n) if n > blocks => bail!("--num-layers {n}: the model has {blocks} blocks (-1 adapts them all)"),
+            n => n,
+        };
         let config = AdapterConfig {
             fine_tune_type,
             num_layers,

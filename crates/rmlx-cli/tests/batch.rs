@@ -96,6 +96,7 @@ fn a_bad_line_is_named_before_anything_runs() {
     for (lines, expected) in [
         (vec![json!({"prompt": "hi"}), json!({"promt": "typo"})], "line 2"),
         (vec![json!({"prompt": "hi", "messages": []})], "exactly one of \"prompt\" and \"messages\""),
+        (vec![json!({"prompt": "hi"}), json!({"messages": []})], "line 2: \"messages\" is empty"),
         (vec![json!({"prompt": "hi"}), json!({"prompt": "x", "response_format": {"type": "xml"}})], "line 2"),
         (vec![json!({"prompt": "x", "response_format": {"type": "regex"}})], "needs `regex`, a string"),
     ] {
@@ -133,5 +134,32 @@ fn a_line_with_a_response_format_is_constrained() {
     );
     assert_eq!(r[0]["finish_reason"], "stop");
     assert_eq!(r[1]["text"].as_str().unwrap(), generate("The capital of France is", true, 6).0);
+    let _ = std::fs::remove_file(prompts);
+}
+
+/// A prompt that cannot run gets its own error object, in its place; the others complete with
+/// what they give alone, and the run exits with status 1 naming how many failed.
+#[test]
+fn a_failing_prompt_gets_its_error_and_the_others_complete() {
+    let prompts = write_prompts(
+        "isolated",
+        &[
+            json!({"id": "a", "prompt": "The capital of France is", "max_tokens": 5}),
+            json!({"id": "zero", "prompt": "Hello", "max_tokens": 0}),
+            json!({"id": "empty", "prompt": "x", "response_format": {"type": "regex", "regex": "[^\\s\\S]"}}),
+            json!({"id": "b", "prompt": "Once upon a time", "max_tokens": 4}),
+        ],
+    );
+    let out = rmlx(&["batch", "--prompts", prompts.to_str().unwrap(), "--temp", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("2 of 4 prompts failed"), "{err}");
+    let r: Vec<Value> =
+        String::from_utf8(out.stdout.clone()).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(r.iter().map(|l| l["id"].clone()).collect::<Vec<_>>(), vec![json!("a"), json!("zero"), json!("empty"), json!("b")]);
+    assert!(r[1]["error"].as_str().unwrap().contains("max_tokens must be at least 1"), "{}", r[1]);
+    assert!(r[2]["error"].as_str().unwrap().contains("grammar admits no text"), "{}", r[2]);
+    assert_eq!(r[0]["text"].as_str().unwrap(), generate("The capital of France is", true, 5).0);
+    assert_eq!(r[3]["text"].as_str().unwrap(), generate("Once upon a time", true, 4).0);
     let _ = std::fs::remove_file(prompts);
 }

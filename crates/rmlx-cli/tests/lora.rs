@@ -183,6 +183,43 @@ fn bad_input_is_reported_before_training() {
     let out = rmlx(&["lora", "--model", s(&model), "--test", "--data", s(&data), "--adapter-path", s(&w.join("none"))]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("adapter_config.json"));
+    // Settings that cannot train, refused before anything is written.
+    let a = w.join("refused");
+    for (flags, says) in [
+        (&["--learning-rate", "nan"][..], "--learning-rate must be a finite number, 0 or more, got NaN"),
+        (&["--learning-rate", "inf"][..], "--learning-rate must be a finite number, 0 or more, got inf"),
+        (&["--learning-rate", "-1"][..], "--learning-rate must be a finite number, 0 or more, got -1"),
+        (&["--lora-scale", "nan"][..], "--lora-scale must be a finite number"),
+        (&["--num-layers", "1000"][..], "--num-layers 1000: the model has 2 blocks"),
+    ] {
+        let mut args = vec!["lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&a)];
+        args.extend_from_slice(flags);
+        let out = rmlx(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(says), "{flags:?}: {err}");
+        assert!(!a.join("adapters.safetensors").exists(), "{flags:?}");
+    }
+    // Training that overflows stops with an error instead of writing NaN adapters.
+    let out = rmlx(&[
+        "lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&a), "--iters", "5",
+        "--optimizer", "sgd", "--learning-rate", "1e38", "--lora-scale", "1e30", "--save-every", "1", "--batch-size", "1",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("NaN or infinite") && err.contains("training stopped before applying it"), "{err}");
+    if a.join("adapters.safetensors").exists() {
+        for (name, t) in rmlx::io::load_safetensors(a.join("adapters.safetensors")).unwrap().arrays {
+            let values = t.astype(rmlx::Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+            assert!(values.iter().all(|v| v.is_finite()), "{name} holds non-finite values");
+        }
+    }
+    // No validation set: refused, as mlx-lm does.
+    std::fs::remove_file(data.join("valid.jsonl")).unwrap();
+    let out = rmlx(&["lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&a)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("valid.jsonl is missing or empty"), "{err}");
     let _ = std::fs::remove_dir_all(&w);
 }
 

@@ -454,3 +454,90 @@ fn response_format_constrains_the_output() {
         assert!(v["error"]["message"].as_str().unwrap().contains(says), "{format}: {v}");
     }
 }
+
+/// The key is checked before anything else (a malformed body without it is 401, `/metrics` needs
+/// it, `/health` does not), the scheme's case does not matter, and an empty key file, or an
+/// adapter named like the base model, stops the start-up before anything is announced.
+#[test]
+fn the_api_key_comes_first_and_bad_start_ups_announce_nothing() {
+    let dir = std::env::temp_dir().join(format!("rmlx-serve-gate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = dir.join("key.txt");
+    std::fs::write(&key, "sekret\n").unwrap();
+    let server = Server::start(&["--api-key-file", key.to_str().unwrap()]);
+    let status = |method: &str, path: &str, body: &str, headers: &[(&str, &str)]| -> u16 {
+        let (head, _) = exchange(&server.addr, method, path, body, headers);
+        head.split(' ').nth(1).unwrap().parse().unwrap()
+    };
+    assert_eq!(status("POST", "/v1/chat/completions", r#"{"messages": [}"#, &[]), 401);
+    assert_eq!(status("GET", "/metrics", "", &[]), 401);
+    assert_eq!(status("GET", "/metrics", "", &[("Authorization", "Bearer sekret")]), 200);
+    assert_eq!(status("GET", "/v1/models", "", &[("Authorization", "bearer sekret")]), 200);
+    assert_eq!(status("GET", "/v1/models", "", &[("Authorization", "Bearer sekre")]), 401);
+    assert_eq!(status("GET", "/health", "", &[]), 200);
+    drop(server);
+    let refused = |args: &[&str], says: &str| {
+        let out = Command::new(RMLX).args(["serve", "--port", "0"]).args(args).stdin(Stdio::null()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("serving "), "announced before failing: {err}");
+    };
+    std::fs::write(&key, " \n").unwrap();
+    refused(&["--api-key-file", key.to_str().unwrap()], "holds no key");
+    let adapter = format!("{MODEL}={}", dir.display());
+    refused(&["--adapter", &adapter], "has the base model's name");
+    refused(&["--adapter", &format!("other={}", dir.join("missing").display())], "reading the adapter `other`");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What OpenAI refuses is refused with 400 naming the field, and what rmlx does not implement
+/// (echo, best_of, suffix, tools) is refused rather than ignored; a poisoned request (a bias on a
+/// token beyond the vocabulary, a regex with no match) gets its own 400.
+#[test]
+fn requests_openai_refuses_are_refused_by_field() {
+    let server = Server::start(&[]);
+    let msg = json!([{"role": "user", "content": "hi"}]);
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": msg, "max_tokens": 3});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        server.post("/v1/chat/completions", &body)
+    };
+    let cases = [
+        (json!({"max_tokens": 0}), "max_tokens", "at least 1"),
+        (json!({"max_completion_tokens": 0}), "max_completion_tokens", "at least 1"),
+        (json!({"stop": ""}), "stop", "must not be empty"),
+        (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop", "at most 4"),
+        (json!({"top_logprobs": 2}), "top_logprobs", "logprobs: true"),
+        (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools", "not supported"),
+        (json!({"logit_bias": {"5": 101}}), "logit_bias", "between -100 and 100"),
+        (json!({"logit_bias": {"9999999": 1}}), "", "logit_bias names token 9999999"),
+        (json!({"messages": [{"role": "wizard", "content": "hi"}]}), "messages", "unknown role `wizard`"),
+        (json!({"messages": [{"role": "user", "content": null}]}), "messages", "`content` is missing"),
+        (json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), "messages", "has no `text`"),
+        (json!({"response_format": {"type": "regex", "regex": "[^\\s\\S]"}}), "", "admits no text"),
+    ];
+    for (extra, param, says) in cases {
+        let (status, v) = chat(extra.clone());
+        assert_eq!(status, 400, "{extra}: {v}");
+        assert!(error_of(&v).1.contains(says), "{extra}: {v}");
+        if !param.is_empty() {
+            assert_eq!(v["error"]["param"], param, "{extra}: {v}");
+        }
+    }
+    for (extra, param) in [(json!({"echo": true}), "echo"), (json!({"best_of": 2}), "best_of"), (json!({"suffix": "x"}), "suffix")]
+    {
+        let mut body = json!({"prompt": "hi", "max_tokens": 2});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, v) = server.post("/v1/completions", &body);
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{v}");
+    }
+    // A `developer` message is a system message; neutral values of the refused fields pass.
+    let (status, v) = chat(json!({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                                  "tools": [], "tool_choice": "none"}));
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2, "echo": false, "best_of": 1}));
+    assert_eq!(status, 200, "{v}");
+    // A compressed body is refused (the server does not decompress).
+    let (head, _) = exchange(&server.addr, "POST", "/v1/completions", r#"{"prompt": "hi"}"#, &[("Content-Encoding", "gzip")]);
+    assert!(head.starts_with("HTTP/1.1 415"), "{head}");
+}

@@ -101,13 +101,30 @@ fn adapters_are_chosen_per_request_and_loaded_while_serving() {
     let (status, v) = server.post("/v1/load_lora_adapter", &json!({"lora_name": "c", "lora_path": b}));
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("already"), "{v}");
+    // A folder that does not exist and one that holds something else get the same answer: the
+    // client learns nothing of the server's files.
     let missing = root.join("missing");
     let (status, v) = server.post("/v1/load_lora_adapter", &json!({"lora_name": "d", "lora_path": missing}));
     assert_eq!(status, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("adapter_config.json"), "{v}");
+    let message = v["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("not an adapter folder") && !message.contains(root.to_str().unwrap()), "{v}");
+    let (status, v) = server.post("/v1/load_lora_adapter", &json!({"lora_name": "d", "lora_path": "/etc"}));
+    assert_eq!((status, v["error"]["message"].as_str().unwrap()), (400, message.as_str()), "{v}");
     let (status, v) = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "zz"}));
     assert_eq!(status, 404, "{v}");
     drop(server);
+
+    // --adapter-dir: only folders inside it load.
+    let (dir_a, dir_root) = (format!("{}", a.display()), format!("{}", a.parent().unwrap().display()));
+    let confined = Server::start(&["--allow-adapter-loading", "--adapter-dir", &dir_a]);
+    let (status, v) = confined.post("/v1/load_lora_adapter", &json!({"lora_name": "b", "lora_path": b}));
+    assert_eq!((status, v["error"]["param"].as_str()), (403, Some("lora_path")), "{v}");
+    let (status, v) = confined.request("POST", "/v1/load_lora_adapter", Some(&json!({"lora_name": "a", "lora_path": a})), &[]);
+    assert_eq!(status, 200, "{v}");
+    let escape = format!("{dir_a}/../{}", b.file_name().unwrap().to_string_lossy());
+    let (status, v) = confined.post("/v1/load_lora_adapter", &json!({"lora_name": "e", "lora_path": escape}));
+    assert_eq!(status, 403, "{dir_root}: {v}");
+    drop(confined);
 
     // Without the flag the endpoints do not exist; a bad --adapter stops the start-up.
     let plain = Server::start(&[]);

@@ -68,6 +68,41 @@ pub enum FinishReason {
     Cancelled,
 }
 
+impl FinishReason {
+    /// OpenAI's name of the reason, the one every surface reports: `length`, `stop` (an
+    /// end-of-sequence token or a stop string) or `cancelled`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Eos | FinishReason::StopString => "stop",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl std::fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The one rule for a prompt of `prompt_len` tokens against a context of `limit` positions, on
+/// every generation path ([`Generation`], the engine): the prompt must leave room for at least one
+/// generated token. Returns how many tokens fit after it.
+pub fn room_after_prompt(prompt_len: usize, limit: usize) -> Result<usize> {
+    if prompt_len > limit {
+        return Err(Error::Prompt(format!(
+            "the prompt has {prompt_len} tokens, more than the context limit of {limit}"
+        )));
+    }
+    if prompt_len == limit {
+        return Err(Error::Prompt(format!(
+            "the prompt has {prompt_len} tokens, all of the context limit of {limit}: no room for a reply"
+        )));
+    }
+    Ok(limit - prompt_len)
+}
+
 /// Counters and timings of one generation.
 #[derive(Clone, Debug, Default)]
 pub struct Metrics {
@@ -82,9 +117,13 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Prompt tokens per second (over the time to first token).
+    /// Prompt tokens per second (over the time to first token); 0 when no token was generated
+    /// (with `max_tokens` 0 the prompt is not run).
     pub fn prompt_tps(&self) -> f64 {
-        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64().max(1e-9)
+        if self.time_to_first_token.is_zero() {
+            return 0.0;
+        }
+        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64()
     }
 
     /// Generated tokens per second after the first.
@@ -176,22 +215,24 @@ impl<'m> Generation<'m> {
             return Err(Error::InvalidParameter("prefill_chunk must be positive".into()));
         }
         let cfg = lm.model.config();
-        let limit = opts.context_limit.or(cfg.max_position_embeddings);
-        if let Some(limit) = limit {
-            if prompt.len() > limit {
-                return Err(Error::Prompt(format!(
-                    "the prompt has {} tokens, more than the context limit of {limit}",
-                    prompt.len()
-                )));
+        // A context limit bounds the caches (they rotate), so generation goes on past it; the
+        // model's own limit (max_position_embeddings) ends generation when reached.
+        let room = match (opts.context_limit, cfg.max_position_embeddings) {
+            (Some(limit), _) => {
+                room_after_prompt(prompt.len(), limit)?;
+                usize::MAX
             }
-        }
+            (None, Some(limit)) => room_after_prompt(prompt.len(), limit)?,
+            (None, None) => usize::MAX,
+        };
         lm.vocab.check(prompt)?;
+        opts.sampler.check_vocab(cfg.vocab_size as usize)?;
         let pipelined = opts.sampler.repetition_penalty == 1.0 && !opts.sampler.penalizes_generated();
         let mut sampler = Sampler::new(opts.sampler.clone())?;
         sampler.set_prompt_len(prompt.len());
         let mut g = Self {
             lm,
-            opts: opts.clone(),
+            opts: GenerateOptions { max_tokens: opts.max_tokens.min(room), ..opts.clone() },
             caches: lm.model.new_caches(opts.context_limit),
             sampler,
             history: prompt.to_vec(),

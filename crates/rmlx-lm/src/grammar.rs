@@ -110,21 +110,50 @@ impl GrammarCompiler {
     /// A fresh constraint for one sequence. Errors: [`Error::InvalidParameter`] naming what the
     /// grammar (a schema, a regex) got wrong.
     pub fn compile(&self, grammar: &Grammar) -> Result<Constraint> {
+        let parser = self.parser(grammar)?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(Error::InvalidParameter(format!("the grammar does not compile: {}", one_line(&e))));
+        }
+        let mut constraint = Constraint { matcher, vocab: self.vocab };
+        // Some grammars compile and fail at their first token (an empty language such as
+        // `[^\s\S]`, `$ref`s that loop): find out now, so that the request is refused, not its batch.
+        match constraint.matcher.compute_mask() {
+            Err(e) => Err(Error::InvalidParameter(format!("the grammar admits no text: {}", one_line(&e)))),
+            Ok(mask) if mask.is_zero() && !constraint.is_finished() => {
+                Err(Error::InvalidParameter("the grammar admits no text: no token can start it".into()))
+            }
+            Ok(_) => {
+                // A fresh matcher: the mask computed above is computed again at the first step.
+                constraint.matcher = Matcher::new(Ok(self.parser(grammar)?));
+                Ok(constraint)
+            }
+        }
+    }
+}
+
+/// An error from the grammar engine on one line, at most 300 characters: its messages span lines
+/// (a regex error points at the character), and some end with the parser's internal state,
+/// which a client has no use for.
+fn one_line(e: &dyn std::fmt::Display) -> String {
+    let text = e.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
+    match text.char_indices().nth(300) {
+        Some((i, _)) => format!("{}…", &text[..i]),
+        None => text,
+    }
+}
+
+impl GrammarCompiler {
+    fn parser(&self, grammar: &Grammar) -> Result<llguidance::TokenParser> {
         let top = match grammar {
             Grammar::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"})),
             Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
             Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Grammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
         };
-        let parser = self
-            .factory
+        self.factory
             .create_parser(top)
-            .map_err(|e| Error::InvalidParameter(format!("the grammar does not compile: {e}")))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(Error::InvalidParameter(format!("the grammar does not compile: {e}")));
-        }
-        Ok(Constraint { matcher, vocab: self.vocab })
+            .map_err(|e| Error::InvalidParameter(format!("the grammar does not compile: {}", one_line(&e))))
     }
 }
 
@@ -167,6 +196,6 @@ impl Constraint {
     }
 
     fn failed(&self, e: impl std::fmt::Display) -> Error {
-        Error::InvalidParameter(format!("structured output failed: {e}"))
+        Error::InvalidParameter(format!("structured output failed: {}", one_line(&e)))
     }
 }

@@ -111,6 +111,17 @@ impl SamplerConfig {
         Ok(())
     }
 
+    /// Checks what depends on the model: every `logit_bias` id must be below `vocab` (the
+    /// logits' width). [`Error::InvalidParameter`] names the first that is not.
+    pub fn check_vocab(&self, vocab: usize) -> Result<()> {
+        match self.logit_bias.iter().find(|&&(id, _)| id as usize >= vocab) {
+            Some(&(id, _)) => {
+                Err(invalid(format!("logit_bias names token {id}, but the vocabulary has {vocab} tokens")))
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Whether the presence or frequency penalty is on.
     pub fn penalizes_generated(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0

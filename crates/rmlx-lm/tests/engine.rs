@@ -360,8 +360,33 @@ fn bad_requests_are_refused() {
     // 24 + 4 positions of this fixture's keys and values: 2 layers × (k, v) × 2 heads × 16 × 4 bytes each.
     let m = engine_err(&mut engine, request(&prompt, greedy.clone())).to_string();
     assert!(m.contains("need 14.3 kB of keys and values; the limit is 10.0 kB"), "{m}");
+    let zero = options(0, SamplerConfig::default());
+    let m = engine_err(&mut engine, request(&prompt[..3], zero)).to_string();
+    assert!(m.contains("max_tokens must be at least 1"), "{m}");
     assert_eq!(engine.submit(request(&prompt[..15], greedy.clone())).unwrap(), 0, "refusals take no id");
     assert_eq!(engine.load(), (0, 1));
+}
+
+/// One context rule on both paths (the engine, a single generation): a prompt of the whole
+/// context is refused, one position shorter generates exactly one token (`length`).
+#[test]
+fn the_context_boundary_is_the_same_for_the_engine_and_generate() {
+    let (_d, lm) = load("llama_gqa"); // max_position_embeddings 256
+    let limit = lm.model.config().max_position_embeddings.unwrap();
+    let prompt = |n: usize| (0..n).map(|i| (i * 7 % 380 + 3) as u32).collect::<Vec<_>>();
+    let many = options(50, SamplerConfig::default());
+    let full = lm.generate(&prompt(limit), &many).err().expect("a prompt of the whole context is refused");
+    assert!(full.to_string().contains(&format!("all of the context limit of {limit}: no room")), "{full}");
+    let mut engine = Engine::new(&lm, EngineOptions::default());
+    let e = engine_err(&mut engine, request(&prompt(limit), many.clone())).to_string();
+    assert_eq!(e, full.to_string());
+    let mut g = lm.generate(&prompt(limit - 1), &many).unwrap();
+    assert_eq!(g.by_ref().count(), 1);
+    assert_eq!(g.finish_reason(), Some(FinishReason::Length));
+    let seq = engine.submit(request(&prompt(limit - 1), many)).unwrap();
+    let mut out = HashMap::new();
+    drain(&mut engine, &mut out);
+    assert_eq!((out[&seq].tokens.len(), out[&seq].finish), (1, Some(FinishReason::Length)));
 }
 
 #[test]

@@ -98,3 +98,55 @@ item: /[a-c]/"#;
         Request { prompt: p, grammar: Some(Grammar::JsonSchema(serde_json::json!({"type": 7}))), ..Default::default() };
     assert!(matches!(engine.submit(bad), Err(Error::InvalidParameter(_))));
 }
+
+/// Requests that would fail a step (a bias on a token beyond the vocabulary, a regex whose
+/// language is empty, a schema whose `$ref`s only loop) are refused at submission, naming what
+/// is wrong in one line; the requests running beside them decode exactly what they decode alone.
+#[test]
+fn poisoned_requests_are_refused_and_the_others_keep_their_tokens() {
+    let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model().unwrap(), &Default::default()).unwrap();
+    let p = lm.encode_prompt("Write a short story about a robot.", true, None).unwrap();
+    let greedy = GenerateOptions { max_tokens: 10, ignore_eos: true, ..GenerateOptions::default() };
+    let seeded = GenerateOptions {
+        sampler: SamplerConfig { temperature: 0.8, seed: Some(5), ..SamplerConfig::default() },
+        ..greedy.clone()
+    };
+    let mut engine = Engine::new(&lm, EngineOptions::default());
+    let good: Vec<(SeqId, GenerateOptions)> = [greedy.clone(), seeded.clone()]
+        .into_iter()
+        .map(|o| (engine.submit(Request { prompt: p.clone(), options: o.clone(), ..Default::default() }).unwrap(), o))
+        .collect();
+    let biased = GenerateOptions {
+        sampler: SamplerConfig { logit_bias: vec![(9_999_999, 1.0)], ..SamplerConfig::default() },
+        ..greedy.clone()
+    };
+    let looping = serde_json::json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}});
+    let poisoned = [
+        (Request { prompt: p.clone(), options: biased, ..Default::default() }, "logit_bias names token 9999999"),
+        (
+            Request { prompt: p.clone(), grammar: Some(Grammar::Regex(r"[^\s\S]".into())), ..Default::default() },
+            "grammar",
+        ),
+        (Request { prompt: p.clone(), grammar: Some(Grammar::JsonSchema(looping)), ..Default::default() }, "grammar"),
+    ];
+    for (r, what) in poisoned {
+        match engine.submit(r) {
+            Err(Error::InvalidParameter(m)) => assert!(m.contains(what) && !m.contains('\n'), "{m}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    let mut tokens: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    while !engine.is_idle() {
+        for u in engine.step().unwrap() {
+            match u {
+                Update::Token { seq, id, .. } => tokens.entry(seq).or_default().push(id),
+                Update::Failed { seq, error } => panic!("request {seq} failed: {error}"),
+                _ => {}
+            }
+        }
+    }
+    for (seq, o) in good {
+        let alone: Vec<u32> = lm.generate(&p, &o).unwrap().map(|t| t.unwrap().id).collect();
+        assert_eq!(tokens[&seq], alone);
+    }
+}

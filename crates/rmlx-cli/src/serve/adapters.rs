@@ -4,10 +4,9 @@
 
 use super::api::ApiError;
 use super::engine::Control;
-use super::{authorize, error, Shared};
+use super::{error, Shared};
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
-use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use std::path::PathBuf;
@@ -34,10 +33,9 @@ pub struct LoraRequest {
 
 pub async fn load_lora_adapter(
     State(s): State<Arc<Shared>>,
-    headers: HeaderMap,
     body: Result<Json<LoraRequest>, JsonRejection>,
 ) -> Response {
-    let r = match adapter_request(&s, &headers, body) {
+    let r = match adapter_request(&s, body) {
         Ok(r) => r,
         Err(e) => return error(e),
     };
@@ -50,6 +48,13 @@ pub async fn load_lora_adapter(
             r.lora_name
         );
         return error(ApiError::bad_request(message, Some("lora_name")));
+    }
+    if !s.adapter_roots.is_empty() {
+        let inside = path.canonicalize().is_ok_and(|p| s.adapter_roots.iter().any(|root| p.starts_with(root)));
+        if !inside {
+            let message = "`lora_path` is not inside the folders this server loads adapters from (--adapter-dir)";
+            return error(ApiError { status: 403, message: message.into(), param: Some("lora_path") });
+        }
     }
     let (reply, answer) = tokio::sync::oneshot::channel();
     let name = r.lora_name.clone();
@@ -65,10 +70,9 @@ pub async fn load_lora_adapter(
 
 pub async fn unload_lora_adapter(
     State(s): State<Arc<Shared>>,
-    headers: HeaderMap,
     body: Result<Json<LoraRequest>, JsonRejection>,
 ) -> Response {
-    let r = match adapter_request(&s, &headers, body) {
+    let r = match adapter_request(&s, body) {
         Ok(r) => r,
         Err(e) => return error(e),
     };
@@ -86,18 +90,16 @@ pub async fn unload_lora_adapter(
     }
 }
 
-/// The checks both adapter endpoints make: enabled (404 otherwise, as if absent), authorised,
-/// a well-formed body.
+/// The checks both adapter endpoints make (the key was checked before): enabled (404 otherwise,
+/// as if absent), a well-formed body.
 fn adapter_request(
     s: &Shared,
-    headers: &HeaderMap,
     body: Result<Json<LoraRequest>, JsonRejection>,
 ) -> Result<LoraRequest, ApiError> {
     if !s.allow_adapter_loading {
         let message = "no such endpoint (start the server with --allow-adapter-loading)".into();
         return Err(ApiError { status: 404, message, param: None });
     }
-    authorize(s, headers)?;
     body.map(|Json(r)| r).map_err(|e| ApiError::bad_request(e.body_text(), None))
 }
 

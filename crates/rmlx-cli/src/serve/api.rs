@@ -1,5 +1,7 @@
-//! OpenAI's shapes: the chat and text completion requests (the fields rmlx reads; others are
-//! ignored, as OpenAI-compatible servers do), the responses and stream chunks, and the error body.
+//! OpenAI's shapes: the chat and text completion requests (the fields rmlx reads; fields it does
+//! not implement that would change the answer — `echo`, `best_of`, `suffix`, tools — are refused
+//! with 400; unknown ones are ignored, as OpenAI-compatible servers do), the responses and stream
+//! chunks, and the error body.
 
 use rmlx_lm::chat::Message;
 use rmlx_lm::grammar::Grammar;
@@ -24,6 +26,7 @@ impl ApiError {
     pub fn body(&self) -> Value {
         let kind = match self.status {
             401 => "authentication_error",
+            403 => "permission_error",
             404 => "not_found_error",
             413 => "request_too_large",
             429 | 503 => "server_overloaded",
@@ -81,7 +84,31 @@ pub struct Common {
     /// Chat: how many alternatives per token (0 to 20), with `logprobs: true`.
     pub top_logprobs: Option<usize>,
     pub response_format: Option<Value>,
+    /// Completions: echo the prompt before the completion (not supported: refused, not ignored).
+    pub echo: Option<bool>,
+    /// Completions: candidates generated server-side (only 1).
+    pub best_of: Option<usize>,
+    /// Completions: text after the insertion point (not supported).
+    pub suffix: Option<Value>,
+    /// Tool calling (not supported yet: refused, not ignored).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
 }
+
+/// A field rmlx does not implement and must not ignore: 400 naming it when it asks for anything.
+fn refuse_unsupported(name: &'static str, v: &Option<Value>, neutral: &[Value]) -> Result<(), ApiError> {
+    match v {
+        Some(v) if !v.is_null() && !neutral.contains(v) && v.as_array().is_none_or(|a| !a.is_empty()) => {
+            Err(ApiError::bad_request(format!("`{name}` is not supported by this server"), Some(name)))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The most stop sequences a request may give (OpenAI's limit).
+pub const MAX_STOP: usize = 4;
 
 /// The most choices (`n`) one request may ask for.
 pub const MAX_CHOICES: usize = 16;
@@ -108,9 +135,22 @@ impl Common {
     /// The generation settings, or a 400 naming the field that cannot be honoured. OpenAI's
     /// defaults: temperature 1, top_p 1; `max_tokens` defaults to `default_max_tokens`.
     pub fn settings(self, default_max_tokens: usize) -> Result<Settings, ApiError> {
+        refuse_unsupported("echo", &self.echo.map(Value::Bool), &[Value::Bool(false)])?;
+        refuse_unsupported("best_of", &self.best_of.map(Value::from), &[Value::from(1)])?;
+        refuse_unsupported("suffix", &self.suffix, &[Value::from("")])?;
+        refuse_unsupported("tools", &self.tools, &[])?;
+        refuse_unsupported("tool_choice", &self.tool_choice, &[Value::from("none")])?;
+        refuse_unsupported("functions", &self.functions, &[])?;
+        refuse_unsupported("function_call", &self.function_call, &[Value::from("none")])?;
         let n = self.n.unwrap_or(1);
         if !(1..=MAX_CHOICES).contains(&n) {
             return Err(ApiError::bad_request(format!("n must be between 1 and {MAX_CHOICES}, got {n}"), Some("n")));
+        }
+        if self.top_logprobs.is_some() && !matches!(self.logprobs, Some(Value::Bool(true))) {
+            return Err(ApiError::bad_request(
+                "top_logprobs needs logprobs: true",
+                Some("top_logprobs"),
+            ));
         }
         let logprobs = match &self.logprobs {
             None | Some(Value::Null) | Some(Value::Bool(false)) => None,
@@ -140,6 +180,12 @@ impl Common {
             let id = id.parse::<u32>().map_err(|_| {
                 ApiError::bad_request(format!("logit_bias key `{id}` is not a token id"), Some("logit_bias"))
             })?;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(ApiError::bad_request(
+                    format!("logit_bias values must be between -100 and 100, got {bias} for token {id}"),
+                    Some("logit_bias"),
+                ));
+            }
             logit_bias.push((id, bias));
         }
         logit_bias.sort_by_key(|&(id, _)| id);
@@ -157,10 +203,25 @@ impl Common {
             ..defaults
         };
         sampler.validate().map_err(|e| ApiError::bad_request(e.to_string(), None))?;
+        let (max_tokens, field) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => (m, "max_completion_tokens"),
+            (None, Some(m)) => (m, "max_tokens"),
+            (None, None) => (default_max_tokens, "max_tokens"),
+        };
+        if max_tokens == 0 {
+            return Err(ApiError::bad_request(format!("{field} must be at least 1"), Some(field)));
+        }
+        let stop = self.stop.map(OneOrMany::into_vec).unwrap_or_default();
+        if stop.len() > MAX_STOP {
+            return Err(ApiError::bad_request(format!("at most {MAX_STOP} stop sequences, got {}", stop.len()), Some("stop")));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::bad_request("stop sequences must not be empty", Some("stop")));
+        }
         Ok(Settings {
-            max_tokens: self.max_completion_tokens.or(self.max_tokens).unwrap_or(default_max_tokens),
+            max_tokens,
             sampler,
-            stop: self.stop.map(OneOrMany::into_vec).unwrap_or_default(),
+            stop,
             stream: self.stream,
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
             logprobs,
@@ -216,21 +277,32 @@ impl ChatRequest {
         }
         self.messages
             .iter()
-            .map(|m| {
+            .enumerate()
+            .map(|(i, m)| {
+                let bad = |why: String| Err(ApiError::bad_request(format!("messages[{i}]: {why}"), Some("messages")));
+                // OpenAI's `developer` messages are system messages for the chat templates.
+                let role = match m.role.as_str() {
+                    "system" | "user" | "assistant" => m.role.clone(),
+                    "developer" => "system".to_string(),
+                    "tool" | "function" => return bad(format!("role `{}`: tool calling is not supported yet", m.role)),
+                    other => return bad(format!("unknown role `{other}` (system, developer, user or assistant)")),
+                };
                 let content = match &m.content {
-                    None => String::new(),
+                    None => return bad("`content` is missing or null".into()),
                     Some(Content::Text(t)) => t.clone(),
                     Some(Content::Parts(parts)) => {
-                        if let Some(p) = parts.iter().find(|p| p.kind != "text") {
-                            return Err(ApiError::bad_request(
-                                format!("content parts of type `{}` are not supported", p.kind),
-                                Some("messages"),
-                            ));
+                        let mut text = String::new();
+                        for p in parts {
+                            match (p.kind.as_str(), &p.text) {
+                                ("text", Some(t)) => text.push_str(t),
+                                ("text", None) => return bad("a text part has no `text`".into()),
+                                (kind, _) => return bad(format!("content parts of type `{kind}` are not supported")),
+                            }
                         }
-                        parts.iter().filter_map(|p| p.text.as_deref()).collect()
+                        text
                     }
                 };
-                Ok(Message::new(m.role.clone(), content))
+                Ok(Message::new(role, content))
             })
             .collect()
     }

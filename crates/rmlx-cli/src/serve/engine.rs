@@ -170,8 +170,22 @@ pub fn run(
 fn manage(lm: &LoadedModel, engine: &mut Engine, c: Control) {
     let (result, reply) = match c {
         Control::Load { name, path, reply } => {
-            let r = load_adapter(lm, engine, &name, &path).map_err(|e| e.to_string());
-            tracing::info!(adapter = %name, path = %path.display(), ok = r.is_ok(), "load adapter");
+            let r = load_adapter(lm, engine, &name, &path);
+            if let Err(e) = &r {
+                tracing::warn!(adapter = %name, path = %path.display(), error = %e, "load adapter failed");
+            } else {
+                tracing::info!(adapter = %name, path = %path.display(), "load adapter");
+            }
+            // The client learns whether it is an adapter rmlx can use, not what the server's
+            // file system holds (the reason is in the server's log).
+            let r = r.map_err(|e| match e {
+                rmlx_lm::Error::Io { .. } | rmlx_lm::Error::MissingFile(_) | rmlx_lm::Error::Corrupt { .. } => {
+                    "`lora_path` is not an adapter folder (adapter_config.json with adapters.safetensors, or \
+                     PEFT's adapter_model.safetensors)"
+                        .to_string()
+                }
+                e => format!("`lora_path` holds an adapter this model cannot use: {}", one_line(&e.to_string())),
+            });
             (r, reply)
         }
         Control::Unload { name, reply } => {
@@ -235,15 +249,12 @@ fn route(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>,
             let Some(l) = live.remove(&seq) else { return };
             let ttft_ms = usage.time_to_first_token.map(|d| d.as_secs_f64() * 1e3);
             stats.requests.fetch_add(1, Ordering::Relaxed);
-            let finish_reason = match reason {
-                FinishReason::Length => "length",
-                FinishReason::Cancelled => {
-                    tracing::info!(request = %l.id, completion_tokens = usage.completion_tokens, "cancelled (client gone)");
-                    stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
-                FinishReason::Eos | FinishReason::StopString => "stop",
-            };
+            if reason == FinishReason::Cancelled {
+                tracing::info!(request = %l.id, completion_tokens = usage.completion_tokens, "cancelled (client gone)");
+                stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let finish_reason = reason.as_str();
             tracing::info!(
                 request = %l.id,
                 prompt_tokens = usage.prompt_tokens,
@@ -274,4 +285,16 @@ fn route(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>,
             engine.cancel(seq);
         }
     }
+}
+
+/// The first line of a message, without the paths it names (a client must not learn the server's
+/// file layout from an error).
+fn one_line(m: &str) -> String {
+    m.lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .map(|w| if w.contains('/') { "<path>" } else { w })
+        .collect::<Vec<_>>()
+        .join(" ")
 }

@@ -90,6 +90,10 @@ pub struct Args {
     /// `{"lora_name", "lora_path"}`), which load and unload adapters while serving.
     #[arg(long)]
     allow_adapter_loading: bool,
+    /// With --allow-adapter-loading: `lora_path` must lie inside this folder (repeatable; default:
+    /// anywhere the server can read).
+    #[arg(long = "adapter-dir", value_name = "DIR")]
+    adapter_dirs: Vec<PathBuf>,
 }
 
 /// What the handlers share. No MLX in here: only the queue to the engine and counters.
@@ -101,6 +105,8 @@ struct Shared {
     /// Loaded adapters: name → folder.
     adapters: RwLock<BTreeMap<String, PathBuf>>,
     allow_adapter_loading: bool,
+    /// Folders `lora_path` must lie in (canonical; empty: anywhere).
+    adapter_roots: Vec<PathBuf>,
     stats: Arc<Stats>,
     api_key: Option<String>,
     default_max_tokens: usize,
@@ -110,7 +116,10 @@ struct Shared {
 pub fn run(a: Args) -> Result<()> {
     let api_key = match &a.api_key_file {
         Some(p) => {
-            Some(std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string())
+            let key = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string();
+            // An empty key would start a server that refuses every request.
+            anyhow::ensure!(!key.is_empty(), "--api-key-file {}: the file holds no key", p.display());
+            Some(key)
         }
         None => None,
     };
@@ -131,17 +140,26 @@ pub fn run(a: Args) -> Result<()> {
         // "SmolLM2-135M-Instruct (Q4_1 GGUF, ...)": the name before the description.
         None => rmlx_lm::registry::DEFAULT_MODEL_NAME.split(" (").next().unwrap_or_default().to_string(),
     };
-    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
-        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
-    listener.set_nonblocking(true)?;
-    eprintln!("serving {model_id} on http://{}", listener.local_addr()?);
     // The adapters are read before serving, so that a bad one stops the start-up.
     let mut seen = std::collections::BTreeSet::new();
     for (name, path) in &a.adapters {
         anyhow::ensure!(seen.insert(name), "two adapters are named `{name}`");
+        anyhow::ensure!(
+            *name != model_id,
+            "the adapter `{name}` has the base model's name: requests for it would get the base model"
+        );
         rmlx_lm::tuner::adapters::read(lm.model.as_ref(), path, lm.dtype)
             .with_context(|| format!("reading the adapter `{name}` from {}", path.display()))?;
     }
+    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    listener.set_nonblocking(true)?;
+    eprintln!("serving {model_id} on http://{}", listener.local_addr()?);
+    let adapter_roots = a
+        .adapter_dirs
+        .iter()
+        .map(|d| d.canonicalize().with_context(|| format!("--adapter-dir {}", d.display())))
+        .collect::<Result<Vec<_>>>()?;
     let (jobs, queue) = std::sync::mpsc::sync_channel(a.max_queue);
     let (control, control_queue) = std::sync::mpsc::channel();
     let stats = Arc::new(Stats::default());
@@ -152,6 +170,7 @@ pub fn run(a: Args) -> Result<()> {
         control: std::sync::Mutex::new(control),
         adapters: RwLock::new(a.adapters.iter().cloned().collect()),
         allow_adapter_loading: a.allow_adapter_loading,
+        adapter_roots,
         stats: stats.clone(),
         api_key,
         default_max_tokens: a.default_max_tokens,
@@ -231,6 +250,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/unload_lora_adapter", post(adapters::unload_lora_adapter))
         .fallback(|| async { error(ApiError { status: 404, message: "no such endpoint".into(), param: None }) })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(shared.clone(), gate))
         .with_state(shared)
 }
 
@@ -243,12 +263,17 @@ fn error(e: ApiError) -> Response {
     response
 }
 
+/// `Authorization: Bearer KEY` against the server's key (the scheme's case does not matter, as
+/// in HTTP), compared in constant time.
 fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &s.api_key else { return Ok(()) };
-    let given =
-        headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let (scheme, token) = v.trim().split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+    });
+    let same = |g: &str| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0;
     match given {
-        Some(g) if g.trim() == key => Ok(()),
+        Some(g) if same(g) => Ok(()),
         _ => Err(ApiError {
             status: 401,
             message: "invalid or missing API key (Authorization: Bearer KEY)".into(),
@@ -257,10 +282,27 @@ fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn models(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return error(e);
+/// What every request passes before its handler reads the body: the API key (all but
+/// `/health`), and a body that is not compressed (the server does not decompress).
+async fn gate(State(s): State<Arc<Shared>>, request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    if request.uri().path() != "/health" {
+        if let Err(e) = authorize(&s, request.headers()) {
+            return error(e);
+        }
     }
+    if let Some(encoding) = request.headers().get(header::CONTENT_ENCODING) {
+        if !encoding.as_bytes().eq_ignore_ascii_case(b"identity") {
+            let message = format!(
+                "Content-Encoding `{}` is not supported: send the body uncompressed",
+                String::from_utf8_lossy(encoding.as_bytes())
+            );
+            return error(ApiError { status: 415, message, param: None });
+        }
+    }
+    next.run(request).await
+}
+
+async fn models(State(s): State<Arc<Shared>>) -> Response {
     let mut data = vec![json!({"id": s.model_id, "object": "model", "created": s.created, "owned_by": "rmlx"})];
     for name in s.adapters.read().expect("adapter names").keys() {
         data.push(
@@ -314,26 +356,16 @@ enum Kind {
     Text,
 }
 
-async fn chat(
-    State(s): State<Arc<Shared>>,
-    headers: HeaderMap,
-    body: Result<Json<ChatRequest>, JsonRejection>,
-) -> Response {
+async fn chat(State(s): State<Arc<Shared>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Response {
     match body {
-        Ok(Json(request)) => {
-            respond(s, headers, Kind::Chat, request.messages().map(Prompt::Chat), request.common).await
-        }
+        Ok(Json(request)) => respond(s, Kind::Chat, request.messages().map(Prompt::Chat), request.common).await,
         Err(e) => malformed(e),
     }
 }
 
-async fn completions(
-    State(s): State<Arc<Shared>>,
-    headers: HeaderMap,
-    body: Result<Json<CompletionRequest>, JsonRejection>,
-) -> Response {
+async fn completions(State(s): State<Arc<Shared>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {
     match body {
-        Ok(Json(request)) => respond(s, headers, Kind::Text, request.prompt().map(Prompt::Text), request.common).await,
+        Ok(Json(request)) => respond(s, Kind::Text, request.prompt().map(Prompt::Text), request.common).await,
         Err(e) => malformed(e),
     }
 }
@@ -351,16 +383,7 @@ fn malformed(e: JsonRejection) -> Response {
 /// The largest request body accepted (a prompt of a million tokens is about 4 MiB of text).
 const MAX_BODY: usize = 8 << 20;
 
-async fn respond(
-    s: Arc<Shared>,
-    headers: HeaderMap,
-    kind: Kind,
-    prompt: Result<Prompt, ApiError>,
-    common: api::Common,
-) -> Response {
-    if let Err(e) = authorize(&s, &headers) {
-        return error(e);
-    }
+async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, common: api::Common) -> Response {
     let adapter = match adapters::resolve_model(&s, common.model.as_deref()) {
         Ok(a) => a,
         Err(e) => return error(e),

@@ -138,18 +138,9 @@ pub struct Completion {
 }
 
 fn finish_name<S: serde::Serializer>(r: &FinishReason, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.serialize_str(finish_reason_name(*r))
+    s.serialize_str(r.as_str())
 }
 
-/// OpenAI's name of a finish reason: `length`, `stop` (an end-of-sequence token or a stop string)
-/// or `cancelled`.
-pub fn finish_reason_name(r: FinishReason) -> &'static str {
-    match r {
-        FinishReason::Length => "length",
-        FinishReason::Eos | FinishReason::StopString => "stop",
-        FinishReason::Cancelled => "cancelled",
-    }
-}
 
 /// What a loaded model is.
 #[derive(Clone, Debug, PartialEq, Serialize)]

@@ -242,15 +242,11 @@ impl<'m> Engine<'m> {
         }
         self.lm.vocab.check(&request.prompt)?;
         request.options.sampler.validate()?;
-        if n >= self.context {
-            let limit = self.context;
-            return Err(Error::Prompt(if n > limit {
-                format!("the prompt has {n} tokens, more than the context limit of {limit}")
-            } else {
-                format!("the prompt has {n} tokens, all of the context limit of {limit}: no room for a reply")
-            }));
+        request.options.sampler.check_vocab(self.lm.model.config().vocab_size as usize)?;
+        if request.options.max_tokens == 0 {
+            return Err(Error::InvalidParameter("max_tokens must be at least 1".into()));
         }
-        let max_tokens = request.options.max_tokens.min(self.context - n);
+        let max_tokens = request.options.max_tokens.min(crate::generate::room_after_prompt(n, self.context)?);
         if let Some(limit) = self.opts.max_kv_bytes {
             let need = self.kv_bytes_for(1, n + max_tokens);
             if need > limit {
@@ -411,9 +407,15 @@ impl<'m> Engine<'m> {
     /// Reads the step in flight and hands its tokens to their sequences; the sequences that end
     /// leave the batch (and `newer`, a step built after it, loses their rows).
     fn read_inflight(&mut self, newer: Option<&mut Sampled>, out: &mut Vec<Update>) -> Result<()> {
-        let Some(step) = self.inflight.take() else { return Ok(()) };
+        let Some(mut step) = self.inflight.take() else { return Ok(()) };
         let read = step.read()?;
+        let mut errors = std::mem::take(&mut step.errors);
         for (i, seq) in self.running.iter_mut().enumerate().take(step.rows()) {
+            if let Some(error) = errors[i].take() {
+                seq.finish = Some(FinishReason::Cancelled);
+                out.push(Update::Failed { seq: seq.id, error });
+                continue;
+            }
             if !read.finite[i] {
                 seq.finish = Some(FinishReason::Cancelled);
                 out.push(Update::Failed { seq: seq.id, error: non_finite(seq) });

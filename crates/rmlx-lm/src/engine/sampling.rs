@@ -5,7 +5,7 @@
 use super::sequence::Sequence;
 use crate::loader::LoadedModel;
 use crate::sample::log_softmax;
-use crate::Result;
+use crate::{Error, Result};
 use rmlx::{ops, Array, Dtype};
 
 /// One step's sampled tokens for every row, lazily: evaluate [`Sampled::arrays`] together with
@@ -17,6 +17,10 @@ pub(super) struct Sampled {
     /// The `k` most likely ids and their log-probabilities, `[rows, k]` each.
     top: Option<(Array, Array)>,
     wanted: Vec<usize>,
+    /// Per row, the error its own settings raised while its token was built (a grammar that
+    /// failed, a bias the vocabulary lacks): that row's token is a placeholder, and the row fails
+    /// alone.
+    pub errors: Vec<Option<Error>>,
 }
 
 pub(super) struct Read {
@@ -44,6 +48,7 @@ impl Sampled {
             self.top = Some((take(ids)?, take(values)?));
         }
         self.wanted = keep.iter().map(|&i| self.wanted[i]).collect();
+        self.errors = keep.iter().map(|&i| self.errors[i].take()).collect();
         Ok(())
     }
 
@@ -86,6 +91,7 @@ pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Arra
     let logits = lm.vocab.mask_logits(&logits.astype(Dtype::Float32)?)?;
     let shared = log_softmax(&logits)?;
     let all_greedy = seqs.iter().all(|s| s.sampler.config().is_greedy() && !s.processes_logits());
+    let mut errors: Vec<Option<Error>> = seqs.iter().map(|_| None).collect();
     let (tokens, logprobs) = if all_greedy {
         (shared.argmax(Some(-1), false)?.astype(Dtype::Uint32)?, shared)
     } else {
@@ -94,18 +100,30 @@ pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Arra
         let any_processed = seqs.iter().any(Sequence::processes_logits);
         for (i, s) in seqs.iter_mut().enumerate() {
             let i = i as i32;
-            let lp = if s.processes_logits() {
-                let row = logits.slice_axis(0, i, i + 1, 1)?;
-                let row = match &mut s.constraint {
-                    // Structured output: only the grammar's tokens keep their logits.
-                    Some(c) => (row + c.mask()?)?,
-                    None => row,
+            let own = |s: &mut Sequence| -> Result<(Array, Array)> {
+                let lp = if s.processes_logits() {
+                    let row = logits.slice_axis(0, i, i + 1, 1)?;
+                    let row = match &mut s.constraint {
+                        // Structured output: only the grammar's tokens keep their logits.
+                        Some(c) => (row + c.mask()?)?,
+                        None => row,
+                    };
+                    s.sampler.logprobs(&row, &s.history)?
+                } else {
+                    shared.slice_axis(0, i, i + 1, 1)?
                 };
-                s.sampler.logprobs(&row, &s.history)?
-            } else {
-                shared.slice_axis(0, i, i + 1, 1)?
+                Ok((s.sampler.sample_logprobs(&lp)?.reshape(&[1])?, lp))
             };
-            tokens.push(s.sampler.sample_logprobs(&lp)?.reshape(&[1])?);
+            let (token, lp) = match own(s) {
+                Ok(sampled) => sampled,
+                Err(e) => {
+                    // This row fails alone; the others keep exactly the tokens they would have.
+                    errors[i as usize] = Some(e);
+                    let lp = shared.slice_axis(0, i, i + 1, 1)?;
+                    (lp.argmax(Some(-1), false)?.astype(Dtype::Uint32)?.reshape(&[1])?, lp)
+                }
+            };
+            tokens.push(token);
             rows_lp.push(lp);
         }
         let lp = if any_processed { ops::concatenate(&rows_lp.iter().collect::<Vec<_>>(), 0)? } else { shared };
@@ -115,5 +133,5 @@ pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Arra
     let wanted: Vec<usize> = seqs.iter().map(|s| s.top_logprobs).collect();
     let k = wanted.iter().copied().max().unwrap_or(0).min(logprobs.shape()[1] as usize) as i32;
     let top = if k > 0 { Some(crate::sample::top_candidates(&logprobs, k)?) } else { None };
-    Ok(Sampled { tokens, logprobs: chosen.reshape(&[rows])?, finite, top, wanted })
+    Ok(Sampled { tokens, logprobs: chosen.reshape(&[rows])?, finite, top, wanted, errors })
 }

@@ -329,6 +329,16 @@ pub fn train(
             pending = 0;
             // The parameters have not changed since the gradient was taken.
             let (new, new_copies) = optimizer.update_with_copies(&step.params, &grads, copy_dtype)?;
+            // Whether every updated parameter is finite: one boolean, evaluated with the step.
+            let mut finite = None;
+            for p in new.values() {
+                let f = rmlx::ops::isfinite(p)?.all(rmlx::Axes::All, false)?;
+                finite = Some(match finite {
+                    Some(all) => rmlx::ops::logical_and(&all, &f)?,
+                    None => f,
+                });
+            }
+            to_eval.extend(finite.clone());
             // Each parameter's new value and optimizer state, from the first block to the last:
             // MLX's scheduler then runs the last blocks' updates first, as the backward pass
             // reaches them, and frees their saved activations early (an H100 measured 10.1 GB peak
@@ -345,6 +355,7 @@ pub fn train(
                 );
             }
             timed_eval(&to_eval, built, it)?;
+            finite_step(&step.loss, finite.as_ref(), it)?;
             model.update("", new)?;
             if copy_dtype.is_some() {
                 copies = new_copies;
@@ -352,6 +363,7 @@ pub fn train(
         } else {
             to_eval.extend(grads.values().cloned());
             timed_eval(&to_eval, built, it)?;
+            finite_step(&step.loss, None, it)?;
             accumulated = Some(grads);
         }
         log_memory(&format!("iteration {it}"));
@@ -400,6 +412,24 @@ pub fn train(
     let state = TrainState { iteration: it, trained_tokens, optimizer_step, optimizer, rng: order.rng_state(), queue };
     save(model, it, &state, false, report)?;
     Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val, interrupted: false })
+}
+
+/// [`crate::Error::NonFinite`] when iteration `it`'s loss or (when given) its updated parameters,
+/// all evaluated, hold NaN or infinity: training stops before that step's update reaches the
+/// model, and the adapters saved last stay the last finite ones.
+fn finite_step(loss: &Array, params_finite: Option<&Array>, it: usize) -> Result<()> {
+    let value = loss.item::<f32>()?;
+    let what = if !value.is_finite() {
+        format!("the training loss of iteration {it} is {value}")
+    } else if params_finite.is_some_and(|f| !f.item::<bool>().unwrap_or(false)) {
+        format!("iteration {it}'s update makes parameters NaN or infinite")
+    } else {
+        return Ok(());
+    };
+    Err(crate::Error::NonFinite(format!(
+        "{what}: training stopped before applying it (a learning rate too high, or weights that overflow \
+         the dtype); the adapters saved last are unchanged"
+    )))
 }
 
 /// Evaluates a step's outputs; at debug level (`RMLX_LOG=debug`) it logs where the step's time
