@@ -91,10 +91,24 @@ fn rslora_scale_and_refused_variants() {
     let (_d, mut lm) = model();
     let cfg = adapters::load(lm.model.as_mut(), dir.path(), Dtype::Float32).unwrap();
     assert_eq!(cfg.lora.scale, 6.0, "lora_alpha / sqrt(r) = 12 / 2");
+    // A regular expression that covers every adapted module is accepted, as PEFT does.
+    let dir = peft_folder("peft-regex");
+    edit_config(dir.path(), |c| c["target_modules"] = Value::from(r".*\.(q|k|v|o|gate|up|down)_proj"));
+    let (_d, mut lm) = model();
+    adapters::load(lm.model.as_mut(), dir.path(), Dtype::Float32).unwrap();
     for (key, value, message) in [
         ("fan_in_fan_out", Value::Bool(true), "`fan_in_fan_out: true` is not supported"),
         ("peft_type", Value::from("IA3"), "peft_type \"IA3\" is not supported"),
         ("rank_pattern", serde_json::json!({"q_proj": 8}), "per-module `rank_pattern` is not supported"),
+        // What PEFT itself refuses: a rank the weights do not have, targets that name nothing or
+        // miss an adapted module, blocks outside `layers_to_transform`.
+        ("r", Value::from(16), "`r` is 16 but the weights of `model.layers.0.mlp.down_proj` have rank 4"),
+        ("r", Value::from(-8), "`r` must be a positive integer, got -8"),
+        ("r", Value::from("x"), "`r` must be a positive integer, got \"x\""),
+        ("target_modules", serde_json::json!(["q_proj", "w_nothing"]), "names `w_nothing`, which is no linear layer"),
+        ("target_modules", serde_json::json!(["q_proj"]), "is adapted in the weights but not in `target_modules`"),
+        ("target_modules", Value::from(".*q_proj"), "does not match `model.layers.0.mlp.down_proj`"),
+        ("layers_to_transform", serde_json::json!([1]), "`model.layers.0.mlp.down_proj` is adapted in the weights but outside"),
     ] {
         let dir = peft_folder("peft-refused");
         edit_config(dir.path(), |c| c[key] = value);

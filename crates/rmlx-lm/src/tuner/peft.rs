@@ -8,9 +8,10 @@
 //! DoRA (`use_dora: true`) adds `…lora_magnitude_vector: [out]` per module, the learned magnitude
 //! of each output row (rmlx's `m`); PEFT's rescaling by `m / ‖W + scale·BA‖` per row is rmlx's.
 //!
-//! Reading attaches an adapter to each module the weights file names (the file, not
-//! `target_modules`, decides); `fan_in_fan_out`, biases and per-module rank or alpha patterns are
-//! refused with an error naming them.
+//! Reading attaches an adapter to each module the weights file names, and checks the config
+//! against them as PEFT does (`r` against every factor's rank, `target_modules` and
+//! `layers_to_transform` against the modules adapted); `fan_in_fan_out`, biases and per-module
+//! rank or alpha patterns are refused with an error naming them.
 
 use super::lora::LoraConfig;
 use crate::models::Model;
@@ -54,7 +55,12 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
             return Err(bad(format!("per-module `{key}` is not supported")));
         }
     }
-    let r = cfg.get("r").and_then(Value::as_f64).ok_or_else(|| bad("`r` is missing".into()))?;
+    let r = match cfg.get("r") {
+        None | Some(Value::Null) => return Err(bad("`r` is missing".into())),
+        Some(v) => v.as_u64().filter(|&r| (1..=1 << 16).contains(&r)).ok_or_else(|| {
+            bad(format!("`r` must be a positive integer, got {v}"))
+        })? as f64,
+    };
     let alpha = cfg.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
     let rslora = cfg.get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
     let scale = (if rslora { alpha / r.sqrt() } else { alpha / r }) as f32;
@@ -118,7 +124,68 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
     if let Some(unknown) = modules.keys().find(|m| !attached.contains(*m)) {
         return Err(Error::Config(format!("{}: `{unknown}` is no linear layer of this model", weights_path.display())));
     }
+    check_targets(&cfg, &modules, model, r as usize).map_err(bad)?;
     Ok(LoraConfig { rank: r as i32, scale, dropout: 0.0, keys: None })
+}
+
+/// What PEFT checks of a config against its weights and the model: every module's factors have
+/// rank `r`; `target_modules` (a list of module names, or a regular expression over the full
+/// names) names a linear layer of the model and covers every module in the weights;
+/// `layers_to_transform` (a block or a list) covers every module's block.
+fn check_targets(
+    cfg: &Value,
+    modules: &BTreeMap<String, [Option<Array>; 3]>,
+    model: &mut dyn Model,
+    r: usize,
+) -> std::result::Result<(), String> {
+    for (module, [a, b, _]) in modules {
+        let ranks = [a.as_ref().map(|a| a.shape()[0]), b.as_ref().map(|b| *b.shape().last().unwrap_or(&0))];
+        if let Some(found) = ranks.into_iter().flatten().find(|&n| n as usize != r) {
+            return Err(format!("`r` is {r} but the weights of `{module}` have rank {found}"));
+        }
+    }
+    let mut linears = Vec::new();
+    model.visit_linears("", &mut |path, _| linears.push(path.to_string()));
+    let leaf = |path: &str| path.rsplit('.').next().unwrap_or(path).to_string();
+    match cfg.get("target_modules") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(rx)) => {
+            let re = regex::Regex::new(&format!("^(?:{rx})$"))
+                .map_err(|e| format!("`target_modules` is not a regular expression: {e}"))?;
+            if let Some(m) = modules.keys().find(|m| !re.is_match(m)) {
+                return Err(format!("`target_modules` ({rx}) does not match `{m}`, which the weights adapt"));
+            }
+        }
+        Some(Value::Array(names)) => {
+            let names: Vec<&str> = names.iter().filter_map(Value::as_str).collect();
+            if let Some(n) = names.iter().find(|n| !linears.iter().any(|l| leaf(l) == **n)) {
+                return Err(format!("`target_modules` names `{n}`, which is no linear layer of this model"));
+            }
+            if let Some(m) = modules.keys().find(|m| !names.contains(&leaf(m).as_str())) {
+                return Err(format!("`{m}` is adapted in the weights but not in `target_modules` {names:?}"));
+            }
+        }
+        Some(v) => return Err(format!("`target_modules` must be a list of names or a regular expression, got {v}")),
+    }
+    let layers: Option<Vec<u64>> = match cfg.get("layers_to_transform") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) => n.as_u64().map(|n| vec![n]),
+        Some(Value::Array(a)) => a.iter().map(Value::as_u64).collect(),
+        Some(_) => None,
+    }
+    .or_else(|| cfg.get("layers_to_transform").filter(|v| !v.is_null()).map(|_| vec![u64::MAX]));
+    if let Some(layers) = layers {
+        if layers.contains(&u64::MAX) {
+            return Err("`layers_to_transform` must be a block index or a list of them".into());
+        }
+        for m in modules.keys() {
+            match crate::models::block_path(m) {
+                Some((i, _)) if layers.contains(&(i as u64)) => {}
+                _ => return Err(format!("`{m}` is adapted in the weights but outside `layers_to_transform` {layers:?}")),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Writes the model's adapters into `dir` in PEFT's layout (`base_model` names the base model in
