@@ -541,3 +541,120 @@ fn requests_openai_refuses_are_refused_by_field() {
     let (head, _) = exchange(&server.addr, "POST", "/v1/completions", r#"{"prompt": "hi"}"#, &[("Content-Encoding", "gzip")]);
     assert!(head.starts_with("HTTP/1.1 415"), "{head}");
 }
+
+/// Slow or stalled clients are cut off and do not crowd out the others: headers not finished in
+/// `--header-timeout` close the connection, a body that does not arrive in `--body-timeout` is
+/// 408, and connections past `--max-connections` are closed as they arrive while the established
+/// ones (and new ones, once there is room) are served.
+#[test]
+fn slow_clients_time_out_and_the_connection_limit_holds() {
+    let server =
+        Server::start(&["--max-connections", "3", "--header-timeout", "2", "--body-timeout", "2"]);
+    let connect = || {
+        let s = TcpStream::connect(&server.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s
+    };
+    let closed = |mut s: TcpStream| {
+        let mut buf = [0u8; 256];
+        matches!(s.read(&mut buf), Ok(0)) || String::from_utf8_lossy(&buf).starts_with("HTTP/1.1 408")
+    };
+    // A body shorter than its Content-Length: 408 after two seconds.
+    let mut short = connect();
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
+    short.write_all(format!("{head}{{\"prompt\":").as_bytes()).unwrap();
+    let started = std::time::Instant::now();
+    let mut reply = String::new();
+    let _ = BufReader::new(short).read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 408") && reply.contains("did not arrive"), "{reply}");
+    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    // Three half-open connections fill the limit; a fourth is closed at once.
+    let stalled: Vec<TcpStream> = (0..3)
+        .map(|_| {
+            let mut s = connect();
+            s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(closed(connect()), "a connection past the limit is closed");
+    // The header timeout closes the stalled ones; then requests are served again.
+    let started = std::time::Instant::now();
+    for s in stalled {
+        assert!(closed(s), "a stalled connection is closed");
+    }
+    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, v) = server.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 2}));
+    assert_eq!(status, 200, "{v}");
+}
+
+/// A shutdown drains: after SIGTERM the streams in progress get `--shutdown-timeout` seconds,
+/// then end with an error event and `[DONE]`, and the server exits; a second signal exits at once.
+#[test]
+fn shutdown_ends_long_streams_at_its_deadline_and_a_second_signal_exits_now() {
+    for second_signal in [false, true] {
+        let mut server = Server::start(&["--shutdown-timeout", "2"]);
+        let stream = start_stream(&server, 8000);
+        // SAFETY: kill(2) on the child's pid, which has not been waited for yet.
+        assert_eq!(unsafe { libc::kill(server.child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+        let started = std::time::Instant::now();
+        if second_signal {
+            std::thread::sleep(Duration::from_millis(300));
+            assert_eq!(unsafe { libc::kill(server.child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+        } else {
+            let mut rest = String::new();
+            let mut reader = BufReader::new(stream);
+            let _ = reader.read_to_string(&mut rest);
+            assert!(rest.contains("shutting down") && rest.contains("[DONE]"), "{}", &rest[rest.len().saturating_sub(400)..]);
+        }
+        let status = loop {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(started.elapsed() < Duration::from_secs(20), "still running after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let want = if second_signal { (Some(130), 2) } else { (Some(0), 12) };
+        assert_eq!(status.code(), want.0, "second signal: {second_signal}");
+        assert!(started.elapsed() < Duration::from_secs(want.1), "{:?}", started.elapsed());
+    }
+}
+
+/// `/metrics` says what holds the memory (weights, keys and values, prompt cache, other active
+/// memory, MLX's buffer cache, resident size), and once the server is idle MLX's buffer cache is
+/// given back.
+#[test]
+fn metrics_account_for_memory_and_idle_memory_is_given_back() {
+    let server = Server::start(&["--prompt-cache-gb", "0"]);
+    let metric = |text: &str, name: &str| -> u64 {
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{name} missing from {text}")) as u64
+    };
+    std::thread::scope(|s| {
+        for i in 0..4 {
+            let server = &server;
+            s.spawn(move || {
+                let body = json!({"prompt": format!("Count to {}:", 10 + i), "max_tokens": 24});
+                assert_eq!(server.post("/v1/completions", &body).0, 200);
+            });
+        }
+    });
+    let started = std::time::Instant::now();
+    let text = loop {
+        let (status, text) = server.request("GET", "/metrics", None, &[]);
+        assert_eq!(status, 200);
+        if metric(&text, "rmlx_memory_bytes{kind=\"mlx_buffer_cache\"}") == 0 {
+            break text;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "the buffer cache was not given back: {text}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let weights = metric(&text, "rmlx_memory_bytes{kind=\"weights\"}");
+    assert!(weights > 50_000_000, "the default model's packed weights: {weights}");
+    assert_eq!(metric(&text, "rmlx_memory_bytes{kind=\"kv_cache\"}"), 0);
+    assert!(metric(&text, "rmlx_resident_memory_bytes") > weights / 2);
+    assert!(metric(&text, "rmlx_requests_total") >= 4);
+}

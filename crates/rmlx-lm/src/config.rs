@@ -177,9 +177,9 @@ impl ModelConfig {
             // transformers' MistralConfig: a window of 4096 unless the config says otherwise.
             top.insert("sliding_window".into(), Value::from(4096));
         }
+        limits::check_fields(&top)?;
         unsupported::check(&model_type, &top)?;
         top.insert("model_type".into(), Value::String(model_type));
-        limits::check_fields(&top)?;
         let cfg: ModelConfig =
             serde_json::from_value(Value::Object(top)).map_err(|e| Error::Config(format!("config.json: {e}")))?;
         cfg.validate()?;

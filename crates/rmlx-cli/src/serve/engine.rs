@@ -88,6 +88,10 @@ pub struct Stats {
     /// What the running batch's keys and values may take (`--max-kv-gb` or derived).
     pub kv_budget: AtomicU64,
     pub prompt_cache_bytes: AtomicU64,
+    /// The model's weights (MLX memory held for the whole run).
+    pub weights_bytes: AtomicU64,
+    /// MLX's cache of freed buffers (given back when the server goes idle).
+    pub mlx_cache_bytes: AtomicU64,
 }
 
 /// A request in the engine: where its events go.
@@ -119,9 +123,13 @@ pub fn run(
         load_adapter(lm, &mut engine, name, path)?;
     }
     let mut live: HashMap<SeqId, Live> = HashMap::new();
+    let mut busy = false;
     loop {
         while let Ok(c) = control.try_recv() {
             manage(lm, &mut engine, c);
+        }
+        if engine.is_idle() && std::mem::take(&mut busy) {
+            give_back_idle_memory(&stats);
         }
         if engine.is_idle() {
             // Idle: wait for a job, looking at the control queue now and then.
@@ -141,6 +149,7 @@ pub fn run(
                 Err(TryRecvError::Disconnected) => break,
             }
         }
+        busy = true;
         let updates = match engine.step() {
             Ok(u) => u,
             Err(e) => {
@@ -163,7 +172,22 @@ pub fn run(
         stats.prompt_cache_bytes.store(engine.prompt_cache_usage().0 as u64, Ordering::Relaxed);
         stats.peak_memory.fetch_max(rmlx::memory::peak_memory() as u64, Ordering::Relaxed);
         stats.active_memory.store(rmlx::memory::active_memory() as u64, Ordering::Relaxed);
+        stats.mlx_cache_bytes.store(rmlx::memory::cache_memory() as u64, Ordering::Relaxed);
     }
+}
+
+/// Once the last request has ended: MLX's cache of freed buffers (the batch's keys and values,
+/// activations) and the C allocator's free pages go back to the system, so that the process
+/// shrinks back after a burst; the prompt cache keeps what it was configured to keep.
+fn give_back_idle_memory(stats: &Stats) {
+    rmlx::memory::clear_cache();
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    stats.active_memory.store(rmlx::memory::active_memory() as u64, Ordering::Relaxed);
+    stats.mlx_cache_bytes.store(rmlx::memory::cache_memory() as u64, Ordering::Relaxed);
 }
 
 /// Loads or unloads an adapter; the reply says whether it worked.

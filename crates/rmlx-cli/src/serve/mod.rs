@@ -9,6 +9,7 @@
 mod adapters;
 mod api;
 mod engine;
+mod listen;
 
 use crate::common::{count, ModelArgs};
 use anyhow::{Context, Result};
@@ -94,6 +95,20 @@ pub struct Args {
     /// anywhere the server can read).
     #[arg(long = "adapter-dir", value_name = "DIR")]
     adapter_dirs: Vec<PathBuf>,
+    /// Most connections open at once; more are closed as they arrive.
+    #[arg(long, default_value_t = 1024, value_parser = count)]
+    max_connections: usize,
+    /// Seconds a client has to send a request's headers (and between requests on a kept-alive
+    /// connection) before the connection is closed.
+    #[arg(long, default_value_t = 10, value_parser = count)]
+    header_timeout: usize,
+    /// Seconds a client has to send a request's body (408 past it).
+    #[arg(long, default_value_t = 30, value_parser = count)]
+    body_timeout: usize,
+    /// Seconds the requests in progress may take to finish after Ctrl-C or SIGTERM; then the
+    /// streams still open end with an error and the server exits (a second signal exits at once).
+    #[arg(long, default_value_t = 30)]
+    shutdown_timeout: u64,
 }
 
 /// What the handlers share. No MLX in here: only the queue to the engine and counters.
@@ -111,6 +126,9 @@ struct Shared {
     api_key: Option<String>,
     default_max_tokens: usize,
     next_id: AtomicU64,
+    /// Turns true when the shutdown's drain deadline passes: responses still being sent end with
+    /// an error.
+    cut: tokio::sync::watch::Receiver<bool>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -160,6 +178,13 @@ pub fn run(a: Args) -> Result<()> {
         .iter()
         .map(|d| d.canonicalize().with_context(|| format!("--adapter-dir {}", d.display())))
         .collect::<Result<Vec<_>>>()?;
+    let (cut_tx, cut) = tokio::sync::watch::channel(false);
+    let limits = listen::Limits {
+        max_connections: a.max_connections,
+        header_timeout: std::time::Duration::from_secs(a.header_timeout as u64),
+        body_timeout: std::time::Duration::from_secs(a.body_timeout as u64),
+        drain_timeout: std::time::Duration::from_secs(a.shutdown_timeout),
+    };
     let (jobs, queue) = std::sync::mpsc::sync_channel(a.max_queue);
     let (control, control_queue) = std::sync::mpsc::channel();
     let stats = Arc::new(Stats::default());
@@ -175,13 +200,14 @@ pub fn run(a: Args) -> Result<()> {
         api_key,
         default_max_tokens: a.default_max_tokens,
         next_id: AtomicU64::new(1),
+        cut,
     });
     // HTTP on tokio's threads; the model stays on this one (the evaluation thread).
     let http = std::thread::Builder::new().name("rmlx-http".into()).spawn(move || -> Result<()> {
         let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         runtime.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
-            axum::serve(listener, router(shared)).with_graceful_shutdown(shutdown_signal()).await?;
+            listen::serve(listener, router(shared, limits.body_timeout), limits, cut_tx).await;
             Ok(())
         })
     })?;
@@ -200,6 +226,11 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     stats.kv_budget.store(max_kv_bytes as u64, Ordering::Relaxed);
+    {
+        use rmlx_lm::nn::ModuleExt;
+        let weights: usize = lm.model.parameters("").iter().map(|(_, w)| w.nbytes()).sum();
+        stats.weights_bytes.store(weights as u64, Ordering::Relaxed);
+    }
     let options = rmlx_lm::engine::EngineOptions {
         max_batch: a.max_batch,
         prefill_tokens: a.prefill_step,
@@ -217,29 +248,7 @@ pub fn run(a: Args) -> Result<()> {
     http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
 }
 
-/// Ctrl-C or SIGTERM (how service managers stop a server): stop accepting, finish what runs.
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
-    eprintln!("shutting down");
-}
-
-fn router(shared: Arc<Shared>) -> Router {
+fn router(shared: Arc<Shared>, body_timeout: std::time::Duration) -> Router {
     Router::new()
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/v1/models", get(models))
@@ -250,6 +259,7 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/unload_lora_adapter", post(adapters::unload_lora_adapter))
         .fallback(|| async { error(ApiError { status: 404, message: "no such endpoint".into(), param: None }) })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn(move |r, next| listen::read_body(body_timeout, MAX_BODY, r, next)))
         .layer(axum::middleware::from_fn_with_state(shared.clone(), gate))
         .with_state(shared)
 }
@@ -330,7 +340,15 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
          # TYPE rmlx_active_memory_bytes gauge\nrmlx_active_memory_bytes {}\n\
          # TYPE rmlx_kv_cache_bytes gauge\nrmlx_kv_cache_bytes {}\n\
          # TYPE rmlx_kv_budget_bytes gauge\nrmlx_kv_budget_bytes {}\n\
-         # TYPE rmlx_prompt_cache_bytes gauge\nrmlx_prompt_cache_bytes {}\n",
+         # TYPE rmlx_prompt_cache_bytes gauge\nrmlx_prompt_cache_bytes {}\n\
+         # HELP rmlx_memory_bytes MLX memory by what holds it: weights + kv_cache + prompt_cache + other_active = MLX's active memory; mlx_buffer_cache is freed buffers MLX keeps for reuse.\n\
+         # TYPE rmlx_memory_bytes gauge\n\
+         rmlx_memory_bytes{{kind=\"weights\"}} {}\n\
+         rmlx_memory_bytes{{kind=\"kv_cache\"}} {}\n\
+         rmlx_memory_bytes{{kind=\"prompt_cache\"}} {}\n\
+         rmlx_memory_bytes{{kind=\"other_active\"}} {}\n\
+         rmlx_memory_bytes{{kind=\"mlx_buffer_cache\"}} {}\n\
+         # TYPE rmlx_resident_memory_bytes gauge\nrmlx_resident_memory_bytes {}\n",
         c(&st.requests),
         c(&st.failed),
         c(&st.cancelled),
@@ -346,7 +364,24 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
         c(&st.kv_bytes),
         c(&st.kv_budget),
         c(&st.prompt_cache_bytes),
+        c(&st.weights_bytes),
+        c(&st.kv_bytes),
+        c(&st.prompt_cache_bytes),
+        c(&st.active_memory).saturating_sub(c(&st.weights_bytes) + c(&st.kv_bytes) + c(&st.prompt_cache_bytes)),
+        c(&st.mlx_cache_bytes),
+        resident_bytes(),
     )
+}
+
+/// The process's resident memory (Linux: /proc/self/statm; 0 elsewhere).
+fn resident_bytes() -> u64 {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()))
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    pages * page.max(0) as u64
 }
 
 /// Which endpoint a response is for: the object names and where the text goes.
@@ -378,6 +413,11 @@ fn malformed(e: JsonRejection) -> Response {
         return error(ApiError { status: 413, message, param: None });
     }
     error(ApiError::bad_request(e.body_text(), None))
+}
+
+/// What a response still being sent gets when the drain deadline passes.
+fn shutting_down() -> ApiError {
+    ApiError { status: 503, message: "the server is shutting down: its drain deadline passed".into(), param: None }
 }
 
 /// The largest request body accepted (a prompt of a million tokens is about 4 MiB of text).
@@ -449,7 +489,7 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
         kind,
     };
     if settings.stream {
-        return Sse::new(stream_events(head, receivers, settings)).into_response();
+        return Sse::new(stream_events(head, receivers, settings, s.cut.clone())).into_response();
     }
     let mut choices = Vec::with_capacity(receivers.len());
     let mut total: Option<Usage> = None;
@@ -457,7 +497,12 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let (finish_reason, usage) = loop {
-            match rx.recv().await {
+            let mut cut = s.cut.clone();
+            let event = tokio::select! {
+                e = rx.recv() => e,
+                _ = cut.wait_for(|&c| c) => return error(shutting_down()),
+            };
+            match event {
                 Some(Event::Token { text: t, logprob }) => {
                     text.push_str(&t);
                     logprobs.extend(logprob);
@@ -561,6 +606,7 @@ fn stream_events(
     head: Head,
     receivers: Vec<UnboundedReceiver<Event>>,
     settings: Settings,
+    cut: tokio::sync::watch::Receiver<bool>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     use futures_util::StreamExt;
     let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
@@ -581,14 +627,24 @@ fn stream_events(
         finished: usize,
         usage: Option<Usage>,
         over: bool,
+        cut: tokio::sync::watch::Receiver<bool>,
     }
-    let state = State { head, events: merged, offsets: vec![0; n], finished: 0, usage: None, over: false };
+    let state = State { head, events: merged, offsets: vec![0; n], finished: 0, usage: None, over: false, cut };
     let body = stream::unfold(state, move |mut st| async move {
         if st.over {
             return None;
         }
         loop {
-            let items: Vec<Result<SseEvent, Infallible>> = match st.events.next().await {
+            let event = tokio::select! {
+                e = st.events.next() => Some(e),
+                _ = st.cut.wait_for(|&c| c) => None,
+            };
+            let Some(event) = event else {
+                st.over = true;
+                let items = vec![data(shutting_down().body()), Ok(SseEvent::default().data("[DONE]"))];
+                return Some((stream::iter(items), st));
+            };
+            let items: Vec<Result<SseEvent, Infallible>> = match event {
                 Some((_, Event::Token { text, logprob: None })) if text.is_empty() => continue,
                 Some((i, Event::Token { text, logprob })) => {
                     let chunk = st.head.chunk_with(i, Some(&text), false, None, logprob.as_ref(), st.offsets[i]);
