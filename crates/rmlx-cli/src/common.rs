@@ -101,9 +101,8 @@ impl ModelArgs {
             };
             bail!("{flag} needs the native backend, and {} is loaded with {by}", path.display());
         }
-        let mut opts = self.options(false)?;
-        opts.backend = choice;
-        rmlx_lm::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+        let opts = self.options(false)?;
+        rmlx_lm::backend::load_with(&path, &choice, &opts).with_context(|| format!("loading {}", path.display()))
     }
 
     fn options(&self, allow_missing_tokenizer: bool) -> Result<LoadOptions> {
@@ -116,7 +115,6 @@ impl ModelArgs {
             },
             progress: true,
             allow_missing_tokenizer,
-            backend: Default::default(),
         })
     }
 

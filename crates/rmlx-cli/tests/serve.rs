@@ -615,7 +615,7 @@ fn shutdown_ends_long_streams_at_its_deadline_and_a_second_signal_exits_now() {
             assert!(started.elapsed() < Duration::from_secs(20), "still running after SIGTERM");
             std::thread::sleep(Duration::from_millis(20));
         };
-        let want = if second_signal { (Some(130), 2) } else { (Some(0), 12) };
+        let want = if second_signal { (Some(130), 10) } else { (Some(0), 15) };
         assert_eq!(status.code(), want.0, "second signal: {second_signal}");
         assert!(started.elapsed() < Duration::from_secs(want.1), "{:?}", started.elapsed());
     }

@@ -5,7 +5,6 @@
 mod limits;
 mod unsupported;
 
-use crate::models::spec::{self, ArchitectureSpec};
 use crate::{Error, Result};
 use serde::Deserialize;
 use serde_json::Value;
@@ -21,22 +20,6 @@ pub enum Architecture {
     Qwen3,
     /// Gemma 3 (text): sliding/global layers, `(1 + w)` norms, GELU-tanh.
     Gemma3,
-}
-
-impl Architecture {
-    /// The architecture of a `model_type`, or [`Error::UnsupportedArchitecture`] listing the
-    /// supported ones ([`crate::models::spec::ARCHITECTURES`]).
-    pub fn from_model_type(model_type: &str) -> Result<Self> {
-        spec_of(model_type).map(|s| s.architecture)
-    }
-}
-
-/// The native architecture serving `model_type`, or [`Error::UnsupportedArchitecture`].
-fn spec_of(model_type: &str) -> Result<&'static ArchitectureSpec> {
-    spec::for_model_type(model_type).ok_or_else(|| Error::UnsupportedArchitecture {
-        model_type: model_type.to_string(),
-        supported: spec::model_type_list(),
-    })
 }
 
 /// `rope_scaling`, the variants rmlx implements.
@@ -125,6 +108,8 @@ const GEMMA3_DEFAULTS: &str = r#"{"vocab_size": 262208, "hidden_size": 2304, "in
 
 impl ModelConfig {
     /// Parses a `config.json` text. A `gemma3` (multimodal) config contributes its `text_config`.
+    /// Whether rmlx implements its `model_type` is not checked here: that is
+    /// [`crate::models::spec::parse_config`]'s, which the loaders call.
     pub fn from_json(text: &str) -> Result<Self> {
         let raw: Value =
             serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;
@@ -137,12 +122,6 @@ impl ModelConfig {
             return Err(Error::Config("config.json must be a JSON object".into()));
         };
         let mut model_type = top.get("model_type").and_then(Value::as_str).map(str::to_string).unwrap_or_default();
-        if model_type.is_empty() {
-            model_type = guess_model_type(&top).unwrap_or_default();
-        }
-        if !model_type.is_empty() {
-            Architecture::from_model_type(&model_type)?;
-        }
         if let Some(Value::Object(text)) = top.remove("text_config") {
             // The text model's fields win; the wrapper's quantisation and special ids fill gaps.
             let mut merged = text;
@@ -234,17 +213,6 @@ impl ModelConfig {
         }
         self.rope_scaling()?;
         Ok(())
-    }
-
-    /// The architecture (`model_type` may still be empty for Qwen 2/3 configs without one: the
-    /// loader decides from the weights).
-    pub fn architecture(&self) -> Result<Architecture> {
-        Ok(self.spec()?.architecture)
-    }
-
-    /// The native architecture's entry in [`crate::models::spec::ARCHITECTURES`].
-    pub fn spec(&self) -> Result<&'static ArchitectureSpec> {
-        spec_of(&self.model_type)
     }
 
     /// Key/value heads (defaults to the query heads).
@@ -401,11 +369,6 @@ fn normalize_rope_parameters(top: &mut serde_json::Map<String, Value>) {
     } else {
         apply(&params, "rope_theta", true);
     }
-}
-
-fn guess_model_type(top: &serde_json::Map<String, Value>) -> Option<String> {
-    let class = top.get("architectures")?.as_array()?.first()?.as_str()?;
-    spec::for_hf_class(class).map(|(_, t)| t.to_string())
 }
 
 /// RoPE divisors `base^(2i/dims)` for `i < dims/2`, with Llama 3 scaling applied (the form

@@ -218,10 +218,12 @@ impl<'m> Generation<'m> {
         // A context limit bounds the caches (they rotate), so generation goes on past it; the
         // model's own limit (max_position_embeddings) ends generation when reached.
         let room = match (opts.context_limit, cfg.max_position_embeddings) {
-            (Some(limit), _) => {
+            // The prompt must fit the rotating caches whole; generation then rotates.
+            (Some(limit), _) if prompt.len() > limit => {
                 room_after_prompt(prompt.len(), limit)?;
                 usize::MAX
             }
+            (Some(_), _) => usize::MAX,
             (None, Some(limit)) => room_after_prompt(prompt.len(), limit)?,
             (None, None) => usize::MAX,
         };

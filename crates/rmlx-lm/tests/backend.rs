@@ -11,8 +11,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 fn native(dir: &Path) -> Box<dyn LanguageModel> {
-    let opts = LoadOptions { backend: "native".parse().unwrap(), ..LoadOptions::default() };
-    rmlx_lm::load(dir, &opts).unwrap()
+    let opts = "native".parse::<BackendChoice>().unwrap();
+    rmlx_lm::backend::load_with(dir, &opts, &LoadOptions::default()).unwrap()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -179,14 +179,14 @@ fn backend_choice_and_errors() {
     assert_eq!("mlx-lm".parse::<BackendChoice>().unwrap(), BackendChoice::Named("mlx-lm".into()));
     assert!(matches!("".parse::<BackendChoice>(), Err(Error::InvalidParameter(_))));
     let dir = fixture_with_tokenizer("llama_gqa");
-    let opts = LoadOptions { backend: "nope".parse().unwrap(), ..LoadOptions::default() };
-    let err = rmlx_lm::load(dir.path(), &opts).err().unwrap();
+    let opts = "nope".parse::<BackendChoice>().unwrap();
+    let err = rmlx_lm::backend::load_with(dir.path(), &opts, &LoadOptions::default()).err().unwrap();
     assert!(matches!(err, Error::InvalidParameter(ref m) if m.contains("nope") && m.contains("native")), "{err}");
     // The native backend names the architectures it has.
     let unknown = TempDir::new("backend-unknown");
     std::fs::write(unknown.path().join("config.json"), r#"{"model_type": "phi3"}"#).unwrap();
-    let native_only = LoadOptions { backend: "native".parse().unwrap(), ..LoadOptions::default() };
-    let err = rmlx_lm::load(unknown.path(), &native_only).err().unwrap();
+    let native_only = "native".parse::<BackendChoice>().unwrap();
+    let err = rmlx_lm::backend::load_with(unknown.path(), &native_only, &LoadOptions::default()).err().unwrap();
     assert!(matches!(err, Error::UnsupportedArchitecture { ref model_type, .. } if model_type == "phi3"), "{err}");
     let why = backend::native::NativeBackend.supports(unknown.path()).unwrap_err();
     assert!(why.contains("phi3") && why.contains("gemma3_text"), "{why}");
@@ -222,7 +222,7 @@ fn registered_backends_are_chosen_by_name_and_by_auto() {
     assert_eq!(names, ["native", "refusing", "mlx-lm"]);
     let err = rmlx_lm::load("model.refuse", &LoadOptions::default()).err().unwrap();
     assert!(matches!(err, Error::InvalidParameter(ref m) if m == "refusing model.refuse"), "{err}");
-    let opts = LoadOptions { backend: "refusing".parse().unwrap(), ..LoadOptions::default() };
-    let err = rmlx_lm::load("elsewhere", &opts).err().unwrap();
+    let opts = "refusing".parse::<BackendChoice>().unwrap();
+    let err = rmlx_lm::backend::load_with("elsewhere", &opts, &LoadOptions::default()).err().unwrap();
     assert!(matches!(err, Error::InvalidParameter(ref m) if m == "refusing elsewhere"), "{err}");
 }

@@ -7,7 +7,7 @@ mod common;
 
 use common::{fixture_dir, fixture_with_tokenizer, ids, reference, word_tokenizer, TempDir};
 use rmlx_lm::backend::mlx_lm::{self, MlxLmBackend, Timeouts};
-use rmlx_lm::backend::{ClassifyOptions, LanguageModel, Prompt};
+use rmlx_lm::backend::{BackendChoice, ClassifyOptions, LanguageModel, Prompt};
 use rmlx_lm::{Error, FinishReason, GenerateOptions, LoadOptions};
 use std::path::Path;
 use std::sync::OnceLock;
@@ -31,8 +31,8 @@ fn with_tokenizer_config(dir: &TempDir) {
 
 fn load(dir: &Path, backend: &str) -> Box<dyn LanguageModel> {
     mlx_lm_installed();
-    let opts = LoadOptions { backend: backend.parse().unwrap(), ..LoadOptions::default() };
-    rmlx_lm::load(dir, &opts).unwrap_or_else(|e| panic!("{backend}: {e}"))
+    let opts = backend.parse::<BackendChoice>().unwrap();
+    rmlx_lm::backend::load_with(dir, &opts, &LoadOptions::default()).unwrap_or_else(|e| panic!("{backend}: {e}"))
 }
 
 fn greedy(lm: &mut dyn LanguageModel, prompt: &Prompt, n: usize) -> Vec<u32> {
@@ -139,8 +139,8 @@ fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
     let config = r#"{"tokenizer_class": "PreTrainedTokenizerFast", "chat_template":
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}{{ m['content'] }} {% endfor %}"}"#;
     std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
-    let native_only = LoadOptions { backend: "native".parse().unwrap(), ..LoadOptions::default() };
-    assert!(matches!(rmlx_lm::load(dir.path(), &native_only), Err(Error::UnsupportedArchitecture { .. })));
+    let native_only = "native".parse::<BackendChoice>().unwrap();
+    assert!(matches!(rmlx_lm::backend::load_with(dir.path(), &native_only, &LoadOptions::default()), Err(Error::UnsupportedArchitecture { .. })));
     let mut lm = load(dir.path(), "auto");
     assert_eq!((lm.info().backend.as_str(), lm.info().architecture.as_str()), ("mlx-lm", "phi3"));
     // mlx-lm's own greedy tokens (scripts/make_mlx_lm_fixture.py chose the seed for wide margins).

@@ -313,7 +313,11 @@ fn fuzz_config_parsing() {
                 set_field(&mut c, f, v);
             }
             let text = Value::Object(c).to_string();
-            let (r, peak) = peak_allocation(|| ModelConfig::from_json(&text));
+            let (r, peak) = peak_allocation(|| {
+                serde_json::from_str(&text)
+                    .map_err(|e| Error::Config(e.to_string()))
+                    .and_then(rmlx_lm::models::spec::parse_config)
+            });
             prop_assert!(peak <= allocation_bound(text.len()), "{peak} bytes for a {}-byte config", text.len());
             match r {
                 Ok(cfg) => {

@@ -327,6 +327,13 @@ impl CompletionRequest {
     }
 }
 
+/// A token's log-probability and the most likely alternatives, with their texts.
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
 /// `usage`, with the prompt tokens whose keys and values came from the prompt cache.
 pub fn usage(u: &rmlx_lm::engine::Usage) -> Value {
     json!({
@@ -338,7 +345,7 @@ pub fn usage(u: &rmlx_lm::engine::Usage) -> Value {
 }
 
 /// Chat's `logprobs` of some tokens: `{"content": [{token, logprob, bytes, top_logprobs}]}`.
-pub fn chat_logprobs(tokens: &[&super::engine::TokenLogprob]) -> Value {
+pub fn chat_logprobs(tokens: &[&TokenLogprob]) -> Value {
     let entry = |t: &str, lp: f32| json!({"token": t, "logprob": lp, "bytes": t.as_bytes()});
     let content: Vec<Value> = tokens
         .iter()
@@ -353,7 +360,7 @@ pub fn chat_logprobs(tokens: &[&super::engine::TokenLogprob]) -> Value {
 
 /// Completions' `logprobs`: parallel lists of tokens, their log-probabilities, the alternatives
 /// (a map per token) and each token's offset in the text.
-pub fn text_logprobs(tokens: &[&super::engine::TokenLogprob], start: usize) -> Value {
+pub fn text_logprobs(tokens: &[&TokenLogprob], start: usize) -> Value {
     let mut offset = start;
     let mut offsets = Vec::new();
     for t in tokens {

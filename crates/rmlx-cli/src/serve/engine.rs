@@ -3,7 +3,7 @@
 //! back; a handler that goes away (the client disconnected) makes the next send fail, and the
 //! request is cancelled at the next step, its cache rows freed.
 
-use super::api::ApiError;
+use super::api::{ApiError, TokenLogprob};
 use rmlx_lm::chat::Message;
 use rmlx_lm::engine::{Engine, EngineOptions, Request, SeqId, Update, Usage};
 use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
@@ -40,13 +40,6 @@ pub struct Job {
 pub enum Control {
     Load { name: String, path: std::path::PathBuf, reply: tokio::sync::oneshot::Sender<Result<(), String>> },
     Unload { name: String, reply: tokio::sync::oneshot::Sender<Result<(), String>> },
-}
-
-/// A token's log-probability and the most likely alternatives, with their texts.
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub top: Vec<(String, f32)>,
 }
 
 pub enum Event {

@@ -52,7 +52,9 @@ pub async fn read_body(timeout: Duration, max_body: usize, request: Request, nex
 pub async fn serve(listener: TcpListener, router: Router, limits: Limits, cut: watch::Sender<bool>) {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let (closing, _) = watch::channel(false);
-    let mut signal = std::pin::pin!(shutdown_signal());
+    // Listening from the start: a second signal that comes while the first is being handled is
+    // not lost.
+    let mut signals = Signals::new();
     loop {
         let (stream, _) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -64,7 +66,7 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, cut: w
                     continue;
                 }
             },
-            _ = &mut signal => break,
+            _ = signals.next() => break,
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             tracing::warn!(limit = limits.max_connections, "connection limit reached: closing a new connection");
@@ -89,8 +91,8 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, cut: w
     eprintln!("shutting down: finishing the requests in progress (at most {} s; a second signal exits now)",
         limits.drain_timeout.as_secs());
     let _ = closing.send(true);
-    tokio::spawn(async {
-        shutdown_signal().await;
+    tokio::spawn(async move {
+        signals.next().await;
         eprintln!("second signal: exiting now");
         exit_now(130);
     });
@@ -115,23 +117,33 @@ fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
-/// Ctrl-C or SIGTERM (how service managers stop a server).
-async fn shutdown_signal() {
+/// Ctrl-C and SIGTERM (how service managers stop a server), each signal counted once.
+struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
+    streams: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    fn new() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let streams = signal(SignalKind::terminate()).ok().zip(signal(SignalKind::interrupt()).ok());
+            Signals { streams }
         }
+        #[cfg(not(unix))]
+        Signals {}
     }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
+
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        if let Some((term, int)) = &mut self.streams {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            return;
+        }
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

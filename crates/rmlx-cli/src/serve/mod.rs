@@ -13,7 +13,7 @@ mod listen;
 
 use crate::common::{count, ModelArgs};
 use anyhow::{Context, Result};
-use api::{ApiError, ChatRequest, CompletionRequest, Settings};
+use api::{ApiError, ChatRequest, CompletionRequest, Settings, TokenLogprob};
 use axum::extract::rejection::JsonRejection;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args as ClapArgs;
-use engine::{Control, Event, Job, Prompt, Stats, TokenLogprob};
+use engine::{Control, Event, Job, Prompt, Stats};
 use futures_util::stream::{self, Stream};
 use rmlx_lm::engine::Usage;
 use rmlx_lm::GenerateOptions;

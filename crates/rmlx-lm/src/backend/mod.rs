@@ -252,14 +252,19 @@ pub fn backends() -> Vec<Arc<dyn Backend>> {
     registry().read().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// Loads a model folder or GGUF file with the backend `opts.backend` chooses.
-///
-/// With `auto`, a checkpoint no backend supports gets the native backend's error (for an unknown
-/// architecture, [`Error::UnsupportedArchitecture`]); why the others declined is logged.
+/// Loads a model folder or GGUF file with the first backend that supports it
+/// ([`BackendChoice::Auto`]; [`load_with`] chooses).
 pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<Box<dyn LanguageModel>> {
+    load_with(path, &BackendChoice::Auto, opts)
+}
+
+/// Loads a model folder or GGUF file with the backend `choice` names, or with `auto` the first
+/// that supports it: a checkpoint no backend supports gets the native backend's error (for an
+/// unknown architecture, [`Error::UnsupportedArchitecture`]); why the others declined is logged.
+pub fn load_with(path: impl AsRef<Path>, choice: &BackendChoice, opts: &LoadOptions) -> Result<Box<dyn LanguageModel>> {
     let path = path.as_ref();
     let list = backends();
-    match &opts.backend {
+    match choice {
         BackendChoice::Named(name) => {
             let backend = list.iter().find(|b| b.name() == name).ok_or_else(|| {
                 let known: Vec<&str> = list.iter().map(|b| b.name()).collect();

@@ -66,7 +66,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         raw["vocab_size"] = json!(rows);
     }
     raw["tie_word_embeddings"] = json!(!weights.contains("lm_head.weight"));
-    let cfg = crate::config::ModelConfig::from_value(raw)?;
+    let cfg = crate::models::spec::parse_config(raw)?;
 
     let vocab = crate::tokenizer::gguf_vocab(&file)?;
     let mut tokenizer = Tokenizer::from_gguf_vocab(&vocab)?;

@@ -22,7 +22,7 @@ pub(super) fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     if !config_path.is_file() {
         return Err(Error::MissingFile(format!("{} (a model folder needs config.json)", config_path.display())));
     }
-    let mut cfg = ModelConfig::from_value(read_json(&config_path)?)?;
+    let mut cfg = crate::models::spec::parse_config(read_json(&config_path)?)?;
     let mut weights = read_weights(dir, opts.progress)?;
     normalize_names(&mut weights);
     if cfg.model_type.is_empty() {

@@ -37,9 +37,6 @@ pub struct LoadOptions {
     /// Load a folder without tokenizer.json, with a placeholder tokenizer whose tokens are `<id>`
     /// (benchmarks of random-weight checkpoints).
     pub allow_missing_tokenizer: bool,
-    /// Which backend [`crate::load`] uses (default: the first that supports the checkpoint).
-    /// [`load`] itself is the native backend and ignores it.
-    pub backend: crate::backend::BackendChoice,
 }
 
 /// A model ready to generate with.
@@ -173,5 +170,5 @@ pub(super) fn finish(
 
 /// The built-in chat template family of an architecture.
 pub(super) fn family(cfg: &ModelConfig) -> Result<&'static str> {
-    Ok(cfg.spec()?.chat_family)
+    Ok(crate::models::spec::of(cfg)?.chat_family)
 }

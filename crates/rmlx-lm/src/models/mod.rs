@@ -112,7 +112,7 @@ pub fn block_path(name: &str) -> Option<(usize, &str)> {
 
 /// Builds the model of `cfg.model_type` from the checkpoint's tensors ([`spec::ARCHITECTURES`]).
 pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
-    (cfg.spec()?.build)(cfg, b)
+    (spec::of(cfg)?.build)(cfg, b)
 }
 
 /// One cache per layer of `cfg`: a layer with a sliding window ([`ModelConfig::layer_window`])

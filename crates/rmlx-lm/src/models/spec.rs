@@ -76,6 +76,39 @@ pub fn no_config(_: MetadataNumber, _: &mut Map<String, Value>) {}
 pub static ARCHITECTURES: &[&ArchitectureSpec] =
     &[&super::llama::SPEC, &super::qwen3::SPEC, &super::qwen2::SPEC, &super::gemma3::SPEC];
 
+/// Parses a `config.json` as the native backend reads it: its `model_type` (else the one its
+/// `architectures` class name implies; a config with neither stays empty and the loader decides
+/// from the weights) must be one rmlx implements ([`crate::Error::UnsupportedArchitecture`] lists them),
+/// then [`ModelConfig::from_value`].
+pub fn parse_config(raw: Value) -> Result<ModelConfig> {
+    let Value::Object(mut top) = raw else {
+        return Err(crate::Error::Config("config.json must be a JSON object".into()));
+    };
+    let given = top.get("model_type").and_then(Value::as_str).unwrap_or_default().to_string();
+    if given.is_empty() {
+        let class = top.get("architectures").and_then(Value::as_array).and_then(|a| a.first()).and_then(Value::as_str);
+        if let Some((_, model_type)) = class.and_then(for_hf_class) {
+            top.insert("model_type".into(), Value::from(model_type));
+        }
+    } else {
+        for_type(&given)?;
+    }
+    ModelConfig::from_value(Value::Object(top))
+}
+
+/// The native architecture serving `model_type`, or [`crate::Error::UnsupportedArchitecture`].
+pub fn for_type(model_type: &str) -> Result<&'static ArchitectureSpec> {
+    for_model_type(model_type).ok_or_else(|| crate::Error::UnsupportedArchitecture {
+        model_type: model_type.to_string(),
+        supported: model_type_list(),
+    })
+}
+
+/// The native architecture of a parsed configuration.
+pub fn of(cfg: &ModelConfig) -> Result<&'static ArchitectureSpec> {
+    for_type(&cfg.model_type)
+}
+
 /// The architecture serving a config.json `model_type`.
 pub fn for_model_type(model_type: &str) -> Option<&'static ArchitectureSpec> {
     ARCHITECTURES.iter().copied().find(|s| s.model_types.contains(&model_type))

@@ -16,7 +16,7 @@ use std::path::Path;
 /// The adapter weights file of a folder.
 pub const WEIGHTS: &str = "adapters.safetensors";
 /// The adapter config file of a folder.
-pub const CONFIG: &str = "adapter_config.json";
+pub const CONFIG: &str = super::ADAPTER_CONFIG;
 
 /// mlx-lm's `fine_tune_type`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,6 +16,9 @@ pub mod optim;
 pub mod peft;
 pub mod trainer;
 
+/// The adapter folder's configuration file, in mlx-lm's layout and PEFT's alike.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+
 pub use batch::{Batch, BatchOrder};
 pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};
 pub use lora::{apply_dora, apply_lora, full_parameter_names, lora_parameter_names, LoraConfig};

@@ -33,7 +33,7 @@ pub fn is_peft_dir(dir: &Path) -> bool {
 
 /// Attaches the PEFT adapters of `dir` to `model` (in `dtype`); returns their rank and scale.
 pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfig> {
-    let config_path = dir.join(super::adapters::CONFIG);
+    let config_path = dir.join(super::ADAPTER_CONFIG);
     let file = config_path.display().to_string();
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let cfg: Value = serde_json::from_str(&text).map_err(|e| Error::Config(format!("{file}: {e}")))?;
@@ -252,7 +252,7 @@ pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize
         "modules_to_save": null,
         "inference_mode": true,
     });
-    let path = dir.join(super::adapters::CONFIG);
+    let path = dir.join(super::ADAPTER_CONFIG);
     std::fs::write(&path, serde_json::to_string_pretty(&config).expect("JSON")).map_err(|e| Error::io(&path, e))?;
     Ok(modules)
 }
