@@ -10,7 +10,6 @@ use crate::common::{count, positive, ModelArgs};
 use crate::lora_config;
 use anyhow::{bail, ensure, Context, Result};
 use clap::{ArgMatches, Args as ClapArgs};
-use rmlx::Dtype;
 use rmlx_lm::tuner::adapters::{self, AdapterConfig, FineTuneType};
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
 use rmlx_lm::tuner::{self, DataOptions, LoraConfig, Report, Sequence, TrainConfig};
@@ -288,7 +287,7 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
             Some(n) if n > blocks => bail!("--num-layers {n}: the model has {blocks} blocks (-1 adapts them all)"),
             n => n,
         };
-        let config = AdapterConfig {
+        let adapter = AdapterConfig {
             fine_tune_type,
             num_layers,
             lora: LoraConfig {
@@ -298,70 +297,40 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
                 keys: yaml.keys.clone(),
             },
         };
-        let trainable = match fine_tune_type {
-            FineTuneType::Lora => {
-                // Adapters in float32 whatever the model's dtype, as mlx-lm makes them: a
-                // bfloat16 weight would lose every update below half its unit in the last place.
-                tuner::apply_lora(lm.model.as_mut(), num_layers, &config.lora, Dtype::Float32, a.seed as u64)?;
-                tuner::lora_parameter_names(lm.model.as_ref())
-            }
-            FineTuneType::Dora => {
-                tuner::apply_dora(lm.model.as_mut(), num_layers, &config.lora, Dtype::Float32, a.seed as u64)?;
-                tuner::lora_parameter_names(lm.model.as_ref())
-            }
-            FineTuneType::Full => tuner::full_parameter_names(lm.model.as_ref(), num_layers)?,
-        };
-        let mut resume = None;
-        if let Some(file) = &a.resume_adapter_file {
-            let arrays =
-                rmlx::io::load_safetensors(file).with_context(|| format!("reading {}", file.display()))?.arrays;
-            let n = rmlx_lm::nn::ModuleExt::update(lm.model.as_mut(), "", arrays.into_iter().collect())
-                .with_context(|| format!("resuming from {}", file.display()))?;
-            // A checkpoint's training state (optimizer, batch order, iteration) continues the run
-            // exactly; without one, only the weights carry over (as in mlx-lm).
-            let state_path = tuner::TrainState::path_for(file);
-            if state_path.exists() {
-                let state = tuner::TrainState::load(&state_path)?;
-                eprintln!(
-                    "resuming at iteration {} from {} and {}",
-                    state.iteration + 1,
-                    file.display(),
-                    state_path.display()
-                );
-                resume = Some(state);
-            } else {
-                eprintln!(
-                    "resumed {n} arrays from {} (no training state beside it: the optimizer starts afresh)",
-                    file.display()
-                );
-            }
-        }
+        ensure!(
+            a.adapter_format != "peft" || fine_tune_type != FineTuneType::Full,
+            "--adapter-format peft needs --fine-tune-type lora or dora"
+        );
         let extra = json!({"model": lm.source.display().to_string(), "data": a.data.display().to_string(),
             "batch_size": a.batch_size, "iters": a.iters, "learning_rate": a.learning_rate, "optimizer": a.optimizer,
             "max_seq_length": a.max_seq_length, "mask_prompt": a.mask_prompt, "seed": a.seed,
             "grad_checkpoint": a.grad_checkpoint});
-        adapters::save_config(&adapter_dir, &config, extra.as_object().expect("an object"))?;
-        eprintln!("training {} arrays ({} examples, {} validation)", trainable.len(), train.len(), valid.len());
         let iters = match a.epochs {
             Some(e) => e * (train.len() / a.batch_size).max(1),
             None => a.iters,
         };
-        let cfg = TrainConfig {
-            iters,
-            grad_accumulation_steps: a.grad_accumulation_steps,
-            grad_checkpoint: a.grad_checkpoint,
-            // mlx-lm compiles its step; compiling on the CPU needs a C++ compiler at run time.
-            compile: !a.no_compile && rmlx::default_device().kind == rmlx::DeviceType::Gpu,
-            compute_copies: true,
-            batch_size: a.batch_size,
-            val_batches,
-            steps_per_report: a.steps_per_report,
-            steps_per_eval: a.steps_per_eval,
-            save_every: a.save_every,
-            max_seq_length: a.max_seq_length,
-            seed: a.seed as u64,
-            adapter_dir: Some(adapter_dir.clone()),
-            resume,
+        let config = tuner::RunConfig {
+            adapter,
+            train: TrainConfig {
+                iters,
+                grad_accumulation_steps: a.grad_accumulation_steps,
+                grad_checkpoint: a.grad_checkpoint,
+                // mlx-lm compiles its step; compiling on the CPU needs a C++ compiler at run time.
+                compile: !a.no_compile && rmlx::default_device().kind == rmlx::DeviceType::Gpu,
+                compute_copies: true,
+                batch_size: a.batch_size,
+                val_batches,
+                steps_per_report: a.steps_per_report,
+                steps_per_eval: a.steps_per_eval,
+                save_every: a.save_every,
+                max_seq_length: a.max_seq_length,
+                seed: a.seed as u64,
+                adapter_dir: Some(adapter_dir.clone()),
+                resume: None,
+            },
+            resume_from: a.resume_adapter_file.clone(),
+            peft_base_model: (a.adapter_format == "peft").then(|| lm.source.display().to_string()),
+            extra: extra.as_object().expect("an object").clone(),
         };
         let schedule = yaml.schedule.clone().unwrap_or(Schedule::Constant(a.learning_rate));
         let mut opt = Optimizer::new(kind, schedule);
@@ -369,53 +338,46 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
         let _training = crate::interrupt::Replying::start();
         let json_out = a.json;
         // A bar on a terminal (plain percentages otherwise), with the report lines above it.
-        let bar = rmlx_lm::progress::Progress::new(!json_out, "training", cfg.iters as u64);
+        let bar = rmlx_lm::progress::Progress::new(!json_out, "training", iters as u64);
         let mut reporter = Reporter { json: json_out, ..Reporter::default() };
-        if !json_out {
-            bar.println(Reporter::HEADER);
-        }
-        let mut print = |r: &Report| match r {
-            Report::Step { iter, .. } => bar.set(*iter as u64),
-            r => reporter.print(r, &|line: &str| bar.println(line)),
+        eprintln!("training on {} examples ({} validation)", train.len(), valid.len());
+        let mut header = !json_out;
+        let mut print = |r: &Report| {
+            // The table's header comes after what resuming says.
+            if header && !matches!(r, Report::Resumed { .. }) {
+                bar.println(Reporter::HEADER);
+                header = false;
+            }
+            match r {
+                Report::Step { iter, .. } => bar.set(*iter as u64),
+                r => reporter.print(r, &|line: &str| bar.println(line)),
+            }
         };
-        let result = tuner::train(
-            lm.model.as_mut(),
-            &trainable,
-            &mut opt,
-            &train,
-            &valid,
-            &cfg,
-            &mut print,
-            &crate::interrupt::requested,
-        );
+        let result = tuner::run(lm.model.as_mut(), config, &mut opt, &train, &valid, &mut print, &crate::interrupt::requested);
         bar.finish();
-        let summary = result?;
-        if summary.interrupted {
-            let main = adapter_dir.join(adapters::WEIGHTS);
-            let state = tuner::TrainState::path_for(&main);
+        let done = result?;
+        eprintln!("trained {} arrays", done.trainable);
+        if done.training.interrupted {
+            let state = tuner::TrainState::path_for(&done.adapters);
             if state.exists() {
                 eprintln!(
                     "interrupted at iteration {}: adapters and training state saved ({}, {}); \
                      --resume-adapter-file {} continues the run exactly",
-                    summary.iterations,
-                    main.display(),
+                    done.training.iterations,
+                    done.adapters.display(),
                     state.display(),
-                    main.display()
+                    done.adapters.display()
                 );
             } else {
                 eprintln!(
                     "interrupted at iteration {} with gradients still accumulating: adapters saved to {} \
                      (no training state: a resumed run starts its optimizer afresh)",
-                    summary.iterations,
-                    main.display()
+                    done.training.iterations,
+                    done.adapters.display()
                 );
             }
         }
-        if a.adapter_format == "peft" {
-            ensure!(fine_tune_type != FineTuneType::Full, "--adapter-format peft needs --fine-tune-type lora or dora");
-            let dir = adapter_dir.join("peft");
-            let source = lm.source.display().to_string();
-            let n = rmlx_lm::tuner::peft::save(lm.model.as_mut(), &dir, &source)?;
+        if let Some((dir, n)) = &done.peft {
             eprintln!("wrote {n} adapters in PEFT's layout to {}", dir.display());
         }
     } else {
@@ -480,6 +442,13 @@ impl Reporter {
                  Consider pre-splitting your data to save memory."
             )),
             Report::Step { .. } => {}
+            Report::Resumed { path, iteration: Some(i), .. } => {
+                eprintln!("resuming at iteration {} from {} and its training state", i + 1, path.display())
+            }
+            Report::Resumed { path, iteration: None, arrays } => eprintln!(
+                "resumed {arrays} arrays from {} (no training state beside it: the optimizer starts afresh)",
+                path.display()
+            ),
         }
     }
 }

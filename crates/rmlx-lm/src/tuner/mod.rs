@@ -14,6 +14,7 @@ pub mod lora;
 pub mod loss;
 pub mod optim;
 pub mod peft;
+mod run;
 pub mod trainer;
 
 /// The adapter folder's configuration file, in mlx-lm's layout and PEFT's alike.
@@ -23,4 +24,5 @@ pub use batch::{Batch, BatchOrder};
 pub use data::{load_dir, DataOptions, Dataset, Format, Sequence, Splits};
 pub use lora::{apply_dora, apply_lora, full_parameter_names, lora_parameter_names, LoraConfig};
 pub use loss::{batch_loss, logits_loss, loss_and_grad, with_loss_chunk_rows, CompiledLossAndGrad, LossAndGrad};
+pub use run::{run, RunConfig, RunSummary};
 pub use trainer::{evaluate, train, Report, TrainConfig, TrainState, TrainSummary};

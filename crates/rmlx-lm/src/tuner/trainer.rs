@@ -156,6 +156,9 @@ pub enum Report {
     Truncated { iter: usize, longest: usize, max_seq_length: usize },
     /// An iteration finished (for progress bars).
     Step { iter: usize, iters: usize },
+    /// [`super::run`] read the adapters file `path` (`arrays` of it) and, with its training state,
+    /// continues after `iteration` exactly (`None`: weights only, the optimizer starts afresh).
+    Resumed { path: PathBuf, iteration: Option<usize>, arrays: usize },
 }
 
 /// Mean loss over the masked targets of up to `num_batches` batches of `data` (in a fixed,
