@@ -31,7 +31,10 @@ fn classify_batched_matches_transformers_per_prompt() {
         let prompt = ids(&r["prompt_ids"]);
         let expected = floats(&r["logits"]);
         let vocab = expected.len() / prompt.len();
-        let tol = r["tolerance"]["float32"].as_f64().unwrap() as f32;
+        // With TF32 products (a GPU's default) the reference's TF32 tolerance holds, and rows
+        // computed in batches of other shapes round differently by about as much.
+        let tol = r["tolerance"][if common::tf32() { "float32_tf32" } else { "float32" }].as_f64().unwrap() as f32;
+        let same = if common::tf32() { tol } else { 1e-4 };
         let mut lm = native(dir.path());
         let lengths = [24usize, 3, 17, 1, 9, 24];
         let prompts: Vec<Prompt> = lengths.iter().map(|&n| Prompt::Tokens(prompt[..n].to_vec())).collect();
@@ -43,30 +46,43 @@ fn classify_batched_matches_transformers_per_prompt() {
             let d = max_abs_diff(c.logits.as_ref().unwrap(), want);
             assert!(d < tol, "{name}, prefix {n}: max |Δlogit| {d} > {tol}");
             let argmax = (0..vocab).max_by(|&a, &b| want[a].total_cmp(&want[b])).unwrap() as u32;
-            assert_eq!(c.token_id, argmax, "{name}, prefix {n}");
-            assert_eq!((c.top[0].id, c.top[0].token.as_str()), (argmax, c.token.as_str()));
+            // TF32's rounding may swap the two most likely tokens where they are closer than it
+            // moves logits (an H100 swapped them at llama_gqa's prefix 3): there the token is
+            // checked against the logits only.
+            let runner_up = (0..vocab).filter(|&a| a != argmax as usize).map(|a| want[a]).fold(f32::MIN, f32::max);
+            let decisive = !common::tf32() || want[argmax as usize] - runner_up > 2.0 * tol;
+            if decisive {
+                assert_eq!(c.token_id, argmax, "{name}, prefix {n}");
+            }
+            let chosen = c.token_id;
+            assert_eq!((c.top[0].id, c.top[0].token.as_str()), (chosen, c.token.as_str()));
             assert_eq!(c.top.len(), 3);
             assert!(c.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
             assert_eq!(c.top[0].logprob, c.logprob);
             assert_eq!(c.prompt_tokens, n);
-            assert_eq!(c.token, format!("t{argmax}"));
+            assert_eq!(c.token, format!("t{chosen}"));
             // log-softmax of the reference row at the chosen token
             let max = want.iter().copied().fold(f32::MIN, f32::max);
             let lse = max + want.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
-            assert!((c.logprob - (want[argmax as usize] - lse)).abs() < 1e-3);
+            assert!((c.logprob - (want[chosen as usize] - lse)).abs() < tol.max(1e-3));
         }
         // The same prompts one at a time (no padding) give the same results.
         for (p, c) in prompts.iter().zip(&got) {
             let alone = lm.classify(std::slice::from_ref(p), &opts).unwrap().remove(0);
-            assert_eq!(alone.token_id, c.token_id);
-            assert!(max_abs_diff(alone.logits.as_ref().unwrap(), c.logits.as_ref().unwrap()) < 1e-4);
+            let d = max_abs_diff(alone.logits.as_ref().unwrap(), c.logits.as_ref().unwrap());
+            assert!(d < same, "{name}: alone and batched differ by {d}");
+            if !common::tf32() {
+                assert_eq!(alone.token_id, c.token_id);
+            }
         }
         // A budget of 30 padded tokens splits the batch into several passes: same answers.
         let small = ClassifyOptions { max_batch_tokens: 30, ..opts.clone() };
         let split = lm.classify(&prompts, &small).unwrap();
         for (a, b) in split.iter().zip(&got) {
-            assert_eq!(a.token_id, b.token_id);
-            assert!(max_abs_diff(a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap()) < 1e-4);
+            if !common::tf32() {
+                assert_eq!(a.token_id, b.token_id);
+            }
+            assert!(max_abs_diff(a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap()) < same);
         }
     }
 }

@@ -330,7 +330,11 @@ fn top_logprobs_and_token_logprobs() {
         assert_eq!(top[0].0, o.tokens[i], "greedy takes the most likely token");
         assert!(top[0].1 >= top[1].1 && top[1].1 >= top[2].1);
         assert!((top[0].1 - o.logprobs[i]).abs() < 1e-6);
-        assert!((o.logprobs[i] - expected[i]).abs() < 1e-4, "{} vs {}", o.logprobs[i], expected[i]);
+        // A batch of two rows and a single row take different GEMM kernels; with TF32 products (a
+        // GPU's default) their roundings differ (4.5e-4 and 2.3e-3 in two H100 runs; within 1e-4
+        // with MLX_ENABLE_TF32=0).
+        let tol = if common::tf32() { 1e-2 } else { 1e-4 };
+        assert!((o.logprobs[i] - expected[i]).abs() < tol, "{} vs {}", o.logprobs[i], expected[i]);
     }
     assert!(out[&plain].top.iter().all(Vec::is_empty));
 }

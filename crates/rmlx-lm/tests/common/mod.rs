@@ -142,3 +142,11 @@ pub fn assert_same_step(
         assert!(err <= grad_rel * scale, "{what}, {name}: max |Δ| {err} of {scale}");
     }
 }
+
+/// Whether float32 products run as TF32 here: on a GPU, MLX's default (`MLX_ENABLE_TF32=0` turns
+/// it off). Results compared across batch shapes or against float32 references then need the
+/// TF32 tolerances.
+#[allow(dead_code)]
+pub fn tf32() -> bool {
+    rmlx::default_device().kind == rmlx::DeviceType::Gpu && std::env::var("MLX_ENABLE_TF32").map_or(true, |v| v != "0")
+}
