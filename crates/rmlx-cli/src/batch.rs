@@ -146,7 +146,13 @@ pub fn run(a: Args) -> Result<()> {
         // A prompt that cannot run (too long, a template or grammar that fails) gets its error
         // in its place; the others run.
         let submitted = encode(lm, line).and_then(|prompt| {
-            engine.submit(Request { prompt, options, top_logprobs, grammar: line.grammar.clone(), ..Default::default() })
+            engine.submit(Request {
+                prompt,
+                options,
+                top_logprobs,
+                grammar: line.grammar.clone(),
+                ..Default::default()
+            })
         });
         match submitted {
             Ok(seq) => {

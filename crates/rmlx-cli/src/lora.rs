@@ -353,7 +353,8 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
                 r => reporter.print(r, &|line: &str| bar.println(line)),
             }
         };
-        let result = tuner::run(lm.model.as_mut(), config, &mut opt, &train, &valid, &mut print, &crate::interrupt::requested);
+        let result =
+            tuner::run(lm.model.as_mut(), config, &mut opt, &train, &valid, &mut print, &crate::interrupt::requested);
         bar.finish();
         let done = result?;
         eprintln!("trained {} arrays", done.trainable);

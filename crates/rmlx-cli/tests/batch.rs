@@ -156,7 +156,10 @@ fn a_failing_prompt_gets_its_error_and_the_others_complete() {
     assert!(err.contains("2 of 4 prompts failed"), "{err}");
     let r: Vec<Value> =
         String::from_utf8(out.stdout.clone()).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(r.iter().map(|l| l["id"].clone()).collect::<Vec<_>>(), vec![json!("a"), json!("zero"), json!("empty"), json!("b")]);
+    assert_eq!(
+        r.iter().map(|l| l["id"].clone()).collect::<Vec<_>>(),
+        vec![json!("a"), json!("zero"), json!("empty"), json!("b")]
+    );
     assert!(r[1]["error"].as_str().unwrap().contains("max_tokens must be at least 1"), "{}", r[1]);
     assert!(r[2]["error"].as_str().unwrap().contains("grammar admits no text"), "{}", r[2]);
     assert_eq!(r[0]["text"].as_str().unwrap(), generate("The capital of France is", true, 5).0);

@@ -202,8 +202,26 @@ fn bad_input_is_reported_before_training() {
     }
     // Training that overflows stops with an error instead of writing NaN adapters.
     let out = rmlx(&[
-        "lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&a), "--iters", "5",
-        "--optimizer", "sgd", "--learning-rate", "1e38", "--lora-scale", "1e30", "--save-every", "1", "--batch-size", "1",
+        "lora",
+        "--model",
+        s(&model),
+        "--train",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&a),
+        "--iters",
+        "5",
+        "--optimizer",
+        "sgd",
+        "--learning-rate",
+        "1e38",
+        "--lora-scale",
+        "1e30",
+        "--save-every",
+        "1",
+        "--batch-size",
+        "1",
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
@@ -540,8 +558,19 @@ fn ctrl_c_saves_the_adapters_and_stops() {
     // The adapters written at the interruption resume the run.
     let last = out_dir.join("adapters.safetensors");
     let out = rmlx(&[
-        "lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&w.join("b")),
-        "--resume-adapter-file", s(&last), "--iters", "100", "--json",
+        "lora",
+        "--model",
+        s(&model),
+        "--train",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&w.join("b")),
+        "--resume-adapter-file",
+        s(&last),
+        "--iters",
+        "100",
+        "--json",
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
@@ -629,9 +658,27 @@ fn fuse_writes_a_model_that_generates_as_the_adapters_do() {
     let w = workspace("fuse");
     let (model, data, adapters) = (w.join("model"), w.join("data"), w.join("adapters"));
     let out = rmlx(&[
-        "lora", "--model", s(&model), "--dtype", "float32", "--train", "--data", s(&data),
-        "--adapter-path", s(&adapters), "--iters", "12", "--batch-size", "4", "--learning-rate", "1e-2",
-        "--num-layers", "-1", "--lora-rank", "4", "--json",
+        "lora",
+        "--model",
+        s(&model),
+        "--dtype",
+        "float32",
+        "--train",
+        "--data",
+        s(&data),
+        "--adapter-path",
+        s(&adapters),
+        "--iters",
+        "12",
+        "--batch-size",
+        "4",
+        "--learning-rate",
+        "1e-2",
+        "--num-layers",
+        "-1",
+        "--lora-rank",
+        "4",
+        "--json",
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let help = rmlx(&["fuse", "--help"]);
@@ -646,8 +693,7 @@ fn fuse_writes_a_model_that_generates_as_the_adapters_do() {
         assert!(err.contains("fused 14 adapted layers"), "{err}");
         std::fs::copy(model.join("tokenizer.json"), fused.join("tokenizer.json")).unwrap();
         let gen = |m: &Path, extra: &[&str]| {
-            let mut args =
-                vec!["generate", "--model", s(m), "--dtype", "float32", "--prompt", "t2 t5 t8 t11", "--raw"];
+            let mut args = vec!["generate", "--model", s(m), "--dtype", "float32", "--prompt", "t2 t5 t8 t11", "--raw"];
             args.extend_from_slice(&["--max-tokens", "8", "--temp", "0", "--json"]);
             args.extend_from_slice(extra);
             let out = rmlx(&args);

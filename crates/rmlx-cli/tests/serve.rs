@@ -524,7 +524,8 @@ fn requests_openai_refuses_are_refused_by_field() {
             assert_eq!(v["error"]["param"], param, "{extra}: {v}");
         }
     }
-    for (extra, param) in [(json!({"echo": true}), "echo"), (json!({"best_of": 2}), "best_of"), (json!({"suffix": "x"}), "suffix")]
+    for (extra, param) in
+        [(json!({"echo": true}), "echo"), (json!({"best_of": 2}), "best_of"), (json!({"suffix": "x"}), "suffix")]
     {
         let mut body = json!({"prompt": "hi", "max_tokens": 2});
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
@@ -532,13 +533,16 @@ fn requests_openai_refuses_are_refused_by_field() {
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{v}");
     }
     // A `developer` message is a system message; neutral values of the refused fields pass.
-    let (status, v) = chat(json!({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+    let (status, v) =
+        chat(json!({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
                                   "tools": [], "tool_choice": "none"}));
     assert_eq!(status, 200, "{v}");
-    let (status, v) = server.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2, "echo": false, "best_of": 1}));
+    let (status, v) =
+        server.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2, "echo": false, "best_of": 1}));
     assert_eq!(status, 200, "{v}");
     // A compressed body is refused (the server does not decompress).
-    let (head, _) = exchange(&server.addr, "POST", "/v1/completions", r#"{"prompt": "hi"}"#, &[("Content-Encoding", "gzip")]);
+    let (head, _) =
+        exchange(&server.addr, "POST", "/v1/completions", r#"{"prompt": "hi"}"#, &[("Content-Encoding", "gzip")]);
     assert!(head.starts_with("HTTP/1.1 415"), "{head}");
 }
 
@@ -548,8 +552,7 @@ fn requests_openai_refuses_are_refused_by_field() {
 /// ones (and new ones, once there is room) are served.
 #[test]
 fn slow_clients_time_out_and_the_connection_limit_holds() {
-    let server =
-        Server::start(&["--max-connections", "3", "--header-timeout", "2", "--body-timeout", "2"]);
+    let server = Server::start(&["--max-connections", "3", "--header-timeout", "2", "--body-timeout", "2"]);
     let connect = || {
         let s = TcpStream::connect(&server.addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -561,7 +564,8 @@ fn slow_clients_time_out_and_the_connection_limit_holds() {
     };
     // A body shorter than its Content-Length: 408 after two seconds.
     let mut short = connect();
-    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
+    let head =
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
     short.write_all(format!("{head}{{\"prompt\":").as_bytes()).unwrap();
     let started = std::time::Instant::now();
     let mut reply = String::new();
@@ -606,7 +610,11 @@ fn shutdown_ends_long_streams_at_its_deadline_and_a_second_signal_exits_now() {
             let mut rest = String::new();
             let mut reader = BufReader::new(stream);
             let _ = reader.read_to_string(&mut rest);
-            assert!(rest.contains("shutting down") && rest.contains("[DONE]"), "{}", &rest[rest.len().saturating_sub(400)..]);
+            assert!(
+                rest.contains("shutting down") && rest.contains("[DONE]"),
+                "{}",
+                &rest[rest.len().saturating_sub(400)..]
+            );
         }
         let status = loop {
             if let Some(status) = server.child.try_wait().unwrap() {

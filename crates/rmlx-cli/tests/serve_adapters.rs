@@ -119,7 +119,8 @@ fn adapters_are_chosen_per_request_and_loaded_while_serving() {
     let confined = Server::start(&["--allow-adapter-loading", "--adapter-dir", &dir_a]);
     let (status, v) = confined.post("/v1/load_lora_adapter", &json!({"lora_name": "b", "lora_path": b}));
     assert_eq!((status, v["error"]["param"].as_str()), (403, Some("lora_path")), "{v}");
-    let (status, v) = confined.request("POST", "/v1/load_lora_adapter", Some(&json!({"lora_name": "a", "lora_path": a})), &[]);
+    let (status, v) =
+        confined.request("POST", "/v1/load_lora_adapter", Some(&json!({"lora_name": "a", "lora_path": a})), &[]);
     assert_eq!(status, 200, "{v}");
     let escape = format!("{dir_a}/../{}", b.file_name().unwrap().to_string_lossy());
     let (status, v) = confined.post("/v1/load_lora_adapter", &json!({"lora_name": "e", "lora_path": escape}));

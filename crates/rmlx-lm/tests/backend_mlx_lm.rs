@@ -140,7 +140,10 @@ fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}{{ m['content'] }} {% endfor %}"}"#;
     std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
     let native_only = "native".parse::<BackendChoice>().unwrap();
-    assert!(matches!(rmlx_lm::backend::load_with(dir.path(), &native_only, &LoadOptions::default()), Err(Error::UnsupportedArchitecture { .. })));
+    assert!(matches!(
+        rmlx_lm::backend::load_with(dir.path(), &native_only, &LoadOptions::default()),
+        Err(Error::UnsupportedArchitecture { .. })
+    ));
     let mut lm = load(dir.path(), "auto");
     assert_eq!((lm.info().backend.as_str(), lm.info().architecture.as_str()), ("mlx-lm", "phi3"));
     // mlx-lm's own greedy tokens (scripts/make_mlx_lm_fixture.py chose the seed for wide margins).

@@ -36,17 +36,17 @@ fn which_layers_slide() {
     );
     let types = json!(["sliding_attention", "full_attention", "sliding_attention", "full_attention"]);
     assert_eq!(
-        windows(&config("qwen3", json!({"sliding_window": 8, "use_sliding_window": true, "layer_types": types})).unwrap()),
+        windows(
+            &config("qwen3", json!({"sliding_window": 8, "use_sliding_window": true, "layer_types": types})).unwrap()
+        ),
         vec![Some(8), None, Some(8), None]
     );
     // Llama: the layers `layer_types` names (mlx-lm's llama); a bare window is ignored, as by
     // transformers and mlx-lm.
-    assert_eq!(windows(&config("llama", json!({"sliding_window": 8, "layer_types": types})).unwrap()), vec![
-        Some(8),
-        None,
-        Some(8),
-        None
-    ]);
+    assert_eq!(
+        windows(&config("llama", json!({"sliding_window": 8, "layer_types": types})).unwrap()),
+        vec![Some(8), None, Some(8), None]
+    );
     assert_eq!(windows(&config("llama", json!({"sliding_window": 8})).unwrap()), vec![None; 4]);
 }
 

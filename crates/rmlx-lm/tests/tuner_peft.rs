@@ -108,7 +108,11 @@ fn rslora_scale_and_refused_variants() {
         ("target_modules", serde_json::json!(["q_proj", "w_nothing"]), "names `w_nothing`, which is no linear layer"),
         ("target_modules", serde_json::json!(["q_proj"]), "is adapted in the weights but not in `target_modules`"),
         ("target_modules", Value::from(".*q_proj"), "does not match `model.layers.0.mlp.down_proj`"),
-        ("layers_to_transform", serde_json::json!([1]), "`model.layers.0.mlp.down_proj` is adapted in the weights but outside"),
+        (
+            "layers_to_transform",
+            serde_json::json!([1]),
+            "`model.layers.0.mlp.down_proj` is adapted in the weights but outside",
+        ),
     ] {
         let dir = peft_folder("peft-refused");
         edit_config(dir.path(), |c| c[key] = value);

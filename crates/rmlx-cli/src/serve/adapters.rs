@@ -92,10 +92,7 @@ pub async fn unload_lora_adapter(
 
 /// The checks both adapter endpoints make (the key was checked before): enabled (404 otherwise,
 /// as if absent), a well-formed body.
-fn adapter_request(
-    s: &Shared,
-    body: Result<Json<LoraRequest>, JsonRejection>,
-) -> Result<LoraRequest, ApiError> {
+fn adapter_request(s: &Shared, body: Result<Json<LoraRequest>, JsonRejection>) -> Result<LoraRequest, ApiError> {
     if !s.allow_adapter_loading {
         let message = "no such endpoint (start the server with --allow-adapter-loading)".into();
         return Err(ApiError { status: 404, message, param: None });

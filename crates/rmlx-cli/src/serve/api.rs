@@ -147,10 +147,7 @@ impl Common {
             return Err(ApiError::bad_request(format!("n must be between 1 and {MAX_CHOICES}, got {n}"), Some("n")));
         }
         if self.top_logprobs.is_some() && !matches!(self.logprobs, Some(Value::Bool(true))) {
-            return Err(ApiError::bad_request(
-                "top_logprobs needs logprobs: true",
-                Some("top_logprobs"),
-            ));
+            return Err(ApiError::bad_request("top_logprobs needs logprobs: true", Some("top_logprobs")));
         }
         let logprobs = match &self.logprobs {
             None | Some(Value::Null) | Some(Value::Bool(false)) => None,
@@ -213,7 +210,10 @@ impl Common {
         }
         let stop = self.stop.map(OneOrMany::into_vec).unwrap_or_default();
         if stop.len() > MAX_STOP {
-            return Err(ApiError::bad_request(format!("at most {MAX_STOP} stop sequences, got {}", stop.len()), Some("stop")));
+            return Err(ApiError::bad_request(
+                format!("at most {MAX_STOP} stop sequences, got {}", stop.len()),
+                Some("stop"),
+            ));
         }
         if stop.iter().any(String::is_empty) {
             return Err(ApiError::bad_request("stop sequences must not be empty", Some("stop")));

@@ -72,7 +72,8 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, cut: w
             tracing::warn!(limit = limits.max_connections, "connection limit reached: closing a new connection");
             continue;
         };
-        let service = TowerToHyperService::new(router.clone().map_request(|r: Request<hyper::body::Incoming>| r.map(Body::new)));
+        let service =
+            TowerToHyperService::new(router.clone().map_request(|r: Request<hyper::body::Incoming>| r.map(Body::new)));
         let mut closing = closing.subscribe();
         tokio::spawn(async move {
             let mut builder = hyper::server::conn::http1::Builder::new();
@@ -88,8 +89,10 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits, cut: w
             drop(permit);
         });
     }
-    eprintln!("shutting down: finishing the requests in progress (at most {} s; a second signal exits now)",
-        limits.drain_timeout.as_secs());
+    eprintln!(
+        "shutting down: finishing the requests in progress (at most {} s; a second signal exits now)",
+        limits.drain_timeout.as_secs()
+    );
     let _ = closing.send(true);
     tokio::spawn(async move {
         signals.next().await;

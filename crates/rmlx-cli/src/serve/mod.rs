@@ -134,7 +134,8 @@ struct Shared {
 pub fn run(a: Args) -> Result<()> {
     let api_key = match &a.api_key_file {
         Some(p) => {
-            let key = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string();
+            let key =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?.trim().to_string();
             // An empty key would start a server that refuses every request.
             anyhow::ensure!(!key.is_empty(), "--api-key-file {}: the file holds no key", p.display());
             Some(key)

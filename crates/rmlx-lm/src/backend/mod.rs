@@ -141,7 +141,6 @@ fn finish_name<S: serde::Serializer>(r: &FinishReason, s: S) -> std::result::Res
     s.serialize_str(r.as_str())
 }
 
-
 /// What a loaded model is.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ModelInfo {

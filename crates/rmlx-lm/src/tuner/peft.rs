@@ -57,9 +57,10 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
     }
     let r = match cfg.get("r") {
         None | Some(Value::Null) => return Err(bad("`r` is missing".into())),
-        Some(v) => v.as_u64().filter(|&r| (1..=1 << 16).contains(&r)).ok_or_else(|| {
-            bad(format!("`r` must be a positive integer, got {v}"))
-        })? as f64,
+        Some(v) => v
+            .as_u64()
+            .filter(|&r| (1..=1 << 16).contains(&r))
+            .ok_or_else(|| bad(format!("`r` must be a positive integer, got {v}")))? as f64,
     };
     let alpha = cfg.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0);
     let rslora = cfg.get("use_rslora").and_then(Value::as_bool).unwrap_or(false);
@@ -181,7 +182,9 @@ fn check_targets(
         for m in modules.keys() {
             match crate::models::block_path(m) {
                 Some((i, _)) if layers.contains(&(i as u64)) => {}
-                _ => return Err(format!("`{m}` is adapted in the weights but outside `layers_to_transform` {layers:?}")),
+                _ => {
+                    return Err(format!("`{m}` is adapted in the weights but outside `layers_to_transform` {layers:?}"))
+                }
             }
         }
     }
