@@ -9,7 +9,7 @@
 //! * `mlx-lm` ([`mlx_lm::MlxLmBackend`]): Python's mlx-lm in a subprocess, driven over JSON lines,
 //!   for the architectures the native backend does not have yet.
 //!
-//! [`load`] picks the backend: the one [`LoadOptions::backend`] names, or (`auto`) the first that
+//! [`load_with`] picks the backend: the one a [`BackendChoice`] names, or (`auto`, [`load`]) the first that
 //! supports the checkpoint, native first, then those added with [`register`], then mlx-lm.
 //!
 //! ```
@@ -195,7 +195,7 @@ pub trait LanguageModel: Send {
 
 /// Something that loads checkpoints into [`LanguageModel`]s.
 pub trait Backend: Send + Sync {
-    /// Its name, as [`LoadOptions::backend`] and the CLI's `--backend` give it.
+    /// Its name, as [`BackendChoice::Named`] and the CLI's `--backend` give it.
     fn name(&self) -> &str;
 
     /// Whether it can load `path`, cheaply (no weights read): `Err` says why not.

@@ -18,7 +18,7 @@ use rmlx::{ops, Array, Dtype};
 use std::path::Path;
 use std::time::Instant;
 
-/// The name [`crate::LoadOptions::backend`] gives the native backend.
+/// The native backend's name (what [`super::BackendChoice`] and `--backend` give).
 pub const NAME: &str = "native";
 
 /// rmlx's own implementation ([`crate::models::spec::ARCHITECTURES`]).
