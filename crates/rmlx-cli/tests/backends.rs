@@ -2,6 +2,8 @@
 //! mlx-lm has runs through it), `rmlx backends` (listing, installing mlx-lm), and `rmlx inspect`
 //! (the keys file and the summary table).
 
+mod support;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -138,6 +140,51 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
     let out = rmlx(&["generate", "--model", m, "-p", "t1", "--raw", "--backend", "native"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported architecture `phi3`"));
+
+    // rmlx serve through mlx-lm: the same HTTP API, one request at a time (said in /v1/models);
+    // what only the native engine does is refused per request, adapters at start.
+    let server = support::Server::start(&["--model", m]);
+    let (status, models) = server.request("GET", "/v1/models", None, &[]);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(
+        (status, &models["data"][0]["backend"], &models["data"][0]["max_concurrent_requests"]),
+        (200, &Value::from("mlx-lm"), &Value::from(1)),
+        "{models}"
+    );
+    let (status, v) =
+        server.post("/v1/completions", &serde_json::json!({"prompt": "t1 t2 t3", "max_tokens": 8, "temperature": 0}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["text"].as_str().unwrap().split_whitespace().collect::<Vec<_>>(),
+        ["t381", "t446", "t277", "t94", "t168", "t511", "t488", "t381"]
+    );
+    assert_eq!(
+        (v["choices"][0]["finish_reason"].as_str(), v["usage"]["completion_tokens"].as_u64()),
+        (Some("length"), Some(8))
+    );
+    let chat = serde_json::json!({"messages": [{"role": "user", "content": "t1 t2 t3"}], "max_tokens": 4, "temperature": 0, "stream": true});
+    let (status, events) = server.request("POST", "/v1/chat/completions", Some(&chat), &[]);
+    assert_eq!(status, 200, "{events}");
+    let pieces: String = events
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| {
+            serde_json::from_str::<Value>(d).ok()?["choices"][0]["delta"]["content"].as_str().map(str::to_string)
+        })
+        .collect();
+    assert_eq!(pieces.split_whitespace().collect::<Vec<_>>(), ["t381", "t446", "t277", "t94"], "{events}");
+    assert!(events.trim_end().ends_with("data: [DONE]"), "{events}");
+    let format = serde_json::json!({"prompt": "t1", "max_tokens": 2, "response_format": {"type": "json_object"}});
+    let (status, v) = server.post("/v1/completions", &format);
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
+    drop(server);
+    let out = rmlx(&["serve", "--model", m, "--port", "0", "--adapter", &format!("a={m}")]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("adapters need the native backend"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&model);
 }
 

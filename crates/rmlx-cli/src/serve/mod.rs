@@ -9,6 +9,7 @@
 mod adapters;
 mod api;
 mod engine;
+mod interface;
 mod listen;
 
 use crate::common::{count, ModelArgs};
@@ -95,6 +96,10 @@ pub struct Args {
     /// anywhere the server can read).
     #[arg(long = "adapter-dir", value_name = "DIR")]
     adapter_dirs: Vec<PathBuf>,
+    /// Who runs the model: `native` (the batching engine), `mlx-lm` (Python's mlx-lm, for the
+    /// architectures rmlx lacks; one request at a time), or `auto` (native when it can).
+    #[arg(long, default_value = "auto")]
+    backend: String,
     /// Most connections open at once; more are closed as they arrive.
     #[arg(long, default_value_t = 1024, value_parser = count)]
     max_connections: usize,
@@ -126,6 +131,8 @@ struct Shared {
     api_key: Option<String>,
     default_max_tokens: usize,
     next_id: AtomicU64,
+    /// The backend serving (`native`, `mlx-lm`, ...); only the native one batches requests.
+    backend: String,
     /// Turns true when the shutdown's drain deadline passes: responses still being sent end with
     /// an error.
     cut: tokio::sync::watch::Receiver<bool>,
@@ -152,33 +159,41 @@ pub fn run(a: Args) -> Result<()> {
         .with_env_filter(filter)
         .with_target(false)
         .init();
-    let lm = a.model.load()?;
-    let context = a.context.or(lm.model.config().max_position_embeddings).unwrap_or(32768).max(1);
+    let model = a.model.open(&a.backend)?;
+    let backend = model.info().backend;
     let model_id = match &a.model.model {
         Some(p) => p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string()),
         // "SmolLM2-135M-Instruct (Q4_1 GGUF, ...)": the name before the description.
         None => rmlx_lm::registry::DEFAULT_MODEL_NAME.split(" (").next().unwrap_or_default().to_string(),
     };
-    // The adapters are read before serving, so that a bad one stops the start-up.
-    let mut seen = std::collections::BTreeSet::new();
-    for (name, path) in &a.adapters {
-        anyhow::ensure!(seen.insert(name), "two adapters are named `{name}`");
+    if let Some(lm) = model.as_native() {
+        // The adapters are read before serving, so that a bad one stops the start-up.
+        let mut seen = std::collections::BTreeSet::new();
+        for (name, path) in &a.adapters {
+            anyhow::ensure!(seen.insert(name), "two adapters are named `{name}`");
+            anyhow::ensure!(
+                *name != model_id,
+                "the adapter `{name}` has the base model's name: requests for it would get the base model"
+            );
+            rmlx_lm::tuner::adapters::read(lm.model.as_ref(), path, lm.dtype)
+                .with_context(|| format!("reading the adapter `{name}` from {}", path.display()))?;
+        }
+    } else {
         anyhow::ensure!(
-            *name != model_id,
-            "the adapter `{name}` has the base model's name: requests for it would get the base model"
+            a.adapters.is_empty() && !a.allow_adapter_loading,
+            "adapters need the native backend, and {model_id} is served by {backend}"
         );
-        rmlx_lm::tuner::adapters::read(lm.model.as_ref(), path, lm.dtype)
-            .with_context(|| format!("reading the adapter `{name}` from {}", path.display()))?;
     }
-    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
-        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
-    listener.set_nonblocking(true)?;
-    eprintln!("serving {model_id} on http://{}", listener.local_addr()?);
     let adapter_roots = a
         .adapter_dirs
         .iter()
         .map(|d| d.canonicalize().with_context(|| format!("--adapter-dir {}", d.display())))
         .collect::<Result<Vec<_>>>()?;
+    let listener = std::net::TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("binding {}:{}", a.host, a.port))?;
+    listener.set_nonblocking(true)?;
+    let one_at_a_time = if model.as_native().is_some() { "" } else { ", one request at a time" };
+    eprintln!("serving {model_id} ({backend}{one_at_a_time}) on http://{}", listener.local_addr()?);
     let (cut_tx, cut) = tokio::sync::watch::channel(false);
     let limits = listen::Limits {
         max_connections: a.max_connections,
@@ -201,6 +216,7 @@ pub fn run(a: Args) -> Result<()> {
         api_key,
         default_max_tokens: a.default_max_tokens,
         next_id: AtomicU64::new(1),
+        backend,
         cut,
     });
     // HTTP on tokio's threads; the model stays on this one (the evaluation thread).
@@ -212,12 +228,20 @@ pub fn run(a: Args) -> Result<()> {
             Ok(())
         })
     })?;
+    let Some(lm) = model.as_native() else {
+        interface::run(model, queue, stats);
+        return http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?;
+    };
+    let context = a.context.or(lm.model.config().max_position_embeddings).unwrap_or(32768).max(1);
     let gb = |g: f64| (g.max(0.0) * 1e9) as usize;
+    let weights: usize = {
+        use rmlx_lm::nn::ModuleExt;
+        lm.model.parameters("").iter().map(|(_, w)| w.nbytes()).sum()
+    };
+    stats.weights_bytes.store(weights as u64, Ordering::Relaxed);
     let max_kv_bytes = match a.max_kv_gb {
         Some(g) => gb(g),
         None => {
-            use rmlx_lm::nn::ModuleExt;
-            let weights = lm.model.parameters("").iter().map(|(_, w)| w.nbytes()).sum();
             let derived = rmlx_lm::engine::device_kv_budget(weights, gb(a.prompt_cache_gb));
             eprintln!(
                 "keys and values of the running batch: up to {:.2} GB (from the device's memory; --max-kv-gb sets it)",
@@ -227,11 +251,6 @@ pub fn run(a: Args) -> Result<()> {
         }
     };
     stats.kv_budget.store(max_kv_bytes as u64, Ordering::Relaxed);
-    {
-        use rmlx_lm::nn::ModuleExt;
-        let weights: usize = lm.model.parameters("").iter().map(|(_, w)| w.nbytes()).sum();
-        stats.weights_bytes.store(weights as u64, Ordering::Relaxed);
-    }
     let options = rmlx_lm::engine::EngineOptions {
         max_batch: a.max_batch,
         prefill_tokens: a.prefill_step,
@@ -241,7 +260,7 @@ pub fn run(a: Args) -> Result<()> {
         context: Some(context),
         pipelined: a.pipelined_decode,
     };
-    let served = engine::run(&lm, queue, control_queue, options, a.adapters.clone(), stats);
+    let served = engine::run(lm, queue, control_queue, options, a.adapters.clone(), stats);
     if let Err(e) = served {
         // Only start-up can fail (the adapters, checked above): nothing was served.
         anyhow::bail!("loading the adapters: {e}");
@@ -314,7 +333,13 @@ async fn gate(State(s): State<Arc<Shared>>, request: axum::extract::Request, nex
 }
 
 async fn models(State(s): State<Arc<Shared>>) -> Response {
-    let mut data = vec![json!({"id": s.model_id, "object": "model", "created": s.created, "owned_by": "rmlx"})];
+    let mut base =
+        json!({"id": s.model_id, "object": "model", "created": s.created, "owned_by": "rmlx", "backend": s.backend});
+    if s.backend != rmlx_lm::backend::native::NAME {
+        // Only the native engine batches: another backend answers one request at a time.
+        base["max_concurrent_requests"] = json!(1);
+    }
+    let mut data = vec![base];
     for name in s.adapters.read().expect("adapter names").keys() {
         data.push(
             json!({"id": name, "object": "model", "created": s.created, "owned_by": "rmlx", "parent": s.model_id}),
