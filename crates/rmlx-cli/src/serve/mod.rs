@@ -5,37 +5,35 @@
 //! `--adapter NAME=PATH` (or, with `--allow-adapter-loading`, through vLLM's
 //! `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`) are chosen per request by
 //! `model: "NAME"` or `"BASE:NAME"`, and requests for different adapters share one batch.
+//!
+//! The pieces: [`api`] (OpenAI's shapes and what a request may ask), [`respond`] (the completion
+//! endpoints), [`engine`] (the native batching loop) or [`interface`] (another backend, one
+//! request at a time), [`listen`] (connections, timeouts, the drain), [`adapters`].
 
 mod adapters;
 mod api;
 mod engine;
 mod interface;
 mod listen;
+mod respond;
 
 use crate::common::{count, ModelArgs};
 use anyhow::{Context, Result};
-use api::{ApiError, ChatRequest, CompletionRequest, Settings, TokenLogprob};
-use axum::extract::rejection::JsonRejection;
+use api::ApiError;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args as ClapArgs;
-use engine::{Control, Event, Job, Prompt, Stats};
-use futures_util::stream::{self, Stream};
-use rmlx_lm::engine::Usage;
-use rmlx_lm::GenerateOptions;
-use serde_json::{json, Value};
+use engine::{Control, Job, Stats};
+use serde_json::json;
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Sender, SyncSender, TrySendError};
+use std::sync::mpsc::{Sender, SyncSender};
 use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 #[derive(ClapArgs, Debug)]
 pub struct Args {
@@ -273,8 +271,8 @@ fn router(shared: Arc<Shared>, body_timeout: std::time::Duration) -> Router {
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(respond::chat))
+        .route("/v1/completions", post(respond::completions))
         .route("/v1/load_lora_adapter", post(adapters::load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(adapters::unload_lora_adapter))
         .fallback(|| async { error(ApiError { status: 404, message: "no such endpoint".into(), param: None }) })
@@ -410,298 +408,5 @@ fn resident_bytes() -> u64 {
     pages * page.max(0) as u64
 }
 
-/// Which endpoint a response is for: the object names and where the text goes.
-#[derive(Clone, Copy)]
-enum Kind {
-    Chat,
-    Text,
-}
-
-async fn chat(State(s): State<Arc<Shared>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Response {
-    match body {
-        Ok(Json(request)) => respond(s, Kind::Chat, request.messages().map(Prompt::Chat), request.common).await,
-        Err(e) => malformed(e),
-    }
-}
-
-async fn completions(State(s): State<Arc<Shared>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Response {
-    match body {
-        Ok(Json(request)) => respond(s, Kind::Text, request.prompt().map(Prompt::Text), request.common).await,
-        Err(e) => malformed(e),
-    }
-}
-
-/// A body that is not JSON or not the request's shape: 400 with serde's reason.
-/// A body over [`MAX_BODY`] gets 413.
-fn malformed(e: JsonRejection) -> Response {
-    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        let message = format!("the request body is larger than {} MiB", MAX_BODY >> 20);
-        return error(ApiError { status: 413, message, param: None });
-    }
-    error(ApiError::bad_request(e.body_text(), None))
-}
-
-/// What a response still being sent gets when the drain deadline passes.
-fn shutting_down() -> ApiError {
-    ApiError { status: 503, message: "the server is shutting down: its drain deadline passed".into(), param: None }
-}
-
 /// The largest request body accepted (a prompt of a million tokens is about 4 MiB of text).
-const MAX_BODY: usize = 8 << 20;
-
-async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, common: api::Common) -> Response {
-    let adapter = match adapters::resolve_model(&s, common.model.as_deref()) {
-        Ok(a) => a,
-        Err(e) => return error(e),
-    };
-    let model = common.model.clone().unwrap_or_else(|| s.model_id.clone());
-    let (prompt, settings) = match (prompt, common.settings(s.default_max_tokens)) {
-        (Ok(p), Ok(settings)) => (p, settings),
-        (Err(e), _) | (_, Err(e)) => return error(e),
-    };
-    let id = format!(
-        "{}-{}",
-        if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" },
-        s.next_id.fetch_add(1, Ordering::Relaxed)
-    );
-    // `n` choices are `n` sequences of the batch; a seeded request's choice `i` uses seed + i.
-    let mut receivers = Vec::with_capacity(settings.n);
-    for i in 0..settings.n {
-        let (tx, rx) = unbounded_channel();
-        let mut sampler = settings.sampler.clone();
-        sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(i as u64));
-        let options = GenerateOptions {
-            max_tokens: settings.max_tokens,
-            sampler,
-            stop_strings: settings.stop.clone(),
-            ..GenerateOptions::default()
-        };
-        let job_id = if settings.n == 1 { id.clone() } else { format!("{id}/{i}") };
-        let prompt = prompt.clone();
-        s.stats.queued.fetch_add(1, Ordering::Relaxed);
-        let job = Job {
-            id: job_id,
-            prompt,
-            options,
-            logprobs: settings.logprobs,
-            adapter: adapter.clone(),
-            grammar: settings.grammar.clone(),
-            events: tx,
-        };
-        if let Err(e) = s.jobs.try_send(job) {
-            // The choices already queued are cancelled when their receivers drop.
-            s.stats.queued.fetch_sub(1, Ordering::Relaxed);
-            let message = match e {
-                TrySendError::Full(_) => "the server is busy: too many requests are waiting; retry later",
-                TrySendError::Disconnected(_) => "the server is shutting down",
-            };
-            return error(ApiError { status: 503, message: message.into(), param: None });
-        }
-        receivers.push(rx);
-    }
-    // The first event says whether the prompt was accepted: errors keep their status even
-    // for streamed requests.
-    for rx in &mut receivers {
-        match rx.recv().await {
-            Some(Event::Started) => {}
-            Some(Event::Failed(e)) => return error(e),
-            _ => return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
-        }
-    }
-    let head = Head {
-        id,
-        created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        model,
-        kind,
-    };
-    if settings.stream {
-        return Sse::new(stream_events(head, receivers, settings, s.cut.clone())).into_response();
-    }
-    let mut choices = Vec::with_capacity(receivers.len());
-    let mut total: Option<Usage> = None;
-    for (index, mut rx) in receivers.into_iter().enumerate() {
-        let mut text = String::new();
-        let mut logprobs = Vec::new();
-        let (finish_reason, usage) = loop {
-            let mut cut = s.cut.clone();
-            let event = tokio::select! {
-                e = rx.recv() => e,
-                _ = cut.wait_for(|&c| c) => return error(shutting_down()),
-            };
-            match event {
-                Some(Event::Token { text: t, logprob }) => {
-                    text.push_str(&t);
-                    logprobs.extend(logprob);
-                }
-                Some(Event::Done { finish_reason, usage }) => break (finish_reason, usage),
-                Some(Event::Failed(e)) => return error(e),
-                Some(Event::Started) => {}
-                None => {
-                    return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None })
-                }
-            }
-        };
-        let lp = match (settings.logprobs, kind) {
-            (None, _) => Value::Null,
-            (Some(_), Kind::Chat) => api::chat_logprobs(&logprobs.iter().collect::<Vec<_>>()),
-            (Some(_), Kind::Text) => api::text_logprobs(&logprobs.iter().collect::<Vec<_>>(), 0),
-        };
-        choices.push(match kind {
-            Kind::Chat => json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish_reason}),
-            Kind::Text => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}),
-        });
-        add_usage(&mut total, usage);
-    }
-    let mut body = head.object(false);
-    body["choices"] = Value::Array(choices);
-    body["usage"] = api::usage(&total.unwrap_or_default());
-    Json(body).into_response()
-}
-
-/// Adds a choice's usage to the request's: the prompt once, the completions summed.
-fn add_usage(total: &mut Option<Usage>, choice: Usage) {
-    match total {
-        None => *total = Some(choice),
-        Some(t) => t.completion_tokens += choice.completion_tokens,
-    }
-}
-
-/// The fields every response and chunk of one request repeats.
-struct Head {
-    id: String,
-    created: u64,
-    model: String,
-    kind: Kind,
-}
-
-impl Head {
-    fn object(&self, chunk: bool) -> Value {
-        let object = match (self.kind, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Text, _) => "text_completion",
-        };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model})
-    }
-
-    /// A chunk with one choice: `delta` (chat) or `text` (completions), and a finish reason.
-    fn chunk(&self, index: usize, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
-        self.chunk_with(index, text, first, finish_reason, None, 0)
-    }
-
-    /// A chunk whose token carries its log-probability (`offset`: where its text starts).
-    fn chunk_with(
-        &self,
-        index: usize,
-        text: Option<&str>,
-        first: bool,
-        finish_reason: Option<&str>,
-        logprob: Option<&TokenLogprob>,
-        offset: usize,
-    ) -> Value {
-        let lp = match (logprob, self.kind) {
-            (None, _) => Value::Null,
-            (Some(t), Kind::Chat) => api::chat_logprobs(&[t]),
-            (Some(t), Kind::Text) => api::text_logprobs(&[t], offset),
-        };
-        let mut chunk = self.object(true);
-        let choice = match self.kind {
-            Kind::Chat => {
-                let mut delta = json!({});
-                if first {
-                    delta["role"] = json!("assistant");
-                }
-                if let Some(t) = text {
-                    delta["content"] = json!(t);
-                }
-                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
-            }
-            Kind::Text => {
-                json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish_reason})
-            }
-        };
-        chunk["choices"] = json!([choice]);
-        chunk
-    }
-}
-
-/// The server-sent events of a streamed request: a chunk per piece of text (each naming its
-/// choice), a chunk with each choice's finish reason, the usage chunk when asked for, then
-/// `[DONE]`.
-fn stream_events(
-    head: Head,
-    receivers: Vec<UnboundedReceiver<Event>>,
-    settings: Settings,
-    cut: tokio::sync::watch::Receiver<bool>,
-) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    use futures_util::StreamExt;
-    let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
-    let n = receivers.len();
-    let opening: Vec<_> = match head.kind {
-        Kind::Chat => (0..n).map(|i| data(head.chunk(i, Some(""), true, None))).collect(),
-        Kind::Text => Vec::new(),
-    };
-    let tagged = receivers
-        .into_iter()
-        .enumerate()
-        .map(|(i, rx)| stream::unfold(rx, move |mut rx| async move { rx.recv().await.map(|e| ((i, e), rx)) }).boxed());
-    let merged = stream::select_all(tagged);
-    struct State<S> {
-        head: Head,
-        events: S,
-        offsets: Vec<usize>,
-        finished: usize,
-        usage: Option<Usage>,
-        over: bool,
-        cut: tokio::sync::watch::Receiver<bool>,
-    }
-    let state = State { head, events: merged, offsets: vec![0; n], finished: 0, usage: None, over: false, cut };
-    let body = stream::unfold(state, move |mut st| async move {
-        if st.over {
-            return None;
-        }
-        loop {
-            let event = tokio::select! {
-                e = st.events.next() => Some(e),
-                _ = st.cut.wait_for(|&c| c) => None,
-            };
-            let Some(event) = event else {
-                st.over = true;
-                let items = vec![data(shutting_down().body()), Ok(SseEvent::default().data("[DONE]"))];
-                return Some((stream::iter(items), st));
-            };
-            let items: Vec<Result<SseEvent, Infallible>> = match event {
-                Some((_, Event::Token { text, logprob: None })) if text.is_empty() => continue,
-                Some((i, Event::Token { text, logprob })) => {
-                    let chunk = st.head.chunk_with(i, Some(&text), false, None, logprob.as_ref(), st.offsets[i]);
-                    st.offsets[i] += text.len();
-                    vec![data(chunk)]
-                }
-                Some((i, Event::Done { finish_reason, usage })) => {
-                    let mut items = vec![data(st.head.chunk(i, None, false, Some(finish_reason)))];
-                    add_usage(&mut st.usage, usage);
-                    st.finished += 1;
-                    if st.finished == n {
-                        if settings.include_usage {
-                            let mut chunk = st.head.object(true);
-                            chunk["choices"] = json!([]);
-                            chunk["usage"] = api::usage(&st.usage.clone().unwrap_or_default());
-                            items.push(data(chunk));
-                        }
-                        items.push(Ok(SseEvent::default().data("[DONE]")));
-                        st.over = true;
-                    }
-                    items
-                }
-                Some((_, Event::Failed(e))) => {
-                    st.over = true;
-                    vec![data(e.body()), Ok(SseEvent::default().data("[DONE]"))]
-                }
-                Some((_, Event::Started)) => continue,
-                None => return None,
-            };
-            return Some((stream::iter(items), st));
-        }
-    });
-    stream::iter(opening).chain(body.flatten())
-}
+pub(super) const MAX_BODY: usize = 8 << 20;
