@@ -109,7 +109,7 @@ const GEMMA3_DEFAULTS: &str = r#"{"vocab_size": 262208, "hidden_size": 2304, "in
 impl ModelConfig {
     /// Parses a `config.json` text. A `gemma3` (multimodal) config contributes its `text_config`.
     /// Whether rmlx implements its `model_type` is not checked here: that is
-    /// [`crate::models::spec::parse_config`]'s, which the loaders call.
+    /// `crate::models::spec::parse_config`'s, which the loaders call.
     pub fn from_json(text: &str) -> Result<Self> {
         let raw: Value =
             serde_json::from_str(text).map_err(|e| Error::Config(format!("config.json is not valid JSON: {e}")))?;

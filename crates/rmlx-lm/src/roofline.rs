@@ -85,7 +85,7 @@ pub fn kv_bytes_per_token(lm: &LoadedModel, prompt: usize, generated: usize) -> 
 /// CPU a copy split over every core (MLX's CPU elementwise ops run on one thread, which would
 /// measure one core's speed, not the memory's).
 pub fn measure_bandwidth() -> Result<f64> {
-    if rmlx::default_device().kind == DeviceType::Gpu {
+    if rmlx::current_device().kind == DeviceType::Gpu {
         gpu_copy_bandwidth()
     } else {
         Ok(host_copy_bandwidth())

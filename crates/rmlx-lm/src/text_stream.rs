@@ -1,22 +1,5 @@
 //! A request's text as its tokens arrive: incremental detokenisation and stop strings. The text
 //! that could still grow into a stop string is held back; a stop string ends the text before it.
-//!
-//! ```
-//! # fn main() -> rmlx_lm::Result<()> {
-//! # let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model()?, &Default::default())?;
-//! use rmlx_lm::text_stream::TextStream;
-//! let ids = lm.tokenizer.encode("one. two. three.", false)?;
-//! let mut text = TextStream::new(lm.tokenizer.stream(), vec![" two".into()]);
-//! let mut out = String::new();
-//! for &id in &ids {
-//!     out += &text.push(id)?;
-//!     if text.stopped() {
-//!         break;
-//!     }
-//! }
-//! assert_eq!(out, "one.");
-//! # Ok(()) }
-//! ```
 
 use crate::tokenizer::StreamDecoder;
 use crate::Result;
@@ -58,15 +41,6 @@ impl TextStream {
 
 /// Stop strings over text arriving in pieces: holds back what could still grow into a stop
 /// string, and ends the text before the first one met.
-///
-/// ```
-/// use rmlx_lm::text_stream::StopFilter;
-/// let mut f = StopFilter::new(vec!["END".into()]);
-/// assert_eq!(f.push("one E"), "one ");
-/// assert_eq!(f.push("N"), "");
-/// assert_eq!(f.push("D two"), "");
-/// assert!(f.stopped());
-/// ```
 pub struct StopFilter {
     /// Text not handed out yet: it may begin a stop string.
     held: String,
@@ -122,5 +96,40 @@ impl StopFilter {
         let out = self.held[..cut].to_string();
         self.held.drain(..cut);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopFilter;
+
+    #[test]
+    fn holds_back_a_possible_stop_string_and_ends_before_it() {
+        let mut f = StopFilter::new(vec!["END".into()]);
+        assert_eq!(f.push("one E"), "one ");
+        assert_eq!(f.push("N"), "");
+        assert_eq!(f.push("D two"), "");
+        assert!(f.stopped());
+        assert_eq!(f.finish(), "");
+    }
+
+    #[test]
+    fn releases_what_stops_being_a_prefix_and_the_rest_at_the_end() {
+        let mut f = StopFilter::new(vec!["END".into(), "\n\n".into()]);
+        assert_eq!(f.push("a EN"), "a ");
+        assert_eq!(f.push("x\n"), "ENx");
+        assert_eq!(f.push("y"), "\ny");
+        assert_eq!(f.push("E"), "");
+        assert!(!f.stopped());
+        assert_eq!(f.finish(), "E");
+    }
+
+    #[test]
+    fn a_stop_string_cut_inside_a_multibyte_character_is_still_found() {
+        let mut f = StopFilter::new(vec!["é!".into()]);
+        assert_eq!(f.push("caf"), "caf");
+        assert_eq!(f.push("é"), "");
+        assert_eq!(f.push("!x"), "");
+        assert!(f.stopped());
     }
 }

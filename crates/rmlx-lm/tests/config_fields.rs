@@ -1,8 +1,8 @@
 //! Config fields that change the model: which layers slide, per family as transformers decides it,
 //! and fields a family does not implement refused by name instead of dropped.
 
-use rmlx_lm::config::ModelConfig;
 use rmlx_lm::Error;
+use rmlx_lm::ModelConfig;
 use serde_json::{json, Value};
 
 fn config(model_type: &str, extra: Value) -> rmlx_lm::Result<ModelConfig> {

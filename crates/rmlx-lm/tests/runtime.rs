@@ -7,9 +7,9 @@ mod common;
 mod synth;
 
 use common::TempDir;
-use rmlx_lm::cache::KvCache;
 use rmlx_lm::chat::{ChatTemplate, Message};
 use rmlx_lm::generate::negative_log_likelihood;
+use rmlx_lm::KvCache;
 use rmlx_lm::{Error, FinishReason, GenerateOptions, LoadOptions, LoadedModel};
 use serde_json::{json, Value};
 use synth::{Arch, Spec};

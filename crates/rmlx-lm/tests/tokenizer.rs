@@ -8,9 +8,8 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use rmlx_lm::gguf::GgufFile;
 use rmlx_lm::registry;
-use rmlx_lm::tokenizer::{gguf_vocab, GgufVocab, Tokenizer};
+use rmlx_lm::tokenizer::{GgufVocab, Tokenizer};
 use serde_json::Value;
 
 fn goldens() -> &'static Value {
@@ -44,8 +43,7 @@ fn hf(family: &'static str) -> &'static Tokenizer {
 }
 
 fn gguf_tokenizer(path: PathBuf) -> (GgufVocab, Tokenizer) {
-    let file = GgufFile::open(&path).unwrap();
-    let vocab = gguf_vocab(&file).unwrap();
+    let vocab = GgufVocab::read(&path).unwrap();
     let tok = Tokenizer::from_gguf_vocab(&vocab).unwrap();
     (vocab, tok)
 }

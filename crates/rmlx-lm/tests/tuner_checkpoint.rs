@@ -6,13 +6,16 @@
 //! the loss with those masks).
 
 mod common;
+#[path = "common/training.rs"]
+mod training;
 
-use common::{fixture_with_tokenizer, move_lora_b};
+use common::fixture_with_tokenizer;
 use rmlx::{Array, Dtype};
 use rmlx_lm::nn::{with_grad_checkpoint, with_training, ModuleExt};
 use rmlx_lm::tuner::{apply_lora, batch_loss, full_parameter_names, lora_parameter_names, loss_and_grad};
 use rmlx_lm::tuner::{Batch, LoraConfig, LossAndGrad, Sequence};
 use rmlx_lm::{LoadOptions, LoadedModel};
+use training::move_lora_b;
 
 fn load(name: &str) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);

@@ -3,14 +3,17 @@
 //! gradients, for tied and untied, dense and quantised heads, and when the head itself trains.
 
 mod common;
+#[path = "common/training.rs"]
+mod training;
 
-use common::{assert_same_step, fixture_with_tokenizer, move_lora_b};
+use common::fixture_with_tokenizer;
 use rmlx::{Array, Dtype};
 use rmlx_lm::tuner::{
     apply_lora, batch_loss, full_parameter_names, logits_loss, lora_parameter_names, loss_and_grad,
     with_loss_chunk_rows, Batch, LoraConfig, LossAndGrad, Sequence,
 };
 use rmlx_lm::{LoadOptions, LoadedModel};
+use training::{assert_same_step, move_lora_b};
 
 fn load(name: &str, dequantize: bool) -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer(name);

@@ -5,8 +5,10 @@
 //! parameter (fixture `llama_gqa` in bfloat16, CPU).
 
 mod common;
+#[path = "common/training.rs"]
+mod training;
 
-use common::{fixture_with_tokenizer, move_lora_b, TempDir};
+use common::{fixture_with_tokenizer, TempDir};
 use rmlx::{Array, Dtype};
 use rmlx_lm::nn::ModuleExt;
 use rmlx_lm::tuner::optim::{Optimizer, OptimizerKind, Schedule};
@@ -15,6 +17,7 @@ use rmlx_lm::tuner::{
 };
 use rmlx_lm::{LoadOptions, LoadedModel};
 use std::collections::HashMap;
+use training::move_lora_b;
 
 fn load() -> (TempDir, LoadedModel, Vec<String>) {
     load_adapted(false)

@@ -3,12 +3,15 @@
 //! the adapters equal central finite differences (fixture `llama_gqa`, float32).
 
 mod common;
+#[path = "common/training.rs"]
+mod training;
 
-use common::{assert_same_step, fixture_with_tokenizer, move_lora_b};
+use common::fixture_with_tokenizer;
 use rmlx::{Array, Dtype};
 use rmlx_lm::nn::ModuleExt;
 use rmlx_lm::tuner::{apply_lora, batch_loss, lora_parameter_names, loss_and_grad, Batch, LoraConfig, Sequence};
 use rmlx_lm::{Error, LoadOptions, LoadedModel};
+use training::{assert_same_step, move_lora_b};
 
 fn load() -> (common::TempDir, LoadedModel) {
     let dir = fixture_with_tokenizer("llama_gqa");

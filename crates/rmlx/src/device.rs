@@ -98,8 +98,16 @@ pub(crate) fn current() -> StreamSpec {
     CURRENT.with(|c| c.get())
 }
 
-/// The device the next op built on this thread runs on.
-pub(crate) fn current_device() -> Device {
+/// The device the next op built on this thread runs on: the one [`with_device`] or [`with_stream`]
+/// chose for the enclosing scope, else the process's [`default_device`]. Code choosing between a
+/// CPU and a GPU implementation asks this, so a caller can place work without changing the default
+/// for every other thread.
+///
+/// ```
+/// use rmlx::{current_device, with_device, Device, DeviceType};
+/// assert_eq!(with_device(Device::cpu(), current_device).kind, DeviceType::Cpu);
+/// ```
+pub fn current_device() -> Device {
     let spec = current();
     if spec.kind == 0 {
         default_device()

@@ -66,7 +66,8 @@ pub use array::{async_eval, eval, graph_census, Array};
 pub use blas::{blas_threads, set_blas_threads};
 pub use cuda_graphs::{cuda_graph_ops, keep_mlx_cuda_graph_ops, CUDA_GRAPH_OPS};
 pub use device::{
-    default_device, mlx_version, set_default_device, synchronize, with_device, with_stream, Device, DeviceType, Stream,
+    current_device, default_device, mlx_version, set_default_device, synchronize, with_device, with_stream, Device,
+    DeviceType, Stream,
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};

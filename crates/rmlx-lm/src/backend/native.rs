@@ -1,6 +1,6 @@
-//! The native backend: rmlx's own model files ([`crate::models`]) on MLX. Generation streams are
+//! The native backend: rmlx's own model files (`crate::models`) on MLX. Generation streams are
 //! [`Generation`]s; classification is a padded, batched prefill (the layout the engine uses for
-//! newcomers, [`BatchCache::padded`]); batch generation runs the continuous-batching [`Engine`].
+//! newcomers, `BatchCache::padded`); batch generation runs the continuous-batching [`Engine`].
 
 use super::{
     Backend, Candidate, Classification, ClassifyOptions, Completion, LanguageModel, ModelInfo, Prompt, TokenStream,
@@ -21,7 +21,7 @@ use std::time::Instant;
 /// The native backend's name (what [`super::BackendChoice`] and `--backend` give).
 pub const NAME: &str = "native";
 
-/// rmlx's own implementation ([`crate::models::spec::ARCHITECTURES`]).
+/// rmlx's own implementation (`crate::models::spec::ARCHITECTURES`).
 pub struct NativeBackend;
 
 impl Backend for NativeBackend {
@@ -136,7 +136,7 @@ impl LanguageModel for NativeModel {
             kv_heads: cfg.kv_heads().max(0) as usize,
             quantization: quantization.or(gguf),
             dtype: self.lm.dtype.name().to_string(),
-            device: format!("{:?}", rmlx::default_device().kind).to_lowercase(),
+            device: format!("{:?}", rmlx::current_device().kind).to_lowercase(),
             source: self.lm.source.clone(),
         }
     }

@@ -86,7 +86,7 @@ impl KvCache {
     }
 
     /// A cache bounded to `max_size` positions (see [`KvCache::rotating`]), or an unbounded one when
-    /// the bound is at least [`MAX_POSITIONS`]: MLX indexes positions with 32-bit integers, so no
+    /// the bound is at least `MAX_POSITIONS`: MLX indexes positions with 32-bit integers, so no
     /// sequence can reach such a window, and the bound must never be cast down to 32 bits.
     pub fn bounded(max_size: usize, keep: usize) -> Self {
         if max_size >= MAX_POSITIONS {
@@ -124,7 +124,7 @@ impl KvCache {
     }
 
     /// The sliding window of this layer's positions (`None`: unbounded), as a batch cache of it
-    /// must apply it ([`BatchCache::new`]).
+    /// must apply it (`BatchCache::new`).
     pub fn window(&self) -> Option<usize> {
         match self {
             KvCache::Standard(_) => None,

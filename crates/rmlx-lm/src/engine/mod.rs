@@ -5,7 +5,7 @@
 //! requests waiting to start (up to [`EngineOptions::prefill_batch`] short prompts together in one
 //! forward pass, or a long prompt alone over several steps), then decodes one token for every
 //! running sequence in a single forward pass. A sequence whose prompt is done joins the running
-//! batch ([`crate::cache::BatchCache`]); one that ends leaves it, its keys and values kept in the
+//! batch (`crate::cache::BatchCache`); one that ends leaves it, its keys and values kept in the
 //! [`PromptCache`] for later prompts that begin the same way.
 //! Every sequence samples with its own settings and its own random key, so a seeded request gives
 //! the same tokens alone or in a batch. A request may name a LoRA adapter loaded into the engine

@@ -8,7 +8,7 @@
 
 use super::{GgmlType, TensorInfo};
 use crate::{Error, Result};
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::path::Path;
 
 /// Fewest bytes a tensor directory entry takes: name length, dimension count, type, offset.
@@ -79,13 +79,13 @@ pub(super) fn build(
     data_start: u64,
     alignment: u64,
     file_len: u64,
-) -> Result<(Vec<TensorInfo>, HashMap<String, usize>)> {
+) -> Result<Vec<TensorInfo>> {
     let corrupt = |name: &str, reason: String| Error::Corrupt {
         path: path.display().to_string(),
         reason: format!("tensor `{name}`: {reason}"),
     };
     let mut tensors = Vec::with_capacity(raw.len());
-    let mut index = HashMap::with_capacity(raw.len());
+    let mut names = HashSet::with_capacity(raw.len());
     // Where llama.cpp's writer puts the next tensor (unknown after a tensor of unknown layout).
     let mut expected = Some(0u64);
     for RawTensor { name, dims, ggml_type, rel } in raw {
@@ -101,7 +101,7 @@ pub(super) fn build(
                 "data [{offset}, {end}) lies past the end of the file ({file_len} bytes): truncated file?"
             )));
         }
-        if index.insert(name.clone(), tensors.len()).is_some() {
+        if !names.insert(name.clone()) {
             return Err(bad("duplicate tensor name".into()));
         }
         if let Some(want) = expected {
@@ -145,7 +145,7 @@ pub(super) fn build(
             ),
         )
     })?;
-    Ok((tensors, index))
+    Ok(tensors)
 }
 
 /// The first pair of tensors (by position in `tensors`) whose non-empty data ranges overlap.

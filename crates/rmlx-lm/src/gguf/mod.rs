@@ -21,7 +21,7 @@ mod to_mlx;
 
 use crate::{Error, Result};
 use memmap2::Mmap;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -225,7 +225,6 @@ pub struct GgufFile {
     version: u32,
     metadata: BTreeMap<String, MetaValue>,
     tensors: Vec<TensorInfo>,
-    index: HashMap<String, usize>,
 }
 
 impl fmt::Debug for GgufFile {
@@ -395,8 +394,8 @@ impl GgufFile {
             raw.push(directory::RawTensor { name, dims, ggml_type, rel });
         }
         let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
-        let (tensors, index) = directory::build(path, raw, data_start, alignment, map.len() as u64)?;
-        Ok(GgufFile { path: path.to_path_buf(), map, version, metadata, tensors, index })
+        let tensors = directory::build(path, raw, data_start, alignment, map.len() as u64)?;
+        Ok(GgufFile { path: path.to_path_buf(), map, version, metadata, tensors })
     }
 
     /// The file's path.
@@ -405,6 +404,7 @@ impl GgufFile {
     }
 
     /// The GGUF version (2 or 3).
+    #[cfg(test)]
     pub fn version(&self) -> u32 {
         self.version
     }
@@ -425,8 +425,9 @@ impl GgufFile {
     }
 
     /// A tensor's entry by (llama.cpp) name.
+    #[cfg(test)]
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.index.get(name).map(|&i| &self.tensors[i])
+        self.tensors.iter().find(|t| t.name == name)
     }
 
     /// A tensor's raw bytes as stored.

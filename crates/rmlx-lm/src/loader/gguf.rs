@@ -84,7 +84,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     // GGUF has no compute dtype. On the CPU float32: rmlx's packed products there are exact in it
     // (bfloat16 rounds activations to 8 bits for the products of a decoding step); elsewhere
     // bfloat16.
-    let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
+    let on_cpu = rmlx::current_device().kind == rmlx::DeviceType::Cpu;
     let dtype = opts.dtype.unwrap_or(if on_cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
     finish(cfg, weights, tokenizer, template, dtype, opts, path)
 }

@@ -3,8 +3,8 @@
 //! into a [`LoadedModel`]: the model, its tokenizer, chat template and stop ids.
 //!
 //! A model file is untrusted input: safetensors headers are validated before MLX reads them
-//! ([`crate::safetensors_header`]), config values are type- and range-checked by name
-//! ([`crate::config`]), and the checkpoint is checked against the config ([`crate::checkpoint`]),
+//! (`crate::safetensors_header`), config values are type- and range-checked by name
+//! (`crate::config`), and the checkpoint is checked against the config (`crate::checkpoint`),
 //! so that a broken or lying file gets an [`Error`] rather than a panic, an abort or garbage.
 
 mod gguf;
@@ -29,7 +29,7 @@ pub struct LoadOptions {
     pub dtype: Option<Dtype>,
     /// Dequantise quantised weights at load (`Some(true)`) or keep them all quantised
     /// (`Some(false)`). Default: keep them, except on the CPU those rmlx's CPU products do not
-    /// take ([`crate::nn::cpu_qmm::serves`]: affine 4- and 8-bit ones), where MLX's quantised
+    /// take (`crate::nn::cpu_qmm::serves`: affine 4- and 8-bit ones), where MLX's quantised
     /// matmul is slow.
     pub dequantize: Option<bool>,
     /// Show progress and a summary on stderr.
@@ -114,7 +114,7 @@ pub(super) fn finish(
     source: &Path,
 ) -> Result<LoadedModel> {
     let started = Instant::now();
-    let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
+    let on_cpu = rmlx::current_device().kind == rmlx::DeviceType::Cpu;
     crate::checkpoint::check_layers(&cfg, &weights, source)?;
     let mut b = Builder::new(weights, dtype, opts.dequantize == Some(true));
     b.dequantize_unserved = opts.dequantize.is_none() && on_cpu;

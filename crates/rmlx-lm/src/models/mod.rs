@@ -41,7 +41,7 @@ pub trait Model: Module + Send {
 
     /// Fresh caches, one per layer. `context_limit` bounds every cache to that many positions
     /// (rotating, keeping the first 4); sliding-window layers are always bounded by their window.
-    /// Bounds of [`crate::cache::MAX_POSITIONS`] or more bound nothing ([`KvCache::bounded`]).
+    /// Bounds of `crate::cache::MAX_POSITIONS` or more bound nothing ([`KvCache::bounded`]).
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache>;
 
     /// The configuration the model was built from.
@@ -112,7 +112,9 @@ pub fn block_path(name: &str) -> Option<(usize, &str)> {
 
 /// Builds the model of `cfg.model_type` from the checkpoint's tensors ([`spec::ARCHITECTURES`]).
 pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
-    (spec::of(cfg)?.build)(cfg, b)
+    let spec = spec::of(cfg)?;
+    tracing::debug!("building the {} architecture for model_type {:?}", spec.name, cfg.model_type);
+    (spec.build)(cfg, b)
 }
 
 /// One cache per layer of `cfg`: a layer with a sliding window ([`ModelConfig::layer_window`])

@@ -3,14 +3,6 @@
 //! the fix-ups llama.cpp's conversion needs undone, and the function that builds it. Each model
 //! file declares its own [`ArchitectureSpec`] (as mlx-lm keeps `sanitize` beside each model);
 //! [`ARCHITECTURES`] lists them, and the loaders and [`crate::config`] only ever read this table.
-//!
-//! ```
-//! use rmlx_lm::models::spec;
-//! assert_eq!(spec::for_model_type("mistral").unwrap().name, "llama");
-//! assert_eq!(spec::for_hf_class("Qwen3ForCausalLM").unwrap().1, "qwen3");
-//! assert_eq!(spec::for_gguf("gemma3").unwrap().name, "gemma3");
-//! assert!(spec::for_model_type("phi3").is_none());
-//! ```
 
 use super::Model;
 use crate::config::{Architecture, ModelConfig};
@@ -151,5 +143,18 @@ pub fn supports_config(config: &Value) -> bool {
     match config.get("architectures").and_then(Value::as_array).and_then(|a| a.first()).and_then(Value::as_str) {
         Some(class) => for_hf_class(class).is_some(),
         None => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_types_classes_and_gguf_names_select_their_architecture() {
+        assert_eq!(for_model_type("mistral").unwrap().name, "llama");
+        assert_eq!(for_hf_class("Qwen3ForCausalLM").unwrap().1, "qwen3");
+        assert_eq!(for_gguf("gemma3").unwrap().name, "gemma3");
+        assert!(for_model_type("phi3").is_none());
     }
 }

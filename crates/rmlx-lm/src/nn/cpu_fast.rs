@@ -21,7 +21,7 @@ use rmlx::{Array, DeviceType, Dtype, Error, Result};
 /// Whether the primitives serve `x` here: on the CPU, outside training and transforms, for a
 /// float32, bfloat16 or float16 `x`.
 pub fn applies(x: &Array) -> bool {
-    rmlx::default_device().kind == DeviceType::Cpu
+    rmlx::current_device().kind == DeviceType::Cpu
         && matches!(x.dtype(), Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
         && !training()
         && !x.is_tracer()

@@ -105,7 +105,7 @@ pub fn qkv_heads(
     rotation: &Rotation,
 ) -> Result<Option<[Array; 3]>> {
     let dtype = y.dtype();
-    let serves = rmlx::default_device().kind == DeviceType::Gpu
+    let serves = rmlx::current_device().kind == DeviceType::Gpu
         && gpu_backend() == Some(GpuBackend::Cuda)
         && !training()
         && !y.is_tracer()

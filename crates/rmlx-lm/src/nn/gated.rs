@@ -15,7 +15,7 @@ pub fn gated_activation(gate: &Array, up: &Array, gelu: bool) -> rmlx::Result<Ar
     if !gelu && same && super::cpu_fast::applies(gate) && !up.is_tracer() {
         return super::cpu_fast::swiglu_activation(gate, up);
     }
-    let fused = rmlx::default_device().kind == DeviceType::Gpu && !training() && !gate.is_tracer() && !up.is_tracer();
+    let fused = rmlx::current_device().kind == DeviceType::Gpu && !training() && !gate.is_tracer() && !up.is_tracer();
     if !fused {
         return composed(gate, up, gelu);
     }

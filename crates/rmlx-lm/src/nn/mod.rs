@@ -4,11 +4,11 @@
 //! its parameters are listed and replaced by the checkpoint's names.
 
 mod adapter_bank;
-pub mod cpu_fast;
-pub mod cpu_layer;
+pub(crate) mod cpu_fast;
+pub(crate) mod cpu_layer;
 mod cpu_pool;
-pub mod cpu_qmm;
-pub mod cuda_fast;
+pub(crate) mod cpu_qmm;
+pub(crate) mod cuda_fast;
 mod gated;
 mod grad_checkpoint;
 mod head;
@@ -243,7 +243,7 @@ impl Embedding {
 /// thread, no SIMD): affine 4- and 8-bit products go through [`cpu_qmm`], others through `W`
 /// dequantised and a BLAS product. Elsewhere, MLX's quantised product.
 fn quantized_product(x: &Array, q: &Quantized) -> Result<Array> {
-    if rmlx::default_device().kind != DeviceType::Cpu {
+    if rmlx::current_device().kind != DeviceType::Cpu {
         return Ok(quantized_matmul(x, q, true)?);
     }
     // rmlx's CPU products have no derivatives: traced transforms keep MLX's operations.
@@ -361,7 +361,7 @@ impl Module for RmsNorm {
     }
 }
 
-/// How a checkpoint's tensors become layers.
+/// How a checkpoint's tensors become layers (the loaders make one over the checkpoint's tensors).
 pub struct Builder {
     weights: Weights,
     /// The compute dtype: dense weights, scales and biases are converted to it.
@@ -369,7 +369,7 @@ pub struct Builder {
     /// Dequantise quantised matrices at load.
     pub dequantize: bool,
     /// Dequantise at load the quantised matrices rmlx's CPU products do not take
-    /// ([`cpu_qmm::serves`]), keeping the others quantised.
+    /// (`cpu_qmm::serves`), keeping the others quantised.
     pub dequantize_unserved: bool,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
@@ -382,7 +382,7 @@ pub struct Builder {
 
 impl Builder {
     /// A builder over `weights`.
-    pub fn new(weights: Weights, dtype: Dtype, dequantize: bool) -> Self {
+    pub(crate) fn new(weights: Weights, dtype: Dtype, dequantize: bool) -> Self {
         Self {
             weights,
             dtype,

@@ -131,6 +131,7 @@ fn process_alive(pid: u32) -> bool {
 }
 
 /// Renames the directory `tmp` to `dest`; if another process got there first, keeps theirs.
+#[cfg(feature = "fixtures")]
 pub(super) fn persist_dir(tmp: TempPath, dest: &Path) -> Result<()> {
     match fs::rename(tmp.path(), dest) {
         Ok(()) => {

@@ -47,13 +47,18 @@ pub struct GgufVocab {
 }
 
 impl GgufVocab {
+    /// The vocabulary in a GGUF file's metadata (the tensors are not read).
+    pub fn read(path: &std::path::Path) -> Result<GgufVocab> {
+        gguf_vocab(&crate::gguf::GgufFile::open(path)?)
+    }
+
     fn token_type(&self, id: usize) -> i32 {
         self.token_types.as_ref().and_then(|t| t.get(id).copied()).unwrap_or(NORMAL)
     }
 }
 
 /// Reads a [`GgufVocab`] from a GGUF file's metadata.
-pub fn gguf_vocab(file: &crate::gguf::GgufFile) -> Result<GgufVocab> {
+pub(crate) fn gguf_vocab(file: &crate::gguf::GgufFile) -> Result<GgufVocab> {
     let get = |k: &str| file.get(&format!("tokenizer.ggml.{k}"));
     let missing = |k: &str| Error::Tokenizer(format!("GGUF metadata has no tokenizer.ggml.{k}"));
     let id = |k: &str| get(k).and_then(|v| v.as_u64()).map(|v| v as u32);

@@ -9,7 +9,8 @@
 
 mod gguf;
 
-pub use gguf::{gguf_vocab, GgufVocab};
+pub(crate) use gguf::gguf_vocab;
+pub use gguf::GgufVocab;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -249,7 +249,7 @@ impl CompiledLossAndGrad {
     }
 
     /// [`CompiledLossAndGrad::call`] with the trainable parameters read from `copies` where it
-    /// has them (their compute copies, [`super::Optimizer::update_with_copies`]): the gradients
+    /// has them (their compute copies, [`crate::tuner::optim::Optimizer::update_with_copies`]): the gradients
     /// come in the copies' dtype, and `params` are still the model's own values.
     pub fn call_with_copies(
         &self,

@@ -185,7 +185,7 @@ impl Optimizer {
     /// would need a C++ compiler at run time. [`Optimizer::set_compiled`] overrides this.
     pub fn new(kind: OptimizerKind, schedule: Schedule) -> Self {
         let mut opt = Optimizer { kind, schedule, step: 0, state: HashMap::new(), fused_adam: None };
-        opt.set_compiled(rmlx::default_device().kind == rmlx::DeviceType::Gpu);
+        opt.set_compiled(rmlx::current_device().kind == rmlx::DeviceType::Gpu);
         opt
     }
 

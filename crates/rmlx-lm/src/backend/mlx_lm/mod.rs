@@ -16,7 +16,7 @@
 //!
 //! A subprocess that exits, closes its stdout or does not answer in time is reported as
 //! [`Error::Backend`] and killed; the next call starts a new one and loads the model again.
-//! Stop strings are applied on this side ([`crate::text_stream::StopFilter`]).
+//! Stop strings are applied on this side (`crate::text_stream::StopFilter`).
 
 mod process;
 mod stream;

@@ -1,8 +1,8 @@
 //! The batched KV cache on its own: a sliding-window layer drops what no query can see any more,
 //! keeping each row's RoPE offset and the last window of its keys, and its memory bounded.
 
+use crate::cache::{BatchCache, RowKv};
 use rmlx::{ops, Array, Dtype};
-use rmlx_lm::cache::{BatchCache, RowKv};
 
 /// `[rows, 1, n, 1]` keys whose values are their positions (plus 1000 per row).
 fn positions(rows: i32, start: i32, n: i32) -> Array {
@@ -57,5 +57,5 @@ fn a_prefix_that_dropped_positions_takes_only_the_columns_it_holds() {
     assert_eq!(c.offsets().unwrap().to_vec::<i32>().unwrap(), vec![50, -6]);
     // The prefix must end where the row's computed positions begin.
     let wrong = BatchCache::padded(vec![Some(prefix), None], vec![1, 56], 50, Some(8));
-    assert!(matches!(wrong, Err(rmlx_lm::Error::InvalidParameter(_))));
+    assert!(matches!(wrong, Err(crate::Error::InvalidParameter(_))));
 }

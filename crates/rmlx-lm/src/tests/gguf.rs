@@ -2,13 +2,13 @@
 //! written by `scripts/make_gguf_fixtures.py`), the lossless `Q4_0`/`Q4_1`/`Q8_0` → MLX affine
 //! mapping against ggml's formulas (bit-exact), llama's Q/K row un-permutation, and error cases.
 
+use crate::gguf::{GgmlType, GgufFile, MetaValue};
+use crate::models::llama::unpermute_llama_rows;
+use crate::weights::Weight;
+use crate::Error;
 use half::{bf16, f16};
 use rmlx::quantization::{dequantize, QuantMode, Quantized};
 use rmlx::{Array, Dtype};
-use rmlx_lm::gguf::{GgmlType, GgufFile, MetaValue};
-use rmlx_lm::models::llama::unpermute_llama_rows;
-use rmlx_lm::weights::Weight;
-use rmlx_lm::Error;
 use std::path::PathBuf;
 
 fn fixture(name: &str) -> PathBuf {
@@ -432,7 +432,7 @@ fn unpermute_llama_rows_quantised() {
     assert_exact(&u, &want);
 }
 
-fn corrupt_reason(r: rmlx_lm::Result<GgufFile>) -> String {
+fn corrupt_reason(r: crate::Result<GgufFile>) -> String {
     match r {
         Err(Error::Corrupt { reason, .. }) => reason,
         other => panic!("expected Error::Corrupt, got {other:?}"),
@@ -522,7 +522,7 @@ fn patch_offset(bytes: &mut [u8], name: &str, n_dims: usize, rel: u64) {
     bytes[at..at + 8].copy_from_slice(&rel.to_le_bytes());
 }
 
-fn open_bytes(dir: &std::path::Path, name: &str, bytes: &[u8]) -> rmlx_lm::Result<GgufFile> {
+fn open_bytes(dir: &std::path::Path, name: &str, bytes: &[u8]) -> crate::Result<GgufFile> {
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();
     GgufFile::open(p)

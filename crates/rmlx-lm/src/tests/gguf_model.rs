@@ -43,7 +43,7 @@ pub fn gguf_model(path: &Path, meta: impl FnOnce(&mut Vec<Meta>)) {
         ("tokenizer.ggml.merges".into(), 9, merges),
     ];
     meta(&mut kv);
-    let st = rmlx::io::load_safetensors(crate::common::fixture_dir("llama_gqa").join("model.safetensors")).unwrap();
+    let st = rmlx::io::load_safetensors(super::common::fixture_dir("llama_gqa").join("model.safetensors")).unwrap();
     let rename = |n: &str| -> String {
         let fixed = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
         if let Some((a, b)) = fixed.iter().find(|(a, _)| n.starts_with(a)) {

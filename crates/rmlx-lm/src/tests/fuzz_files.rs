@@ -8,17 +8,12 @@
 //! and the seed is fixed, so CI runs the same inputs every time; inputs that once failed are kept
 //! as named regression tests at the end.
 
-mod common;
-#[path = "support/fuzz.rs"]
-mod fuzz;
-#[path = "support/gguf_model.rs"]
-mod gguf_support;
-
-use fuzz::{allocation_bound, apply, config, mutation, peak_allocation, scratch_file, Stats, EXTREMES};
+use super::fuzz::{allocation_bound, apply, config, mutation, peak_allocation, scratch_file, Stats, EXTREMES};
+use super::{common, gguf_model};
+use crate::config::{llama3_rope_divisors, ModelConfig, RopeScaling};
+use crate::gguf::GgufFile;
+use crate::{safetensors_header, Error};
 use proptest::prelude::*;
-use rmlx_lm::config::{llama3_rope_divisors, ModelConfig, RopeScaling};
-use rmlx_lm::gguf::GgufFile;
-use rmlx_lm::{safetensors_header, Error};
 use serde_json::{json, Map, Value};
 use std::path::Path;
 
@@ -316,7 +311,7 @@ fn fuzz_config_parsing() {
             let (r, peak) = peak_allocation(|| {
                 serde_json::from_str(&text)
                     .map_err(|e| Error::Config(e.to_string()))
-                    .and_then(rmlx_lm::models::spec::parse_config)
+                    .and_then(crate::models::spec::parse_config)
             });
             prop_assert!(peak <= allocation_bound(text.len()), "{peak} bytes for a {}-byte config", text.len());
             match r {
@@ -365,7 +360,7 @@ fn fuzz_config_floats_through_the_loader() {
                 set_field(&mut c, f, v);
             }
             std::fs::write(dir.path().join("config.json"), Value::Object(c).to_string()).unwrap();
-            match rmlx_lm::loader::load(dir.path(), &rmlx_lm::LoadOptions::default()) {
+            match crate::loader::load(dir.path(), &crate::LoadOptions::default()) {
                 Ok(lm) => {
                     let mut caches = lm.model.new_caches(None);
                     let logits = lm.model.forward(&ids, &mut caches).unwrap();
@@ -431,7 +426,7 @@ fn fuzz_gguf_model_metadata_through_the_loader() {
     let ids = rmlx::Array::from_slice(&[1i32, 5, 9, 2], &[1, 4]).unwrap();
     proptest::test_runner::TestRunner::new(config(500))
         .run(&strategy, |edits| {
-            gguf_support::gguf_model(&path, |kv| {
+            gguf_model::gguf_model(&path, |kv| {
                 for (key, (ty, value)) in edits {
                     match kv.iter_mut().find(|e| e.0 == key) {
                         Some(e) => (e.1, e.2) = (ty, value),
@@ -439,7 +434,7 @@ fn fuzz_gguf_model_metadata_through_the_loader() {
                     }
                 }
             });
-            match rmlx_lm::loader::load(&path, &rmlx_lm::LoadOptions::default()) {
+            match crate::loader::load(&path, &crate::LoadOptions::default()) {
                 Ok(lm) => {
                     let mut caches = lm.model.new_caches(None);
                     let logits = lm.model.forward(&ids, &mut caches).unwrap();
@@ -467,7 +462,7 @@ fn regression_subnormal_rope_theta() {
     let mut c = base_config();
     c.insert("rope_theta".into(), json!(1e-45));
     std::fs::write(dir.path().join("config.json"), Value::Object(c).to_string()).unwrap();
-    match rmlx_lm::loader::load(dir.path(), &rmlx_lm::LoadOptions::default()) {
+    match crate::loader::load(dir.path(), &crate::LoadOptions::default()) {
         Err(Error::Config(m)) => assert!(m.contains("`rope_theta` must be at least 1"), "{m}"),
         Err(e) => panic!("expected Error::Config, got {e:?}"),
         Ok(_) => panic!("rope_theta 1e-45 accepted"),

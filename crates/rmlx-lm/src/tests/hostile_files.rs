@@ -3,20 +3,16 @@
 //! not JSON, and GGUF files found by content rather than name. Each gets a clear error of the
 //! right kind naming the problem (never a panic, an abort or a huge allocation).
 
-mod common;
-#[path = "support/gguf_model.rs"]
-mod gguf_support;
-
-use common::{fixture_with_tokenizer, TempDir};
-use gguf_support::{gguf_model, set_meta};
-use rmlx_lm::config::ModelConfig;
-use rmlx_lm::safetensors_header;
-use rmlx_lm::{Error, LoadOptions};
+use super::common::{self, fixture_with_tokenizer, TempDir};
+use super::gguf_model::{gguf_model, set_meta};
+use crate::safetensors_header;
+use crate::ModelConfig;
+use crate::{Error, LoadOptions};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 
-fn load(dir: &Path) -> rmlx_lm::Result<rmlx_lm::LoadedModel> {
-    rmlx_lm::loader::load(dir, &LoadOptions { progress: false, ..LoadOptions::default() })
+fn load(dir: &Path) -> crate::Result<crate::LoadedModel> {
+    crate::loader::load(dir, &LoadOptions { progress: false, ..LoadOptions::default() })
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut Map<String, Value>)) {
@@ -175,7 +171,7 @@ fn safetensors_trailing_bytes_through_the_loader() {
 }
 
 /// The llama_gqa config with one field replaced.
-fn config_with(field: &str, v: Value) -> rmlx_lm::Result<ModelConfig> {
+fn config_with(field: &str, v: Value) -> crate::Result<ModelConfig> {
     let text = std::fs::read_to_string(common::fixture_dir("llama_gqa").join("config.json")).unwrap();
     let mut c: Map<String, Value> = serde_json::from_str(&text).unwrap();
     c.insert(field.into(), v);
@@ -282,7 +278,7 @@ fn placeholder_vocabulary_is_sized_from_the_checkpoint() {
         c.insert("vocab_size".into(), json!(1 << 24));
     });
     let opts = LoadOptions { allow_missing_tokenizer: true, ..LoadOptions::default() };
-    match rmlx_lm::loader::load(d.path(), &opts).err().unwrap() {
+    match crate::loader::load(d.path(), &opts).err().unwrap() {
         Error::ShapeMismatch { name, expected, found } => {
             assert_eq!((name.as_str(), expected, found), (EMBED, vec![1 << 24, 64], vec![384, 64]));
         }
@@ -292,7 +288,7 @@ fn placeholder_vocabulary_is_sized_from_the_checkpoint() {
     edit_config(d.path(), |c| {
         c.insert("vocab_size".into(), json!(384));
     });
-    assert_eq!(rmlx_lm::loader::load(d.path(), &opts).unwrap().tokenizer.vocab_size(), 384);
+    assert_eq!(crate::loader::load(d.path(), &opts).unwrap().tokenizer.vocab_size(), 384);
 }
 
 #[test]
@@ -341,7 +337,7 @@ fn unused_tensors_are_reported_benign_ones_are_not() {
     let lm = load(d.path()).unwrap();
     assert_eq!(lm.unused_tensors, ["model.layers.0.mlp.extra_gate.weight"]);
     let names = ["a.inv_freq", "bn.num_batches_tracked", "lm_head.bias"].map(String::from);
-    assert_eq!(rmlx_lm::checkpoint::unused_tensors(&names), ["lm_head.bias"]);
+    assert_eq!(crate::checkpoint::unused_tensors(&names), ["lm_head.bias"]);
 }
 
 #[test]
@@ -449,7 +445,7 @@ fn index_naming_a_shard_outside_the_folder() {
 fn quantised_width_beyond_i32_does_not_overflow() {
     use rmlx::quantization::{QuantMode, Quantized};
     let q = |bits| {
-        rmlx_lm::weights::Weight::Quantized(Quantized {
+        crate::weights::Weight::Quantized(Quantized {
             weight: rmlx::ops::zeros(&[1, 1 << 27], rmlx::Dtype::Uint32).unwrap(),
             scales: rmlx::ops::zeros(&[1, 1], rmlx::Dtype::Float16).unwrap(),
             biases: None,
