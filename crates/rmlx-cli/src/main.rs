@@ -7,6 +7,7 @@ mod backends;
 mod batch;
 mod bench;
 mod bench_batch;
+mod bench_kernels;
 mod chat;
 mod common;
 mod fuse;
@@ -40,6 +41,9 @@ enum Command {
     Bench(bench::Args),
     /// Classification and batch-generation throughput of a backend (native or mlx-lm).
     BenchBatch(bench_batch::Args),
+    /// How fast the quantised matrix-vector products of a decoding step read their weights
+    /// (rmlx's kernels and MLX's), beside the copy bandwidth.
+    BenchKernels(bench_kernels::Args),
     /// Fine-tune LoRA adapters (--train) and test them (--test), with mlx_lm.lora's flags.
     Lora(lora::Args),
     /// Merge LoRA adapters into the base weights and write a Hugging Face folder.
@@ -86,6 +90,7 @@ fn main() {
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchBatch(a) => bench_batch::run(a),
+        Command::BenchKernels(a) => bench_kernels::run(a),
         Command::Lora(a) => lora::run(a, lora_matches),
         Command::Fuse(a) => fuse::run(a),
         Command::Serve(a) => serve::run(a),

@@ -14,7 +14,8 @@
 //! ```
 
 use crate::{LoadedModel, Result};
-use rmlx::{ops, Array, DeviceType, Dtype};
+use rmlx::quantization::{quantize, quantized_matmul, QuantMode};
+use rmlx::{ops, random, Array, DeviceType, Dtype};
 use std::time::Instant;
 
 /// What one decoded token reads, and how fast the device reads.
@@ -132,4 +133,72 @@ fn host_copy_bandwidth() -> f64 {
 /// The floor of `lm` for a run of `generated` tokens after `prompt`, on a device of `bandwidth`.
 pub fn floor(lm: &LoadedModel, prompt: usize, generated: usize, bandwidth: f64) -> Floor {
     Floor { weight_bytes: weight_bytes_per_token(lm), kv_bytes: kv_bytes_per_token(lm, prompt, generated), bandwidth }
+}
+
+/// One shape of quantised matrix-vector product, measured: a decoding step's product of one row
+/// with a `[output, input]` weight in MLX's affine layout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ProductRate {
+    pub output: i32,
+    pub input: i32,
+    /// Weight bytes one product reads: packed values, scales and biases.
+    pub bytes: u64,
+    /// Bytes per second through a quantised layer's product (rmlx's own kernel where one serves).
+    pub rmlx: f64,
+    /// Bytes per second through MLX's `quantized_matmul`.
+    pub mlx: f64,
+}
+
+/// How fast one-row products with a `[output, input]` weight quantised to `bits` in groups of
+/// `group` (scales of `dtype`) read their weights on the current device, through a layer's product
+/// and through MLX's: many products in one evaluation, over enough copies of the weight that they
+/// do not stay in the caches, best of three. The host builds each product while the device runs
+/// the ones before, so small products also measure the host's cost per product.
+pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dtype: Dtype) -> Result<ProductRate> {
+    let key = random::key(0)?;
+    let w = random::normal(&[output, input], Dtype::Float32, 0.0, 0.02, Some(&key))?.astype(dtype)?;
+    let base = quantize(&w, group, bits, QuantMode::Affine)?;
+    drop(w);
+    let bytes = [Some(&base.weight), Some(&base.scales), base.biases.as_ref()]
+        .into_iter()
+        .flatten()
+        .map(|a| a.nbytes() as u64)
+        .sum::<u64>();
+    // About 512 MB of weights (well past any cache), 2 to 64 copies.
+    let copies = (512u64 << 20).div_ceil(bytes.max(1)).clamp(2, 64) as usize;
+    let weights: Vec<_> = (0..copies)
+        .map(|i| {
+            let shift = Array::scalar(i as f32 * 1e-3).astype(dtype)?;
+            let scales = (&base.scales + &shift)?;
+            let q = rmlx::quantization::Quantized { scales, ..base.clone() };
+            rmlx::eval([&q.scales])?;
+            Ok(q)
+        })
+        .collect::<Result<_>>()?;
+    let x = random::normal(&[1, input], Dtype::Float32, 0.0, 1.0, Some(&random::key(1)?))?.astype(dtype)?;
+    rmlx::eval([&x])?;
+    let products = copies.max(32);
+    let time = |layer: bool| -> Result<f64> {
+        let mut best = f64::INFINITY;
+        for _ in 0..4 {
+            let t = Instant::now();
+            let ys = (0..products)
+                .map(|i| {
+                    let q = &weights[i % copies];
+                    if layer {
+                        crate::nn::quantized_product(&x, q)
+                    } else {
+                        Ok(quantized_matmul(&x, q, true)?)
+                    }
+                })
+                .collect::<Result<Vec<_>>>()?;
+            rmlx::eval(ys.iter())?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(products as f64 * bytes as f64 / best)
+    };
+    let (rmlx_rate, mlx_rate) = (time(true)?, time(false)?);
+    drop(weights);
+    rmlx::memory::clear_cache();
+    Ok(ProductRate { output, input, bytes, rmlx: rmlx_rate, mlx: mlx_rate })
 }

@@ -66,11 +66,6 @@ impl Weights {
         self.map.len()
     }
 
-    /// Whether there are no tensors.
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
     /// Removes and returns a tensor; [`Error::MissingTensor`] names it when absent.
     pub fn take(&mut self, name: &str) -> Result<Weight> {
         self.map.remove(name).ok_or_else(|| Error::MissingTensor(name.to_string()))

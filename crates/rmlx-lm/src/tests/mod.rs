@@ -10,6 +10,7 @@ mod batch_cache;
 mod cpu_fast;
 mod cpu_qmm;
 mod cuda_fast;
+mod cuda_qmv;
 mod fuzz;
 mod fuzz_files;
 mod gguf;
