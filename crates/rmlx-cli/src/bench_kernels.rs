@@ -1,7 +1,9 @@
 //! `rmlx bench-kernels`: how fast the quantised matrix-vector products of a decoding step read their
-//! weights, alone, through rmlx's layer product (its own CUDA kernel where one serves) and through
-//! MLX's `quantized_matmul`, beside the device's copy bandwidth ([`rmlx_lm::roofline`]). One line a
-//! shape; the default shapes are Qwen3-8B's and Llama-3.2-1B's projections and output heads.
+//! weights, alone, through rmlx's own CUDA kernel (on other devices: a quantised layer's product)
+//! and through MLX's `quantized_matmul`, beside the device's copy bandwidth
+//! ([`rmlx_lm::roofline`]). One line a shape; the default shapes are Qwen3-8B's and
+//! Llama-3.2-1B's projections and output heads. Products are timed from the host, many to an
+//! evaluation: small ones measure the host's cost per product as much as the device's.
 
 use anyhow::{bail, Result};
 use clap::Args as ClapArgs;

@@ -93,3 +93,45 @@ fn bench_of_the_dequantised_model() {
     assert_eq!(kinds["SliceUpdate"].as_u64(), Some(30 * 2), "{kinds:?}");
     assert!(!kinds.contains_key("Softmax") && !kinds.contains_key("Sigmoid"), "nothing composed: {kinds:?}");
 }
+
+/// `rmlx bench-kernels --json`: one line a shape with the bytes a product reads (packed 4-bit
+/// values, a bfloat16 scale and bias per group of 64) and both rates beside the copy bandwidth; on
+/// the CPU rmlx's kernel does not serve, and the rmlx rate is a quantised layer's product.
+#[test]
+fn bench_kernels_reports_each_shape_and_refuses_bad_ones() {
+    let out = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args(["bench-kernels", "--shapes", "64x256, 8x128", "--json"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    for (v, (o, i)) in lines.iter().zip([(64u64, 256u64), (8, 128)]) {
+        assert_eq!(v["shape"], serde_json::json!([o, i]), "{v}");
+        assert_eq!(
+            (v["bits"].as_u64(), v["group_size"].as_u64(), v["dtype"].as_str()),
+            (Some(4), Some(64), Some("bfloat16"))
+        );
+        assert_eq!(v["weight_bytes"].as_u64(), Some(o * i / 2 + 2 * 2 * o * i / 64), "{v}");
+        for key in ["copy_gbs", "rmlx_gbs", "mlx_gbs"] {
+            let x = v[key].as_f64().unwrap();
+            assert!(x.is_finite() && x > 0.0, "{key}: {v}");
+        }
+        let fraction = v["rmlx_gbs"].as_f64().unwrap() / v["copy_gbs"].as_f64().unwrap();
+        assert!((v["rmlx_fraction"].as_f64().unwrap() - fraction).abs() < 1e-9, "{v}");
+    }
+    for (args, message) in [
+        (&["bench-kernels", "--shapes", "64x100"][..], "not a multiple of the group size 64"),
+        (&["bench-kernels", "--shapes", "64by256"][..], "is not OUTPUTxINPUT"),
+        (&["bench-kernels", "--bits", "3"][..], "--bits must be 4 or 8"),
+        (&["bench-kernels", "--dtype", "int8"][..], "is not bfloat16, float16 or float32"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_rmlx")).args(args).stdin(Stdio::null()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}

@@ -143,15 +143,16 @@ pub struct ProductRate {
     pub input: i32,
     /// Weight bytes one product reads: packed values, scales and biases.
     pub bytes: u64,
-    /// Bytes per second through a quantised layer's product (rmlx's own kernel where one serves).
+    /// Bytes per second through rmlx's own kernel (`nn::cuda_qmv`) where it serves the shape on
+    /// this device, else through a quantised layer's product.
     pub rmlx: f64,
     /// Bytes per second through MLX's `quantized_matmul`.
     pub mlx: f64,
 }
 
 /// How fast one-row products with a `[output, input]` weight quantised to `bits` in groups of
-/// `group` (scales of `dtype`) read their weights on the current device, through a layer's product
-/// and through MLX's: many products in one evaluation, over enough copies of the weight that they
+/// `group` (scales of `dtype`) read their weights on the current device, through rmlx's kernel
+/// (else a layer's product) and through MLX's: many products in one evaluation, over enough copies of the weight that they
 /// do not stay in the caches, best of three. The host builds each product while the device runs
 /// the ones before, so small products also measure the host's cost per product.
 pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dtype: Dtype) -> Result<ProductRate> {
@@ -186,7 +187,10 @@ pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dty
                 .map(|i| {
                     let q = &weights[i % copies];
                     if layer {
-                        crate::nn::quantized_product(&x, q)
+                        match crate::nn::cuda_qmv::matvec_kernel(&x, q)? {
+                            Some(y) => Ok(y),
+                            None => crate::nn::quantized_product(&x, q),
+                        }
                     } else {
                         Ok(quantized_matmul(&x, q, true)?)
                     }

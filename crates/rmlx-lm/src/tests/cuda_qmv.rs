@@ -5,7 +5,7 @@
 //! leave a partial warp or block. And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of
 //! another type, training, traced transforms, and everything off MLX's CUDA backend (the CPU CI).
 
-use crate::nn::cuda_qmv::{quantized_matvec, MAX_ROWS};
+use crate::nn::cuda_qmv::{matvec_kernel, MAX_ROWS};
 use crate::nn::with_training;
 use rmlx::fast::{self, GpuBackend};
 use rmlx::quantization::{dequantize, quantize, quantized_matmul, QuantMode, Quantized};
@@ -78,7 +78,7 @@ fn matches_the_dequantised_product_and_mlx() {
             let q = quantize(&normal(&[n, k], 0.05, 200 + i as u64), group, bits, QuantMode::Affine).unwrap();
             let q = cast(&q, dtype);
             let what = format!("x {xshape:?}, n {n}, {bits} bits, group {group}, {dtype:?}");
-            let got = quantized_matvec(&x, &q).unwrap().unwrap_or_else(|| panic!("{what}: declined"));
+            let got = matvec_kernel(&x, &q).unwrap().unwrap_or_else(|| panic!("{what}: declined"));
             let mut want_shape = xshape.to_vec();
             *want_shape.last_mut().unwrap() = n;
             assert_eq!((got.shape(), got.dtype()), (&want_shape[..], dtype), "{what}");
@@ -104,10 +104,10 @@ fn leaves_the_rest_to_mlx() {
         let w = normal(&[16, 256], 0.05, 1);
         let q4 = quantize(&w, 64, 4, QuantMode::Affine).unwrap();
         let x = normal(&[1, 256], 1.0, 2);
-        let served = quantized_matvec(&x, &q4).unwrap();
+        let served = matvec_kernel(&x, &q4).unwrap();
         assert_eq!(served.is_some(), cuda(), "served only on MLX's CUDA backend");
         let declines = |x: &Array, q: &Quantized, what: &str| {
-            assert!(quantized_matvec(x, q).unwrap().is_none(), "{what}");
+            assert!(matvec_kernel(x, q).unwrap().is_none(), "{what}");
         };
         declines(&normal(&[MAX_ROWS + 1, 256], 1.0, 3), &q4, "9 rows");
         declines(&x, &quantize(&w, 64, 3, QuantMode::Affine).unwrap(), "3 bits");
@@ -117,7 +117,7 @@ fn leaves_the_rest_to_mlx() {
         with_training(|| declines(&x, &q4, "training"));
         let traced = rmlx::transforms::grad(
             |a: &[Array]| {
-                assert!(quantized_matvec(&a[0], &q4).unwrap().is_none(), "a traced input");
+                assert!(matvec_kernel(&a[0], &q4).unwrap().is_none(), "a traced input");
                 a[0].sum(rmlx::Axes::All, false)
             },
             &[0],
