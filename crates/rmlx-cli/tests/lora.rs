@@ -49,6 +49,17 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `rmlx generate` on `model` in float32, greedy, `max_tokens` after the raw prompt
+/// `t2 t5 t8 t11`, with `extra` flags; must succeed.
+fn greedy(model: &Path, max_tokens: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["generate", "--model", s(model), "--dtype", "float32", "--prompt", "t2 t5 t8 t11", "--raw"];
+    args.extend_from_slice(&["--max-tokens", max_tokens, "--temp", "0"]);
+    args.extend_from_slice(extra);
+    let out = rmlx(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
 #[test]
 fn train_then_test_then_generate_with_the_adapters() {
     let w = workspace("train");
@@ -134,23 +145,7 @@ fn train_then_test_then_generate_with_the_adapters() {
     assert_eq!(again["test_loss"].as_f64(), Some(test_loss));
     // generate with the adapters: announced, and the continuation differs from the base model's.
     let gen = |extra: &[&str]| {
-        let mut args = vec![
-            "generate",
-            "--model",
-            s(&model),
-            "--dtype",
-            "float32",
-            "--prompt",
-            "t2 t5 t8 t11",
-            "--raw",
-            "--max-tokens",
-            "6",
-            "--temp",
-            "0",
-        ];
-        args.extend_from_slice(extra);
-        let out = rmlx(&args);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = greedy(&model, "6", extra);
         (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
     };
     let (tuned, err) = gen(&["--adapter-path", s(&adapters)]);
@@ -692,16 +687,11 @@ fn fuse_writes_a_model_that_generates_as_the_adapters_do() {
         assert!(out.status.success(), "{tag}: {err}");
         assert!(err.contains("fused 14 adapted layers"), "{err}");
         std::fs::copy(model.join("tokenizer.json"), fused.join("tokenizer.json")).unwrap();
-        let gen = |m: &Path, extra: &[&str]| {
-            let mut args = vec!["generate", "--model", s(m), "--dtype", "float32", "--prompt", "t2 t5 t8 t11", "--raw"];
-            args.extend_from_slice(&["--max-tokens", "8", "--temp", "0", "--json"]);
-            args.extend_from_slice(extra);
-            let out = rmlx(&args);
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-            v["token_ids"].clone()
+        let ids = |m: &Path, extra: &[&str]| {
+            let out = greedy(m, "8", &[&["--json"][..], extra].concat());
+            serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"].clone()
         };
-        assert_eq!(gen(&fused, &[]), gen(&model, &["--adapter-path", s(&adapters)]), "{tag}");
+        assert_eq!(ids(&fused, &[]), ids(&model, &["--adapter-path", s(&adapters)]), "{tag}");
     }
     let _ = std::fs::remove_dir_all(&w);
 }
