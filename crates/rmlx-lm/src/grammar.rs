@@ -115,19 +115,17 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(Error::InvalidParameter(format!("the grammar does not compile: {}", one_line(&e))));
         }
-        let mut constraint = Constraint { matcher, vocab: self.vocab };
+        let constraint = Constraint { matcher, vocab: self.vocab };
         // Some grammars compile and fail at their first token (an empty language such as
         // `[^\s\S]`, `$ref`s that loop): find out now, so that the request is refused, not its batch.
-        match constraint.matcher.compute_mask() {
+        // The probe runs on an independent copy; the request keeps the untouched matcher.
+        let mut probe = constraint.matcher.deep_clone();
+        match probe.compute_mask() {
             Err(e) => Err(Error::InvalidParameter(format!("the grammar admits no text: {}", one_line(&e)))),
             Ok(mask) if mask.is_zero() && !constraint.is_finished() => {
                 Err(Error::InvalidParameter("the grammar admits no text: no token can start it".into()))
             }
-            Ok(_) => {
-                // A fresh matcher: the mask computed above is computed again at the first step.
-                constraint.matcher = Matcher::new(Ok(self.parser(grammar)?));
-                Ok(constraint)
-            }
+            Ok(_) => Ok(constraint),
         }
     }
 }
