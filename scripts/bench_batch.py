@@ -2,7 +2,7 @@
 `batch_generate` runs), side by side on the same model folder and prompts (BENCHMARKS.md's batch rows).
 
 Usage (on the GPU machine, after `source .gpu/b/device-setup`):
-    python3 scripts/bench_batch.py --rmlx .gpu/bin/rmlx /root/models/qwen3-0.6b \
+    python3 scripts/bench_batch.py --rmlx .gpu/bin/rmlx MODELS/qwen3-0.6b \
         [--prompts 64] [--prompt-words 128] [--max-tokens 128] [--batch 32] [--repeats 2] \
         [--variant "one-at-a-time=--prefill-batch 1"]
 

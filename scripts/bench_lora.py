@@ -2,7 +2,7 @@
 same model folders, data, batch, rank, layers and sequence length (BENCHMARKS.md's LoRA rows).
 
 Usage (on the GPU machine, after `source .gpu/b/device-setup`):
-    python3 scripts/bench_lora.py --rmlx .gpu/bin/rmlx /root/models/qwen3-0.6b /root/models/qwen3-0.6b-q4 \
+    python3 scripts/bench_lora.py --rmlx .gpu/bin/rmlx MODELS/qwen3-0.6b MODELS/qwen3-0.6b-q4 \
         [--iters 60] [--grad-checkpoint both|off|on] [--repeats 1] [--rmlx-variant OTHER_BINARY]
 
 Data: 256 training and 8 validation `{"text"}` examples of 380-420 words from a fixed seed; each word

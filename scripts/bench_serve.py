@@ -2,7 +2,7 @@
 model folder (BENCHMARKS.md's serving rows). Standard library only.
 
 Usage (on the GPU machine, after `source .gpu/b/device-setup`):
-    python3 scripts/bench_serve.py --rmlx /root/rmlx /root/models/qwen3-0.6b [--clients 32]
+    python3 scripts/bench_serve.py --rmlx path/to/rmlx MODELS/qwen3-0.6b [--clients 32]
         [--max-tokens 256] [--rounds 2] [--skip-peer]
 
 Each of N clients runs `--rounds` streamed `/v1/completions` requests one after another, all at

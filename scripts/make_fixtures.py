@@ -60,11 +60,11 @@ are checked to mean the same model.
 
 HOW TO RUN
 ==========
-    /work/pyenv/bin/python scripts/make_fixtures.py                # random fixtures (about 2 min, CPU)
-    /work/pyenv/bin/python scripts/make_fixtures.py --only qwen2   # a subset (families are regenerated whole)
-    /work/pyenv/bin/python scripts/make_fixtures.py --mlx-lm-python /tmp/mlxvenv/bin/python [--no-generate]
+    python3 scripts/make_fixtures.py                # random fixtures (about 2 min, CPU)
+    python3 scripts/make_fixtures.py --only qwen2   # a subset (families are regenerated whole)
+    python3 scripts/make_fixtures.py --mlx-lm-python MLX_VENV/bin/python [--no-generate]
                                                    # also (or only) cross-check every fixture with mlx-lm
-    /work/pyenv/bin/python scripts/make_fixtures.py --real \\
+    python3 scripts/make_fixtures.py --real \\
         [--smollm2 PATH.gguf] [--gemma3 PATH.gguf] [--download-dir /tmp/rmlx-gguf]   # about 4 min
 
 GGUF paths default to ``~/.cache/rmlx/models/SmolLM2-135M-Instruct.Q4_1.gguf`` and

