@@ -5,9 +5,9 @@
 //! Llama-3.2-1B's projections and output heads. Products are timed from the host, many to an
 //! evaluation: small ones measure the host's cost per product as much as the device's.
 
-use anyhow::{bail, Result};
+use crate::common::parse_dtype;
+use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
-use rmlx::Dtype;
 
 /// Qwen3-8B (q/o, k/v, gate/up, down, head) and Llama-3.2-1B (q/o, k/v, gate/up, down, head):
 /// `output x input`.
@@ -22,7 +22,7 @@ pub struct Args {
     /// Values a quantisation group (32, 64 or 128).
     #[arg(long, default_value_t = 64)]
     group_size: i32,
-    /// Activations and scales: bfloat16, float16 or float32.
+    /// Activations and scales: bfloat16, float16 or float32 (bf16, f16, f32).
     #[arg(long, default_value = "bfloat16")]
     dtype: String,
     /// Weight shapes, `OUTPUTxINPUT`, comma-separated.
@@ -42,12 +42,7 @@ fn parse_shape(s: &str) -> Result<(i32, i32)> {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let dtype = match a.dtype.as_str() {
-        "bfloat16" | "bf16" => Dtype::Bfloat16,
-        "float16" | "fp16" | "f16" => Dtype::Float16,
-        "float32" | "fp32" | "f32" => Dtype::Float32,
-        other => bail!("--dtype: `{other}` is not bfloat16, float16 or float32"),
-    };
+    let dtype = parse_dtype(&a.dtype).context("--dtype")?;
     if !matches!(a.bits, 4 | 8) || !matches!(a.group_size, 32 | 64 | 128) {
         bail!("--bits must be 4 or 8 and --group-size 32, 64 or 128");
     }

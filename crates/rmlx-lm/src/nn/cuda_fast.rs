@@ -11,8 +11,10 @@ use rmlx::fast::{cuda_kernel, gpu_backend, CustomKernel, GpuBackend, KernelLaunc
 use rmlx::{Array, DeviceType, Dtype, Result};
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::mem::ManuallyDrop;
 use std::sync::LazyLock;
+use std::thread::LocalKey;
 
 /// One block per (head, sequence), one thread per rotated pair `(i, i + D/2)` (whole warps: the
 /// threads past the pairs only take part in the sum of squares). Query and key heads
@@ -105,8 +107,7 @@ pub fn qkv_heads(
     rotation: &Rotation,
 ) -> Result<Option<[Array; 3]>> {
     let dtype = y.dtype();
-    let serves = rmlx::current_device().kind == DeviceType::Gpu
-        && gpu_backend() == Some(GpuBackend::Cuda)
+    let serves = on_cuda()
         && !training()
         && !y.is_tracer()
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
@@ -129,16 +130,7 @@ pub fn qkv_heads(
     };
     let inputs = [y.clone(), qw, kw, rotation.divisors.clone(), rotation.positions.astype(Dtype::Int32)?, params];
     let shape = KernelShape { heads, kv_heads, head_dim, norm: norms.is_some(), per_row };
-    // Called through a compiled function: MLX then replays the traced kernel node instead of
-    // assembling the kernel's source and signature on every call.
-    let out = COMPILED.with(|c| {
-        let mut c = c.borrow_mut();
-        let f = c.entry(shape).or_insert_with(|| {
-            let options = CompileOptions { shapeless: false, name: Some("qkv heads".into()) };
-            ManuallyDrop::new(compile_with(move |x: &[Array]| launch(x, shape), options))
-        });
-        f.call(&inputs)
-    })?;
+    let out = call_compiled(&COMPILED, shape, "qkv heads", launch, &inputs)?;
     Ok(Some(out.try_into().expect("three outputs")))
 }
 
@@ -171,6 +163,34 @@ fn launch(inputs: &[Array], s: KernelShape) -> Result<Vec<Array>> {
 }
 
 thread_local! {
-    /// Kept for the thread's life, as `nn::gated` keeps its functions.
-    static COMPILED: RefCell<HashMap<KernelShape, ManuallyDrop<Compiled>>> = RefCell::new(HashMap::new());
+    static COMPILED: CompiledKernels<KernelShape> = RefCell::new(HashMap::new());
+}
+
+/// Whether work placed now runs on MLX's CUDA backend.
+pub(super) fn on_cuda() -> bool {
+    rmlx::current_device().kind == DeviceType::Gpu && gpu_backend() == Some(GpuBackend::Cuda)
+}
+
+/// One thread's compiled kernel calls, one per kernel instance (kept for the thread's life, as
+/// `nn::gated` keeps its functions).
+pub(super) type CompiledKernels<K> = RefCell<HashMap<K, ManuallyDrop<Compiled>>>;
+
+/// Runs `launch(inputs, key)` through a function compiled once per `key` and thread: MLX then
+/// replays the traced kernel node instead of assembling the kernel's source and signature on
+/// every call.
+pub(super) fn call_compiled<K: Copy + Eq + Hash + Send + Sync + 'static>(
+    cache: &'static LocalKey<CompiledKernels<K>>,
+    key: K,
+    name: &str,
+    launch: fn(&[Array], K) -> Result<Vec<Array>>,
+    inputs: &[Array],
+) -> Result<Vec<Array>> {
+    cache.with(|c| {
+        let mut c = c.borrow_mut();
+        let f = c.entry(key).or_insert_with(|| {
+            let options = CompileOptions { shapeless: false, name: Some(name.into()) };
+            ManuallyDrop::new(compile_with(move |x: &[Array]| launch(x, key), options))
+        });
+        f.call(inputs)
+    })
 }

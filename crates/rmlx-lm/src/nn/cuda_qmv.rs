@@ -15,14 +15,13 @@
 //! through warp shuffles, and the warps that split a row's inputs through shared memory. GGUF Q4_0/Q4_1/Q8_0 weights arrive in the same layout
 //! (`gguf::to_mlx`) and take the same kernel.
 
+use super::cuda_fast::{call_compiled, on_cuda, CompiledKernels};
 use super::training;
-use rmlx::compile::{compile_with, CompileOptions, Compiled};
-use rmlx::fast::{cuda_kernel, gpu_backend, CustomKernel, GpuBackend, KernelLaunch, TemplateArg};
+use rmlx::fast::{cuda_kernel, CustomKernel, KernelLaunch, TemplateArg};
 use rmlx::quantization::{QuantMode, Quantized};
-use rmlx::{Array, DeviceType, Dtype, Result};
+use rmlx::{Array, Dtype, Result};
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::mem::ManuallyDrop;
 use std::sync::LazyLock;
 
 /// The most rows of `x` the kernel takes (more: MLX's quantised matmul, made for them).
@@ -254,16 +253,7 @@ pub fn matvec_kernel(x: &Array, q: &Quantized) -> Result<Option<Array>> {
     let biases = q.biases.as_ref().expect("checked by serves");
     let x2 = x.reshape(&[shape.rows, shape.input])?;
     let inputs = [x2, q.weight.clone(), q.scales.clone(), biases.clone()];
-    // Called through a compiled function, as `cuda_fast::qkv_heads` is: MLX replays the traced
-    // kernel node instead of assembling the kernel's source and signature on every call.
-    let y = COMPILED.with(|c| {
-        let mut c = c.borrow_mut();
-        let f = c.entry(shape).or_insert_with(|| {
-            let options = CompileOptions { shapeless: false, name: Some("quantized matvec".into()) };
-            ManuallyDrop::new(compile_with(move |a: &[Array]| launch(a, shape), options))
-        });
-        f.call(&inputs)
-    })?;
+    let y = call_compiled(&COMPILED, shape, "quantized matvec", launch, &inputs)?;
     let mut out_shape = x.shape().to_vec();
     *out_shape.last_mut().expect("checked by serves") = shape.output;
     Ok(Some(y[0].reshape(&out_shape)?))
@@ -277,8 +267,7 @@ fn serves(x: &Array, q: &Quantized) -> Option<Shape> {
     let input = *xs.last()?;
     let rows: i32 = xs[..xs.len() - 1].iter().product();
     let per_word = 32 / q.bits.max(1);
-    let on_cuda = rmlx::current_device().kind == DeviceType::Gpu && gpu_backend() == Some(GpuBackend::Cuda);
-    let fits = on_cuda
+    let fits = on_cuda()
         && !training()
         && !x.is_tracer()
         && q.mode == QuantMode::Affine
@@ -316,6 +305,5 @@ fn launch(inputs: &[Array], s: Shape) -> Result<Vec<Array>> {
 }
 
 thread_local! {
-    /// Kept for the thread's life, as `nn::gated` keeps its functions.
-    static COMPILED: RefCell<HashMap<Shape, ManuallyDrop<Compiled>>> = RefCell::new(HashMap::new());
+    static COMPILED: CompiledKernels<Shape> = RefCell::new(HashMap::new());
 }
