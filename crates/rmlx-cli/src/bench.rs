@@ -88,7 +88,7 @@ pub fn run(a: Args) -> Result<()> {
                 "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
                 "floor_tok_s": (floor.tokens_per_second() * 10.0).round() / 10.0,
                 "floor_fraction": (floor.fraction(decode) * 1e4).round() / 1e4,
-                "token_ids": runs[0].2,
+                "token_ids": runs[0].2, "runs_identical": runs.iter().all(|r| r.2 == runs[0].2),
                 "profile": profile.as_ref().map(|p| serde_json::json!({"steps": p.steps,
                     "build_us": p.build_us.round(), "launch_us": p.launch_us.round(), "wait_us": p.wait_us.round(),
                     "operations": p.operation_count(), "operations_by_kind": p.operations}))})

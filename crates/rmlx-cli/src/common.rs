@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use rmlx::Dtype;
 use rmlx_lm::backend::{Backend, BackendChoice, LanguageModel};
+use rmlx_lm::nn::QuantizedMatvec;
 use rmlx_lm::sample::SamplerConfig;
 use rmlx_lm::{LoadOptions, LoadedModel};
 use std::path::PathBuf;
@@ -32,6 +33,15 @@ pub struct ModelArgs {
     /// `rmlx lora`, where they are written (default: ./adapters).
     #[arg(long)]
     pub adapter_path: Option<PathBuf>,
+    /// The matrix-vector product of quantised weights when decoding on an NVIDIA GPU: `large`
+    /// (rmlx's kernel for weights of 16 MiB and more, MLX's below), `rmlx` (rmlx's kernel for all)
+    /// or `mlx` (MLX's quantized_matmul for all)
+    #[arg(long, default_value = "large", value_parser = parse_matvec)]
+    pub quantized_matvec: QuantizedMatvec,
+}
+
+fn parse_matvec(s: &str) -> Result<QuantizedMatvec> {
+    Ok(s.parse()?)
 }
 
 /// Parses a dtype name.
@@ -93,6 +103,7 @@ impl ModelArgs {
             ("--dtype", self.dtype.is_some()),
             ("--keep-quantized", self.keep_quantized),
             ("--dequantize", self.dequantize),
+            ("--quantized-matvec", self.quantized_matvec != QuantizedMatvec::default()),
         ];
         if let Some((flag, _)) = native_only.iter().find(|(_, set)| *set) {
             let by = match &choice {
@@ -115,6 +126,7 @@ impl ModelArgs {
             },
             progress: true,
             allow_missing_tokenizer,
+            quantized_matvec: self.quantized_matvec,
         })
     }
 

@@ -187,10 +187,7 @@ pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dty
                 .map(|i| {
                     let q = &weights[i % copies];
                     if layer {
-                        match crate::nn::cuda_qmv::matvec_kernel(&x, q)? {
-                            Some(y) => Ok(y),
-                            None => crate::nn::quantized_product(&x, q),
-                        }
+                        crate::nn::quantized_product(&x, q, true)
                     } else {
                         Ok(quantized_matmul(&x, q, true)?)
                     }

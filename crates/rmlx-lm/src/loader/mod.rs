@@ -37,6 +37,9 @@ pub struct LoadOptions {
     /// Load a folder without tokenizer.json, with a placeholder tokenizer whose tokens are `<id>`
     /// (benchmarks of random-weight checkpoints).
     pub allow_missing_tokenizer: bool,
+    /// Which product decoding takes for quantised weights on MLX's CUDA backend (default: rmlx's
+    /// kernel for large weights).
+    pub quantized_matvec: crate::nn::QuantizedMatvec,
 }
 
 /// A model ready to generate with.
@@ -118,6 +121,7 @@ pub(super) fn finish(
     crate::checkpoint::check_layers(&cfg, &weights, source)?;
     let mut b = Builder::new(weights, dtype, opts.dequantize == Some(true));
     b.dequantize_unserved = opts.dequantize.is_none() && on_cpu;
+    b.quantized_matvec = opts.quantized_matvec;
     let model = models::build(&cfg, &mut b)?;
     let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
     crate::checkpoint::warn_unused(&unused_tensors, source);

@@ -2,11 +2,10 @@
 //! `x` (decoding, small batches) and `W` in MLX's affine layout, 4 or 8 bits.
 //!
 //! A decoding step of a 4-bit model reads its weights once; MLX's CUDA `quantized_matmul` reads
-//! them at a fraction of the memory bandwidth. [`matvec_kernel`] reads them faster (BENCHMARKS.md),
-//! but quantised layers do not take it yet: decoding with it on weights of 16 MiB and more gave
-//! different greedy tokens from run to run on random-weight 8B checkpoints (unexplained; the
-//! kernel's own tests compare values, not repeatability), and on every weight it made small models
-//! slower (MLX's host work per custom kernel). `rmlx bench-kernels` measures it. Each
+//! them at a fraction of the memory bandwidth. [`matvec_kernel`] reads them faster (BENCHMARKS.md);
+//! quantised layers take it for the weights [`super::QuantizedMatvec`] names (by default those of
+//! 16 MiB and more: MLX spends more host time on a custom kernel than on its own product, which
+//! small matrices do not earn back). `rmlx bench-kernels` measures it. Each
 //! warp owns `R` output rows: every lane reads 16 bytes of each row per step (32 values at 4 bits,
 //! 16 at 8, always inside one quantisation group), unpacks each value `q` into the top of a float's
 //! mantissa (`1 + q/2^bits`, a shift and a mask: no integer-to-float conversion), and keeps per

@@ -15,6 +15,7 @@ mod grad_checkpoint;
 mod head;
 mod lora;
 mod module;
+mod quantized_matvec;
 mod stacked;
 
 pub use adapter_bank::{with_row_adapters, AdapterBank};
@@ -24,6 +25,7 @@ pub use head::Head;
 pub use lora::{training, with_dropout_key, with_training, Lora};
 pub use module::{join, Module, ModuleExt, Role};
 pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
+pub use quantized_matvec::QuantizedMatvec;
 pub use stacked::Stacked;
 
 use crate::weights::{Weight, Weights};
@@ -42,6 +44,8 @@ pub struct Linear {
     /// The layer's name in the checkpoint (`model.layers.0.self_attn.q_proj`): where an
     /// [`AdapterBank`] finds its adapters.
     path: std::sync::Arc<str>,
+    /// Whether decoding products take rmlx's CUDA kernel ([`QuantizedMatvec`]).
+    own_matvec: bool,
 }
 
 #[derive(Clone)]
@@ -60,7 +64,7 @@ impl Linear {
         let mut y = match &self.weight {
             LinearWeight::Dense { wt, .. } => x.matmul(wt)?,
             LinearWeight::Quantized(q) if training() => dequantized_matmul(x, q)?,
-            LinearWeight::Quantized(q) => quantized_product(x, q)?,
+            LinearWeight::Quantized(q) => quantized_product(x, q, self.own_matvec)?,
         };
         if let Some(z) = adapter_bank::row_adapters(&self.path, x)? {
             y = (&y + z)?;
@@ -83,12 +87,20 @@ impl Linear {
 
     /// A layer of `(in, out)` features named `path`, without an adapter, over a weight as the
     /// [`Builder`] hands it out.
-    fn built(weight: Weight, bias: Option<Array>, (input, output): (i32, i32), path: &str) -> Result<Linear> {
+    /// `matvec` decides whether a quantised weight takes rmlx's decoding kernel.
+    fn built(
+        weight: Weight,
+        bias: Option<Array>,
+        (input, output): (i32, i32),
+        path: &str,
+        matvec: QuantizedMatvec,
+    ) -> Result<Linear> {
+        let own_matvec = own_matvec(&weight, matvec);
         let weight = match weight {
             Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
             Weight::Quantized(q) => LinearWeight::Quantized(q),
         };
-        Ok(Linear { weight, bias, lora: None, input, output, path: path.into() })
+        Ok(Linear { weight, bias, lora: None, input, output, path: path.into(), own_matvec })
     }
 
     /// The base weight `[out, in]`, dequantised if it is quantised.
@@ -217,6 +229,8 @@ fn visit_quantized(prefix: &str, role: Role, q: &Quantized, f: &mut dyn FnMut(&s
 /// the checkpoint ties them.
 #[derive(Clone)]
 pub struct Embedding {
+    /// Whether the tied head's decoding products take rmlx's CUDA kernel ([`QuantizedMatvec`]).
+    own_matvec: bool,
     weight: Weight,
     dtype: Dtype,
 }
@@ -235,18 +249,30 @@ impl Embedding {
         match &self.weight {
             Weight::Dense(w) => Ok(x.matmul(&w.transpose()?)?),
             Weight::Quantized(q) if training() => dequantized_matmul(x, q),
-            Weight::Quantized(q) => quantized_product(x, q),
+            Weight::Quantized(q) => quantized_product(x, q, self.own_matvec),
         }
+    }
+}
+
+/// Whether `w`, if quantised, takes rmlx's decoding kernel under `matvec`.
+fn own_matvec(w: &Weight, matvec: QuantizedMatvec) -> bool {
+    match w {
+        Weight::Quantized(q) => matvec.takes_kernel(q.weight.nbytes()),
+        Weight::Dense(_) => false,
     }
 }
 
 /// `x Wᵀ` for a quantised `W` outside training. On the CPU, MLX's quantised product is slow (one
 /// thread, no SIMD): affine 4- and 8-bit products go through [`cpu_qmm`], others through `W`
-/// dequantised and a BLAS product. Elsewhere, MLX's quantised product. (rmlx's CUDA kernel,
-/// [`cuda_qmv`], is not taken here yet: decoding with it gave different greedy tokens from run to
-/// run on random-weight 8B checkpoints, unexplained so far; see BENCHMARKS.md.)
-pub(crate) fn quantized_product(x: &Array, q: &Quantized) -> Result<Array> {
+/// dequantised and a BLAS product. On MLX's CUDA backend, a few rows go through rmlx's kernel
+/// ([`cuda_qmv`]) when `own_kernel` and it serves the layout. Elsewhere, MLX's quantised product.
+pub(crate) fn quantized_product(x: &Array, q: &Quantized, own_kernel: bool) -> Result<Array> {
     if rmlx::current_device().kind != DeviceType::Cpu {
+        if own_kernel {
+            if let Some(y) = cuda_qmv::matvec_kernel(x, q)? {
+                return Ok(y);
+            }
+        }
         return Ok(quantized_matmul(x, q, true)?);
     }
     // rmlx's CPU products have no derivatives: traced transforms keep MLX's operations.
@@ -374,6 +400,8 @@ pub struct Builder {
     /// Dequantise at load the quantised matrices rmlx's CPU products do not take
     /// (`cpu_qmm::serves`), keeping the others quantised.
     pub dequantize_unserved: bool,
+    /// Which product decoding takes for quantised weights on MLX's CUDA backend.
+    pub quantized_matvec: QuantizedMatvec,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
     /// Parameters handed out so far (logical elements: quantised matrices count unpacked).
@@ -391,6 +419,7 @@ impl Builder {
             dtype,
             dequantize,
             dequantize_unserved: false,
+            quantized_matvec: QuantizedMatvec::default(),
             built: Vec::new(),
             parameters: 0,
             quantized_kept: 0,
@@ -495,13 +524,13 @@ impl Builder {
     pub fn linear(&mut self, prefix: &str, input: i32, output: i32, bias: bool) -> Result<Linear> {
         let weight = self.checked(&format!("{prefix}.weight"), &[output, input])?;
         let bias = if bias { Some(self.dense(&format!("{prefix}.bias"), &[output])?) } else { None };
-        Linear::built(weight, bias, (input, output), prefix)
+        Linear::built(weight, bias, (input, output), prefix, self.quantized_matvec)
     }
 
     /// `prefix.weight` `[vocab, hidden]`.
     pub fn embedding(&mut self, prefix: &str, vocab: i32, hidden: i32) -> Result<Embedding> {
         let weight = self.checked(&format!("{prefix}.weight"), &[vocab, hidden])?;
-        Ok(Embedding { weight, dtype: self.dtype })
+        Ok(Embedding { own_matvec: own_matvec(&weight, self.quantized_matvec), weight, dtype: self.dtype })
     }
 
     /// `prefix.weight` `[dim]` as an RMSNorm; `plus_one` stores `1 + w` (Gemma's parametrisation),

@@ -125,3 +125,51 @@ fn leaves_the_rest_to_mlx() {
         traced(std::slice::from_ref(&x)).unwrap();
     })
 }
+
+/// Quantised fixtures (4-bit layers, an 8-bit tied embedding and down projection) decoded one
+/// token at a time in float32 with every quantised product on rmlx's kernel: the step's graph
+/// has no MLX quantised product left, and each position's logits and the greedy tokens are
+/// transformers' (computed from the dequantised weights), as with MLX's product.
+#[test]
+fn quantised_models_decode_through_the_kernel() {
+    use super::common::{fixture_with_tokenizer, floats, ids, reference, tf32};
+    use crate::nn::QuantizedMatvec;
+    use crate::{GenerateOptions, LoadOptions};
+    if !cuda() {
+        return;
+    }
+    rmlx::with_device(Device::gpu(), || {
+        for name in ["llama_gqa_q4", "qwen3_q4"] {
+            let dir = fixture_with_tokenizer(name);
+            let r = reference(name);
+            let prompt = ids(&r["prompt_ids"]);
+            let tolerance = r["tolerance"][if tf32() { "float32_tf32" } else { "float32" }].as_f64().unwrap() as f32;
+            let vocab = r["logits"][0].as_array().unwrap().len();
+            let want = floats(&r["logits"]);
+            for matvec in [QuantizedMatvec::Rmlx, QuantizedMatvec::Mlx] {
+                let what = format!("{name}, {matvec:?}");
+                let opts = LoadOptions {
+                    dtype: Some(Dtype::Float32),
+                    dequantize: Some(false),
+                    quantized_matvec: matvec,
+                    ..LoadOptions::default()
+                };
+                let lm = crate::loader::load(dir.path(), &opts).unwrap();
+                let census = crate::profile::decode_steps(&lm, &prompt, 1).unwrap().operations;
+                let mlx_products = census.get("QuantizedMatmul").copied().unwrap_or(0);
+                assert_eq!(mlx_products == 0, matvec == QuantizedMatvec::Rmlx, "{what}: {census:?}");
+                let mut caches = lm.model.new_caches(None);
+                for (position, &t) in prompt.iter().enumerate() {
+                    let x = Array::from_slice(&[t as i32], &[1, 1]).unwrap();
+                    let got = values(&lm.model.forward(&x, &mut caches).unwrap());
+                    let want = &want[position * vocab..(position + 1) * vocab];
+                    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(diff <= tolerance, "{what}, position {position}: max |Δlogit| {diff}");
+                }
+                let opts = GenerateOptions { max_tokens: 12, ignore_eos: true, ..GenerateOptions::default() };
+                let greedy: Vec<u32> = lm.generate(&prompt, &opts).unwrap().map(|t| t.unwrap().id).collect();
+                assert_eq!(greedy, ids(&r["greedy"]), "{what}: greedy tokens");
+            }
+        }
+    })
+}
