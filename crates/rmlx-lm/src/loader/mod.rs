@@ -122,7 +122,6 @@ pub(super) fn finish(
     let mut b = Builder::new(weights, dtype, opts.dequantize == Some(true));
     b.dequantize_unserved = opts.dequantize.is_none() && on_cpu;
     b.quantized_matvec = opts.quantized_matvec;
-    b.half_scales = on_cpu;
     let model = models::build(&cfg, &mut b)?;
     let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
     crate::checkpoint::warn_unused(&unused_tensors, source);

@@ -46,8 +46,6 @@ pub struct Linear {
     path: std::sync::Arc<str>,
     /// Whether decoding products take rmlx's CUDA kernel ([`QuantizedMatvec`]).
     own_matvec: bool,
-    /// The compute dtype (a quantised weight's scales may be narrower: [`Builder::half_scales`]).
-    dtype: Dtype,
 }
 
 #[derive(Clone)]
@@ -89,28 +87,27 @@ impl Linear {
 
     /// A layer of `(in, out)` features named `path`, without an adapter, over a weight as the
     /// [`Builder`] hands it out.
-    /// `matvec` decides whether a quantised weight takes rmlx's decoding kernel; `dtype` is the
-    /// compute dtype.
+    /// `matvec` decides whether a quantised weight takes rmlx's decoding kernel.
     fn built(
         weight: Weight,
         bias: Option<Array>,
         (input, output): (i32, i32),
         path: &str,
-        (dtype, matvec): (Dtype, QuantizedMatvec),
+        matvec: QuantizedMatvec,
     ) -> Result<Linear> {
         let own_matvec = own_matvec(&weight, matvec);
         let weight = match weight {
             Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
             Weight::Quantized(q) => LinearWeight::Quantized(q),
         };
-        Ok(Linear { weight, bias, lora: None, input, output, path: path.into(), own_matvec, dtype })
+        Ok(Linear { weight, bias, lora: None, input, output, path: path.into(), own_matvec })
     }
 
     /// The base weight `[out, in]`, dequantised if it is quantised.
     fn dense_weight(&self) -> Result<Array> {
         Ok(match &self.weight {
             LinearWeight::Dense { w, .. } => w.clone(),
-            LinearWeight::Quantized(q) => dequantize_to(q, self.dtype)?,
+            LinearWeight::Quantized(q) => dequantize(q, Some(q.scales.dtype()))?,
         })
     }
 
@@ -287,7 +284,7 @@ pub(crate) fn quantized_product(x: &Array, q: &Quantized, own_kernel: bool) -> R
     // MLX's CPU products of half types do not go through BLAS: those run in float32.
     let dtype = x.dtype();
     let wide = if dtype == Dtype::Float64 { dtype } else { Dtype::Float32 };
-    let y = x.astype(wide)?.matmul(&dequantize_to(q, wide)?.transpose()?)?;
+    let y = x.astype(wide)?.matmul(&dequantize(q, Some(wide))?.transpose()?)?;
     Ok(y.astype(dtype)?)
 }
 
@@ -302,11 +299,11 @@ fn dequantized_matmul(x: &Array, q: &Quantized) -> Result<Array> {
     let (forward_q, backward_q) = (q.clone(), q.clone());
     let f = rmlx::transforms::CustomFunction::new(move |inputs: &[Array]| {
         let x = &inputs[0];
-        Ok(vec![x.matmul(&dequantize_to(&forward_q, x.dtype())?.transpose()?)?])
+        Ok(vec![x.matmul(&dequantize(&forward_q, Some(x.dtype()))?.transpose()?)?])
     })
     .vjp(move |_primals: &[Array], cotangents: &[Array], _outputs: &[Array]| {
         let g = &cotangents[0];
-        Ok(vec![g.matmul(&dequantize_to(&backward_q, g.dtype())?)?])
+        Ok(vec![g.matmul(&dequantize(&backward_q, Some(g.dtype()))?)?])
     })
     .build();
     Ok(f.call(std::slice::from_ref(x))?.remove(0))
@@ -320,21 +317,7 @@ fn quantized_rows(q: &Quantized, ids: &Array, dtype: Dtype) -> Result<Array> {
         biases: q.biases.as_ref().map(|b| b.take(ids, Some(0))).transpose()?,
         ..q.clone()
     };
-    Ok(dequantize_to(&rows, dtype)?)
-}
-
-/// `q` dequantised to `dtype`, computed in `dtype`. MLX dequantises in the dtype of the scales,
-/// which may be narrower than the compute dtype ([`Builder::half_scales`]): they are widened first.
-pub(crate) fn dequantize_to(q: &Quantized, dtype: Dtype) -> rmlx::Result<Array> {
-    if q.scales.dtype() == dtype {
-        return dequantize(q, Some(dtype));
-    }
-    let wide = Quantized {
-        scales: q.scales.astype(dtype)?,
-        biases: q.biases.as_ref().map(|b| b.astype(dtype)).transpose()?,
-        ..q.clone()
-    };
-    dequantize(&wide, Some(dtype))
+    Ok(dequantize(&rows, Some(dtype))?)
 }
 
 impl Module for Embedding {
@@ -419,12 +402,6 @@ pub struct Builder {
     pub dequantize_unserved: bool,
     /// Which product decoding takes for quantised weights on MLX's CUDA backend.
     pub quantized_matvec: QuantizedMatvec,
-    /// Keep half-precision (float16, bfloat16) scales and biases of the quantised matrices kept
-    /// packed as they are when the compute dtype is float32, instead of widening them: float32
-    /// holds them exactly, rmlx's CPU products read either type, and a 4-bit matrix in groups of
-    /// 32 then reads 20 bytes a group instead of 24. Only for the CPU (MLX's CUDA products widen
-    /// narrower scales in every call).
-    pub half_scales: bool,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
     /// Parameters handed out so far (logical elements: quantised matrices count unpacked).
@@ -443,17 +420,11 @@ impl Builder {
             dequantize,
             dequantize_unserved: false,
             quantized_matvec: QuantizedMatvec::default(),
-            half_scales: false,
             built: Vec::new(),
             parameters: 0,
             quantized_kept: 0,
             quantized_dequantized: 0,
         }
-    }
-
-    /// What every linear layer is built with: the compute dtype and the decoding product.
-    fn layer_settings(&self) -> (Dtype, QuantizedMatvec) {
-        (self.dtype, self.quantized_matvec)
     }
 
     /// The arrays of the layers built so far, emptying the list.
@@ -524,23 +495,15 @@ impl Builder {
         Ok(match w {
             Weight::Dense(a) => Weight::Dense(a.astype(self.dtype)?),
             Weight::Quantized(q) => {
-                let dequantize = self.dequantize || (self.dequantize_unserved && !cpu_qmm::serves(&q));
-                let half = |a: &Array| matches!(a.dtype(), Dtype::Float16 | Dtype::Bfloat16);
-                let keep_half = self.half_scales
-                    && !dequantize
-                    && self.dtype == Dtype::Float32
-                    && half(&q.scales)
-                    && q.biases.as_ref().is_some_and(|b| b.dtype() == q.scales.dtype());
                 // Scales and biases first (MLX dequantises in their dtype).
-                let scales_dtype = if keep_half { q.scales.dtype() } else { self.dtype };
                 let q = Quantized {
-                    scales: q.scales.astype(scales_dtype)?,
-                    biases: q.biases.map(|b| b.astype(scales_dtype)).transpose()?,
+                    scales: q.scales.astype(self.dtype)?,
+                    biases: q.biases.map(|b| b.astype(self.dtype)).transpose()?,
                     ..q
                 };
-                if dequantize {
+                if self.dequantize || (self.dequantize_unserved && !cpu_qmm::serves(&q)) {
                     self.quantized_dequantized += 1;
-                    Weight::Dense(dequantize_to(&q, self.dtype)?)
+                    Weight::Dense(dequantize(&q, Some(self.dtype))?)
                 } else {
                     self.quantized_kept += 1;
                     Weight::Quantized(q)
@@ -553,7 +516,7 @@ impl Builder {
     pub fn dense(&mut self, name: &str, shape: &[i32]) -> Result<Array> {
         match self.checked(name, shape)? {
             Weight::Dense(a) => Ok(a),
-            Weight::Quantized(q) => Ok(dequantize_to(&q, self.dtype)?),
+            Weight::Quantized(q) => Ok(dequantize(&q, Some(self.dtype))?),
         }
     }
 
@@ -561,7 +524,7 @@ impl Builder {
     pub fn linear(&mut self, prefix: &str, input: i32, output: i32, bias: bool) -> Result<Linear> {
         let weight = self.checked(&format!("{prefix}.weight"), &[output, input])?;
         let bias = if bias { Some(self.dense(&format!("{prefix}.bias"), &[output])?) } else { None };
-        Linear::built(weight, bias, (input, output), prefix, self.layer_settings())
+        Linear::built(weight, bias, (input, output), prefix, self.quantized_matvec)
     }
 
     /// `prefix.weight` `[vocab, hidden]`.

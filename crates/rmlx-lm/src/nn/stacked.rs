@@ -71,7 +71,7 @@ impl Builder {
                 let b = self.take_shaped(&format!("{p}.bias"), &[out])?;
                 biases.push(match self.converted(b)? {
                     Weight::Dense(b) => b,
-                    Weight::Quantized(q) => super::dequantize_to(&q, self.dtype)?,
+                    Weight::Quantized(q) => rmlx::quantization::dequantize(&q, Some(self.dtype))?,
                 });
             }
         }
@@ -80,7 +80,7 @@ impl Builder {
             for (i, w) in weights.into_iter().enumerate() {
                 let w = self.record(w);
                 let b = biases.get(i).map(|b| self.record_dense(b.clone()));
-                layers.push(Linear::built(w, b, (input, outputs[i]), prefixes[i], self.layer_settings())?);
+                layers.push(Linear::built(w, b, (input, outputs[i]), prefixes[i], self.quantized_matvec)?);
             }
             return Ok((layers, None));
         };
@@ -95,11 +95,11 @@ impl Builder {
             let end = start + out;
             let w = rows(&stacked, start, end)?;
             let b = stacked_bias.as_ref().map(|b| ops::slice(b, &[start], &[end], &[1])).transpose()?;
-            layers.push(Linear::built(w, b, (input, out), p, self.layer_settings())?);
+            layers.push(Linear::built(w, b, (input, out), p, self.quantized_matvec)?);
             start = end;
         }
         let weight_ids = layers.iter().map(Linear::weight_id).collect();
-        let linear = Linear::built(stacked, stacked_bias, (input, start), &prefixes.join("+"), self.layer_settings())?;
+        let linear = Linear::built(stacked, stacked_bias, (input, start), &prefixes.join("+"), self.quantized_matvec)?;
         Ok((layers, Some(Stacked { linear, weight_ids })))
     }
 }

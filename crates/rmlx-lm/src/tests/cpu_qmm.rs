@@ -140,33 +140,3 @@ fn half_rows_take_the_integer_form() {
         assert!(y[n as usize..].iter().all(|v| v.is_finite()), "{y:?}");
     })
 }
-
-/// Float32 rows with half-precision scales and biases (what a float32 model keeps on the CPU:
-/// `nn::Builder::half_scales`) give exactly what the same scales widened to float32 give, in every
-/// form: a few rows, a prompt's panel, the parallel head-sized product.
-#[test]
-fn half_scales_with_float32_rows_equal_widened_ones() {
-    rmlx::with_device(rmlx::Device::cpu(), || {
-        let key = random::key(11).unwrap();
-        for (n, k, bits, group) in [(70, 256, 4, 32), (70, 256, 8, 64), (4100, 1024, 4, 32)] {
-            let w = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap();
-            for half in [Dtype::Float16, Dtype::Bfloat16] {
-                let q = quantize(&w.astype(half).unwrap(), group, bits, QuantMode::Affine).unwrap();
-                assert_eq!(q.scales.dtype(), half);
-                let wide = rmlx::quantization::Quantized {
-                    scales: q.scales.astype(Dtype::Float32).unwrap(),
-                    biases: q.biases.as_ref().map(|b| b.astype(Dtype::Float32).unwrap()),
-                    ..q.clone()
-                };
-                for rows in [1, CPU_QMM_MAX_ROWS as i32, 13] {
-                    let x = random::normal(&[rows, k], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
-                    let got = cpu_quantized_matmul(&x, &q).unwrap().expect("applies");
-                    let want = cpu_quantized_matmul(&x, &wide).unwrap().expect("applies");
-                    assert_eq!(got.dtype(), Dtype::Float32);
-                    let (got, want) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
-                    assert!(got == want, "{n}x{k}, {bits} bits, group {group}, {half:?} scales, {rows} rows");
-                }
-            }
-        }
-    })
-}

@@ -9,7 +9,7 @@
 use crate::config::Architecture;
 use crate::nn::Role;
 use crate::{Error, LoadedModel, Result};
-use rmlx::quantization::{QuantMode, Quantized};
+use rmlx::quantization::{dequantize, QuantMode, Quantized};
 use rmlx::{Array, Dtype};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -90,7 +90,7 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
             mode: QuantMode::Affine,
             scales: scales.clone(),
         };
-        out.insert(name, crate::nn::dequantize_to(&q, lm.dtype)?);
+        out.insert(name, dequantize(&q, Some(scales.dtype()))?);
         quantized = true;
     }
     Ok((out, adapted.len(), quantized))
