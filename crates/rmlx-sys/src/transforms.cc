@@ -332,6 +332,20 @@ VecPtr custom_kernel(const KernelSpec& spec, const ArrayVec& inputs, rust::Slice
   return to_vec(launch(spec, inputs, shapes_of(outputs), dtypes_of(outputs), detail::stream_of(s)));
 }
 
+std::unique_ptr<PreparedKernel> prepare_kernel(const KernelSpec& spec, const ArrayVec& inputs,
+                                               rust::Slice<const ShapeDtype> outputs, StreamSpec s) {
+  auto shapes = shapes_of(outputs);
+  auto dtypes = dtypes_of(outputs);
+  // MLX's kernel function assembles the source and makes the primitive; the arrays made here are
+  // never evaluated.
+  auto staged = launch(spec, inputs, shapes, dtypes, detail::stream_of(s));
+  return std::make_unique<PreparedKernel>(PreparedKernel{staged[0].primitive_ptr(), shapes, dtypes});
+}
+
+VecPtr call_prepared(const PreparedKernel& kernel, const ArrayVec& inputs) {
+  return to_vec(mx::array::make_arrays(kernel.shapes, kernel.dtypes, kernel.primitive, inputs));
+}
+
 VecPtr custom_primitive(rust::Box<OpBox> op, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,
                         StreamSpec s) {
   auto stream = mx::to_stream(detail::stream_of(s));

@@ -19,6 +19,14 @@ struct ShapeDtype;
 struct CpuBuffer;
 struct KernelSpec;
 
+// A kernel's primitive made once (for one launch, one stream and inputs of fixed shapes and
+// dtypes), and the outputs every call makes with it.
+struct PreparedKernel {
+  std::shared_ptr<mlx::core::Primitive> primitive;
+  std::vector<mlx::core::Shape> shapes;
+  std::vector<mlx::core::Dtype> dtypes;
+};
+
 // A function over arrays produced by a transform; owns whatever Rust callbacks it calls.
 struct ArrayFunction {
   std::function<std::vector<mlx::core::array>(const std::vector<mlx::core::array>&)> fun;
@@ -46,6 +54,9 @@ void set_eval_caller(size_t token);
 uint8_t gpu_backend();
 VecPtr custom_kernel(const KernelSpec& spec, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,
                      StreamSpec s);
+std::unique_ptr<PreparedKernel> prepare_kernel(const KernelSpec& spec, const ArrayVec& inputs,
+                                               rust::Slice<const ShapeDtype> outputs, StreamSpec s);
+VecPtr call_prepared(const PreparedKernel& kernel, const ArrayVec& inputs);
 VecPtr custom_primitive(rust::Box<OpBox> op, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,
                         StreamSpec s);
 rust::String array_primitive_name(const Array& a);

@@ -121,6 +121,8 @@ pub mod tffi {
         /// A C++ `std::function` over arrays returned by a transform (checkpoint, custom function,
         /// compile).
         type ArrayFunction;
+        /// A kernel's primitive made once for one launch, stream and input layout.
+        type PreparedKernel;
 
         // `s`: the device whose default stream MLX's own ops inside the transform use.
         fn vjp(f: &ArrayFn, primals: &ArrayVec, cotangents: &ArrayVec, s: StreamSpec) -> Result<TransformOut>;
@@ -164,6 +166,13 @@ pub mod tffi {
             outputs: &[ShapeDtype],
             s: StreamSpec,
         ) -> Result<UniquePtr<ArrayVec>>;
+        fn prepare_kernel(
+            spec: &KernelSpec,
+            inputs: &ArrayVec,
+            outputs: &[ShapeDtype],
+            s: StreamSpec,
+        ) -> Result<UniquePtr<PreparedKernel>>;
+        fn call_prepared(kernel: &PreparedKernel, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
         fn custom_primitive(
             op: Box<OpBox>,
             inputs: &ArrayVec,

@@ -7,7 +7,8 @@ use crate::{Array, Result};
 use rmlx_sys::ffi;
 
 pub use crate::kernel::{
-    cuda_kernel, gpu_backend, metal_kernel, CustomKernel, GpuBackend, KernelLaunch, TemplateArg, TensorSpec,
+    cuda_kernel, gpu_backend, metal_kernel, CustomKernel, GpuBackend, KernelLaunch, PreparedKernel, TemplateArg,
+    TensorSpec,
 };
 
 /// `x / sqrt(mean(x², -1) + eps) * weight` over the last axis.

@@ -4,7 +4,9 @@
 //! A [`CustomKernel`] names its inputs and outputs and holds the body of the kernel; MLX writes the
 //! signature (arrays by name, plus `<name>_shape`, `_strides`, `_ndim` when the body uses them) and
 //! compiles it once per name and template instantiation — so give different sources different
-//! names. [`KernelLaunch`] gives the grid (total threads per dimension, rounded up to whole thread
+//! names. A kernel called many times with the same launch and input layout can be made once
+//! ([`CustomKernel::prepare`]): a call then only makes output arrays over the primitive made
+//! once. [`KernelLaunch`] gives the grid (total threads per dimension, rounded up to whole thread
 //! groups: guard the tail), thread group, template arguments and output shapes/dtypes of one call.
 //!
 //! A kernel runs on the backend it was written for. Calling it where that backend is absent (a CUDA
@@ -22,7 +24,12 @@
 //!     .output(&[3], Dtype::Float32)
 //!     .template("N", TemplateArg::Int(3));
 //! match gpu_backend() {
-//!     Some(GpuBackend::Cuda) => assert_eq!(scale.call(&[x], &launch)?[0].to_vec::<f32>()?, vec![2.0, 4.0, 6.0]),
+//!     Some(GpuBackend::Cuda) => {
+//!         assert_eq!(scale.call(&[x.clone()], &launch)?[0].to_vec::<f32>()?, vec![2.0, 4.0, 6.0]);
+//!         // Made once, called many times: no source assembled and hashed per call.
+//!         let prepared = scale.prepare(&[x.clone()], &launch)?;
+//!         assert_eq!(prepared.call(&[x])?[0].to_vec::<f32>()?, vec![2.0, 4.0, 6.0]);
+//!     }
 //!     _ => assert!(matches!(scale.call(&[x], &launch), Err(rmlx::Error::Unsupported(_)))),
 //! }
 //! # Ok::<(), rmlx::Error>(())
@@ -31,6 +38,7 @@
 use crate::array::array_vec;
 use crate::device::{current, current_device, device_spec};
 use crate::{Array, Device, DeviceType, Dtype, Error, Result};
+use rmlx_sys::ffi::StreamSpec;
 use rmlx_sys::tffi::{self, KernelSpec, ShapeDtype};
 
 /// A GPU backend of MLX.
@@ -221,6 +229,35 @@ impl CustomKernel {
     /// Runs the kernel on `inputs` (one per input name) on the GPU: the current stream if it is a
     /// GPU stream, else the GPU's default stream.
     pub fn call(&self, inputs: &[Array], launch: &KernelLaunch) -> Result<Vec<Array>> {
+        self.check_call(inputs)?;
+        let spec = self.spec(launch)?;
+        let outs: Vec<ShapeDtype> = launch.outputs.iter().map(TensorSpec::to_ffi).collect();
+        let v = array_vec(inputs);
+        let out = crate::lock::locked(|| tffi::custom_kernel(&spec, &v, &outs, kernel_stream()))?;
+        Ok(crate::array::from_array_vec(&out))
+    }
+
+    /// The kernel made once for `launch` and for inputs of the shapes and dtypes of `inputs` (the
+    /// kernel does not run on them), on the stream [`CustomKernel::call`] would take now. Each
+    /// [`CustomKernel::call`] has MLX assemble the kernel's source and signature and hash them;
+    /// each [`PreparedKernel::call`] only makes the output arrays over the primitive made here,
+    /// as MLX's own operations do.
+    pub fn prepare(&self, inputs: &[Array], launch: &KernelLaunch) -> Result<PreparedKernel> {
+        self.check_call(inputs)?;
+        let spec = self.spec(launch)?;
+        let outs: Vec<ShapeDtype> = launch.outputs.iter().map(TensorSpec::to_ffi).collect();
+        let (v, stream) = (array_vec(inputs), kernel_stream());
+        let inner = crate::lock::locked(|| tffi::prepare_kernel(&spec, &v, &outs, stream))?;
+        Ok(PreparedKernel {
+            inner,
+            name: self.name.clone(),
+            inputs: inputs.iter().map(TensorSpec::of).collect(),
+            stream,
+        })
+    }
+
+    /// Checks the backend and the number of inputs.
+    fn check_call(&self, inputs: &[Array]) -> Result<()> {
         self.check_backend()?;
         if inputs.len() != self.input_names.len() {
             return Err(Error::InvalidArgument(format!(
@@ -230,11 +267,49 @@ impl CustomKernel {
                 inputs.len()
             )));
         }
-        let spec = self.spec(launch)?;
-        let outs: Vec<ShapeDtype> = launch.outputs.iter().map(TensorSpec::to_ffi).collect();
-        let stream = if current_device().kind == DeviceType::Gpu { current() } else { device_spec(Device::gpu()) };
+        Ok(())
+    }
+}
+
+/// Where a kernel runs: the current stream if it is a GPU stream, else the GPU's default stream.
+fn kernel_stream() -> StreamSpec {
+    if current_device().kind == DeviceType::Gpu {
+        current()
+    } else {
+        device_spec(Device::gpu())
+    }
+}
+
+/// A [`CustomKernel`] made once for one launch, one stream and inputs of fixed shapes and dtypes
+/// ([`CustomKernel::prepare`]), to be called many times.
+pub struct PreparedKernel {
+    inner: rmlx_sys::cxx::UniquePtr<tffi::PreparedKernel>,
+    name: String,
+    inputs: Vec<TensorSpec>,
+    stream: StreamSpec,
+}
+
+impl PreparedKernel {
+    /// Runs the kernel on `inputs`, which must have the shapes and dtypes it was prepared for,
+    /// on the stream it was prepared for (that [`CustomKernel::call`] would take now).
+    pub fn call(&self, inputs: &[Array]) -> Result<Vec<Array>> {
+        let fits = inputs.len() == self.inputs.len()
+            && inputs.iter().zip(&self.inputs).all(|(a, s)| a.dtype() == s.dtype && a.shape() == s.shape.as_slice());
+        if !fits {
+            let got: Vec<TensorSpec> = inputs.iter().map(TensorSpec::of).collect();
+            return Err(Error::InvalidArgument(format!(
+                "kernel `{}` was prepared for inputs {:?}, got {:?}",
+                self.name, self.inputs, got
+            )));
+        }
+        if kernel_stream() != self.stream {
+            return Err(Error::InvalidArgument(format!(
+                "kernel `{}` was prepared for another stream than the current one",
+                self.name
+            )));
+        }
         let v = array_vec(inputs);
-        let out = crate::lock::locked(|| tffi::custom_kernel(&spec, &v, &outs, stream))?;
+        let out = crate::lock::locked(|| tffi::call_prepared(&self.inner, &v))?;
         Ok(crate::array::from_array_vec(&out))
     }
 }

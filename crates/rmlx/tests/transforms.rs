@@ -837,7 +837,56 @@ fn gpu_kernels_without_their_backend_are_unsupported() {
             }
             other => panic!("{name} kernel: expected Unsupported, got {other:?}"),
         }
+        assert!(
+            matches!(kernel.prepare(&[x.clone()], &launch), Err(Error::Unsupported(_))),
+            "{name} kernel: preparing it is unsupported too"
+        );
     }
+}
+
+/// A prepared CUDA kernel computes what the kernel called each time computes, call after call
+/// (each call a new graph node over the same primitive), and refuses inputs of other shapes or
+/// dtypes and another stream; runs only where MLX has its CUDA backend.
+#[test]
+fn prepared_cuda_kernel_repeats_the_kernel() {
+    if fast::gpu_backend() != Some(GpuBackend::Cuda) {
+        eprintln!("skipped: MLX has no CUDA backend here");
+        return;
+    }
+    let kernel = fast::cuda_kernel(
+        "rmlx_test_prepared_axpb",
+        &["x", "b"],
+        &["y"],
+        r#"
+        const int i = static_cast<int>(cg::this_grid().thread_rank());
+        if (i < N) {
+            y[i] = static_cast<T>(A) * x[i] + b[0];
+        }"#,
+    );
+    let launch = KernelLaunch::new([5, 1, 1], [32, 1, 1])
+        .output(&[5], Dtype::Float32)
+        .template("T", TemplateArg::Dtype(Dtype::Float32))
+        .template("N", TemplateArg::Int(5))
+        .template("A", TemplateArg::Int(3));
+    rmlx::with_device(Device::gpu(), || {
+        let b = arr(&[0.5], &[1]);
+        let prepared = kernel.prepare(&[arr(&[0.0; 5], &[5]), b.clone()], &launch).unwrap();
+        for step in 0..4 {
+            let x = arr(&[step as f32, 1.0, -2.0, 4.0, 0.25], &[5]);
+            let want: Vec<f32> = x.to_vec::<f32>().unwrap().iter().map(|v| 3.0 * v + 0.5).collect();
+            let called = kernel.call(&[x.clone(), b.clone()], &launch).unwrap().remove(0);
+            let got = prepared.call(&[x, b.clone()]).unwrap().remove(0);
+            assert_eq!(got.to_vec::<f32>().unwrap(), want, "step {step}");
+            assert_eq!(called.to_vec::<f32>().unwrap(), want, "step {step}");
+        }
+        let wrong_shape = prepared.call(&[arr(&[1.0; 4], &[4]), b.clone()]);
+        assert!(matches!(wrong_shape, Err(Error::InvalidArgument(_))), "{wrong_shape:?}");
+        let wrong_dtype = prepared.call(&[arr(&[1.0; 5], &[5]).astype(Dtype::Float16).unwrap(), b.clone()]);
+        assert!(matches!(wrong_dtype, Err(Error::InvalidArgument(_))), "{wrong_dtype:?}");
+        let other = Device::gpu().new_stream().unwrap();
+        let elsewhere = rmlx::with_stream(other, || prepared.call(&[arr(&[1.0; 5], &[5]), b.clone()]));
+        assert!(matches!(elsewhere, Err(Error::InvalidArgument(_))), "{elsewhere:?}");
+    });
 }
 
 #[test]
