@@ -229,9 +229,7 @@ impl CustomKernel {
     /// Runs the kernel on `inputs` (one per input name) on the GPU: the current stream if it is a
     /// GPU stream, else the GPU's default stream.
     pub fn call(&self, inputs: &[Array], launch: &KernelLaunch) -> Result<Vec<Array>> {
-        self.check_call(inputs)?;
-        let spec = self.spec(launch)?;
-        let outs: Vec<ShapeDtype> = launch.outputs.iter().map(TensorSpec::to_ffi).collect();
+        let (spec, outs) = self.checked_launch(inputs, launch)?;
         let v = array_vec(inputs);
         let out = crate::lock::locked(|| tffi::custom_kernel(&spec, &v, &outs, kernel_stream()))?;
         Ok(crate::array::from_array_vec(&out))
@@ -243,9 +241,7 @@ impl CustomKernel {
     /// each [`PreparedKernel::call`] only makes the output arrays over the primitive made here,
     /// as MLX's own operations do.
     pub fn prepare(&self, inputs: &[Array], launch: &KernelLaunch) -> Result<PreparedKernel> {
-        self.check_call(inputs)?;
-        let spec = self.spec(launch)?;
-        let outs: Vec<ShapeDtype> = launch.outputs.iter().map(TensorSpec::to_ffi).collect();
+        let (spec, outs) = self.checked_launch(inputs, launch)?;
         let (v, stream) = (array_vec(inputs), kernel_stream());
         let inner = crate::lock::locked(|| tffi::prepare_kernel(&spec, &v, &outs, stream))?;
         Ok(PreparedKernel {
@@ -256,8 +252,9 @@ impl CustomKernel {
         })
     }
 
-    /// Checks the backend and the number of inputs.
-    fn check_call(&self, inputs: &[Array]) -> Result<()> {
+    /// The kernel's spec and output specs for `launch`, after checking the backend and the number
+    /// of inputs.
+    fn checked_launch(&self, inputs: &[Array], launch: &KernelLaunch) -> Result<(KernelSpec, Vec<ShapeDtype>)> {
         self.check_backend()?;
         if inputs.len() != self.input_names.len() {
             return Err(Error::InvalidArgument(format!(
@@ -267,7 +264,8 @@ impl CustomKernel {
                 inputs.len()
             )));
         }
-        Ok(())
+        let outs = launch.outputs.iter().map(TensorSpec::to_ffi).collect();
+        Ok((self.spec(launch)?, outs))
     }
 }
 
