@@ -33,9 +33,10 @@ pub struct ModelArgs {
     /// `rmlx lora`, where they are written (default: ./adapters).
     #[arg(long)]
     pub adapter_path: Option<PathBuf>,
-    /// The matrix-vector product of quantised weights when decoding on an NVIDIA GPU: `large`
-    /// (rmlx's kernel for weights of 16 MiB and more, MLX's below), `rmlx` (rmlx's kernel for all)
-    /// or `mlx` (MLX's quantized_matmul for all)
+    /// The matrix-vector products when decoding on an NVIDIA GPU: `large` (the decoder blocks'
+    /// products fused with their norms, residuals and SwiGLU in rmlx's kernel; other quantised
+    /// weights of 16 MiB and more in rmlx's kernel, MLX's below), `rmlx` (rmlx's kernel for every
+    /// quantised weight) or `mlx` (MLX's products for all, nothing fused)
     #[arg(long, default_value = "large", value_parser = parse_matvec)]
     pub quantized_matvec: QuantizedMatvec,
 }

@@ -72,21 +72,33 @@ impl Attention {
         })
     }
 
-    /// Attends `x: [B·L, hidden]` (the rows of `batch` sequences of `L` positions) over the cache
-    /// extended with its keys and values; returns `[B·L, hidden]`.
-    pub fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
-        let offset = cache.rope_offset()?;
-        let [q, k, v] = self.heads(x, batch, &offset)?;
-        let o = cached_attention(&q, &k, &v, cache, self.scale)?;
-        self.o_proj.forward(&merge_heads(&o)?)
+    /// Attends `norm(x)` for `x: [B·L, hidden]` (the rows of `batch` sequences of `L` positions)
+    /// over the cache extended with its keys and values; returns `[B·L, hidden]`.
+    pub fn forward_normed(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        let o = self.attend(x, norm, batch, cache)?;
+        self.o_proj.forward(&o)
     }
 
-    /// The query, key and value heads `[B, H, L, D]` of `x`, queries and keys normalised (with
-    /// q/k norms) and rotated to their positions.
-    fn heads(&self, x: &Array, batch: i32, offset: &Offset) -> Result<[Array; 3]> {
+    /// `x + self(norm(x))`: a pre-norm block's attention half.
+    pub fn forward_residual(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        let o = self.attend(x, norm, batch, cache)?;
+        self.o_proj.forward_add(&o, x)
+    }
+
+    /// The attention's merged heads `[B·L, H·D]` for `norm(x)`, before the output projection.
+    fn attend(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        let offset = cache.rope_offset()?;
+        let [q, k, v] = self.heads(x, norm, batch, &offset)?;
+        merge_heads(&cached_attention(&q, &k, &v, cache, self.scale)?)
+    }
+
+    /// The query, key and value heads `[B, H, L, D]` of `norm(x)`, queries and keys normalised
+    /// (with q/k norms) and rotated to their positions.
+    fn heads(&self, x: &Array, norm: &RmsNorm, batch: i32, offset: &Offset) -> Result<[Array; 3]> {
         let (q_heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
+        let group = [&self.q_proj, &self.k_proj, &self.v_proj];
         let stacked = match &self.qkv {
-            Some(s) => s.forward(&[&self.q_proj, &self.k_proj, &self.v_proj], x)?,
+            Some(s) => s.forward_normed(&group, x, norm)?,
             None => None,
         };
         let [q, k, v] = match stacked {
@@ -99,7 +111,8 @@ impl Attention {
                 parts.try_into().expect("three parts")
             }
             None => {
-                let heads = |proj: &Linear, n: i32| split_heads(&proj.forward(x)?, batch, n, d);
+                let x = norm.forward(x)?;
+                let heads = |proj: &Linear, n: i32| split_heads(&proj.forward(&x)?, batch, n, d);
                 [heads(&self.q_proj, q_heads)?, heads(&self.k_proj, kv_heads)?, heads(&self.v_proj, kv_heads)?]
             }
         };

@@ -100,9 +100,9 @@ impl Block {
     }
 
     fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
-        let a = self.self_attn.forward(&self.input_layernorm.forward(x)?, batch, cache)?;
+        let a = self.self_attn.forward_normed(x, &self.input_layernorm, batch, cache)?;
         let h = (x + self.post_attention_layernorm.forward(&a)?)?;
-        let m = self.mlp.forward(&self.pre_feedforward_layernorm.forward(&h)?)?;
+        let m = self.mlp.forward_normed(&h, &self.pre_feedforward_layernorm)?;
         Ok((&h + self.post_feedforward_layernorm.forward(&m)?)?)
     }
 }

@@ -1,18 +1,22 @@
-//! rmlx's own quantised matrix-vector product for MLX's CUDA backend: `y = x Wᵀ` for a few rows of
-//! `x` (decoding, small batches) and `W` in MLX's affine layout, 4 or 8 bits.
+//! rmlx's own matrix-vector product for MLX's CUDA backend: `y = x Wᵀ` for a few rows of `x`
+//! (decoding, small batches) and `W` dense or in MLX's affine layout (4 or 8 bits), with what
+//! surrounds it in a decoder block fused in ([`fused_matvec`]: an RMSNorm of `x`, a bias, a
+//! residual, a gated activation over two matrices).
 //!
 //! A decoding step of a 4-bit model reads its weights once; MLX's CUDA `quantized_matmul` reads
 //! them at a fraction of the memory bandwidth. [`matvec_kernel`] reads them faster (BENCHMARKS.md);
 //! quantised layers take it for the weights [`super::QuantizedMatvec`] names (by default those of
 //! 16 MiB and more: MLX spends more host time on a custom kernel than on its own product, which
-//! small matrices do not earn back). `rmlx bench-kernels` measures it. Each
+//! small matrices do not earn back). The fused forms take every layer (`nn::fused`): each one
+//! replaces two to four of MLX's operations. `rmlx bench-kernels` measures the plain product. Each
 //! warp owns `R` output rows: every lane reads 16 bytes of each row per step (32 values at 4 bits,
-//! 16 at 8, always inside one quantisation group), unpacks each value `q` into the top of a float's
-//! mantissa (`1 + q/2^bits`, a shift and a mask: no integer-to-float conversion), and keeps per
-//! row and input row `Σ (1 + q/2^bits)·x` and `Σ x`, applied per group as
+//! 16 at 8, always inside one quantisation group; 8 of a 16-bit dense row, 4 of a float32 one).
+//! A quantised value `q` is unpacked into the top of a float's mantissa (`1 + q/2^bits`, a shift
+//! and a mask: no integer-to-float conversion), and each row and input row keeps
+//! `Σ (1 + q/2^bits)·x` and `Σ x`, applied per group as
 //! `scale · 2^bits · (Σ (1 + q/2^bits)·x − Σ x) + bias · Σ x`, in float32. The lanes' sums meet
-//! through warp shuffles, and the warps that split a row's inputs through shared memory. GGUF Q4_0/Q4_1/Q8_0 weights arrive in the same layout
-//! (`gguf::to_mlx`) and take the same kernel.
+//! through warp shuffles, and the warps that split a row's inputs through shared memory. GGUF
+//! Q4_0/Q4_1/Q8_0 weights arrive in the same layout (`gguf::to_mlx`) and take the same kernel.
 
 use super::cuda_fast::{call_compiled, on_cuda, CompiledKernels};
 use super::training;
@@ -21,7 +25,7 @@ use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Result};
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::LazyLock;
+use std::sync::{LazyLock, Mutex};
 
 /// The most rows of `x` the kernel takes (more: MLX's quantised matmul, made for them).
 pub const MAX_ROWS: i32 = 8;
@@ -30,27 +34,42 @@ pub const MAX_ROWS: i32 = 8;
 const WARPS: i32 = 4;
 
 /// Template arguments: `T` the activations' (and scales') type, `K` input features, `N` outputs,
-/// `M` rows of `x`, `BITS` 4 or 8, `GS` the group size, `R` output rows a warp, `KW` warps that
-/// split one row's inputs between them (their sums meet in shared memory).
+/// `M` rows of `x`, `BITS` 4 or 8 (affine-quantised `w`) or 0 (`w` dense, of type `T`), `GS` the
+/// group size, `R` output rows a warp, `KW` warps that split one row's inputs between them (their
+/// sums meet in shared memory); what is fused: `NORM` (`x` RMS-normalised with the weight `nw`
+/// and the epsilon whose float bits are `EPS`), `BIAS` (`bias` added), `EPI` 0 (the product), 1
+/// (`res` added), 2 (`silu(x w) · (x w2)`) or 3 (the same with the tanh GELU).
+///
+/// The norm is folded into the sums: `Σ w·(x·r·nw) = r · Σ w·(x·nw)`, with `r` the inverse root
+/// mean square of the row, whose sum of squares the lanes gather from the `x` they read anyway.
 const SOURCE: &str = r#"
-    constexpr int PER_WORD = 32 / BITS;
-    constexpr int VALS = 4 * PER_WORD;
+    constexpr bool DENSE = BITS == 0;
+    constexpr int QB = DENSE ? 32 : BITS;
+    constexpr int PER_WORD = DENSE ? 1 : 32 / QB;
+    constexpr int VALS = DENSE ? 16 / static_cast<int>(sizeof(T)) : 4 * PER_WORD;
     constexpr int STEP = 32 * VALS;
     constexpr int STEPS = (K + STEP - 1) / STEP;
-    constexpr int WORDS = K * BITS / 32;
+    constexpr long long ROW_BYTES = DENSE ? static_cast<long long>(K) * sizeof(T) : static_cast<long long>(K) * QB / 8;
     constexpr int GROUPS = K / GS;
-    constexpr unsigned MASK = (1u << BITS) - 1u;
+    constexpr unsigned MASK = DENSE ? 0u : (1u << QB) - 1u;
+    constexpr bool GATED = EPI >= 2;
+    constexpr int RR = GATED ? 2 * R : R;
     constexpr int WARPS = 4;
-    __shared__ float partial[KW > 1 ? WARPS * M * R : 1];
+    __shared__ float partial[KW > 1 ? WARPS * M * (RR + 1) : 1];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int part = warp % KW;
     const int row0 = (blockIdx.x * (WARPS / KW) + warp / KW) * R;
-    float acc[M][R];
+    const char* wsrc[2] = {reinterpret_cast<const char*>(w), reinterpret_cast<const char*>(w2)};
+    const T* ssrc[2] = {reinterpret_cast<const T*>(scales), reinterpret_cast<const T*>(scales2)};
+    const T* bsrc[2] = {reinterpret_cast<const T*>(biases), reinterpret_cast<const T*>(biases2)};
+    float acc[M][RR];
+    float sq[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
+        sq[m] = 0.0f;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int r = 0; r < RR; ++r) {
             acc[m][r] = 0.0f;
         }
     }
@@ -61,64 +80,89 @@ const SOURCE: &str = r#"
             if (k0 >= K) {
                 break;
             }
-            uint4 packed[R];
-            float scale[R];
-            float bias[R];
+            uint4 packed[RR];
+            float scale[RR];
+            float bias_[RR];
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int row = min(row0 + r, N - 1);
-                packed[r] = *reinterpret_cast<const uint4*>(w + static_cast<long long>(row) * WORDS + k0 / PER_WORD);
-                scale[r] = static_cast<float>(scales[static_cast<long long>(row) * GROUPS + k0 / GS]);
-                bias[r] = static_cast<float>(biases[static_cast<long long>(row) * GROUPS + k0 / GS]);
-            }
-            float dot[M][R];
-            float xsum[M];
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                xsum[m] = 0.0f;
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    dot[m][r] = 0.0f;
+            for (int r = 0; r < RR; ++r) {
+                const long long row = min(row0 + r % R, N - 1);
+                const int src = r / R;
+                const long long offset = DENSE ? static_cast<long long>(k0) * sizeof(T) : static_cast<long long>(k0) * QB / 8;
+                packed[r] = *reinterpret_cast<const uint4*>(wsrc[src] + row * ROW_BYTES + offset);
+                if constexpr (!DENSE) {
+                    scale[r] = static_cast<float>(ssrc[src][row * GROUPS + k0 / GS]);
+                    bias_[r] = static_cast<float>(bsrc[src][row * GROUPS + k0 / GS]);
                 }
             }
-#pragma unroll
-            for (int word = 0; word < 4; ++word) {
-                float xv[M][PER_WORD];
+            if constexpr (DENSE) {
+                float xv[M][VALS];
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    rmlx_load_floats<T, PER_WORD>(x + static_cast<long long>(m) * K + k0 + word * PER_WORD, xv[m]);
-#pragma unroll
-                    for (int j = 0; j < PER_WORD; ++j) {
-                        xsum[m] += xv[m][j];
-                    }
+                    rmlx_load_x<T, VALS, NORM>(x + static_cast<long long>(m) * K + k0, nw + k0, xv[m], sq[m]);
                 }
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const unsigned u = word == 0 ? packed[r].x
-                                     : word == 1 ? packed[r].y
-                                     : word == 2 ? packed[r].z
-                                                 : packed[r].w;
+                for (int r = 0; r < RR; ++r) {
+                    const T* e = reinterpret_cast<const T*>(&packed[r]);
 #pragma unroll
-                    for (int j = 0; j < PER_WORD; ++j) {
-                        // 1 + q / 2^BITS: the value moved to the top of a float's mantissa.
-                        constexpr int TOP = 23 - BITS;
-                        const int shift = TOP - BITS * j;
-                        const unsigned moved = shift >= 0 ? u << shift : u >> -shift;
-                        const float f = __uint_as_float((moved & (MASK << TOP)) | 0x3F800000u);
+                    for (int j = 0; j < VALS; ++j) {
+                        const float f = static_cast<float>(e[j]);
 #pragma unroll
                         for (int m = 0; m < M; ++m) {
-                            dot[m][r] = fmaf(f, xv[m][j], dot[m][r]);
+                            acc[m][r] = fmaf(f, xv[m][j], acc[m][r]);
                         }
                     }
                 }
-            }
+            } else {
+                float dot[M][RR];
+                float xsum[M];
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
+                for (int m = 0; m < M; ++m) {
+                    xsum[m] = 0.0f;
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    // Σ q·x = 2^BITS · (Σ (1 + q / 2^BITS)·x − Σ x).
-                    const float qdot = static_cast<float>(1 << BITS) * (dot[m][r] - xsum[m]);
-                    acc[m][r] += scale[r] * qdot + bias[r] * xsum[m];
+                    for (int r = 0; r < RR; ++r) {
+                        dot[m][r] = 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int word = 0; word < 4; ++word) {
+                    float xv[M][PER_WORD];
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        const int k = k0 + word * PER_WORD;
+                        rmlx_load_x<T, PER_WORD, NORM>(x + static_cast<long long>(m) * K + k, nw + k, xv[m], sq[m]);
+#pragma unroll
+                        for (int j = 0; j < PER_WORD; ++j) {
+                            xsum[m] += xv[m][j];
+                        }
+                    }
+#pragma unroll
+                    for (int r = 0; r < RR; ++r) {
+                        const unsigned u = word == 0 ? packed[r].x
+                                         : word == 1 ? packed[r].y
+                                         : word == 2 ? packed[r].z
+                                                     : packed[r].w;
+#pragma unroll
+                        for (int j = 0; j < PER_WORD; ++j) {
+                            // 1 + q / 2^BITS: the value moved to the top of a float's mantissa.
+                            constexpr int TOP = 23 - QB;
+                            const int shift = TOP - QB * j;
+                            const unsigned moved = shift >= 0 ? u << shift : u >> -shift;
+                            const float f = __uint_as_float((moved & (MASK << TOP)) | 0x3F800000u);
+#pragma unroll
+                            for (int m = 0; m < M; ++m) {
+                                dot[m][r] = fmaf(f, xv[m][j], dot[m][r]);
+                            }
+                        }
+                    }
+                }
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+#pragma unroll
+                    for (int r = 0; r < RR; ++r) {
+                        // Σ q·x = 2^BITS · (Σ (1 + q / 2^BITS)·x − Σ x).
+                        const float qdot = static_cast<float>(1 << QB) * (dot[m][r] - xsum[m]);
+                        acc[m][r] += scale[r] * qdot + bias_[r] * xsum[m];
+                    }
                 }
             }
         }
@@ -126,9 +170,12 @@ const SOURCE: &str = r#"
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int o = 16; o > 0; o >>= 1) {
+            if constexpr (NORM) {
+                sq[m] += __shfl_xor_sync(0xffffffff, sq[m], o);
+            }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
+            for (int r = 0; r < RR; ++r) {
                 acc[m][r] += __shfl_xor_sync(0xffffffff, acc[m][r], o);
             }
         }
@@ -138,9 +185,10 @@ const SOURCE: &str = r#"
 #pragma unroll
             for (int m = 0; m < M; ++m) {
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    partial[(warp * M + m) * R + r] = acc[m][r];
+                for (int r = 0; r < RR; ++r) {
+                    partial[(warp * M + m) * (RR + 1) + r] = acc[m][r];
                 }
+                partial[(warp * M + m) * (RR + 1) + RR] = sq[m];
             }
         }
         __syncthreads();
@@ -148,13 +196,17 @@ const SOURCE: &str = r#"
 #pragma unroll
             for (int m = 0; m < M; ++m) {
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
+                for (int r = 0; r <= RR; ++r) {
                     float v = 0.0f;
 #pragma unroll
                     for (int p = 0; p < KW; ++p) {
-                        v += partial[((warp + p) * M + m) * R + r];
+                        v += partial[((warp + p) * M + m) * (RR + 1) + r];
                     }
-                    acc[m][r] = v;
+                    if (r < RR) {
+                        acc[m][r] = v;
+                    } else {
+                        sq[m] = v;
+                    }
                 }
             }
         }
@@ -162,18 +214,37 @@ const SOURCE: &str = r#"
     if (lane == 0 && part == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
+            const float inv_rms = NORM ? rsqrtf(sq[m] / K + __int_as_float(EPS)) : 1.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                if (row0 + r < N) {
-                    y[static_cast<long long>(m) * N + row0 + r] = static_cast<T>(acc[m][r]);
+                const int row = row0 + r;
+                if (row >= N) {
+                    continue;
                 }
+                // Each step rounded to `T`, as the operations it replaces round their outputs.
+                float v = static_cast<float>(static_cast<T>(acc[m][r] * inv_rms));
+                if constexpr (BIAS) {
+                    v = static_cast<float>(static_cast<T>(v + static_cast<float>(bias[row])));
+                }
+                if constexpr (EPI == 1) {
+                    v += static_cast<float>(res[static_cast<long long>(m) * N + row]);
+                } else if constexpr (GATED) {
+                    const float u = static_cast<float>(static_cast<T>(acc[m][R + r] * inv_rms));
+                    if constexpr (EPI == 2) {
+                        v = v / (1.0f + expf(-v)) * u;
+                    } else {
+                        v = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v))) * u;
+                    }
+                }
+                y[static_cast<long long>(m) * N + row] = static_cast<T>(v);
             }
         }
     }
 "#;
 
 /// `N` consecutive values of type `T` at `p` (aligned to their size) as floats, read with 16- or
-/// 8-byte loads.
+/// 8-byte loads; with `NORM`, multiplied by the norm's weights at `nw` (of type `T` too) and their
+/// squares (before the weights) added to `sq`.
 const HEADER: &str = r#"
 template <typename T, int N>
 __device__ __forceinline__ void rmlx_load_floats(const T* p, float* out) {
@@ -199,10 +270,94 @@ __device__ __forceinline__ void rmlx_load_floats(const T* p, float* out) {
         }
     }
 }
+
+template <typename T, int N, bool NORM>
+__device__ __forceinline__ void rmlx_load_x(const T* p, const T* nw, float* out, float& sq) {
+    rmlx_load_floats<T, N>(p, out);
+    if constexpr (NORM) {
+        float wv[N];
+        rmlx_load_floats<T, N>(nw, wv);
+#pragma unroll
+        for (int t = 0; t < N; ++t) {
+            sq = fmaf(out[t], out[t], sq);
+            out[t] *= wv[t];
+        }
+    }
+}
 "#;
 
-static KERNEL: LazyLock<CustomKernel> =
-    LazyLock::new(|| cuda_kernel("rmlx_qmv", &["x", "w", "scales", "biases"], &["y"], SOURCE).header(HEADER));
+/// Every input the kernel may read, in its parameters' order; a variant declares only those it
+/// reads (`Shape::reads`), and the others name one it has (their code is never run).
+const INPUTS: [(&str, &str); 10] = [
+    ("x", ""),
+    ("w", ""),
+    ("scales", "x"),
+    ("biases", "x"),
+    ("w2", "w"),
+    ("scales2", "scales"),
+    ("biases2", "biases"),
+    ("nw", "x"),
+    ("res", "x"),
+    ("bias", "x"),
+];
+
+/// The kernel declaring the inputs `reads` (a mask over [`INPUTS`]), made once per mask.
+///
+/// MLX's CUDA backend hashes a custom kernel's whole source and binds each of its inputs on every
+/// evaluation: on an H200, a node of a 9 KB source costs ~3.5 µs more host time than one of a few
+/// lines, and 9 more inputs ~2.2 µs (BENCHMARKS.md). The source is therefore handed over without
+/// comments and indentation, and each variant takes only the inputs it reads.
+fn kernel(reads: u16) -> &'static CustomKernel {
+    static KERNELS: LazyLock<Mutex<HashMap<u16, &'static CustomKernel>>> = LazyLock::new(Mutex::default);
+    let mut kernels = KERNELS.lock().unwrap_or_else(|e| e.into_inner());
+    kernels.entry(reads).or_insert_with(|| {
+        let mut names = Vec::new();
+        let mut aliases = String::new();
+        for (i, (name, stand_in)) in INPUTS.iter().enumerate() {
+            match reads & (1 << i) != 0 {
+                true => names.push(*name),
+                false => aliases += &format!("const auto* {name} = {stand_in};\n"),
+            }
+        }
+        let source = aliases + &minified(SOURCE);
+        let name = format!("rmlx_fused_matvec_{reads:x}");
+        Box::leak(Box::new(cuda_kernel(&name, &names, &["y"], &source).header(&minified(HEADER))))
+    })
+}
+
+/// `source` without comment lines, indentation and blank lines.
+fn minified(source: &str) -> String {
+    let lines = source.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("//"));
+    lines.collect::<Vec<_>>().join("\n") + "\n"
+}
+
+/// A matrix `W` `[N, K]` the kernel multiplies by: dense (of the activations' type) or quantised.
+#[derive(Clone, Copy)]
+pub enum Matrix<'a> {
+    Dense(&'a Array),
+    Quantized(&'a Quantized),
+}
+
+/// One product `y = x Wᵀ` of a decoding step and what is fused around it: `y = act(n(x) Wᵀ + b) + res`,
+/// where `n` is an RMSNorm (`norm`: its weight `[K]` and epsilon), `b` a bias `[N]`, `res` a
+/// residual of `y`'s shape, and `act(z) = silu(z) · (n(x) W2ᵀ)` (or the tanh GELU's, with
+/// `gated: Some((W2, true))`) for a gated feed-forward's gate and up projections. Every fused step
+/// rounds to the activations' type where the operations it replaces would.
+#[derive(Clone, Copy)]
+pub struct Fused<'a> {
+    pub weight: Matrix<'a>,
+    pub gated: Option<(Matrix<'a>, bool)>,
+    pub norm: Option<(&'a Array, f32)>,
+    pub bias: Option<&'a Array>,
+    pub residual: Option<&'a Array>,
+}
+
+impl<'a> Fused<'a> {
+    /// The plain product by `weight`.
+    pub fn product(weight: Matrix<'a>) -> Self {
+        Fused { weight, gated: None, norm: None, bias: None, residual: None }
+    }
+}
 
 /// What a kernel instance is specialised for.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -211,18 +366,62 @@ struct Shape {
     rows: i32,
     input: i32,
     output: i32,
+    /// 4 or 8, or 0 for a dense matrix.
     bits: i32,
     group_size: i32,
+    /// The norm's epsilon as float bits, when one is fused.
+    norm: Option<u32>,
+    bias: bool,
+    /// 0 the product, 1 a residual added, 2 SwiGLU, 3 GeGLU.
+    epilogue: i32,
 }
 
 impl Shape {
+    /// The inputs this product reads, a mask over [`INPUTS`].
+    fn reads(&self) -> u16 {
+        let quantized = self.bits > 0;
+        let gated = self.epilogue >= 2;
+        let bits = [
+            true,
+            true,
+            quantized,
+            quantized,
+            gated,
+            gated && quantized,
+            gated && quantized,
+            self.norm.is_some(),
+            self.epilogue == 1,
+            self.bias,
+        ];
+        bits.iter().enumerate().fold(0, |m, (i, &b)| m | (u16::from(b) << i))
+    }
+
+    /// Weight rows a warp reads per output row.
+    fn matrices(&self) -> i32 {
+        if self.epilogue >= 2 {
+            2
+        } else {
+            1
+        }
+    }
+
     /// Output rows a warp: more for large outputs (fewer loads of `x` per weight byte), fewer as
-    /// the input rows grow (each keeps `rows × R` sums).
+    /// the input rows grow (each keeps `rows × R` sums) and for gated products (two weight rows an
+    /// output row).
     fn rows_per_warp(&self) -> i32 {
-        match self.rows {
+        let r = match self.rows {
             1 if self.output >= 32768 => 4,
             1..=4 => 2,
             _ => 1,
+        };
+        (r / self.matrices()).max(1)
+    }
+
+    /// Values a lane reads of a weight row per step (16 bytes).
+    fn values_per_load(&self) -> i32 {
+        match self.bits {
+            0 => 16 / self.dtype.size() as i32,
+            bits => 4 * 32 / bits,
         }
     }
 
@@ -230,7 +429,7 @@ impl Shape {
     /// multiprocessor of an H100), at most one a step of 32 lanes' loads, and at most a block's.
     fn split(&self) -> i32 {
         const WANTED_WARPS: i32 = 132 * 32;
-        let per_step = 32 * 4 * (32 / self.bits);
+        let per_step = 32 * self.values_per_load();
         let steps = (self.input + per_step - 1) / per_step;
         let row_groups = (self.output + self.rows_per_warp() - 1) / self.rows_per_warp();
         let mut split = 1;
@@ -246,46 +445,120 @@ impl Shape {
 /// `Ok(None)` where the kernel does not serve (another backend or device, training or a
 /// transform, other layouts or types, more rows): the caller takes MLX's product instead.
 pub fn matvec_kernel(x: &Array, q: &Quantized) -> Result<Option<Array>> {
-    let Some(shape) = serves(x, q) else {
+    fused_matvec(x, &Fused::product(Matrix::Quantized(q)))
+}
+
+/// [`Fused`]'s product of `x: [..., in]` (at most [`MAX_ROWS`] rows) as one kernel, on MLX's CUDA
+/// backend: `W` (and `W2`) dense of `x`'s type with `in` a multiple of 16 bytes' values, or
+/// quantised as [`matvec_kernel`] takes them; the norm's weight, the bias and the residual of
+/// `x`'s type. `Ok(None)` where it does not serve (as [`matvec_kernel`], and a gated product with a
+/// bias or residual): the caller composes the operations instead.
+pub fn fused_matvec(x: &Array, f: &Fused) -> Result<Option<Array>> {
+    let Some(shape) = serves(x, f) else {
         return Ok(None);
     };
-    let biases = q.biases.as_ref().expect("checked by serves");
     let x2 = x.reshape(&[shape.rows, shape.input])?;
-    let inputs = [x2, q.weight.clone(), q.scales.clone(), biases.clone()];
-    let y = call_compiled(&COMPILED, shape, "quantized matvec", launch, &inputs)?;
+    let res = f.residual.map(|r| r.reshape(&[shape.rows, shape.output])).transpose()?;
+    let mut all: [Option<&Array>; 10] = [None; 10];
+    all[0] = Some(&x2);
+    [all[1], all[2], all[3]] = matrix_inputs(f.weight);
+    if let Some((up, _)) = f.gated {
+        [all[4], all[5], all[6]] = matrix_inputs(up);
+    }
+    [all[7], all[8], all[9]] = [f.norm.map(|n| n.0), res.as_ref(), f.bias];
+    let inputs: Vec<Array> = all.iter().flatten().map(|&a| a.clone()).collect();
+    debug_assert_eq!(all.map(|a| a.is_some()), std::array::from_fn(|i| shape.reads() & (1 << i) != 0));
+    let y = call_compiled(&COMPILED, shape, "fused matvec", launch, &inputs)?;
     let mut out_shape = x.shape().to_vec();
     *out_shape.last_mut().expect("checked by serves") = shape.output;
     Ok(Some(y[0].reshape(&out_shape)?))
 }
 
+/// A matrix's packed weight, scales and biases (a dense one's weight alone).
+fn matrix_inputs<'a>(m: Matrix<'a>) -> [Option<&'a Array>; 3] {
+    match m {
+        Matrix::Dense(w) => [Some(w), None, None],
+        Matrix::Quantized(q) => [Some(&q.weight), Some(&q.scales), q.biases.as_ref()],
+    }
+}
+
+/// `(bits, group size, outputs)` of `m` as the kernel reads it against inputs of `dtype` and `in`
+/// features, if it can.
+fn matrix_layout(m: Matrix, dtype: Dtype, input: i32) -> Option<(i32, i32, i32)> {
+    match m {
+        Matrix::Dense(w) => {
+            let per_load = 16 / dtype.size() as i32;
+            let ws = w.shape();
+            let fits = w.dtype() == dtype && ws.len() == 2 && ws[1] == input && input % per_load == 0;
+            fits.then_some((0, 32, ws[0]))
+        }
+        Matrix::Quantized(q) => {
+            let ws = q.weight.shape();
+            let per_word = 32 / q.bits.max(1);
+            let fits = q.mode == QuantMode::Affine
+                && matches!(q.bits, 4 | 8)
+                && matches!(q.group_size, 32 | 64 | 128)
+                && ws.len() == 2
+                && q.weight.dtype() == Dtype::Uint32
+                && input % q.group_size == 0
+                && ws[1] * per_word == input
+                && q.scales.dtype() == dtype
+                && q.scales.shape() == [ws[0], input / q.group_size]
+                && q.biases.as_ref().is_some_and(|b| b.dtype() == dtype && b.shape() == q.scales.shape());
+            fits.then_some((q.bits, q.group_size, ws[0]))
+        }
+    }
+}
+
 /// The kernel's shape for this product, if it serves it.
-fn serves(x: &Array, q: &Quantized) -> Option<Shape> {
+fn serves(x: &Array, f: &Fused) -> Option<Shape> {
     let dtype = x.dtype();
     let xs = x.shape();
-    let ws = q.weight.shape();
     let input = *xs.last()?;
     let rows: i32 = xs[..xs.len() - 1].iter().product();
-    let per_word = 32 / q.bits.max(1);
     let fits = on_cuda()
         && !training()
         && !x.is_tracer()
-        && q.mode == QuantMode::Affine
-        && matches!(q.bits, 4 | 8)
-        && matches!(q.group_size, 32 | 64 | 128)
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
         && (1..=MAX_ROWS).contains(&rows)
-        && ws.len() == 2
-        && q.weight.dtype() == Dtype::Uint32
-        && input > 0
-        && input % q.group_size == 0
-        && ws[1] * per_word == input
-        && q.scales.dtype() == dtype
-        && q.scales.shape() == [ws[0], input / q.group_size]
-        && q.biases.as_ref().is_some_and(|b| b.dtype() == dtype && b.shape() == q.scales.shape());
-    fits.then_some(Shape { dtype, rows, input, output: ws[0], bits: q.bits, group_size: q.group_size })
+        && input > 0;
+    if !fits {
+        return None;
+    }
+    let (bits, group_size, output) = matrix_layout(f.weight, dtype, input)?;
+    let epilogue = match (f.gated, f.residual) {
+        (Some((up, gelu)), None) if f.bias.is_none() => {
+            (matrix_layout(up, dtype, input)? == (bits, group_size, output)).then_some(())?;
+            if gelu {
+                3
+            } else {
+                2
+            }
+        }
+        (Some(_), _) => return None,
+        (None, Some(_)) => 1,
+        (None, None) => 0,
+    };
+    let mut out_shape = xs.to_vec();
+    *out_shape.last_mut()? = output;
+    let of_x = |a: &Array, shape: &[i32]| a.dtype() == dtype && a.shape() == shape && !a.is_tracer();
+    let side_inputs = f.norm.is_none_or(|(w, _)| of_x(w, &[input]))
+        && f.bias.is_none_or(|b| of_x(b, &[output]))
+        && f.residual.is_none_or(|r| of_x(r, &out_shape));
+    side_inputs.then_some(Shape {
+        dtype,
+        rows,
+        input,
+        output,
+        bits,
+        group_size,
+        norm: f.norm.map(|(_, eps)| eps.to_bits()),
+        bias: f.bias.is_some(),
+        epilogue,
+    })
 }
 
-/// Runs the kernel on `[x, w, scales, biases]`.
+/// Runs the kernel on the inputs `s` reads, in [`INPUTS`]' order.
 fn launch(inputs: &[Array], s: Shape) -> Result<Vec<Array>> {
     let (r, split) = (s.rows_per_warp(), s.split());
     let rows_per_block = WARPS / split * r;
@@ -299,8 +572,12 @@ fn launch(inputs: &[Array], s: Shape) -> Result<Vec<Array>> {
         .template("BITS", TemplateArg::Int(s.bits))
         .template("GS", TemplateArg::Int(s.group_size))
         .template("R", TemplateArg::Int(r))
-        .template("KW", TemplateArg::Int(split));
-    KERNEL.call(inputs, &launch)
+        .template("KW", TemplateArg::Int(split))
+        .template("NORM", TemplateArg::Bool(s.norm.is_some()))
+        .template("EPS", TemplateArg::Int(s.norm.unwrap_or(0) as i32))
+        .template("BIAS", TemplateArg::Bool(s.bias))
+        .template("EPI", TemplateArg::Int(s.epilogue));
+    kernel(s.reads()).call(inputs, &launch)
 }
 
 thread_local! {

@@ -10,6 +10,7 @@ mod cpu_pool;
 pub(crate) mod cpu_qmm;
 pub(crate) mod cuda_fast;
 pub(crate) mod cuda_qmv;
+mod fused;
 mod gated;
 mod grad_checkpoint;
 mod head;
@@ -44,8 +45,8 @@ pub struct Linear {
     /// The layer's name in the checkpoint (`model.layers.0.self_attn.q_proj`): where an
     /// [`AdapterBank`] finds its adapters.
     path: std::sync::Arc<str>,
-    /// Whether decoding products take rmlx's CUDA kernel ([`QuantizedMatvec`]).
-    own_matvec: bool,
+    /// Which decoding products take rmlx's CUDA kernels ([`QuantizedMatvec`]).
+    matvec: QuantizedMatvec,
 }
 
 #[derive(Clone)]
@@ -64,7 +65,7 @@ impl Linear {
         let mut y = match &self.weight {
             LinearWeight::Dense { wt, .. } => x.matmul(wt)?,
             LinearWeight::Quantized(q) if training() => dequantized_matmul(x, q)?,
-            LinearWeight::Quantized(q) => quantized_product(x, q, self.own_matvec)?,
+            LinearWeight::Quantized(q) => quantized_product(x, q, self.matvec.takes_kernel(q.weight.nbytes()))?,
         };
         if let Some(z) = adapter_bank::row_adapters(&self.path, x)? {
             y = (&y + z)?;
@@ -95,12 +96,11 @@ impl Linear {
         path: &str,
         matvec: QuantizedMatvec,
     ) -> Result<Linear> {
-        let own_matvec = own_matvec(&weight, matvec);
         let weight = match weight {
             Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
             Weight::Quantized(q) => LinearWeight::Quantized(q),
         };
-        Ok(Linear { weight, bias, lora: None, input, output, path: path.into(), own_matvec })
+        Ok(Linear { weight, bias, lora: None, input, output, path: path.into(), matvec })
     }
 
     /// The base weight `[out, in]`, dequantised if it is quantised.

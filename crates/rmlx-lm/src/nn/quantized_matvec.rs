@@ -5,7 +5,10 @@ use crate::{Error, Result};
 /// Which matrix-vector product decoding (1–8 rows) takes for a quantised weight on MLX's CUDA
 /// backend: rmlx's kernel (`nn::cuda_qmv`, for 4- and 8-bit affine weights) reads weights faster
 /// than MLX's `quantized_matmul`, but MLX spends a few µs more of host time on each custom kernel
-/// than on its own operations, which small matrices do not earn back. The choice changes the
+/// than on its own operations, which small matrices do not earn back. Except under
+/// [`QuantizedMatvec::Mlx`], the decoder blocks' products of every size and type (dense ones
+/// too) take the kernel's fused forms (`nn::fused`: a norm, a residual or a gated activation
+/// folded in), which replace several of MLX's operations each. The choice changes the
 /// rounding of sums, not what is computed (float32 decoding of random-weight Qwen3-8B and
 /// Llama-3.2-1B 4-bit checkpoints gave the same 128 greedy ids either way; BENCHMARKS.md).
 ///
@@ -26,7 +29,7 @@ pub enum QuantizedMatvec {
     Large,
     /// rmlx's kernel wherever it serves.
     Rmlx,
-    /// MLX's `quantized_matmul` everywhere.
+    /// MLX's products everywhere, and none of the fused forms.
     Mlx,
 }
 

@@ -5,11 +5,11 @@
 //! leave a partial warp or block. And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of
 //! another type, training, traced transforms, and everything off MLX's CUDA backend (the CPU CI).
 
-use crate::nn::cuda_qmv::{matvec_kernel, MAX_ROWS};
+use crate::nn::cuda_qmv::{fused_matvec, matvec_kernel, Fused, Matrix, MAX_ROWS};
 use crate::nn::with_training;
 use rmlx::fast::{self, GpuBackend};
 use rmlx::quantization::{dequantize, quantize, quantized_matmul, QuantMode, Quantized};
-use rmlx::{random, Array, Device, Dtype};
+use rmlx::{ops, random, Array, Device, Dtype};
 
 fn cuda() -> bool {
     fast::gpu_backend() == Some(GpuBackend::Cuda)
@@ -126,6 +126,150 @@ fn leaves_the_rest_to_mlx() {
     })
 }
 
+/// What a fused product adds to the plain one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fusion {
+    Plain,
+    Norm,
+    NormBias,
+    Residual,
+    ResidualBias,
+    NormSwiGlu,
+    NormGeGlu,
+    SwiGlu,
+}
+
+/// The fused kernel against MLX's composed operations (`fast::rms_norm`, the product, `+`, `silu`
+/// / `gelu_approx` and `·`) in float32 on the CPU (MLX's CUDA float32 products may round through
+/// TF32): dense and 4- and 8-bit weights, float32, bfloat16 and float16, 1 to 8 rows, every
+/// fusion the decoder blocks use.
+#[test]
+fn fused_products_match_the_composed_operations() {
+    if !cuda() {
+        return;
+    }
+    let (f32_, bf16, f16) = (Dtype::Float32, Dtype::Bfloat16, Dtype::Float16);
+    // (rows, in, out, bits (0: dense), group, dtype)
+    let cases: &[(i32, i32, i32, i32, i32, Dtype)] = &[
+        (1, 4096, 96, 4, 64, bf16),
+        (1, 1024, 70, 0, 0, bf16),
+        (3, 512, 37, 8, 32, f32_),
+        (2, 256, 64, 0, 0, f32_),
+        (8, 384, 5, 4, 128, f16),
+        (1, 2048, 130, 0, 0, f16),
+        (5, 1152, 33, 8, 128, bf16),
+        (1, 1152, 40000, 4, 64, bf16),
+    ];
+    let fusions = [
+        Fusion::Plain,
+        Fusion::Norm,
+        Fusion::NormBias,
+        Fusion::Residual,
+        Fusion::ResidualBias,
+        Fusion::NormSwiGlu,
+        Fusion::NormGeGlu,
+        Fusion::SwiGlu,
+    ];
+    rmlx::with_device(Device::gpu(), || {
+        for (i, &(rows, k, n, bits, group, dtype)) in cases.iter().enumerate() {
+            let seed = 1000 * i as u64;
+            let x = normal(&[rows, k], 1.0, seed + 1).astype(dtype).unwrap();
+            let dense =
+                [normal(&[n, k], 0.05, seed + 2), normal(&[n, k], 0.05, seed + 3)].map(|w| w.astype(dtype).unwrap());
+            let quantized = dense
+                .each_ref()
+                .map(|w| (bits > 0).then(|| cast(&quantize(w, group, bits, QuantMode::Affine).unwrap(), dtype)));
+            let matrix = |j: usize| match &quantized[j] {
+                Some(q) => Matrix::Quantized(q),
+                None => Matrix::Dense(&dense[j]),
+            };
+            let nw = (normal(&[k], 0.2, seed + 4) + 1.0).unwrap().astype(dtype).unwrap();
+            let bias = normal(&[n], 0.5, seed + 5).astype(dtype).unwrap();
+            let res = normal(&[rows, n], 1.0, seed + 6).astype(dtype).unwrap();
+            let eps = 1e-5;
+            for fusion in fusions {
+                use Fusion::*;
+                let what = format!("{rows}×{k} → {n}, {bits} bits, group {group}, {dtype:?}, {fusion:?}");
+                let normed = matches!(fusion, Norm | NormBias | NormSwiGlu | NormGeGlu);
+                let biased = matches!(fusion, NormBias | ResidualBias);
+                let residual = matches!(fusion, Residual | ResidualBias);
+                let gated = match fusion {
+                    NormSwiGlu | SwiGlu => Some(false),
+                    NormGeGlu => Some(true),
+                    _ => None,
+                };
+                let f = Fused {
+                    weight: matrix(0),
+                    gated: gated.map(|gelu| (matrix(1), gelu)),
+                    norm: normed.then_some((&nw, eps)),
+                    bias: biased.then_some(&bias),
+                    residual: residual.then_some(&res),
+                };
+                let got = fused_matvec(&x, &f).unwrap().unwrap_or_else(|| panic!("{what}: declined"));
+                assert_eq!((got.shape(), got.dtype()), (&[rows, n][..], dtype), "{what}");
+                let want = rmlx::with_device(Device::cpu(), || {
+                    let wide = |a: &Array| a.astype(f32_).unwrap();
+                    let input = match normed {
+                        true => fast::rms_norm(&wide(&x), Some(&wide(&nw)), eps).unwrap(),
+                        false => wide(&x),
+                    };
+                    let product = |j: usize| match &quantized[j] {
+                        Some(q) => quantized_matmul(&input, &cast(q, f32_), true).unwrap(),
+                        None => input.matmul(&wide(&dense[j]).transpose().unwrap()).unwrap(),
+                    };
+                    let mut want = product(0);
+                    if biased {
+                        want = (&want + wide(&bias)).unwrap();
+                    }
+                    if residual {
+                        want = (wide(&res) + &want).unwrap();
+                    }
+                    if let Some(gelu) = gated {
+                        let act = if gelu { ops::gelu_approx(&want).unwrap() } else { ops::silu(&want).unwrap() };
+                        want = (act * product(1)).unwrap();
+                    }
+                    values(&want)
+                });
+                // Float32 sums in another order; the half types round the output, and the
+                // products' outputs before a bias, a residual or an activation, once each.
+                let tol = match dtype {
+                    Dtype::Float32 => 1e-5,
+                    Dtype::Bfloat16 => 2e-2,
+                    _ => 4e-3,
+                };
+                let err = relative_error(&values(&got), &want);
+                assert!(err <= tol, "{what}: {err} from the composed operations");
+            }
+        }
+    })
+}
+
+#[test]
+fn fused_products_decline_what_they_do_not_compute() {
+    let device = if cuda() { Device::gpu() } else { rmlx::default_device() };
+    rmlx::with_device(device, || {
+        let w = normal(&[16, 256], 0.05, 1);
+        let x = normal(&[2, 256], 1.0, 2);
+        let res = normal(&[2, 16], 1.0, 3);
+        let plain = Fused::product(Matrix::Dense(&w));
+        assert_eq!(fused_matvec(&x, &plain).unwrap().is_some(), cuda(), "served only on MLX's CUDA backend");
+        let declines = |x: &Array, f: &Fused, what: &str| {
+            assert!(fused_matvec(x, f).unwrap().is_none(), "{what}");
+        };
+        let gated_residual = Fused { gated: Some((Matrix::Dense(&w), false)), residual: Some(&res), ..plain };
+        declines(&x, &gated_residual, "a gated product with a residual");
+        declines(&x, &Fused { residual: Some(&normal(&[2, 15], 1.0, 4)), ..plain }, "a residual of another shape");
+        let half = normal(&[256], 1.0, 5).astype(Dtype::Float16).unwrap();
+        declines(&x, &Fused { norm: Some((&half, 1e-5)), ..plain }, "a norm weight of another type");
+        declines(&x, &Fused::product(Matrix::Dense(&w.astype(Dtype::Bfloat16).unwrap())), "a weight of another type");
+        let odd = normal(&[16, 6], 0.05, 6);
+        declines(&normal(&[1, 6], 1.0, 7), &Fused::product(Matrix::Dense(&odd)), "rows of 24 bytes");
+        let up = normal(&[8, 256], 0.05, 8);
+        declines(&x, &Fused { gated: Some((Matrix::Dense(&up), false)), ..plain }, "gate and up of other shapes");
+        with_training(|| declines(&x, &plain, "training"));
+    })
+}
+
 /// Quantised fixtures (4-bit layers, an 8-bit tied embedding and down projection) decoded one
 /// token at a time in float32 with every quantised product on rmlx's kernel: the step's graph
 /// has no MLX quantised product left, and each position's logits and the greedy tokens are
@@ -158,6 +302,9 @@ fn quantised_models_decode_through_the_kernel() {
                 let census = crate::profile::decode_steps(&lm, &prompt, 1).unwrap().operations;
                 let mlx_products = census.get("QuantizedMatmul").copied().unwrap_or(0);
                 assert_eq!(mlx_products == 0, matvec == QuantizedMatvec::Rmlx, "{what}: {census:?}");
+                // The blocks' norms are folded into the products that read them: the final norm is left.
+                let norms = census.get("RMSNorm").copied().unwrap_or(0);
+                assert_eq!(norms == 1, matvec == QuantizedMatvec::Rmlx, "{what}: {census:?}");
                 let mut caches = lm.model.new_caches(None);
                 for (position, &t) in prompt.iter().enumerate() {
                     let x = Array::from_slice(&[t as i32], &[1, 1]).unwrap();

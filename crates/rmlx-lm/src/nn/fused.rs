@@ -1,0 +1,83 @@
+//! The pieces of a decoder block that decoding runs as one CUDA kernel each
+//! ([`cuda_qmv::fused_matvec`]): an RMSNorm folded into the product that reads it, a residual
+//! added by the product that makes it, and a feed-forward's gate and up projections with their
+//! gated activation. A decoding step is bound by the host work MLX does per graph node; each
+//! fusion takes one to three nodes out of every layer. Every method composes the same operations
+//! where the kernel does not serve (another backend, training, adapters, more than a few rows,
+//! `QuantizedMatvec::Mlx`), so a model calls them unconditionally.
+
+use super::cuda_qmv::{self, Fused, Matrix};
+use super::{adapter_bank, gated_activation, GatedMlp, Linear, LinearWeight, QuantizedMatvec, RmsNorm, Stacked};
+use crate::Result;
+use rmlx::{Array, DeviceType};
+
+impl Linear {
+    /// `self(norm(x))`.
+    pub fn forward_normed(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
+        if let Some(weight) = self.fusable() {
+            let f =
+                Fused { norm: Some((norm.weight(), norm.eps())), bias: self.bias.as_ref(), ..Fused::product(weight) };
+            if let Some(y) = cuda_qmv::fused_matvec(x, &f)? {
+                return Ok(y);
+            }
+        }
+        self.forward(&norm.forward(x)?)
+    }
+
+    /// `residual + self(x)`.
+    pub fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array> {
+        if let Some(weight) = self.fusable() {
+            let f = Fused { residual: Some(residual), bias: self.bias.as_ref(), ..Fused::product(weight) };
+            if let Some(y) = cuda_qmv::fused_matvec(x, &f)? {
+                return Ok(y);
+            }
+        }
+        Ok((residual + self.forward(x)?)?)
+    }
+
+    /// The weight the fused kernel may read for this layer: none with an adapter, under
+    /// [`QuantizedMatvec::Mlx`], or off the GPU.
+    fn fusable(&self) -> Option<Matrix<'_>> {
+        let plain = self.lora.is_none()
+            && self.matvec != QuantizedMatvec::Mlx
+            && rmlx::current_device().kind == DeviceType::Gpu
+            && !adapter_bank::has_row_adapters(&self.path);
+        plain.then_some(match &self.weight {
+            LinearWeight::Dense { w, .. } => Matrix::Dense(w),
+            LinearWeight::Quantized(q) => Matrix::Quantized(q),
+        })
+    }
+}
+
+impl Stacked {
+    /// [`Stacked::forward`] of `norm(x)`.
+    pub fn forward_normed(&self, group: &[&Linear], x: &Array, norm: &RmsNorm) -> Result<Option<Array>> {
+        self.intact(group).map(|linear| linear.forward_normed(x, norm)).transpose()
+    }
+}
+
+impl GatedMlp {
+    /// `self(norm(x))`.
+    pub fn forward_normed(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
+        self.down.forward(&self.activation_normed(x, norm)?)
+    }
+
+    /// `x + self(norm(x))`: a pre-norm block's feed-forward half.
+    pub fn forward_residual(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
+        self.down.forward_add(&self.activation_normed(x, norm)?, x)
+    }
+
+    /// `act(gate(norm(x))) · up(norm(x))`.
+    fn activation_normed(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
+        let unbiased = self.gate.bias.is_none() && self.up.bias.is_none();
+        if let (Some(gate), Some(up), true) = (self.gate.fusable(), self.up.fusable(), unbiased) {
+            let f =
+                Fused { gated: Some((up, self.gelu)), norm: Some((norm.weight(), norm.eps())), ..Fused::product(gate) };
+            if let Some(y) = cuda_qmv::fused_matvec(x, &f)? {
+                return Ok(y);
+            }
+        }
+        let n = norm.forward(x)?;
+        Ok(gated_activation(&self.gate.forward(&n)?, &self.up.forward(&n)?, self.gelu)?)
+    }
+}
