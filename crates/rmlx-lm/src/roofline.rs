@@ -153,8 +153,9 @@ pub struct ProductRate {
 /// How fast one-row products with a `[output, input]` weight quantised to `bits` in groups of
 /// `group` (scales of `dtype`) read their weights on the current device, through rmlx's kernel
 /// (else a layer's product) and through MLX's: many products in one evaluation, over enough
-/// copies of the weight that they do not stay in the caches, best of four. The host builds each product while the device runs
-/// the ones before, so small products also measure the host's cost per product.
+/// copies of the weight that they do not stay in the caches, best of four. The host builds each
+/// product while the device runs the ones before, so small products also measure the host's cost
+/// per product.
 pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dtype: Dtype) -> Result<ProductRate> {
     let key = random::key(0)?;
     let w = random::normal(&[output, input], Dtype::Float32, 0.0, 0.02, Some(&key))?.astype(dtype)?;
@@ -187,7 +188,7 @@ pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dty
                 .map(|i| {
                     let q = &weights[i % copies];
                     if layer {
-                        crate::nn::quantized_product(&x, q, true)
+                        crate::nn::quantized_product(&x, q, crate::nn::QuantizedMatvec::Rmlx)
                     } else {
                         Ok(quantized_matmul(&x, q, true)?)
                     }

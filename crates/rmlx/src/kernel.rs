@@ -26,7 +26,7 @@
 //! match gpu_backend() {
 //!     Some(GpuBackend::Cuda) => {
 //!         assert_eq!(scale.call(&[x.clone()], &launch)?[0].to_vec::<f32>()?, vec![2.0, 4.0, 6.0]);
-//!         // Made once, called many times: no source assembled and hashed per call.
+//!         // Made once, called many times: no source assembled per call.
 //!         let prepared = scale.prepare(&[x.clone()], &launch)?;
 //!         assert_eq!(prepared.call(&[x])?[0].to_vec::<f32>()?, vec![2.0, 4.0, 6.0]);
 //!     }
@@ -237,9 +237,10 @@ impl CustomKernel {
 
     /// The kernel made once for `launch` and for inputs of the shapes and dtypes of `inputs` (the
     /// kernel does not run on them), on the stream [`CustomKernel::call`] would take now. Each
-    /// [`CustomKernel::call`] has MLX assemble the kernel's source and signature and hash them;
-    /// each [`PreparedKernel::call`] only makes the output arrays over the primitive made here,
-    /// as MLX's own operations do.
+    /// [`CustomKernel::call`] has MLX assemble the kernel's source and signature; each
+    /// [`PreparedKernel::call`] only makes the output arrays over the primitive made here, as
+    /// MLX's own operations do. (Evaluating either still has MLX's CUDA backend hash the whole
+    /// source once per node.)
     pub fn prepare(&self, inputs: &[Array], launch: &KernelLaunch) -> Result<PreparedKernel> {
         let (spec, outs) = self.checked_launch(inputs, launch)?;
         let (v, stream) = (array_vec(inputs), kernel_stream());

@@ -65,7 +65,7 @@ impl Linear {
         let mut y = match &self.weight {
             LinearWeight::Dense { wt, .. } => x.matmul(wt)?,
             LinearWeight::Quantized(q) if training() => dequantized_matmul(x, q)?,
-            LinearWeight::Quantized(q) => quantized_product(x, q, self.matvec.takes_kernel(q.weight.nbytes()))?,
+            LinearWeight::Quantized(q) => quantized_product(x, q, self.matvec)?,
         };
         if let Some(z) = adapter_bank::row_adapters(&self.path, x)? {
             y = (&y + z)?;
@@ -229,8 +229,8 @@ fn visit_quantized(prefix: &str, role: Role, q: &Quantized, f: &mut dyn FnMut(&s
 /// the checkpoint ties them.
 #[derive(Clone)]
 pub struct Embedding {
-    /// Whether the tied head's decoding products take rmlx's CUDA kernel ([`QuantizedMatvec`]).
-    own_matvec: bool,
+    /// Which decoding products of the tied head take rmlx's CUDA kernel ([`QuantizedMatvec`]).
+    matvec: QuantizedMatvec,
     weight: Weight,
     dtype: Dtype,
 }
@@ -249,26 +249,19 @@ impl Embedding {
         match &self.weight {
             Weight::Dense(w) => Ok(x.matmul(&w.transpose()?)?),
             Weight::Quantized(q) if training() => dequantized_matmul(x, q),
-            Weight::Quantized(q) => quantized_product(x, q, self.own_matvec),
+            Weight::Quantized(q) => quantized_product(x, q, self.matvec),
         }
-    }
-}
-
-/// Whether `w`, if quantised, takes rmlx's decoding kernel under `matvec`.
-fn own_matvec(w: &Weight, matvec: QuantizedMatvec) -> bool {
-    match w {
-        Weight::Quantized(q) => matvec.takes_kernel(q.weight.nbytes()),
-        Weight::Dense(_) => false,
     }
 }
 
 /// `x Wᵀ` for a quantised `W` outside training. On the CPU, MLX's quantised product is slow (one
 /// thread, no SIMD): affine 4- and 8-bit products go through [`cpu_qmm`], others through `W`
 /// dequantised and a BLAS product. On MLX's CUDA backend, a few rows go through rmlx's kernel
-/// ([`cuda_qmv`]) when `own_kernel` and it serves the layout. Elsewhere, MLX's quantised product.
-pub(crate) fn quantized_product(x: &Array, q: &Quantized, own_kernel: bool) -> Result<Array> {
+/// ([`cuda_qmv`]) when `matvec` takes it for `W`'s size and it serves the layout. Elsewhere, MLX's
+/// quantised product.
+pub(crate) fn quantized_product(x: &Array, q: &Quantized, matvec: QuantizedMatvec) -> Result<Array> {
     if rmlx::current_device().kind != DeviceType::Cpu {
-        if own_kernel {
+        if matvec.takes_kernel(q.weight.nbytes()) {
             if let Some(y) = cuda_qmv::matvec_kernel(x, q)? {
                 return Ok(y);
             }
@@ -530,7 +523,7 @@ impl Builder {
     /// `prefix.weight` `[vocab, hidden]`.
     pub fn embedding(&mut self, prefix: &str, vocab: i32, hidden: i32) -> Result<Embedding> {
         let weight = self.checked(&format!("{prefix}.weight"), &[vocab, hidden])?;
-        Ok(Embedding { own_matvec: own_matvec(&weight, self.quantized_matvec), weight, dtype: self.dtype })
+        Ok(Embedding { matvec: self.quantized_matvec, weight, dtype: self.dtype })
     }
 
     /// `prefix.weight` `[dim]` as an RMSNorm; `plus_one` stores `1 + w` (Gemma's parametrisation),
