@@ -33,7 +33,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.h");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/lib.rs");
-    for file in ["src/transforms.h", "src/transforms.cc", "src/transforms.rs"] {
+    for file in ["src/transforms.h", "src/transforms.cc", "src/transforms.rs", "src/cuda.h", "src/cuda.cc", "src/cuda.rs"] {
         println!("cargo:rerun-if-changed={file}");
     }
 
@@ -48,10 +48,11 @@ fn main() {
     let lib = mlx.join("lib");
     println!("cargo:warning=rmlx-sys: using MLX from {}", mlx.display());
 
-    let mut build = cxx_build::bridges(["src/lib.rs", "src/transforms.rs"]);
+    let mut build = cxx_build::bridges(["src/lib.rs", "src/transforms.rs", "src/cuda.rs"]);
     build
         .file("src/shim.cc")
         .file("src/transforms.cc")
+        .file("src/cuda.cc")
         .include(&include)
         .include("src")
         .std("c++20")

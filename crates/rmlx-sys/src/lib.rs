@@ -13,6 +13,7 @@
 
 pub use cxx;
 
+pub mod cuda;
 pub mod transforms;
 pub use transforms::tffi;
 

@@ -271,7 +271,7 @@ impl CustomKernel {
 }
 
 /// Where a kernel runs: the current stream if it is a GPU stream, else the GPU's default stream.
-fn kernel_stream() -> StreamSpec {
+pub(crate) fn kernel_stream() -> StreamSpec {
     if current_device().kind == DeviceType::Gpu {
         current()
     } else {

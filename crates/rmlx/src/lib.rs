@@ -44,6 +44,7 @@ mod array;
 mod blas;
 mod callback;
 pub mod compile;
+pub mod cuda;
 mod cuda_graphs;
 pub mod custom;
 mod device;

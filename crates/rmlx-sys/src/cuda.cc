@@ -1,0 +1,384 @@
+// Kernels of rmlx's own on MLX's CUDA backend (see cuda.rs).
+//
+// This file is compiled against MLX's headers of any flavour (the CPU one included): everything it
+// needs from MLX's CUDA backend, the CUDA driver and NVRTC is looked up at run time. MLX 0.32.4's
+// libmlx.so exports the command encoder's methods; its allocator's `cu::malloc_async` and
+// `contiguous_copy_gpu` are hidden, so they are found in the library's ELF symbol table (the same
+// addresses MLX's own code calls). If anything is missing, `cuda_unavailable` says what, and rmlx
+// composes MLX's operations instead.
+#include "rmlx-sys/src/cuda.h"
+
+#include <dlfcn.h>
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/primitives.h"
+#include "rmlx-sys/src/cuda.rs.h"
+
+namespace mx = mlx::core;
+
+namespace rmlx_shim {
+namespace {
+
+// CUDA's `dim3` as its functions take it (three unsigned ints, by value).
+struct Dim3 {
+  unsigned x, y, z;
+};
+
+// The head of MLX's `cu::CudaBuffer`: a buffer's device address comes first.
+struct CudaBufferHead {
+  void* data;
+};
+
+using CUresult = int;
+using Encoder = mx::cu::CommandEncoder;
+
+struct Api {
+  std::string missing;
+  // MLX's CUDA backend.
+  Encoder& (*get_command_encoder)(mx::Stream);
+  void (*set_input_array)(Encoder*, const mx::array&);
+  void (*set_output_array)(Encoder*, const mx::array&);
+  void (*add_kernel_node_raw)(Encoder*, void*, Dim3, Dim3, Dim3, unsigned, void**);
+  void (*add_completed_handler)(Encoder*, std::function<void()>);
+  mx::allocator::Data (*malloc_async)(size_t, Encoder&);
+  mx::array (*contiguous_copy_gpu)(const mx::array&, const mx::Stream&);
+  // The CUDA driver.
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDeviceGet)(int*, int);
+  CUresult (*cuDeviceGetAttribute)(int*, int, int);
+  CUresult (*cuDevicePrimaryCtxRetain)(void**, int);
+  CUresult (*cuCtxPushCurrent)(void*);
+  CUresult (*cuCtxPopCurrent)(void**);
+  CUresult (*cuModuleLoadData)(void**, const void*);
+  CUresult (*cuModuleGetFunction)(void**, void*, const char*);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  // NVRTC.
+  int (*nvrtcVersion)(int*, int*);
+  int (*nvrtcCreateProgram)(void**, const char*, const char*, int, const char* const*, const char* const*);
+  int (*nvrtcCompileProgram)(void*, int, const char* const*);
+  int (*nvrtcGetProgramLogSize)(void*, size_t*);
+  int (*nvrtcGetProgramLog)(void*, char*);
+  int (*nvrtcGetCUBINSize)(void*, size_t*);
+  int (*nvrtcGetCUBIN)(void*, char*);
+  int (*nvrtcDestroyProgram)(void**);
+  const char* (*nvrtcGetErrorString)(int);
+};
+
+// The address of `name` in the loaded object `map` from its ELF symbol table (local symbols too).
+std::map<std::string, void*> local_symbols(const link_map* map, const std::vector<std::string>& names) {
+  std::map<std::string, void*> found;
+  int fd = open(map->l_name, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return found;
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(sizeof(Elf64_Ehdr))) {
+    close(fd);
+    return found;
+  }
+  size_t size = static_cast<size_t>(st.st_size);
+  void* mapped = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  close(fd);
+  if (mapped == MAP_FAILED) return found;
+  const auto* base = static_cast<const unsigned char*>(mapped);
+  const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(base);
+  bool valid = std::memcmp(eh->e_ident, ELFMAG, SELFMAG) == 0 && eh->e_ident[EI_CLASS] == ELFCLASS64 &&
+               eh->e_shoff + static_cast<size_t>(eh->e_shnum) * sizeof(Elf64_Shdr) <= size;
+  if (valid) {
+    const auto* sections = reinterpret_cast<const Elf64_Shdr*>(base + eh->e_shoff);
+    for (int i = 0; i < eh->e_shnum; ++i) {
+      const Elf64_Shdr& symtab = sections[i];
+      if (symtab.sh_type != SHT_SYMTAB || symtab.sh_link >= eh->e_shnum) continue;
+      const Elf64_Shdr& strtab = sections[symtab.sh_link];
+      if (symtab.sh_offset + symtab.sh_size > size || strtab.sh_offset + strtab.sh_size > size) continue;
+      const auto* syms = reinterpret_cast<const Elf64_Sym*>(base + symtab.sh_offset);
+      const char* strings = reinterpret_cast<const char*>(base + strtab.sh_offset);
+      size_t count = symtab.sh_size / sizeof(Elf64_Sym);
+      for (size_t s = 0; s < count; ++s) {
+        if (ELF64_ST_TYPE(syms[s].st_info) != STT_FUNC || syms[s].st_value == 0) continue;
+        if (syms[s].st_name >= strtab.sh_size) continue;
+        const char* name = strings + syms[s].st_name;
+        for (auto& wanted : names) {
+          if (wanted == name) found[wanted] = reinterpret_cast<void*>(map->l_addr + syms[s].st_value);
+        }
+      }
+    }
+  }
+  munmap(mapped, size);
+  return found;
+}
+
+void* open_library(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    if (void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) return h;
+  }
+  for (const char* name : names) {
+    if (void* h = dlopen(name, RTLD_NOW)) return h;
+  }
+  return nullptr;
+}
+
+template <typename F>
+void resolve(void* handle, const char* symbol, F& slot, std::string& missing) {
+  slot = handle ? reinterpret_cast<F>(dlsym(handle, symbol)) : nullptr;
+  if (!slot && missing.empty()) missing = std::string("`") + symbol + "` was not found";
+}
+
+Api load_api() {
+  Api api{};
+  std::string& missing = api.missing;
+  const char* encoder_symbol = "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE";
+  void* self = dlopen(nullptr, RTLD_NOW);
+  api.get_command_encoder = reinterpret_cast<decltype(api.get_command_encoder)>(dlsym(self, encoder_symbol));
+  if (!api.get_command_encoder) {
+    api.missing = "this MLX has no CUDA backend";
+    return api;
+  }
+  resolve(self, "_ZN3mlx4core2cu14CommandEncoder15set_input_arrayERKNS0_5arrayE", api.set_input_array, missing);
+  resolve(self, "_ZN3mlx4core2cu14CommandEncoder16set_output_arrayERKNS0_5arrayE", api.set_output_array, missing);
+  resolve(self, "_ZN3mlx4core2cu14CommandEncoder19add_kernel_node_rawEP9CUfunc_st4dim3S5_S5_jPPv",
+          api.add_kernel_node_raw, missing);
+  resolve(self, "_ZN3mlx4core2cu14CommandEncoder21add_completed_handlerESt8functionIFvvEE",
+          api.add_completed_handler, missing);
+
+  // The hidden functions, from the symbol table of the library that defines the encoder.
+  Dl_info info{};
+  link_map* map = nullptr;
+  if (!dladdr1(reinterpret_cast<void*>(api.get_command_encoder), &info, reinterpret_cast<void**>(&map),
+               RTLD_DL_LINKMAP) ||
+      map == nullptr) {
+    if (missing.empty()) missing = "MLX's CUDA library could not be located";
+  } else {
+    const std::string malloc_name = "_ZN3mlx4core2cu12malloc_asyncEmRNS1_14CommandEncoderE";
+    const std::string copy_name = "_ZN3mlx4core19contiguous_copy_gpuERKNS0_5arrayERKNS0_6StreamE";
+    auto found = local_symbols(map, {malloc_name, copy_name, encoder_symbol});
+    // The table must agree with the dynamic linker on an exported symbol, or the addresses are wrong.
+    if (found[encoder_symbol] != reinterpret_cast<void*>(api.get_command_encoder)) {
+      if (missing.empty()) missing = std::string("the symbol table of ") + map->l_name + " is unreadable";
+    } else {
+      api.malloc_async = reinterpret_cast<decltype(api.malloc_async)>(found[malloc_name]);
+      api.contiguous_copy_gpu = reinterpret_cast<decltype(api.contiguous_copy_gpu)>(found[copy_name]);
+      if (!api.malloc_async && missing.empty()) missing = "MLX's `cu::malloc_async` was not found";
+      if (!api.contiguous_copy_gpu && missing.empty()) missing = "MLX's `contiguous_copy_gpu` was not found";
+    }
+  }
+
+  void* cuda = open_library({"libcuda.so.1", "libcuda.so"});
+  if (!cuda && missing.empty()) missing = "the CUDA driver (libcuda.so.1) could not be loaded";
+  resolve(cuda, "cuInit", api.cuInit, missing);
+  resolve(cuda, "cuDeviceGet", api.cuDeviceGet, missing);
+  resolve(cuda, "cuDeviceGetAttribute", api.cuDeviceGetAttribute, missing);
+  resolve(cuda, "cuDevicePrimaryCtxRetain", api.cuDevicePrimaryCtxRetain, missing);
+  resolve(cuda, "cuCtxPushCurrent_v2", api.cuCtxPushCurrent, missing);
+  resolve(cuda, "cuCtxPopCurrent_v2", api.cuCtxPopCurrent, missing);
+  resolve(cuda, "cuModuleLoadData", api.cuModuleLoadData, missing);
+  resolve(cuda, "cuModuleGetFunction", api.cuModuleGetFunction, missing);
+  resolve(cuda, "cuGetErrorString", api.cuGetErrorString, missing);
+
+  void* nvrtc = open_library({"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"});
+  if (!nvrtc && missing.empty()) missing = "NVRTC (libnvrtc.so) could not be loaded";
+  resolve(nvrtc, "nvrtcVersion", api.nvrtcVersion, missing);
+  resolve(nvrtc, "nvrtcCreateProgram", api.nvrtcCreateProgram, missing);
+  resolve(nvrtc, "nvrtcCompileProgram", api.nvrtcCompileProgram, missing);
+  resolve(nvrtc, "nvrtcGetProgramLogSize", api.nvrtcGetProgramLogSize, missing);
+  resolve(nvrtc, "nvrtcGetProgramLog", api.nvrtcGetProgramLog, missing);
+  resolve(nvrtc, "nvrtcGetCUBINSize", api.nvrtcGetCUBINSize, missing);
+  resolve(nvrtc, "nvrtcGetCUBIN", api.nvrtcGetCUBIN, missing);
+  resolve(nvrtc, "nvrtcDestroyProgram", api.nvrtcDestroyProgram, missing);
+  resolve(nvrtc, "nvrtcGetErrorString", api.nvrtcGetErrorString, missing);
+  if (missing.empty() && api.cuInit(0) != 0) missing = "the CUDA driver failed to initialise";
+  return api;
+}
+
+const Api& api() {
+  static const Api loaded = load_api();
+  return loaded;
+}
+
+const Api& usable_api() {
+  const Api& a = api();
+  if (!a.missing.empty()) throw std::runtime_error("rmlx's CUDA kernels cannot run: " + a.missing);
+  return a;
+}
+
+void check_cuda(CUresult r, const char* what) {
+  if (r == 0) return;
+  const char* message = nullptr;
+  api().cuGetErrorString(r, &message);
+  throw std::runtime_error(std::string(what) + " failed: " + (message ? message : std::to_string(r)));
+}
+
+void check_nvrtc(int r, const char* what) {
+  if (r != 0) throw std::runtime_error(std::string(what) + " failed: " + api().nvrtcGetErrorString(r));
+}
+
+void* device_address(const mx::array& a) {
+  auto* buffer = static_cast<const CudaBufferHead*>(a.buffer().ptr());
+  return static_cast<char*>(buffer->data) + a.offset();
+}
+
+// Kernel nodes of rmlx's own added to MLX's CUDA graph; inputs are made row-contiguous first.
+class CudaLaunch : public mx::Primitive {
+ public:
+  CudaLaunch(mx::Stream stream, std::string name, std::vector<KernelNode> nodes, std::vector<KernelArg> args)
+      : mx::Primitive(stream), name_(std::move(name)), nodes_(std::move(nodes)), args_(std::move(args)) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[" + name_ + "] runs only on MLX's CUDA backend");
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const Api& a = usable_api();
+    Encoder& encoder = a.get_command_encoder(stream());
+    std::vector<mx::array> copies;
+    copies.reserve(inputs.size());
+    std::vector<const mx::array*> ins;
+    for (auto& in : inputs) {
+      if (in.flags().row_contiguous) {
+        ins.push_back(&in);
+      } else {
+        copies.push_back(a.contiguous_copy_gpu(in, stream()));
+        ins.push_back(&copies.back());
+      }
+    }
+    for (auto& out : outputs) out.set_data(a.malloc_async(out.nbytes(), encoder));
+    for (auto* in : ins) a.set_input_array(&encoder, *in);
+    for (auto& out : outputs) a.set_output_array(&encoder, out);
+    std::vector<uint64_t> values(args_.size());
+    std::vector<void*> params(args_.size());
+    for (size_t i = 0; i < args_.size(); ++i) {
+      const KernelArg& arg = args_[i];
+      switch (arg.kind) {
+        case 0: values[i] = reinterpret_cast<uint64_t>(device_address(*ins.at(arg.index))); break;
+        case 1: values[i] = reinterpret_cast<uint64_t>(device_address(outputs.at(arg.index))); break;
+        default: values[i] = arg.bits; break;
+      }
+      params[i] = &values[i];
+    }
+    for (auto& node : nodes_) {
+      Dim3 grid{node.grid[0], node.grid[1], node.grid[2]};
+      Dim3 block{node.block[0], node.block[1], node.block[2]};
+      a.add_kernel_node_raw(&encoder, reinterpret_cast<void*>(node.function), grid, block, Dim3{1, 1, 1},
+                            node.shared_bytes, params.data() + node.first_arg);
+    }
+    if (!copies.empty()) {
+      // The copies live until the graph that reads them has run.
+      a.add_completed_handler(&encoder, [copies = std::move(copies)]() {});
+    }
+  }
+
+  const char* name() const override { return name_.c_str(); }
+
+ private:
+  std::string name_;
+  std::vector<KernelNode> nodes_;
+  std::vector<KernelArg> args_;
+};
+
+}  // namespace
+
+rust::String cuda_unavailable() { return rust::String(api().missing); }
+
+int32_t cuda_compute_capability(int32_t device) {
+  const Api& a = usable_api();
+  int dev = 0, major = 0, minor = 0;
+  check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check_cuda(a.cuDeviceGetAttribute(&major, 75, dev), "cuDeviceGetAttribute");
+  check_cuda(a.cuDeviceGetAttribute(&minor, 76, dev), "cuDeviceGetAttribute");
+  return major * 10 + minor;
+}
+
+int32_t nvrtc_version() {
+  const Api& a = usable_api();
+  int major = 0, minor = 0;
+  check_nvrtc(a.nvrtcVersion(&major, &minor), "nvrtcVersion");
+  return major * 1000 + minor * 10;
+}
+
+rust::Vec<uint8_t> nvrtc_compile(rust::Str source, rust::Str name, int32_t arch) {
+  const Api& a = usable_api();
+  std::string src(source), file(name);
+  void* program = nullptr;
+  check_nvrtc(a.nvrtcCreateProgram(&program, src.c_str(), file.c_str(), 0, nullptr, nullptr), "nvrtcCreateProgram");
+  std::unique_ptr<void*, void (*)(void**)> owner(&program, [](void** p) { api().nvrtcDestroyProgram(p); });
+  std::string gpu = "--gpu-architecture=sm_" + std::to_string(arch) + (arch >= 90 ? "a" : "");
+  const char* options[] = {gpu.c_str(), "--std=c++17"};
+  int compiled = a.nvrtcCompileProgram(program, 2, options);
+  if (compiled != 0) {
+    size_t size = 0;
+    a.nvrtcGetProgramLogSize(program, &size);
+    std::string log(size, '\0');
+    if (size > 0) a.nvrtcGetProgramLog(program, log.data());
+    throw std::runtime_error("NVRTC could not compile " + file + ": " + log.c_str());
+  }
+  size_t size = 0;
+  check_nvrtc(a.nvrtcGetCUBINSize(program, &size), "nvrtcGetCUBINSize");
+  std::string cubin(size, '\0');
+  check_nvrtc(a.nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN");
+  rust::Vec<uint8_t> out;
+  out.reserve(size);
+  for (char c : cubin) out.push_back(static_cast<uint8_t>(c));
+  return out;
+}
+
+uint64_t cuda_load_function(int32_t device, rust::Slice<const uint8_t> image, rust::Str name) {
+  const Api& a = usable_api();
+  int dev = 0;
+  void* context = nullptr;
+  check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check_cuda(a.cuDevicePrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
+  check_cuda(a.cuCtxPushCurrent(context), "cuCtxPushCurrent");
+  std::string data(reinterpret_cast<const char*>(image.data()), image.size());
+  std::string function(name);
+  void* module = nullptr;
+  void* kernel = nullptr;
+  CUresult loaded = a.cuModuleLoadData(&module, data.data());
+  CUresult got = loaded == 0 ? a.cuModuleGetFunction(&kernel, module, function.c_str()) : 0;
+  void* popped = nullptr;
+  a.cuCtxPopCurrent(&popped);
+  check_cuda(loaded, "cuModuleLoadData");
+  check_cuda(got, ("cuModuleGetFunction(" + function + ")").c_str());
+  return reinterpret_cast<uint64_t>(kernel);
+}
+
+std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const KernelNode> nodes,
+                                               rust::Slice<const KernelArg> args,
+                                               rust::Slice<const LaunchOutput> outputs, StreamSpec s) {
+  usable_api();
+  for (auto& node : nodes) {
+    if (node.function == 0) throw std::invalid_argument("a kernel node has no function");
+    if (static_cast<size_t>(node.first_arg) + node.arg_count > args.size()) {
+      throw std::invalid_argument("a kernel node's arguments lie past the argument list");
+    }
+  }
+  for (auto& arg : args) {
+    if (arg.kind == 1 && arg.index >= outputs.size()) throw std::invalid_argument("an argument names a missing output");
+    if (arg.kind > 3) throw std::invalid_argument("unknown kernel argument kind");
+  }
+  auto stream = mx::to_stream(detail::stream_of(s));
+  auto launch = std::make_unique<PreparedLaunch>();
+  for (auto& o : outputs) {
+    launch->shapes.emplace_back(o.shape.begin(), o.shape.end());
+    launch->dtypes.push_back(detail::dtype_of_code(o.dtype));
+  }
+  launch->primitive = std::make_shared<CudaLaunch>(stream, std::string(name),
+                                                   std::vector<KernelNode>(nodes.begin(), nodes.end()),
+                                                   std::vector<KernelArg>(args.begin(), args.end()));
+  return launch;
+}
+
+VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs) {
+  return std::make_unique<ArrayVec>(mx::array::make_arrays(launch.shapes, launch.dtypes, launch.primitive, inputs));
+}
+
+}  // namespace rmlx_shim

@@ -1,0 +1,227 @@
+//! Kernels of your own on MLX's CUDA backend, compiled once and launched as nodes of MLX's graph.
+//!
+//! [`crate::fast::cuda_kernel`] hands MLX a source that MLX hashes and binds again on every
+//! evaluation, and compiles again in every process. Here a kernel is a complete CUDA source with an
+//! `extern "C" __global__` function: [`compile`] turns it into a cubin with NVRTC (kept in a cache
+//! directory you name, so later processes only load it), and a [`CudaLaunch`] is a primitive
+//! made once that runs one or more such kernels, in order, as kernel nodes of MLX's CUDA graph,
+//! over the arrays it is called on. A launch costs MLX's graph what one of its own operations
+//! costs; several kernels in one launch are one node of MLX's graph.
+//!
+//! Available where MLX's CUDA backend is loaded ([`unavailable`] says why not elsewhere); the
+//! inputs are made row-contiguous before the kernels run, and the kernels have no gradient.
+//!
+//! ```
+//! use rmlx::cuda::{self, KernelArg, KernelNode};
+//! use rmlx::{Array, Dtype};
+//! # fn main() -> rmlx::Result<()> {
+//! const SOURCE: &str = r#"
+//! extern "C" __global__ void add_one(const float* x, float* y, int n) {
+//!     int i = blockIdx.x * blockDim.x + threadIdx.x;
+//!     if (i < n) y[i] = x[i] + 1.0f;
+//! }"#;
+//! if cuda::unavailable().is_none() {
+//!     let f = cuda::compile("add_one", SOURCE, None)?;
+//!     let args = vec![KernelArg::Input(0), KernelArg::Output(0), KernelArg::I32(4)];
+//!     let node = KernelNode { function: f, grid: [1, 1, 1], block: [32, 1, 1], shared_bytes: 0, args };
+//!     let launch = cuda::CudaLaunch::new("add_one", &[node], &[(vec![4], Dtype::Float32)])?;
+//!     let x = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4])?;
+//!     let y = &launch.call(&[x])?[0];
+//!     assert_eq!(y.to_vec::<f32>()?, [2.0, 3.0, 4.0, 5.0]);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+use crate::array::{array_vec, from_array_vec};
+use crate::kernel::kernel_stream;
+use crate::{Array, Dtype, Error, Result};
+use rmlx_sys::cuda::cffi;
+use rmlx_sys::ffi::StreamSpec;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{LazyLock, Mutex};
+
+/// Why kernels of rmlx's own cannot run in this process (`None`: they can): MLX's CPU or Metal
+/// backend, or a CUDA installation missing what they need.
+pub fn unavailable() -> Option<String> {
+    static WHY: LazyLock<String> = LazyLock::new(|| crate::lock::locked(cffi::cuda_unavailable));
+    (!WHY.is_empty()).then(|| WHY.clone())
+}
+
+/// A loaded kernel function (for the life of the process) and the device it was loaded on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaFunction {
+    handle: u64,
+    device: i32,
+    name: String,
+}
+
+impl CudaFunction {
+    /// The function's name in its source.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// The source's `extern "C"` function `name`, compiled for the GPU MLX uses by default and loaded.
+/// With `cache`, the compiled image is kept there in a file named after the source and read back by
+/// later calls and processes (which compare the whole source, compiler and device before using
+/// it); without, or if the directory cannot be written, it is compiled in every process. Errors
+/// carry NVRTC's log.
+pub fn compile(name: &str, source: &str, cache: Option<&Path>) -> Result<CudaFunction> {
+    static LOADED: LazyLock<Mutex<HashMap<(String, String), CudaFunction>>> = LazyLock::new(Mutex::default);
+    if let Some(why) = unavailable() {
+        return Err(Error::Unsupported(format!("CUDA kernel `{name}`: {why}")));
+    }
+    let key = (name.to_string(), source.to_string());
+    if let Some(f) = LOADED.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(f.clone());
+    }
+    let device = crate::Device::gpu().index;
+    let arch = cffi::cuda_compute_capability(device)?;
+    let stamp = format!("rmlx cubin 1\nname {name}\narch {arch}\nnvrtc {}\n", cffi::nvrtc_version()?);
+    let file = cache.map(|dir| dir.join(format!("{name}-{:016x}.cubin", fnv1a(&[&stamp, source]))));
+    let image = match file.as_deref().and_then(|f| cached_image(f, &stamp, source)) {
+        Some(image) => image,
+        None => {
+            let image = cffi::nvrtc_compile(source, &format!("{name}.cu"), arch)?;
+            if let Some(f) = &file {
+                // A cache that cannot be written only costs the next process a compilation.
+                let _ = write_cached(f, &stamp, source, &image);
+            }
+            image
+        }
+    };
+    let handle = cffi::cuda_load_function(device, &image, name)?;
+    let f = CudaFunction { handle, device, name: name.to_string() };
+    LOADED.lock().unwrap_or_else(|e| e.into_inner()).insert(key, f.clone());
+    Ok(f)
+}
+
+/// 64-bit FNV-1a over `parts` (a file name, not a check: the file holds the whole source).
+fn fnv1a(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in parts.iter().flat_map(|p| p.bytes().chain([0])) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// A cache file: the stamp, the source's length and the source, then the image.
+fn cached_image(file: &Path, stamp: &str, source: &str) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(file).ok()?;
+    let head = format!("{stamp}{}\n{source}", source.len());
+    bytes.starts_with(head.as_bytes()).then(|| bytes[head.len()..].to_vec()).filter(|image| !image.is_empty())
+}
+
+/// Writes a cache file whole or not at all (a temporary file renamed into place).
+fn write_cached(file: &Path, stamp: &str, source: &str, image: &[u8]) -> std::io::Result<()> {
+    let dir = file.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let mut bytes = format!("{stamp}{}\n{source}", source.len()).into_bytes();
+    bytes.extend_from_slice(image);
+    let temporary = file.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&temporary, bytes)?;
+    std::fs::rename(&temporary, file)
+}
+
+/// One parameter of a kernel, in its source's order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KernelArg {
+    /// The device address of the launch's input `i` (row-contiguous).
+    Input(u32),
+    /// The device address of the launch's output `i`.
+    Output(u32),
+    I32(i32),
+    U32(u32),
+    F32(f32),
+    I64(i64),
+}
+
+/// One kernel run of a launch: its function, grid (in blocks), block (in threads), dynamic shared
+/// memory and parameters.
+#[derive(Clone, Debug)]
+pub struct KernelNode {
+    pub function: CudaFunction,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+    pub args: Vec<KernelArg>,
+}
+
+/// A primitive made once that runs its kernels in order over the arrays it is called on and gives
+/// outputs of fixed shapes and dtypes (see the module docs).
+pub struct CudaLaunch {
+    inner: rmlx_sys::cxx::UniquePtr<cffi::PreparedLaunch>,
+    name: String,
+    inputs: usize,
+    stream: StreamSpec,
+}
+
+impl CudaLaunch {
+    /// The launch of `nodes` making `outputs` (shape, dtype), on the stream
+    /// [`crate::fast::CustomKernel::call`] would take now.
+    pub fn new(name: &str, nodes: &[KernelNode], outputs: &[(Vec<i32>, Dtype)]) -> Result<CudaLaunch> {
+        let (mut ffi_nodes, mut ffi_args, mut inputs) = (Vec::new(), Vec::new(), 0);
+        for node in nodes {
+            if node.function.device != crate::Device::gpu().index {
+                return Err(Error::InvalidArgument(format!(
+                    "launch `{name}`: `{}` was loaded on another device",
+                    node.function.name
+                )));
+            }
+            ffi_nodes.push(cffi::KernelNode {
+                function: node.function.handle,
+                grid: node.grid,
+                block: node.block,
+                shared_bytes: node.shared_bytes,
+                first_arg: ffi_args.len() as u32,
+                arg_count: node.args.len() as u32,
+            });
+            for arg in &node.args {
+                let (kind, index, bits) = match *arg {
+                    KernelArg::Input(i) => (0, i, 0),
+                    KernelArg::Output(i) => (1, i, 0),
+                    KernelArg::I32(v) => (2, 0, u64::from(v as u32)),
+                    KernelArg::U32(v) => (2, 0, u64::from(v)),
+                    KernelArg::F32(v) => (2, 0, u64::from(v.to_bits())),
+                    KernelArg::I64(v) => (3, 0, v as u64),
+                };
+                if let KernelArg::Input(i) = arg {
+                    inputs = inputs.max(*i as usize + 1);
+                }
+                if matches!(arg, KernelArg::Output(i) if *i as usize >= outputs.len()) {
+                    return Err(Error::InvalidArgument(format!("launch `{name}` names output {index} of {}", outputs.len())));
+                }
+                ffi_args.push(cffi::KernelArg { kind, index, bits });
+            }
+        }
+        let outs: Vec<cffi::LaunchOutput> =
+            outputs.iter().map(|(shape, dtype)| cffi::LaunchOutput { shape: shape.clone(), dtype: *dtype as u8 }).collect();
+        let stream = kernel_stream();
+        let inner = crate::lock::locked(|| cffi::prepare_launch(name, &ffi_nodes, &ffi_args, &outs, stream))?;
+        Ok(CudaLaunch { inner, name: name.to_string(), inputs, stream })
+    }
+
+    /// The launch's outputs over `inputs` (lazy, as any operation), on the stream it was made for.
+    pub fn call(&self, inputs: &[Array]) -> Result<Vec<Array>> {
+        if inputs.len() < self.inputs {
+            return Err(Error::InvalidArgument(format!(
+                "launch `{}` reads {} inputs, got {}",
+                self.name,
+                self.inputs,
+                inputs.len()
+            )));
+        }
+        if kernel_stream() != self.stream {
+            return Err(Error::InvalidArgument(format!(
+                "launch `{}` was made for another stream than the current one",
+                self.name
+            )));
+        }
+        let v = array_vec(inputs);
+        let out = crate::lock::locked(|| cffi::call_launch(&self.inner, &v))?;
+        Ok(from_array_vec(&out))
+    }
+}
