@@ -225,3 +225,30 @@ impl CudaLaunch {
         Ok(from_array_vec(&out))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cached image is read back only for the same stamp and source, and a truncated file is a
+    /// miss (compiled again), never a wrong kernel.
+    #[test]
+    fn cache_files_are_used_only_for_their_source() {
+        let dir = std::env::temp_dir().join(format!("rmlx-cuda-cache-test-{}", std::process::id()));
+        let file = dir.join("k.cubin");
+        let image = [0x7fu8, b'E', b'L', b'F', 1, 2, 3];
+        write_cached(&file, "stamp\n", "source", &image).unwrap();
+        assert_eq!(cached_image(&file, "stamp\n", "source").as_deref(), Some(&image[..]));
+        assert_eq!(cached_image(&file, "stamp\n", "source2"), None, "another source");
+        assert_eq!(cached_image(&file, "other\n", "source"), None, "another compiler or device");
+        let bytes = std::fs::read(&file).unwrap();
+        std::fs::write(&file, &bytes[..bytes.len() - image.len()]).unwrap();
+        assert_eq!(cached_image(&file, "stamp\n", "source"), None, "no image left");
+        std::fs::write(&file, &bytes[..5]).unwrap();
+        assert_eq!(cached_image(&file, "stamp\n", "source"), None, "truncated inside the stamp");
+        assert_eq!(cached_image(&dir.join("missing.cubin"), "stamp\n", "source"), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_ne!(fnv1a(&["ab", "c"]), fnv1a(&["a", "bc"]), "the parts are separated");
+        assert_eq!(fnv1a(&[]), 0xcbf29ce484222325);
+    }
+}

@@ -6,21 +6,17 @@
 //! composed path takes a reshape, a split, two RMSNorms (Qwen 3, Gemma 3) and two RoPEs.
 
 use super::training;
-use rmlx::compile::{compile_with, CompileOptions, Compiled};
-use rmlx::fast::{cuda_kernel, gpu_backend, CustomKernel, GpuBackend, KernelLaunch, TemplateArg};
+use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
+use rmlx::fast::{gpu_backend, GpuBackend};
 use rmlx::{Array, DeviceType, Dtype, Result};
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::hash::Hash;
-use std::mem::ManuallyDrop;
-use std::sync::LazyLock;
-use std::thread::LocalKey;
+use std::sync::{Arc, LazyLock, Mutex};
 
 /// One block per (head, sequence), one thread per rotated pair `(i, i + D/2)` (whole warps: the
 /// threads past the pairs only take part in the sum of squares). Query and key heads
-/// are RMS-normalised (with `NORM`; the product rounded to `T` before the weight, as MLX's kernel
-/// does) and rotated at position `pos[b]` (`pos[0]` for all without `PER_ROW`): angle
-/// `(params[1] · pos) · (1 / divisors[i])`, in the order MLX's RoPE kernel takes. Value heads are copied.
+/// are RMS-normalised (with `NORM`, epsilon `eps`; the product rounded to `T` before the weight, as
+/// MLX's kernel does) and rotated at position `pos[b]` (`pos[0]` for all without `PER_ROW`): angle
+/// `(scale · pos) · (1 / divisors[i])`, in the order MLX's RoPE kernel takes. Value heads are copied.
 const SOURCE: &str = r#"
     constexpr int HALF = D / 2;
     const int t = threadIdx.x;
@@ -55,7 +51,7 @@ const SOURCE: &str = r#"
         if (!active) {
             return;
         }
-        const float r = rsqrtf(total / D + params[0]);
+        const float r = rsqrtf(total / D + eps);
         const T* w = h < HQ ? qw : kw;
         x0 = static_cast<float>(static_cast<T>(x0 * r)) * static_cast<float>(w[t]);
         x1 = static_cast<float>(static_cast<T>(x1 * r)) * static_cast<float>(w[t + HALF]);
@@ -65,18 +61,14 @@ const SOURCE: &str = r#"
     if (!active) {
         return;
     }
-    const float theta = (params[1] * static_cast<float>(pos[PER_ROW ? b : 0])) * (1.0f / divisors[t]);
-    const float c = cos(theta);
-    const float s = sin(theta);
+    const float theta = (scale * static_cast<float>(pos[PER_ROW ? b : 0])) * (1.0f / divisors[t]);
+    const float c = cosf(theta);
+    const float s = sinf(theta);
     T* out = h < HQ ? q + (static_cast<long long>(b) * HQ + h) * D
                     : k + (static_cast<long long>(b) * HKV + (h - HQ)) * D;
     out[t] = static_cast<T>(x0 * c - x1 * s);
     out[t + HALF] = static_cast<T>(x0 * s + x1 * c);
 "#;
-
-static KERNEL: LazyLock<CustomKernel> = LazyLock::new(|| {
-    cuda_kernel("rmlx_qkv_heads", &["y", "qw", "kw", "divisors", "pos", "params"], &["q", "k", "v"], SOURCE)
-});
 
 /// The per-head RMSNorm of queries and keys: their weights (`[D]`, of the activations' dtype) and
 /// epsilon.
@@ -122,75 +114,111 @@ pub fn qkv_heads(
     }
     let per_row = rotation.positions.size() > 1;
     let eps = norms.as_ref().map_or(0.0, |n| n.eps);
-    let params = Array::from_slice(&[eps, rotation.scale], &[2])?;
     // Without norms the kernel never reads its weights: `y` stands in (an input of type `T`).
     let (qw, kw) = match &norms {
         Some(n) => (n.query.clone(), n.key.clone()),
         None => (y.clone(), y.clone()),
     };
-    let inputs = [y.clone(), qw, kw, rotation.divisors.clone(), rotation.positions.astype(Dtype::Int32)?, params];
-    let shape = KernelShape { heads, kv_heads, head_dim, norm: norms.is_some(), per_row };
-    let out = call_compiled(&COMPILED, shape, "qkv heads", launch, &inputs)?;
+    let positions = match rotation.positions.dtype() {
+        Dtype::Int32 => rotation.positions.clone(),
+        _ => rotation.positions.astype(Dtype::Int32)?,
+    };
+    let divisors = match rotation.divisors.dtype() {
+        Dtype::Float32 => rotation.divisors.clone(),
+        _ => rotation.divisors.astype(Dtype::Float32)?,
+    };
+    let inputs = [y.clone(), qw, kw, divisors, positions];
+    let shape = KernelShape {
+        dtype,
+        batch,
+        heads,
+        kv_heads,
+        head_dim,
+        norm: norms.is_some(),
+        per_row,
+        eps: eps.to_bits(),
+        scale: rotation.scale.to_bits(),
+    };
+    let out = launch_for(shape)?.call(&inputs)?;
     Ok(Some(out.try_into().expect("three outputs")))
 }
 
 /// What a kernel instance is specialised for.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct KernelShape {
+    dtype: Dtype,
+    batch: i32,
     heads: i32,
     kv_heads: i32,
     head_dim: i32,
     norm: bool,
     per_row: bool,
+    /// The norm's epsilon and the position multiplier, as float bits.
+    eps: u32,
+    scale: u32,
 }
 
-/// Runs the kernel on `[y, qw, kw, divisors, pos, params]`.
-fn launch(inputs: &[Array], s: KernelShape) -> Result<Vec<Array>> {
-    let (y, dtype) = (&inputs[0], inputs[0].dtype());
-    let (batch, threads) = (y.shape()[0], (s.head_dim / 2 + 31) / 32 * 32);
-    let head = |n: i32| [batch, n, 1, s.head_dim];
-    let launch = KernelLaunch::new([threads, s.heads + 2 * s.kv_heads, batch], [threads, 1, 1])
-        .output(&head(s.heads), dtype)
-        .output(&head(s.kv_heads), dtype)
-        .output(&head(s.kv_heads), dtype)
-        .template("T", TemplateArg::Dtype(dtype))
-        .template("D", TemplateArg::Int(s.head_dim))
-        .template("HQ", TemplateArg::Int(s.heads))
-        .template("HKV", TemplateArg::Int(s.kv_heads))
-        .template("NORM", TemplateArg::Bool(s.norm))
-        .template("PER_ROW", TemplateArg::Bool(s.per_row));
-    KERNEL.call(inputs, &launch)
+/// The complete source of the instance for `s`: the kernel `rmlx_qkv_heads`.
+fn source(s: &KernelShape) -> String {
+    let t = match s.dtype {
+        Dtype::Bfloat16 => "rmlx_bf16",
+        Dtype::Float16 => "rmlx_f16",
+        _ => "float",
+    };
+    format!(
+        "{CUDA_TYPES}typedef {t} T;\nconstexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
+         constexpr bool NORM = {};\nconstexpr bool PER_ROW = {};\n\
+         extern \"C\" __global__ void rmlx_qkv_heads(const T* y, const T* qw, const T* kw, const float* divisors, \
+         const int* pos, T* q, T* k, T* v, float eps, float scale) {{\n{SOURCE}}}\n",
+        s.head_dim, s.heads, s.kv_heads, s.norm, s.per_row
+    )
 }
 
-thread_local! {
-    static COMPILED: CompiledKernels<KernelShape> = RefCell::new(HashMap::new());
+/// The launch over `[y, qw, kw, divisors (float32), pos (int32)]` for `s`, made once per process.
+fn launch_for(s: KernelShape) -> Result<Arc<CudaLaunch>> {
+    static LAUNCHES: LazyLock<Mutex<HashMap<KernelShape, Arc<CudaLaunch>>>> = LazyLock::new(Mutex::default);
+    if let Some(l) = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).get(&s) {
+        return Ok(l.clone());
+    }
+    let function = cuda::compile("rmlx_qkv_heads", &source(&s), Some(&kernel_cache()))?;
+    let threads = ((s.head_dim / 2 + 31) / 32 * 32) as u32;
+    let mut args: Vec<KernelArg> = (0..5).map(KernelArg::Input).collect();
+    args.extend((0..3).map(KernelArg::Output));
+    args.extend([KernelArg::F32(f32::from_bits(s.eps)), KernelArg::F32(f32::from_bits(s.scale))]);
+    let grid = [1, (s.heads + 2 * s.kv_heads) as u32, s.batch as u32];
+    let node = KernelNode { function, grid, block: [threads, 1, 1], shared_bytes: 0, args };
+    let head = |n: i32| (vec![s.batch, n, 1, s.head_dim], s.dtype);
+    let outputs = [head(s.heads), head(s.kv_heads), head(s.kv_heads)];
+    let launch = Arc::new(CudaLaunch::new("rmlx_qkv_heads", &[node], &outputs)?);
+    LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).insert(s, launch.clone());
+    Ok(launch)
 }
 
-/// Whether work placed now runs on MLX's CUDA backend.
+/// CUDA's 16-bit float types for kernels compiled without CUDA's headers (rmlx's own kernels are
+/// compiled alone, in a fraction of the time MLX's headers take): bfloat16 and half as structs
+/// converting to and from `float` with round-to-nearest-even, as `__nv_bfloat16` and `__half` do.
+pub(super) const CUDA_TYPES: &str = r#"struct rmlx_bf16 {
+    unsigned short bits;
+    rmlx_bf16() = default;
+    __device__ rmlx_bf16(float f) { asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(f)); }
+    __device__ operator float() const { return __uint_as_float(static_cast<unsigned>(bits) << 16); }
+};
+struct rmlx_f16 {
+    unsigned short bits;
+    rmlx_f16() = default;
+    __device__ rmlx_f16(float f) { asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(f)); }
+    __device__ operator float() const { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits)); return f; }
+};
+"#;
+
+/// Where compiled kernels are kept between processes: `kernels/` in rmlx's cache directory.
+pub(super) fn kernel_cache() -> std::path::PathBuf {
+    crate::cache_dir::cache_dir().join("kernels")
+}
+
+/// Whether work placed now runs on MLX's CUDA backend, where rmlx's own kernels can run.
 pub(super) fn on_cuda() -> bool {
-    rmlx::current_device().kind == DeviceType::Gpu && gpu_backend() == Some(GpuBackend::Cuda)
-}
-
-/// One thread's compiled kernel calls, one per kernel instance (kept for the thread's life, as
-/// `nn::gated` keeps its functions).
-pub(super) type CompiledKernels<K> = RefCell<HashMap<K, ManuallyDrop<Compiled>>>;
-
-/// Runs `launch(inputs, key)` through a function compiled once per `key` and thread: MLX then
-/// replays the traced kernel node instead of assembling the kernel's source and signature on
-/// every call.
-pub(super) fn call_compiled<K: Copy + Eq + Hash + Send + Sync + 'static>(
-    cache: &'static LocalKey<CompiledKernels<K>>,
-    key: K,
-    name: &str,
-    launch: fn(&[Array], K) -> Result<Vec<Array>>,
-    inputs: &[Array],
-) -> Result<Vec<Array>> {
-    cache.with(|c| {
-        let mut c = c.borrow_mut();
-        let f = c.entry(key).or_insert_with(|| {
-            let options = CompileOptions { shapeless: false, name: Some(name.into()) };
-            ManuallyDrop::new(compile_with(move |x: &[Array]| launch(x, key), options))
-        });
-        f.call(inputs)
-    })
+    rmlx::current_device().kind == DeviceType::Gpu
+        && gpu_backend() == Some(GpuBackend::Cuda)
+        && cuda::unavailable().is_none()
 }

@@ -18,14 +18,13 @@
 //! through warp shuffles, and the warps that split a row's inputs through shared memory. GGUF
 //! Q4_0/Q4_1/Q8_0 weights arrive in the same layout (`gguf::to_mlx`) and take the same kernel.
 
-use super::cuda_fast::{call_compiled, on_cuda, CompiledKernels};
+use super::cuda_fast::{kernel_cache, on_cuda, CUDA_TYPES};
 use super::training;
-use rmlx::fast::{cuda_kernel, CustomKernel, KernelLaunch, TemplateArg};
+use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Result};
-use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
 /// The most rows of `x` the kernel takes (more: MLX's quantised matmul, made for them).
 pub const MAX_ROWS: i32 = 8;
@@ -33,8 +32,9 @@ pub const MAX_ROWS: i32 = 8;
 /// Warps a block (the kernel's `WARPS`).
 const WARPS: i32 = 4;
 
-/// Template arguments: `T` the activations' (and scales') type, `K` input features, `N` outputs,
-/// `M` rows of `x`, `BITS` 4 or 8 (affine-quantised `w`) or 0 (`w` dense, of type `T`), `GS` the
+/// The kernel's body. Constants (see [`source`]): `T` the activations' (and scales') type, `K` input
+/// features, `N` outputs, `M` rows computed (`x`'s row count rounded up to 1, 2, 4 or 8, so that
+/// one instance serves several batch sizes; the real count is the `rows` parameter), `BITS` 4 or 8 (affine-quantised `w`) or 0 (`w` dense, of type `T`), `GS` the
 /// group size, `R` output rows a warp, `KW` warps that split one row's inputs between them (their
 /// sums meet in shared memory); what is fused: `NORM` (`x` RMS-normalised with the weight `nw`
 /// and the epsilon whose float bits are `EPS`), `BIAS` (`bias` added), `EPI` 0 (the product), 1
@@ -44,7 +44,7 @@ const WARPS: i32 = 4;
 /// mean square of the row, whose sum of squares the lanes gather from the `x` they read anyway.
 const SOURCE: &str = r#"
     constexpr bool DENSE = BITS == 0;
-    constexpr int QB = DENSE ? 32 : BITS;
+    constexpr int QB = DENSE ? 8 : BITS;
     constexpr int PER_WORD = DENSE ? 1 : 32 / QB;
     constexpr int VALS = DENSE ? 16 / static_cast<int>(sizeof(T)) : 4 * PER_WORD;
     constexpr int STEP = 32 * VALS;
@@ -60,6 +60,7 @@ const SOURCE: &str = r#"
     const int warp = threadIdx.x >> 5;
     const int part = warp % KW;
     const int row0 = (blockIdx.x * (WARPS / KW) + warp / KW) * R;
+    // `M` rows are computed, `rows` of them real: the others read the last real row.
     const char* wsrc[2] = {reinterpret_cast<const char*>(w), reinterpret_cast<const char*>(w2)};
     const T* ssrc[2] = {reinterpret_cast<const T*>(scales), reinterpret_cast<const T*>(scales2)};
     const T* bsrc[2] = {reinterpret_cast<const T*>(biases), reinterpret_cast<const T*>(biases2)};
@@ -98,7 +99,7 @@ const SOURCE: &str = r#"
                 float xv[M][VALS];
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    rmlx_load_x<T, VALS, NORM>(x + static_cast<long long>(m) * K + k0, nw + k0, xv[m], sq[m]);
+                    rmlx_load_x<T, VALS, NORM>(x + static_cast<long long>(min(m, rows - 1)) * K + k0, nw + k0, xv[m], sq[m]);
                 }
 #pragma unroll
                 for (int r = 0; r < RR; ++r) {
@@ -129,7 +130,7 @@ const SOURCE: &str = r#"
 #pragma unroll
                     for (int m = 0; m < M; ++m) {
                         const int k = k0 + word * PER_WORD;
-                        rmlx_load_x<T, PER_WORD, NORM>(x + static_cast<long long>(m) * K + k, nw + k, xv[m], sq[m]);
+                        rmlx_load_x<T, PER_WORD, NORM>(x + static_cast<long long>(min(m, rows - 1)) * K + k, nw + k, xv[m], sq[m]);
 #pragma unroll
                         for (int j = 0; j < PER_WORD; ++j) {
                             xsum[m] += xv[m][j];
@@ -214,6 +215,9 @@ const SOURCE: &str = r#"
     if (lane == 0 && part == 0) {
 #pragma unroll
         for (int m = 0; m < M; ++m) {
+            if (m >= rows) {
+                break;
+            }
             const float inv_rms = NORM ? rsqrtf(sq[m] / K + __int_as_float(EPS)) : 1.0f;
 #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -286,49 +290,75 @@ __device__ __forceinline__ void rmlx_load_x(const T* p, const T* nw, float* out,
 }
 "#;
 
-/// Every input the kernel may read, in its parameters' order; a variant declares only those it
-/// reads (`Shape::reads`), and the others name one it has (their code is never run).
-const INPUTS: [(&str, &str); 10] = [
-    ("x", ""),
-    ("w", ""),
-    ("scales", "x"),
-    ("biases", "x"),
-    ("w2", "w"),
-    ("scales2", "scales"),
-    ("biases2", "biases"),
-    ("nw", "x"),
-    ("res", "x"),
-    ("bias", "x"),
-];
+/// The kernel's parameters, in order: `x`, the weight's packed values (or dense values), scales
+/// and biases, the second (gated) matrix's three, the norm's weight, the residual, the bias, then
+/// `y` and `rows`. A product that has no use for some of them gets `x`'s address there.
+const INPUTS: usize = 10;
 
-/// The kernel declaring the inputs `reads` (a mask over [`INPUTS`]), made once per mask.
-///
-/// MLX's CUDA backend hashes a custom kernel's whole source and binds each of its inputs on every
-/// evaluation: on an H200, a node of a 9 KB source costs ~3.5 µs more host time than one of a few
-/// lines, and 9 more inputs ~2.2 µs (BENCHMARKS.md). The source is therefore handed over without
-/// comments and indentation, and each variant takes only the inputs it reads.
-fn kernel(reads: u16) -> &'static CustomKernel {
-    static KERNELS: LazyLock<Mutex<HashMap<u16, &'static CustomKernel>>> = LazyLock::new(Mutex::default);
-    let mut kernels = KERNELS.lock().unwrap_or_else(|e| e.into_inner());
-    kernels.entry(reads).or_insert_with(|| {
-        let mut names = Vec::new();
-        let mut aliases = String::new();
-        for (i, (name, stand_in)) in INPUTS.iter().enumerate() {
-            match reads & (1 << i) != 0 {
-                true => names.push(*name),
-                false => aliases += &format!("const auto* {name} = {stand_in};\n"),
-            }
-        }
-        let source = aliases + &minified(SOURCE);
-        let name = format!("rmlx_fused_matvec_{reads:x}");
-        Box::leak(Box::new(cuda_kernel(&name, &names, &["y"], &source).header(&minified(HEADER))))
-    })
+/// The complete source of the instance for `s`: CUDA's 16-bit types, the loads, the constants and
+/// the kernel `rmlx_fused_matvec`.
+fn source(s: &Shape) -> String {
+    let t = match s.dtype {
+        Dtype::Bfloat16 => "rmlx_bf16",
+        Dtype::Float16 => "rmlx_f16",
+        _ => "float",
+    };
+    let (r, split) = (s.rows_per_warp(), s.split());
+    let constants = [
+        ("K", s.input),
+        ("N", s.output),
+        ("M", s.computed_rows()),
+        ("BITS", s.bits),
+        ("GS", s.group_size),
+        ("R", r),
+        ("KW", split),
+        ("NORM", i32::from(s.norm.is_some())),
+        ("EPS", s.norm.unwrap_or(0) as i32),
+        ("BIAS", i32::from(s.bias)),
+        ("EPI", s.epilogue),
+    ];
+    let constants: String = constants.iter().map(|(n, v)| format!("constexpr int {n} = {v};\n")).collect();
+    format!(
+        "{CUDA_TYPES}{HEADER}typedef {t} T;\n{constants}\
+         extern \"C\" __global__ void __launch_bounds__(128) rmlx_fused_matvec(const T* x, const unsigned* w, \
+         const T* scales, const T* biases, const unsigned* w2, const T* scales2, const T* biases2, const T* nw, \
+         const T* res, const T* bias, T* y, int rows) {{\n{SOURCE}}}\n"
+    )
 }
 
-/// `source` without comment lines, indentation and blank lines.
-fn minified(source: &str) -> String {
-    let lines = source.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("//"));
-    lines.collect::<Vec<_>>().join("\n") + "\n"
+/// The launch of the instance for `s` (compiled, or read from the cache, once per process).
+fn launch_for(s: Shape) -> Result<Arc<CudaLaunch>> {
+    static LAUNCHES: LazyLock<Mutex<HashMap<Shape, Arc<CudaLaunch>>>> = LazyLock::new(Mutex::default);
+    if let Some(l) = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).get(&s) {
+        return Ok(l.clone());
+    }
+    let function = cuda::compile("rmlx_fused_matvec", &source(&s), Some(&kernel_cache()))?;
+    let rows_per_block = WARPS / s.split() * s.rows_per_warp();
+    let blocks = (s.output + rows_per_block - 1) / rows_per_block;
+    // The inputs `s` reads are passed in parameter order; each absent one gets `x` (input 0).
+    let reads = s.reads();
+    let mut args = Vec::new();
+    let mut next = 0;
+    for i in 0..INPUTS {
+        match reads & (1 << i) != 0 {
+            true => {
+                args.push(KernelArg::Input(next));
+                next += 1;
+            }
+            false => args.push(KernelArg::Input(0)),
+        }
+    }
+    args.extend([KernelArg::Output(0), KernelArg::I32(s.rows)]);
+    let node = KernelNode {
+        function,
+        grid: [blocks as u32, 1, 1],
+        block: [(WARPS * 32) as u32, 1, 1],
+        shared_bytes: 0,
+        args,
+    };
+    let launch = Arc::new(CudaLaunch::new("rmlx_fused_matvec", &[node], &[(vec![s.rows, s.output], s.dtype)])?);
+    LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).insert(s, launch.clone());
+    Ok(launch)
 }
 
 /// A matrix `W` `[N, K]` the kernel multiplies by: dense (of the activations' type) or quantised.
@@ -396,6 +426,12 @@ impl Shape {
         bits.iter().enumerate().fold(0, |m, (i, &b)| m | (u16::from(b) << i))
     }
 
+    /// The rows the kernel instance computes: [`Shape::rows`] rounded up to a power of two, so
+    /// that batches of 2 to 8 sequences share three instances.
+    fn computed_rows(&self) -> i32 {
+        (self.rows as u32).next_power_of_two() as i32
+    }
+
     /// Weight rows a warp reads per output row.
     fn matrices(&self) -> i32 {
         if self.epilogue >= 2 {
@@ -409,7 +445,7 @@ impl Shape {
     /// the input rows grow (each keeps `rows × R` sums) and for gated products (two weight rows an
     /// output row).
     fn rows_per_warp(&self) -> i32 {
-        let r = match self.rows {
+        let r = match self.computed_rows() {
             1 if self.output >= 32768 => 4,
             1..=4 => 2,
             _ => 1,
@@ -468,7 +504,7 @@ pub fn fused_matvec(x: &Array, f: &Fused) -> Result<Option<Array>> {
     [all[7], all[8], all[9]] = [f.norm.map(|n| n.0), res.as_ref(), f.bias];
     let inputs: Vec<Array> = all.iter().flatten().map(|&a| a.clone()).collect();
     debug_assert_eq!(all.map(|a| a.is_some()), std::array::from_fn(|i| shape.reads() & (1 << i) != 0));
-    let y = call_compiled(&COMPILED, shape, "fused matvec", launch, &inputs)?;
+    let y = launch_for(shape)?.call(&inputs)?;
     let mut out_shape = x.shape().to_vec();
     *out_shape.last_mut().expect("checked by serves") = shape.output;
     Ok(Some(y[0].reshape(&out_shape)?))
@@ -556,30 +592,4 @@ fn serves(x: &Array, f: &Fused) -> Option<Shape> {
         bias: f.bias.is_some(),
         epilogue,
     })
-}
-
-/// Runs the kernel on the inputs `s` reads, in [`INPUTS`]' order.
-fn launch(inputs: &[Array], s: Shape) -> Result<Vec<Array>> {
-    let (r, split) = (s.rows_per_warp(), s.split());
-    let rows_per_block = WARPS / split * r;
-    let blocks = (s.output + rows_per_block - 1) / rows_per_block;
-    let launch = KernelLaunch::new([blocks * WARPS * 32, 1, 1], [WARPS * 32, 1, 1])
-        .output(&[s.rows, s.output], s.dtype)
-        .template("T", TemplateArg::Dtype(s.dtype))
-        .template("K", TemplateArg::Int(s.input))
-        .template("N", TemplateArg::Int(s.output))
-        .template("M", TemplateArg::Int(s.rows))
-        .template("BITS", TemplateArg::Int(s.bits))
-        .template("GS", TemplateArg::Int(s.group_size))
-        .template("R", TemplateArg::Int(r))
-        .template("KW", TemplateArg::Int(split))
-        .template("NORM", TemplateArg::Bool(s.norm.is_some()))
-        .template("EPS", TemplateArg::Int(s.norm.unwrap_or(0) as i32))
-        .template("BIAS", TemplateArg::Bool(s.bias))
-        .template("EPI", TemplateArg::Int(s.epilogue));
-    kernel(s.reads()).call(inputs, &launch)
-}
-
-thread_local! {
-    static COMPILED: CompiledKernels<Shape> = RefCell::new(HashMap::new());
 }

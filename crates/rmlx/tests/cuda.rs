@@ -1,0 +1,83 @@
+//! Kernels of rmlx's own on MLX's CUDA backend (`rmlx::cuda`): where they are unavailable, the
+//! error; where MLX's CUDA backend is loaded, that they run as graph nodes over the arrays they are
+//! called on (contiguous or not, several kernels in one launch, call after call) and that NVRTC's
+//! and the driver's errors come back as `Err`.
+
+use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
+use rmlx::fast::{self, GpuBackend};
+use rmlx::{Array, Dtype, Error};
+
+const SOURCE: &str = r#"
+extern "C" __global__ void rmlx_test_affine(const float* x, float* y, float a, float b, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + b;
+}"#;
+
+fn on_cuda() -> bool {
+    fast::gpu_backend() == Some(GpuBackend::Cuda)
+}
+
+/// `y = a·x + b` over `n` values read from `input` and written to `output`.
+fn affine(input: KernelArg, output: u32, a: f32, b: f32, n: u32) -> KernelNode {
+    let function = cuda::compile("rmlx_test_affine", SOURCE, None).expect("compiles");
+    let args = vec![input, KernelArg::Output(output), KernelArg::F32(a), KernelArg::F32(b), KernelArg::I32(n as i32)];
+    KernelNode { function, grid: [n.div_ceil(64), 1, 1], block: [64, 1, 1], shared_bytes: 0, args }
+}
+
+#[test]
+fn own_kernels_need_mlx_cuda_backend() {
+    if on_cuda() {
+        assert_eq!(cuda::unavailable(), None, "MLX's CUDA backend is loaded: rmlx's kernels can run");
+        return;
+    }
+    let why = cuda::unavailable().expect("no CUDA backend, so no kernels of rmlx's own");
+    assert!(why.contains("no CUDA backend"), "{why}");
+    match cuda::compile("rmlx_test_affine", SOURCE, None) {
+        Err(Error::Unsupported(m)) => assert!(m.contains("rmlx_test_affine") && m.contains("no CUDA backend"), "{m}"),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}
+
+/// Two kernels in one launch (the second reads the first's output), over a transposed input (made
+/// contiguous first), ten calls over one prepared launch, each compared with the values computed
+/// here.
+#[test]
+fn own_kernels_run_in_order_over_any_input_layout() {
+    if !on_cuda() {
+        eprintln!("skipped: MLX has no CUDA backend here");
+        return;
+    }
+    let n = 6 * 100;
+    let first = affine(KernelArg::Input(0), 0, 2.0, 1.0, n);
+    let second = affine(KernelArg::Output(0), 1, -0.5, 3.0, n);
+    let outputs = [(vec![100, 6], Dtype::Float32), (vec![100, 6], Dtype::Float32)];
+    let launch = CudaLaunch::new("rmlx_test_two_affine", &[first, second], &outputs).unwrap();
+    let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 7.0).collect();
+    let x = Array::from_slice(&values, &[6, 100]).unwrap();
+    let xt = x.transpose().unwrap();
+    let expected_first: Vec<f32> = xt.to_vec::<f32>().unwrap().iter().map(|v| 2.0 * v + 1.0).collect();
+    let expected_second: Vec<f32> = expected_first.iter().map(|v| -0.5 * v + 3.0).collect();
+    for call in 0..10 {
+        let out = launch.call(std::slice::from_ref(&xt)).unwrap();
+        assert_eq!(out[0].shape(), [100, 6]);
+        assert_eq!(out[0].to_vec::<f32>().unwrap(), expected_first, "call {call}: first kernel");
+        assert_eq!(out[1].to_vec::<f32>().unwrap(), expected_second, "call {call}: second kernel");
+    }
+    match launch.call(&[]) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("reads 1 inputs, got 0"), "{m}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn compile_errors_come_back_as_errors() {
+    if !on_cuda() {
+        eprintln!("skipped: MLX has no CUDA backend here");
+        return;
+    }
+    let broken = "extern \"C\" __global__ void rmlx_test_broken(float* y) { y[0] = undeclared_name; }";
+    let message = cuda::compile("rmlx_test_broken", broken, None).unwrap_err().to_string();
+    assert!(message.contains("NVRTC") && message.contains("undeclared_name"), "{message}");
+    let message = cuda::compile("rmlx_test_not_in_source", SOURCE, None).unwrap_err().to_string();
+    assert!(message.contains("cuModuleGetFunction(rmlx_test_not_in_source)"), "{message}");
+}
