@@ -265,7 +265,13 @@ class CudaLaunch : public mx::Primitive {
       }
       params[i] = &values[i];
     }
-    for (auto& node : nodes_) {
+    for (size_t n = 0; n < nodes_.size(); ++n) {
+      const KernelNode& node = nodes_[n];
+      // MLX's encoder orders a kernel node after the producers of the arrays declared since the
+      // previous node: each later node is ordered after the earlier ones through the outputs.
+      if (n > 0) {
+        for (auto& out : outputs) a.set_output_array(&encoder, out);
+      }
       Dim3 grid{node.grid[0], node.grid[1], node.grid[2]};
       Dim3 block{node.block[0], node.block[1], node.block[2]};
       a.add_kernel_node_raw(&encoder, reinterpret_cast<void*>(node.function), grid, block, Dim3{1, 1, 1},
