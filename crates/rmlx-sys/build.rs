@@ -33,7 +33,9 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.h");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/lib.rs");
-    for file in ["src/transforms.h", "src/transforms.cc", "src/transforms.rs", "src/cuda.h", "src/cuda.cc", "src/cuda.rs"] {
+    for file in
+        ["src/transforms.h", "src/transforms.cc", "src/transforms.rs", "src/cuda.h", "src/cuda.cc", "src/cuda.rs"]
+    {
         println!("cargo:rerun-if-changed={file}");
     }
 

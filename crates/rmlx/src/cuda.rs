@@ -192,13 +192,18 @@ impl CudaLaunch {
                     inputs = inputs.max(*i as usize + 1);
                 }
                 if matches!(arg, KernelArg::Output(i) if *i as usize >= outputs.len()) {
-                    return Err(Error::InvalidArgument(format!("launch `{name}` names output {index} of {}", outputs.len())));
+                    return Err(Error::InvalidArgument(format!(
+                        "launch `{name}` names output {index} of {}",
+                        outputs.len()
+                    )));
                 }
                 ffi_args.push(cffi::KernelArg { kind, index, bits });
             }
         }
-        let outs: Vec<cffi::LaunchOutput> =
-            outputs.iter().map(|(shape, dtype)| cffi::LaunchOutput { shape: shape.clone(), dtype: *dtype as u8 }).collect();
+        let outs: Vec<cffi::LaunchOutput> = outputs
+            .iter()
+            .map(|(shape, dtype)| cffi::LaunchOutput { shape: shape.clone(), dtype: *dtype as u8 })
+            .collect();
         let stream = kernel_stream();
         let inner = crate::lock::locked(|| cffi::prepare_launch(name, &ffi_nodes, &ffi_args, &outs, stream))?;
         Ok(CudaLaunch { inner, name: name.to_string(), inputs, stream })

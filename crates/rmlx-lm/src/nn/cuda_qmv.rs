@@ -6,9 +6,10 @@
 //! A decoding step of a 4-bit model reads its weights once; MLX's CUDA `quantized_matmul` reads
 //! them at a fraction of the memory bandwidth. [`matvec_kernel`] reads them faster (BENCHMARKS.md);
 //! quantised layers take it for the weights [`super::QuantizedMatvec`] names (by default those of
-//! 16 MiB and more: MLX spends more host time on a custom kernel than on its own product, which
-//! small matrices do not earn back). The fused forms take every layer (`nn::fused`): each one
-//! replaces two to four of MLX's operations. `rmlx bench-kernels` measures the plain product. Each
+//! 16 MiB and more, a rule measured when the kernel still went through MLX's custom-kernel path).
+//! The fused forms take every layer (`nn::fused`): each one replaces two to four of MLX's
+//! operations. Each instance is a complete source compiled by [`rmlx::cuda`] (kept in rmlx's cache
+//! directory) and launched as a node of MLX's graph. `rmlx bench-kernels` measures the plain product. Each
 //! warp owns `R` output rows: every lane reads 16 bytes of each row per step (32 values at 4 bits,
 //! 16 at 8, always inside one quantisation group; 8 of a 16-bit dense row, 4 of a float32 one).
 //! A quantised value `q` is unpacked into the top of a float's mantissa (`1 + q/2^bits`, a shift
@@ -349,13 +350,8 @@ fn launch_for(s: Shape) -> Result<Arc<CudaLaunch>> {
         }
     }
     args.extend([KernelArg::Output(0), KernelArg::I32(s.rows)]);
-    let node = KernelNode {
-        function,
-        grid: [blocks as u32, 1, 1],
-        block: [(WARPS * 32) as u32, 1, 1],
-        shared_bytes: 0,
-        args,
-    };
+    let node =
+        KernelNode { function, grid: [blocks as u32, 1, 1], block: [(WARPS * 32) as u32, 1, 1], shared_bytes: 0, args };
     let launch = Arc::new(CudaLaunch::new("rmlx_fused_matvec", &[node], &[(vec![s.rows, s.output], s.dtype)])?);
     LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).insert(s, launch.clone());
     Ok(launch)

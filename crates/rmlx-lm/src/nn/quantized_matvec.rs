@@ -4,8 +4,9 @@ use crate::{Error, Result};
 
 /// Which matrix-vector product decoding (1–8 rows) takes for a quantised weight on MLX's CUDA
 /// backend: rmlx's kernel (`nn::cuda_qmv`, for 4- and 8-bit affine weights) reads weights faster
-/// than MLX's `quantized_matmul`, but MLX spends a few µs more of host time on each custom kernel
-/// than on its own operations, which small matrices do not earn back. Except under
+/// than MLX's `quantized_matmul`; the size rule of [`QuantizedMatvec::Large`] dates from when the
+/// kernel went through MLX's custom-kernel path, which cost a few µs more of host time a node than
+/// MLX's own product (small matrices did not earn it back). Except under
 /// [`QuantizedMatvec::Mlx`], the decoder blocks' products of every size and type (dense ones
 /// too) take the kernel's fused forms (`nn::fused`: a norm, a residual or a gated activation
 /// folded in), which replace several of MLX's operations each. The choice changes the
