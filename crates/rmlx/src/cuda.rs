@@ -157,10 +157,13 @@ pub struct CudaLaunch {
     name: String,
     inputs: usize,
     stream: StreamSpec,
+    nodes: Vec<cffi::KernelNode>,
+    args: Vec<cffi::KernelArg>,
+    outputs: Vec<cffi::LaunchOutput>,
 }
 
 impl CudaLaunch {
-    /// The launch of `nodes` making `outputs` (shape, dtype), on the stream
+    /// The launch of `nodes` making `outputs` (shape, dtype), prepared for the stream
     /// [`crate::fast::CustomKernel::call`] would take now.
     pub fn new(name: &str, nodes: &[KernelNode], outputs: &[(Vec<i32>, Dtype)]) -> Result<CudaLaunch> {
         let (mut ffi_nodes, mut ffi_args, mut inputs) = (Vec::new(), Vec::new(), 0);
@@ -206,10 +209,20 @@ impl CudaLaunch {
             .collect();
         let stream = kernel_stream();
         let inner = crate::lock::locked(|| cffi::prepare_launch(name, &ffi_nodes, &ffi_args, &outs, stream))?;
-        Ok(CudaLaunch { inner, name: name.to_string(), inputs, stream })
+        Ok(CudaLaunch {
+            inner,
+            name: name.to_string(),
+            inputs,
+            stream,
+            nodes: ffi_nodes,
+            args: ffi_args,
+            outputs: outs,
+        })
     }
 
-    /// The launch's outputs over `inputs` (lazy, as any operation), on the stream it was made for.
+    /// The launch's outputs over `inputs` (lazy, as any operation), on the stream
+    /// [`crate::fast::CustomKernel::call`] would take now (made for another stream than its own,
+    /// the primitive is made again for this call).
     pub fn call(&self, inputs: &[Array]) -> Result<Vec<Array>> {
         if inputs.len() < self.inputs {
             return Err(Error::InvalidArgument(format!(
@@ -219,14 +232,15 @@ impl CudaLaunch {
                 inputs.len()
             )));
         }
-        if kernel_stream() != self.stream {
-            return Err(Error::InvalidArgument(format!(
-                "launch `{}` was made for another stream than the current one",
-                self.name
-            )));
-        }
         let v = array_vec(inputs);
-        let out = crate::lock::locked(|| cffi::call_launch(&self.inner, &v))?;
+        let stream = kernel_stream();
+        let out = crate::lock::locked(|| match stream == self.stream {
+            true => cffi::call_launch(&self.inner, &v),
+            false => {
+                let other = cffi::prepare_launch(&self.name, &self.nodes, &self.args, &self.outputs, stream)?;
+                cffi::call_launch(&other, &v)
+            }
+        })?;
         Ok(from_array_vec(&out))
     }
 }

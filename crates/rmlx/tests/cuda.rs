@@ -39,8 +39,8 @@ fn own_kernels_need_mlx_cuda_backend() {
 }
 
 /// Two kernels in one launch (the second reads the first's output), over a transposed input (made
-/// contiguous first), ten calls over one prepared launch, each compared with the values computed
-/// here.
+/// contiguous first), ten calls over one prepared launch and one on another stream, each compared
+/// with the values computed here.
 #[test]
 fn own_kernels_run_in_order_over_any_input_layout() {
     if !on_cuda() {
@@ -63,6 +63,10 @@ fn own_kernels_run_in_order_over_any_input_layout() {
         assert_eq!(out[0].to_vec::<f32>().unwrap(), expected_first, "call {call}: first kernel");
         assert_eq!(out[1].to_vec::<f32>().unwrap(), expected_second, "call {call}: second kernel");
     }
+    // On another stream than the one it was prepared for, the launch is made again for the call.
+    let stream = rmlx::Device::gpu().new_stream().unwrap();
+    let out = rmlx::with_stream(stream, || launch.call(std::slice::from_ref(&xt))).unwrap();
+    assert_eq!(out[1].to_vec::<f32>().unwrap(), expected_second, "another stream");
     match launch.call(&[]) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("reads 1 inputs, got 0"), "{m}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
