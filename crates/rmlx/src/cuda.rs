@@ -5,8 +5,8 @@
 //! `extern "C" __global__` function: [`compile`] turns it into a cubin with NVRTC (kept in a cache
 //! directory you name, so later processes only load it), and a [`CudaLaunch`] is a primitive
 //! made once that runs one or more such kernels, in order, as kernel nodes of MLX's CUDA graph,
-//! over the arrays it is called on. A launch costs MLX's graph what one of its own operations
-//! costs; several kernels in one launch are one node of MLX's graph.
+//! over the arrays it is called on. MLX has no source to hash and no argument list to rebuild for
+//! it, and several kernels in one launch are one node of MLX's graph.
 //!
 //! Available where MLX's CUDA backend is loaded ([`unavailable`] says why not elsewhere); the
 //! inputs are made row-contiguous before the kernels run, and the kernels have no gradient.
