@@ -344,11 +344,10 @@ uint64_t cuda_load_function(int32_t device, rust::Slice<const uint8_t> image, ru
   check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
   check_cuda(a.cuDevicePrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
   check_cuda(a.cuCtxPushCurrent(context), "cuCtxPushCurrent");
-  std::string data(reinterpret_cast<const char*>(image.data()), image.size());
   std::string function(name);
   void* module = nullptr;
   void* kernel = nullptr;
-  CUresult loaded = a.cuModuleLoadData(&module, data.data());
+  CUresult loaded = a.cuModuleLoadData(&module, image.data());
   CUresult got = loaded == 0 ? a.cuModuleGetFunction(&kernel, module, function.c_str()) : 0;
   void* popped = nullptr;
   a.cuCtxPopCurrent(&popped);

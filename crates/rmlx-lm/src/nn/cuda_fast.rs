@@ -10,6 +10,7 @@ use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
 use rmlx::fast::{gpu_backend, GpuBackend};
 use rmlx::{Array, DeviceType, Dtype, Result};
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, LazyLock, Mutex};
 
 /// One block per (head, sequence), one thread per rotated pair `(i, i + D/2)` (whole warps: the
@@ -160,11 +161,7 @@ struct KernelShape {
 
 /// The complete source of the instance for `s`: the kernel `rmlx_qkv_heads`.
 fn source(s: &KernelShape) -> String {
-    let t = match s.dtype {
-        Dtype::Bfloat16 => "rmlx_bf16",
-        Dtype::Float16 => "rmlx_f16",
-        _ => "float",
-    };
+    let t = cuda_type(s.dtype);
     format!(
         "{CUDA_TYPES}typedef {t} T;\nconstexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool NORM = {};\nconstexpr bool PER_ROW = {};\n\
@@ -176,11 +173,13 @@ fn source(s: &KernelShape) -> String {
 
 /// The launch over `[y, qw, kw, divisors (float32), pos (int32)]` for `s`, made once per process.
 fn launch_for(s: KernelShape) -> Result<Arc<CudaLaunch>> {
-    static LAUNCHES: LazyLock<Mutex<HashMap<KernelShape, Arc<CudaLaunch>>>> = LazyLock::new(Mutex::default);
-    if let Some(l) = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).get(&s) {
-        return Ok(l.clone());
-    }
-    let function = cuda::compile("rmlx_qkv_heads", &source(&s), Some(&kernel_cache()))?;
+    static LAUNCHES: Launches<KernelShape> = LazyLock::new(Mutex::default);
+    launch_once(&LAUNCHES, &s, || make_launch(&s))
+}
+
+/// The launch for `s` (its kernel compiled, or read from the cache).
+fn make_launch(s: &KernelShape) -> Result<CudaLaunch> {
+    let function = cuda::compile("rmlx_qkv_heads", &source(s), Some(&kernel_cache()))?;
     let threads = ((s.head_dim / 2 + 31) / 32 * 32) as u32;
     let mut args: Vec<KernelArg> = (0..5).map(KernelArg::Input).collect();
     args.extend((0..3).map(KernelArg::Output));
@@ -189,9 +188,7 @@ fn launch_for(s: KernelShape) -> Result<Arc<CudaLaunch>> {
     let node = KernelNode { function, grid, block: [threads, 1, 1], shared_bytes: 0, args };
     let head = |n: i32| (vec![s.batch, n, 1, s.head_dim], s.dtype);
     let outputs = [head(s.heads), head(s.kv_heads), head(s.kv_heads)];
-    let launch = Arc::new(CudaLaunch::new("rmlx_qkv_heads", &[node], &outputs)?);
-    LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).insert(s, launch.clone());
-    Ok(launch)
+    CudaLaunch::new("rmlx_qkv_heads", &[node], &outputs)
 }
 
 /// CUDA's 16-bit float types for kernels compiled without CUDA's headers (rmlx's own kernels are
@@ -210,6 +207,33 @@ struct rmlx_f16 {
     __device__ operator float() const { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits)); return f; }
 };
 "#;
+
+/// The name [`CUDA_TYPES`] (or CUDA) gives `dtype` (float32, bfloat16 or float16).
+pub(super) fn cuda_type(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::Bfloat16 => "rmlx_bf16",
+        Dtype::Float16 => "rmlx_f16",
+        _ => "float",
+    }
+}
+
+/// The launches of one kernel family, one per instance, made once per process and shared by every
+/// thread.
+pub(super) type Launches<K> = LazyLock<Mutex<HashMap<K, Arc<CudaLaunch>>>>;
+
+/// The launch for `key` in `launches`, made by `make` the first time.
+pub(super) fn launch_once<K: Eq + Hash + Clone>(
+    launches: &Launches<K>,
+    key: &K,
+    make: impl FnOnce() -> Result<CudaLaunch>,
+) -> Result<Arc<CudaLaunch>> {
+    if let Some(l) = launches.lock().unwrap_or_else(|e| e.into_inner()).get(key) {
+        return Ok(l.clone());
+    }
+    let launch = Arc::new(make()?);
+    launches.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), launch.clone());
+    Ok(launch)
+}
 
 /// Where compiled kernels are kept between processes: `kernels/` in rmlx's cache directory.
 pub(super) fn kernel_cache() -> std::path::PathBuf {

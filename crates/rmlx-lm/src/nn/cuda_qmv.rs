@@ -19,12 +19,11 @@
 //! through warp shuffles, and the warps that split a row's inputs through shared memory. GGUF
 //! Q4_0/Q4_1/Q8_0 weights arrive in the same layout (`gguf::to_mlx`) and take the same kernel.
 
-use super::cuda_fast::{kernel_cache, on_cuda, CUDA_TYPES};
+use super::cuda_fast::{cuda_type, kernel_cache, launch_once, on_cuda, Launches, CUDA_TYPES};
 use super::training;
 use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Result};
-use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex};
 
 /// The most rows of `x` the kernel takes (more: MLX's quantised matmul, made for them).
@@ -299,11 +298,7 @@ const INPUTS: usize = 10;
 /// The complete source of the instance for `s`: CUDA's 16-bit types, the loads, the constants and
 /// the kernel `rmlx_fused_matvec`.
 fn source(s: &Shape) -> String {
-    let t = match s.dtype {
-        Dtype::Bfloat16 => "rmlx_bf16",
-        Dtype::Float16 => "rmlx_f16",
-        _ => "float",
-    };
+    let t = cuda_type(s.dtype);
     let (r, split) = (s.rows_per_warp(), s.split());
     let constants = [
         ("K", s.input),
@@ -329,11 +324,13 @@ fn source(s: &Shape) -> String {
 
 /// The launch of the instance for `s` (compiled, or read from the cache, once per process).
 fn launch_for(s: Shape) -> Result<Arc<CudaLaunch>> {
-    static LAUNCHES: LazyLock<Mutex<HashMap<Shape, Arc<CudaLaunch>>>> = LazyLock::new(Mutex::default);
-    if let Some(l) = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).get(&s) {
-        return Ok(l.clone());
-    }
-    let function = cuda::compile("rmlx_fused_matvec", &source(&s), Some(&kernel_cache()))?;
+    static LAUNCHES: Launches<Shape> = LazyLock::new(Mutex::default);
+    launch_once(&LAUNCHES, &s, || make_launch(&s))
+}
+
+/// The launch for `s` (its kernel compiled, or read from the cache).
+fn make_launch(s: &Shape) -> Result<CudaLaunch> {
+    let function = cuda::compile("rmlx_fused_matvec", &source(s), Some(&kernel_cache()))?;
     let rows_per_block = WARPS / s.split() * s.rows_per_warp();
     let blocks = (s.output + rows_per_block - 1) / rows_per_block;
     // The inputs `s` reads are passed in parameter order; each absent one gets `x` (input 0).
@@ -352,9 +349,7 @@ fn launch_for(s: Shape) -> Result<Arc<CudaLaunch>> {
     args.extend([KernelArg::Output(0), KernelArg::I32(s.rows)]);
     let node =
         KernelNode { function, grid: [blocks as u32, 1, 1], block: [(WARPS * 32) as u32, 1, 1], shared_bytes: 0, args };
-    let launch = Arc::new(CudaLaunch::new("rmlx_fused_matvec", &[node], &[(vec![s.rows, s.output], s.dtype)])?);
-    LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).insert(s, launch.clone());
-    Ok(launch)
+    CudaLaunch::new("rmlx_fused_matvec", &[node], &[(vec![s.rows, s.output], s.dtype)])
 }
 
 /// A matrix `W` `[N, K]` the kernel multiplies by: dense (of the activations' type) or quantised.
