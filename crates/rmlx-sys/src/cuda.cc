@@ -230,18 +230,31 @@ void* device_address(const mx::array& a) {
 // Kernel nodes of rmlx's own added to MLX's CUDA graph; inputs are made row-contiguous first.
 class CudaLaunch : public mx::Primitive {
  public:
-  CudaLaunch(mx::Stream stream, std::string name, std::vector<KernelNode> nodes, std::vector<KernelArg> args)
-      : mx::Primitive(stream), name_(std::move(name)), nodes_(std::move(nodes)), args_(std::move(args)) {}
+  CudaLaunch(mx::Stream stream, std::string name, std::vector<KernelNode> nodes, std::vector<KernelArg> args,
+             std::vector<int> aliases, std::vector<bool> owned)
+      : mx::Primitive(stream),
+        name_(std::move(name)),
+        nodes_(std::move(nodes)),
+        args_(std::move(args)),
+        aliases_(std::move(aliases)),
+        owned_(std::move(owned)) {}
 
   void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("[" + name_ + "] runs only on MLX's CUDA backend");
+  }
+
+  // The same launch whose kind-4 arguments are `values` (one call's).
+  std::shared_ptr<CudaLaunch> with_call_values(std::vector<uint64_t> values) {
+    auto launch = std::make_shared<CudaLaunch>(stream(), name_, nodes_, args_, aliases_, owned_);
+    launch->call_values_ = std::move(values);
+    return launch;
   }
 
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Api& a = usable_api();
     Encoder& encoder = a.get_command_encoder(stream());
     std::vector<mx::array> copies;
-    copies.reserve(inputs.size());
+    copies.reserve(inputs.size() + outputs.size());
     std::vector<const mx::array*> ins;
     for (auto& in : inputs) {
       if (in.flags().row_contiguous) {
@@ -251,7 +264,22 @@ class CudaLaunch : public mx::Primitive {
         ins.push_back(&copies.back());
       }
     }
-    for (auto& out : outputs) out.set_data(a.malloc_async(out.nbytes(), encoder));
+    for (size_t j = 0; j < outputs.size(); ++j) {
+      auto& out = outputs[j];
+      int alias = aliases_[j];
+      if (alias < 0) {
+        out.set_data(a.malloc_async(out.nbytes(), encoder));
+      } else if (inputs.at(alias).dtype() != out.dtype() || inputs[alias].size() != out.size()) {
+        throw std::invalid_argument("[" + name_ + "] an output updated in place differs from its input");
+      } else if ((owned_[j] || inputs[alias].is_donatable()) && ins[alias] == &inputs[alias]) {
+        out.copy_shared_buffer(inputs[alias]);
+      } else {
+        // Someone else may still read the input, or it was copied to be row-contiguous: the
+        // kernels update a copy of it.
+        copies.push_back(a.contiguous_copy_gpu(*ins[alias], stream()));
+        out.copy_shared_buffer(copies.back());
+      }
+    }
     for (auto* in : ins) a.set_input_array(&encoder, *in);
     for (auto& out : outputs) a.set_output_array(&encoder, out);
     std::vector<uint64_t> values(args_.size());
@@ -261,6 +289,7 @@ class CudaLaunch : public mx::Primitive {
       switch (arg.kind) {
         case 0: values[i] = reinterpret_cast<uint64_t>(device_address(*ins.at(arg.index))); break;
         case 1: values[i] = reinterpret_cast<uint64_t>(device_address(outputs.at(arg.index))); break;
+        case 4: values[i] = call_values_.at(arg.index); break;
         default: values[i] = arg.bits; break;
       }
       params[i] = &values[i];
@@ -289,6 +318,9 @@ class CudaLaunch : public mx::Primitive {
   std::string name_;
   std::vector<KernelNode> nodes_;
   std::vector<KernelArg> args_;
+  std::vector<int> aliases_;
+  std::vector<bool> owned_;
+  std::vector<uint64_t> call_values_;
 };
 
 }  // namespace
@@ -368,22 +400,32 @@ std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const
   }
   for (auto& arg : args) {
     if (arg.kind == 1 && arg.index >= outputs.size()) throw std::invalid_argument("an argument names a missing output");
-    if (arg.kind > 3) throw std::invalid_argument("unknown kernel argument kind");
+    if (arg.kind > 4) throw std::invalid_argument("unknown kernel argument kind");
   }
   auto stream = mx::to_stream(detail::stream_of(s));
   auto launch = std::make_unique<PreparedLaunch>();
+  std::vector<int> aliases;
+  std::vector<bool> owned;
   for (auto& o : outputs) {
     launch->shapes.emplace_back(o.shape.begin(), o.shape.end());
     launch->dtypes.push_back(detail::dtype_of_code(o.dtype));
+    aliases.push_back(o.alias);
+    owned.push_back(o.owned);
   }
-  launch->primitive = std::make_shared<CudaLaunch>(stream, std::string(name),
-                                                   std::vector<KernelNode>(nodes.begin(), nodes.end()),
-                                                   std::vector<KernelArg>(args.begin(), args.end()));
+  launch->primitive = std::make_shared<CudaLaunch>(
+      stream, std::string(name), std::vector<KernelNode>(nodes.begin(), nodes.end()),
+      std::vector<KernelArg>(args.begin(), args.end()), std::move(aliases), std::move(owned));
   return launch;
 }
 
-VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs) {
-  return std::make_unique<ArrayVec>(mx::array::make_arrays(launch.shapes, launch.dtypes, launch.primitive, inputs));
+VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs, rust::Slice<const uint64_t> values) {
+  std::shared_ptr<mx::Primitive> primitive = launch.primitive;
+  if (!values.empty()) {
+    // prepare_launch makes every PreparedLaunch's primitive a CudaLaunch.
+    auto& prototype = static_cast<CudaLaunch&>(*launch.primitive);
+    primitive = prototype.with_call_values(std::vector<uint64_t>(values.begin(), values.end()));
+  }
+  return std::make_unique<ArrayVec>(mx::array::make_arrays(launch.shapes, launch.dtypes, primitive, inputs));
 }
 
 }  // namespace rmlx_shim

@@ -27,6 +27,6 @@ uint64_t cuda_load_function(int32_t device, rust::Slice<const uint8_t> image, ru
 std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const KernelNode> nodes,
                                                rust::Slice<const KernelArg> args,
                                                rust::Slice<const LaunchOutput> outputs, StreamSpec s);
-VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs);
+VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs, rust::Slice<const uint64_t> values);
 
 }  // namespace rmlx_shim

@@ -23,7 +23,8 @@ pub mod cffi {
     }
 
     /// One kernel parameter. `kind`: 0 = pointer to input `index`, 1 = pointer to output `index`,
-    /// 2 = a 4-byte value (`bits`' low half), 3 = an 8-byte value.
+    /// 2 = a 4-byte value (`bits`' low half), 3 = an 8-byte value, 4 = value `index` of the call
+    /// (`call_launch`'s `values`, 4 or 8 bytes as the parameter is).
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     struct KernelArg {
         kind: u8,
@@ -31,11 +32,15 @@ pub mod cffi {
         bits: u64,
     }
 
-    /// The shape and dtype code of one output.
+    /// The shape and dtype code of one output; `alias`: the input whose buffer it takes over and
+    /// the kernels update in place, or -1; `owned`: that input's buffer always (the caller owns
+    /// it), else only when nothing else holds it (MLX's donation rule) and a copy otherwise.
     #[derive(Clone, Debug, PartialEq, Eq)]
     struct LaunchOutput {
         shape: Vec<i32>,
         dtype: u8,
+        alias: i32,
+        owned: bool,
     }
 
     unsafe extern "C++" {
@@ -66,8 +71,9 @@ pub mod cffi {
             outputs: &[LaunchOutput],
             s: StreamSpec,
         ) -> Result<UniquePtr<PreparedLaunch>>;
-        /// The prepared launch's outputs over `inputs` (lazy, as any op).
-        fn call_launch(launch: &PreparedLaunch, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
+        /// The prepared launch's outputs over `inputs` (lazy, as any op), its kind-4 arguments
+        /// taken from `values` (a copy of the primitive for this call when there are any).
+        fn call_launch(launch: &PreparedLaunch, inputs: &ArrayVec, values: &[u64]) -> Result<UniquePtr<ArrayVec>>;
     }
 }
 

@@ -6,7 +6,10 @@
 //! directory you name, so later processes only load it), and a [`CudaLaunch`] is a primitive
 //! made once that runs one or more such kernels, in order, as kernel nodes of MLX's CUDA graph,
 //! over the arrays it is called on. MLX has no source to hash and no argument list to rebuild for
-//! it, and several kernels in one launch are one node of MLX's graph.
+//! it, and several kernels in one launch are one node of MLX's graph. A scalar that changes every
+//! call (a decoding position) is a [`KernelArg::Value`] given to [`CudaLaunch::call_with`], not an
+//! array made on the host (such small arrays live in CUDA managed memory, and a kernel reading one
+//! waits for its page); an output may update an input in place ([`CudaLaunch::updating`]).
 //!
 //! Available where MLX's CUDA backend is loaded ([`unavailable`] says why not elsewhere); the
 //! inputs are made row-contiguous before the kernels run, and the kernels have no gradient.
@@ -137,6 +140,24 @@ pub enum KernelArg {
     U32(u32),
     F32(f32),
     I64(i64),
+    /// Value `i` of the call: the `i`-th of [`CudaLaunch::call_with`]'s values (a position that
+    /// changes every call, without an array to hold it).
+    Value(u32),
+}
+
+/// When an output that takes over an input (see [`CudaLaunch::updating`]) updates the input's own
+/// buffer rather than a copy. Either way an input that is not row-contiguous is copied first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InPlace {
+    /// Arrays stay values: the input's buffer when nothing else holds it (MLX's donation rule:
+    /// no other array, and no work still queued on the GPU, refers to it), else a copy.
+    Unshared,
+    /// The caller owns the buffer and writes only where no other holder reads: its own buffer
+    /// always, even while work queued earlier still reads it (that work runs first on the
+    /// stream). Any other array over the same buffer sees the update. For a KV cache written
+    /// past its valid positions, which MLX's rule would copy whole whenever the previous step is
+    /// still running.
+    Owned,
 }
 
 /// One kernel run of a launch: its function, grid (in blocks), block (in threads), dynamic shared
@@ -156,6 +177,7 @@ pub struct CudaLaunch {
     inner: rmlx_sys::cxx::UniquePtr<cffi::PreparedLaunch>,
     name: String,
     inputs: usize,
+    values: usize,
     stream: StreamSpec,
     nodes: Vec<cffi::KernelNode>,
     args: Vec<cffi::KernelArg>,
@@ -166,7 +188,21 @@ impl CudaLaunch {
     /// The launch of `nodes` making `outputs` (shape, dtype), prepared for the stream
     /// [`crate::fast::CustomKernel::call`] would take now.
     pub fn new(name: &str, nodes: &[KernelNode], outputs: &[(Vec<i32>, Dtype)]) -> Result<CudaLaunch> {
-        let (mut ffi_nodes, mut ffi_args, mut inputs) = (Vec::new(), Vec::new(), 0);
+        CudaLaunch::updating(name, nodes, outputs, &[], InPlace::Unshared)
+    }
+
+    /// [`CudaLaunch::new`] where each `(output, input)` of `in_place` names an output that takes
+    /// over an input of its shape and dtype, which the kernels update in place (a KV cache
+    /// written at one position); `mode` says when the input's own buffer is updated rather than
+    /// a copy of it.
+    pub fn updating(
+        name: &str,
+        nodes: &[KernelNode],
+        outputs: &[(Vec<i32>, Dtype)],
+        in_place: &[(u32, u32)],
+        mode: InPlace,
+    ) -> Result<CudaLaunch> {
+        let (mut ffi_nodes, mut ffi_args, mut inputs, mut values) = (Vec::new(), Vec::new(), 0, 0);
         for node in nodes {
             if node.function.device != crate::Device::gpu().index {
                 return Err(Error::InvalidArgument(format!(
@@ -190,7 +226,11 @@ impl CudaLaunch {
                     KernelArg::U32(v) => (2, 0, u64::from(v)),
                     KernelArg::F32(v) => (2, 0, u64::from(v.to_bits())),
                     KernelArg::I64(v) => (3, 0, v as u64),
+                    KernelArg::Value(i) => (4, i, 0),
                 };
+                if let KernelArg::Value(i) = arg {
+                    values = values.max(*i as usize + 1);
+                }
                 if let KernelArg::Input(i) = arg {
                     inputs = inputs.max(*i as usize + 1);
                 }
@@ -203,16 +243,29 @@ impl CudaLaunch {
                 ffi_args.push(cffi::KernelArg { kind, index, bits });
             }
         }
-        let outs: Vec<cffi::LaunchOutput> = outputs
+        let mut outs: Vec<cffi::LaunchOutput> = outputs
             .iter()
-            .map(|(shape, dtype)| cffi::LaunchOutput { shape: shape.clone(), dtype: *dtype as u8 })
+            .map(|(shape, dtype)| cffi::LaunchOutput {
+                shape: shape.clone(),
+                dtype: *dtype as u8,
+                alias: -1,
+                owned: mode == InPlace::Owned,
+            })
             .collect();
+        for &(output, input) in in_place {
+            match outs.get_mut(output as usize) {
+                Some(o) => o.alias = input as i32,
+                None => return Err(Error::InvalidArgument(format!("launch `{name}` updates missing output {output}"))),
+            }
+            inputs = inputs.max(input as usize + 1);
+        }
         let stream = kernel_stream();
         let inner = crate::lock::locked(|| cffi::prepare_launch(name, &ffi_nodes, &ffi_args, &outs, stream))?;
         Ok(CudaLaunch {
             inner,
             name: name.to_string(),
             inputs,
+            values,
             stream,
             nodes: ffi_nodes,
             args: ffi_args,
@@ -224,21 +277,44 @@ impl CudaLaunch {
     /// [`crate::fast::CustomKernel::call`] would take now (made for another stream than its own,
     /// the primitive is made again for this call).
     pub fn call(&self, inputs: &[Array]) -> Result<Vec<Array>> {
-        if inputs.len() < self.inputs {
+        self.call_with(inputs, &[])
+    }
+
+    /// [`CudaLaunch::call`] with the values its [`KernelArg::Value`] parameters take in this call
+    /// (scalars: `I32`, `U32`, `F32` or `I64`).
+    pub fn call_with(&self, inputs: &[Array], values: &[KernelArg]) -> Result<Vec<Array>> {
+        if inputs.len() < self.inputs || values.len() < self.values {
             return Err(Error::InvalidArgument(format!(
-                "launch `{}` reads {} inputs, got {}",
+                "launch `{}` reads {} inputs and {} values, got {} and {}",
                 self.name,
                 self.inputs,
-                inputs.len()
+                self.values,
+                inputs.len(),
+                values.len()
             )));
+        }
+        let mut bits = Vec::with_capacity(values.len());
+        for value in values {
+            bits.push(match *value {
+                KernelArg::I32(v) => u64::from(v as u32),
+                KernelArg::U32(v) => u64::from(v),
+                KernelArg::F32(v) => u64::from(v.to_bits()),
+                KernelArg::I64(v) => v as u64,
+                other => {
+                    return Err(Error::InvalidArgument(format!(
+                        "launch `{}`: a call's value must be a scalar, not {other:?}",
+                        self.name
+                    )))
+                }
+            });
         }
         let v = array_vec(inputs);
         let stream = kernel_stream();
         let out = crate::lock::locked(|| match stream == self.stream {
-            true => cffi::call_launch(&self.inner, &v),
+            true => cffi::call_launch(&self.inner, &v, &bits),
             false => {
                 let other = cffi::prepare_launch(&self.name, &self.nodes, &self.args, &self.outputs, stream)?;
-                cffi::call_launch(&other, &v)
+                cffi::call_launch(&other, &v, &bits)
             }
         })?;
         Ok(from_array_vec(&out))

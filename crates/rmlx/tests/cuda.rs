@@ -3,7 +3,7 @@
 //! called on (contiguous or not, several kernels in one launch, call after call) and that NVRTC's
 //! and the driver's errors come back as `Err`.
 
-use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
+use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode};
 use rmlx::fast::{self, GpuBackend};
 use rmlx::{Array, Dtype, Error};
 
@@ -68,7 +68,36 @@ fn own_kernels_run_in_order_over_any_input_layout() {
     let out = rmlx::with_stream(stream, || launch.call(std::slice::from_ref(&xt))).unwrap();
     assert_eq!(out[1].to_vec::<f32>().unwrap(), expected_second, "another stream");
     match launch.call(&[]) {
-        Err(Error::InvalidArgument(m)) => assert!(m.contains("reads 1 inputs, got 0"), "{m}"),
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("reads 1 inputs and 0 values, got 0 and 0"), "{m}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+/// A parameter given per call (`KernelArg::Value`): each call's value reaches its own outputs,
+/// calls pending together included; a missing or non-scalar value is an error.
+#[test]
+fn values_given_per_call_reach_their_call() {
+    if !on_cuda() {
+        eprintln!("skipped: MLX has no CUDA backend here");
+        return;
+    }
+    let mut node = affine(KernelArg::Input(0), 0, 2.0, 0.0, 4);
+    node.args[3] = KernelArg::Value(0);
+    let launch = CudaLaunch::new("rmlx_test_value", &[node], &[(vec![4], Dtype::Float32)]).unwrap();
+    let x = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
+    let outs: Vec<Array> = (0..3)
+        .map(|b| launch.call_with(std::slice::from_ref(&x), &[KernelArg::F32(b as f32 * 10.0)]).unwrap().remove(0))
+        .collect();
+    for (b, out) in outs.iter().enumerate() {
+        let want: Vec<f32> = [1.0f32, 2.0, 3.0, 4.0].iter().map(|v| 2.0 * v + b as f32 * 10.0).collect();
+        assert_eq!(out.to_vec::<f32>().unwrap(), want, "call {b}");
+    }
+    match launch.call(std::slice::from_ref(&x)) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("1 values, got 1 and 0"), "{m}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    match launch.call_with(std::slice::from_ref(&x), &[KernelArg::Input(0)]) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("must be a scalar"), "{m}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
 }
@@ -84,4 +113,36 @@ fn compile_errors_come_back_as_errors() {
     assert!(message.contains("NVRTC") && message.contains("undeclared_name"), "{message}");
     let message = cuda::compile("rmlx_test_not_in_source", SOURCE, None).unwrap_err().to_string();
     assert!(message.contains("cuModuleGetFunction(rmlx_test_not_in_source)"), "{message}");
+}
+
+/// An output updating an input in place (`CudaLaunch::updating`): the kernel writes only part of
+/// it, the rest keeps the input's values. `InPlace::Unshared`: an input still held elsewhere keeps
+/// its own values (the kernel updated a copy), one held by nothing else lends its buffer.
+/// `InPlace::Owned`: the input's own buffer even while held, so the holder sees the update.
+#[test]
+fn in_place_outputs_keep_arrays_values_or_update_owned_buffers() {
+    if !on_cuda() {
+        eprintln!("skipped: MLX has no CUDA backend here");
+        return;
+    }
+    // y[0..4] = 2·x[0..4] + 1 into the buffer of input 0; y[4..] untouched.
+    let node = affine(KernelArg::Input(1), 0, 2.0, 1.0, 4);
+    let outputs = [(vec![8], Dtype::Float32)];
+    let launch =
+        CudaLaunch::updating("rmlx_test_in_place", std::slice::from_ref(&node), &outputs, &[(0, 0)], InPlace::Unshared);
+    let launch = launch.unwrap();
+    let buffer = Array::from_slice(&[9.0f32; 8], &[8]).unwrap();
+    let x = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[4]).unwrap();
+    let want = [3.0f32, 5.0, 7.0, 9.0, 9.0, 9.0, 9.0, 9.0];
+    let held = launch.call(&[buffer.clone(), x.clone()]).unwrap();
+    assert_eq!(held[0].to_vec::<f32>().unwrap(), want);
+    assert_eq!(buffer.to_vec::<f32>().unwrap(), [9.0f32; 8], "a held input keeps its values");
+    let fresh = (Array::from_slice(&[8.0f32; 8], &[8]).unwrap() + 1.0).unwrap();
+    let lent = launch.call(&[fresh, x.clone()]).unwrap();
+    assert_eq!(lent[0].to_vec::<f32>().unwrap(), want);
+
+    let owned = CudaLaunch::updating("rmlx_test_in_place", &[node], &outputs, &[(0, 0)], InPlace::Owned).unwrap();
+    let updated = owned.call(&[buffer.clone(), x]).unwrap();
+    assert_eq!(updated[0].to_vec::<f32>().unwrap(), want);
+    assert_eq!(buffer.to_vec::<f32>().unwrap(), want, "an owned buffer is updated where it is");
 }

@@ -2,7 +2,9 @@
 //!
 //! [`KvCache::Standard`] preallocates `[batch, kv_heads, capacity, head_dim]` buffers grown in steps
 //! of 256 positions and writes each step's keys and values into them in place (`slice_update` on a
-//! buffer nothing else references). [`KvCache::Rotating`] keeps at most `max_size` positions (a
+//! buffer nothing else references; on MLX's CUDA backend a decoding step writes through rmlx's
+//! attention kernel, which updates the buffers as their only owner, so nothing outside the cache
+//! may keep them: [`KvCache::state`] lends them for evaluation). [`KvCache::Rotating`] keeps at most `max_size` positions (a
 //! sliding window; Gemma 3's local layers, or every layer when the user sets a context limit), the
 //! first `keep` of them never evicted.
 //!
@@ -218,16 +220,24 @@ impl StandardCache {
         Ok((keys, values, if len == 1 { Mask::None } else { Mask::Causal }))
     }
 
-    /// Appends `k, v: [B, H, L, D]`; returns the whole buffers (`[B, H, capacity, D]`) and the
-    /// positions now valid in them.
-    pub fn write(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, usize)> {
-        let prev = self.offset as i32;
-        let len = dim(k, 2);
+    /// Grows the buffers (allocating them first) so that `k, v: [B, H, L, D]` fit after the
+    /// valid positions.
+    pub fn reserve(&mut self, k: &Array, v: &Array) -> Result<()> {
+        let (prev, len) = (self.offset as i32, dim(k, 2));
         if self.keys.is_none() || prev + len > self.capacity() as i32 {
             let extra = (len + STEP - 1) / STEP * STEP;
             self.keys = Some(grow(self.keys.take(), k, prev, extra)?);
             self.values = Some(grow(self.values.take(), v, prev, extra)?);
         }
+        Ok(())
+    }
+
+    /// Appends `k, v: [B, H, L, D]`; returns the whole buffers (`[B, H, capacity, D]`) and the
+    /// positions now valid in them.
+    pub fn write(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, usize)> {
+        let prev = self.offset as i32;
+        let len = dim(k, 2);
+        self.reserve(k, v)?;
         let end = prev + len;
         let keys = write_at(&mut self.keys, k, prev)?;
         let values = write_at(&mut self.values, v, prev)?;

@@ -79,17 +79,18 @@ impl Attention {
         self.o_proj.forward(&o)
     }
 
-    /// `x + self(norm(x))`: a pre-norm block's attention half.
-    pub fn forward_residual(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
-        let o = self.attend(x, norm, batch, cache)?;
-        self.o_proj.forward_add(&o, x)
-    }
-
-    /// The attention's merged heads `[B·L, H·D]` for `norm(x)`, before the output projection.
-    fn attend(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
+    /// The attention's merged heads `[B·L, H·D]` for `norm(x)`, before the output projection
+    /// ([`Attention::o_proj`]).
+    pub fn attend(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
         let offset = cache.rope_offset()?;
         let [q, k, v] = self.heads(x, norm, batch, &offset)?;
         merge_heads(&cached_attention(&q, &k, &v, cache, self.scale)?)
+    }
+
+    /// The output projection, which a block may fuse with what follows
+    /// (`GatedMlp::forward_after_attention`).
+    pub fn o_proj(&self) -> &Linear {
+        &self.o_proj
     }
 
     /// The query, key and value heads `[B, H, L, D]` of `norm(x)`, queries and keys normalised
@@ -152,8 +153,7 @@ impl Attention {
             (None, None) => None,
             _ => return Ok(None),
         };
-        let positions = offset.positions()?;
-        let Some(rotation) = self.rope.rotation(self.head_dim, &positions) else { return Ok(None) };
+        let Some(rotation) = self.rope.rotation(self.head_dim, offset) else { return Ok(None) };
         let dims = (self.heads, self.kv_heads, self.head_dim);
         Ok(cuda_fast::qkv_heads(y, batch, dims, norms, &rotation)?)
     }

@@ -121,8 +121,8 @@ impl Block {
         if let Some(h) = self.packed_cpu_step(x, batch, cache)? {
             return Ok(h);
         }
-        let h = self.self_attn.forward_residual(x, &self.input_layernorm, batch, cache)?;
-        self.mlp.forward_residual(&h, &self.post_attention_layernorm)
+        let o = self.self_attn.attend(x, &self.input_layernorm, batch, cache)?;
+        self.mlp.forward_after_attention(&o, x, self.self_attn.o_proj(), &self.post_attention_layernorm)
     }
 
     /// A decoding step of one sequence on the CPU with packed weights, as fused primitives

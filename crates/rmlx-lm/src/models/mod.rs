@@ -195,9 +195,9 @@ impl Rope {
 impl Rope {
     /// This embedding at `positions` as the CUDA heads kernel takes it, when it rotates whole heads
     /// of `head_dim` (the kernel rotates nothing less).
-    pub(crate) fn rotation<'a>(&'a self, head_dim: i32, positions: &'a Array) -> Option<Rotation<'a>> {
+    pub(crate) fn rotation<'a>(&'a self, head_dim: i32, offset: &'a Offset) -> Option<Rotation<'a>> {
         let (divisors, scale) = self.whole_head(head_dim)?;
-        Some(Rotation { divisors, scale, positions })
+        Some(Rotation { divisors, scale, offset })
     }
 
     /// The divisors and position multiplier, when the rotation covers all `head_dim` features.
@@ -244,6 +244,25 @@ pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCa
         if q.ndim() == 4 && q.shape()[2] > 0 && crate::nn::cpu_fast::applies(q) {
             let (keys, values, valid) = c.write(k, v)?;
             return Ok(crate::nn::cpu_fast::cache_attention(q, &keys, &values, valid, scale)?);
+        }
+    }
+    if let KvCache::Standard(c) = cache {
+        // On MLX's CUDA backend, one position: the cache write and the attention in one node.
+        if q.ndim() == 4 && q.shape()[2] == 1 && c.offset < crate::nn::cuda_attention::MAX_CONTEXT {
+            c.reserve(k, v)?;
+            let (keys, values) = (c.keys.take().expect("reserved"), c.values.take().expect("reserved"));
+            let (context, at) = (c.offset + 1, Offset::Uniform(c.offset));
+            let fused = crate::nn::cuda_attention::cache_attention(q, k, v, (&keys, &values), &at, context, scale);
+            match fused {
+                Ok(Some([attention, keys, values])) => {
+                    (c.keys, c.values, c.offset) = (Some(keys), Some(values), context);
+                    return Ok(attention);
+                }
+                other => {
+                    (c.keys, c.values) = (Some(keys), Some(values));
+                    other?;
+                }
+            }
         }
     }
     let (keys, values, mask) = cache.update(k, v)?;

@@ -6,6 +6,7 @@
 //! composed path takes a reshape, a split, two RMSNorms (Qwen 3, Gemma 3) and two RoPEs.
 
 use super::training;
+use crate::cache::Offset;
 use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
 use rmlx::fast::{gpu_backend, GpuBackend};
 use rmlx::{Array, DeviceType, Dtype, Result};
@@ -16,7 +17,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 /// One block per (head, sequence), one thread per rotated pair `(i, i + D/2)` (whole warps: the
 /// threads past the pairs only take part in the sum of squares). Query and key heads
 /// are RMS-normalised (with `NORM`, epsilon `eps`; the product rounded to `T` before the weight, as
-/// MLX's kernel does) and rotated at position `pos[b]` (`pos[0]` for all without `PER_ROW`): angle
+/// MLX's kernel does) and rotated at position `pos[b]` (`position` for all without `PER_ROW`): angle
 /// `(scale · pos) · (1 / divisors[i])`, in the order MLX's RoPE kernel takes. Value heads are copied.
 const SOURCE: &str = r#"
     constexpr int HALF = D / 2;
@@ -62,7 +63,7 @@ const SOURCE: &str = r#"
     if (!active) {
         return;
     }
-    const float theta = (scale * static_cast<float>(pos[PER_ROW ? b : 0])) * (1.0f / divisors[t]);
+    const float theta = (scale * static_cast<float>(PER_ROW ? pos[b] : position)) * (1.0f / divisors[t]);
     const float c = cosf(theta);
     const float s = sinf(theta);
     T* out = h < HQ ? q + (static_cast<long long>(b) * HQ + h) * D
@@ -80,11 +81,11 @@ pub struct HeadNorms<'a> {
 }
 
 /// The rotary embedding of [`qkv_heads`]: the divisor of the position for each pair (`[D/2]`
-/// float32), the position multiplier, and the positions (`[1]` for all sequences, or `[B]`; int32).
+/// float32), the position multiplier, and the position (one for all sequences, or one each).
 pub struct Rotation<'a> {
     pub divisors: &'a Array,
     pub scale: f32,
-    pub positions: &'a Array,
+    pub offset: &'a Offset,
 }
 
 /// The stacked q/k/v product `y: [B, (Hq + 2·Hkv)·D]` of one position per sequence → query, key
@@ -108,21 +109,26 @@ pub fn qkv_heads(
         && (2..=2048).contains(&head_dim)
         && y.shape() == [batch, (heads + 2 * kv_heads) * head_dim]
         && rotation.divisors.shape() == [head_dim / 2]
-        && (rotation.positions.size() == 1 || rotation.positions.size() == batch as usize)
+        && match rotation.offset {
+            Offset::Uniform(p) => *p <= i32::MAX as usize,
+            Offset::PerRow(a) => a.size() == batch as usize,
+        }
         && norms.as_ref().is_none_or(|n| n.query.dtype() == dtype && n.key.dtype() == dtype);
     if !serves {
         return Ok(None);
     }
-    let per_row = rotation.positions.size() > 1;
+    let per_row = matches!(rotation.offset, Offset::PerRow(_));
     let eps = norms.as_ref().map_or(0.0, |n| n.eps);
     // Without norms the kernel never reads its weights: `y` stands in (an input of type `T`).
     let (qw, kw) = match &norms {
         Some(n) => (n.query.clone(), n.key.clone()),
         None => (y.clone(), y.clone()),
     };
-    let positions = match rotation.positions.dtype() {
-        Dtype::Int32 => rotation.positions.clone(),
-        _ => rotation.positions.astype(Dtype::Int32)?,
+    // One position for all is the call's value; `y` stands in for the positions' array.
+    let (positions, at) = match rotation.offset {
+        Offset::Uniform(p) => (y.clone(), *p as i32),
+        Offset::PerRow(a) if a.dtype() == Dtype::Int32 => (a.clone(), 0),
+        Offset::PerRow(a) => (a.astype(Dtype::Int32)?, 0),
     };
     let divisors = match rotation.divisors.dtype() {
         Dtype::Float32 => rotation.divisors.clone(),
@@ -140,7 +146,7 @@ pub fn qkv_heads(
         eps: eps.to_bits(),
         scale: rotation.scale.to_bits(),
     };
-    let out = launch_for(shape)?.call(&inputs)?;
+    let out = launch_for(shape)?.call_with(&inputs, &[KernelArg::I32(at)])?;
     Ok(Some(out.try_into().expect("three outputs")))
 }
 
@@ -166,12 +172,13 @@ fn source(s: &KernelShape) -> String {
         "{CUDA_TYPES}typedef {t} T;\nconstexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool NORM = {};\nconstexpr bool PER_ROW = {};\n\
          extern \"C\" __global__ void rmlx_qkv_heads(const T* y, const T* qw, const T* kw, const float* divisors, \
-         const int* pos, T* q, T* k, T* v, float eps, float scale) {{\n{SOURCE}}}\n",
+         const int* pos, int position, T* q, T* k, T* v, float eps, float scale) {{\n{SOURCE}}}\n",
         s.head_dim, s.heads, s.kv_heads, s.norm, s.per_row
     )
 }
 
-/// The launch over `[y, qw, kw, divisors (float32), pos (int32)]` for `s`, made once per process.
+/// The launch over `[y, qw, kw, divisors (float32), pos (int32, per row)]` and the call's position
+/// (for all rows) for `s`, made once per process.
 fn launch_for(s: KernelShape) -> Result<Arc<CudaLaunch>> {
     static LAUNCHES: Launches<KernelShape> = LazyLock::new(Mutex::default);
     launch_once(&LAUNCHES, &s, || make_launch(&s))
@@ -182,6 +189,7 @@ fn make_launch(s: &KernelShape) -> Result<CudaLaunch> {
     let function = cuda::compile("rmlx_qkv_heads", &source(s), Some(&kernel_cache()))?;
     let threads = ((s.head_dim / 2 + 31) / 32 * 32) as u32;
     let mut args: Vec<KernelArg> = (0..5).map(KernelArg::Input).collect();
+    args.push(KernelArg::Value(0));
     args.extend((0..3).map(KernelArg::Output));
     args.extend([KernelArg::F32(f32::from_bits(s.eps)), KernelArg::F32(f32::from_bits(s.scale))]);
     let grid = [1, (s.heads + 2 * s.kv_heads) as u32, s.batch as u32];

@@ -295,6 +295,9 @@ __device__ __forceinline__ void rmlx_load_x(const T* p, const T* nw, float* out,
 /// `y` and `rows`. A product that has no use for some of them gets `x`'s address there.
 const INPUTS: usize = 10;
 
+/// The residual's place among [`INPUTS`].
+const RESIDUAL: usize = 8;
+
 /// The complete source of the instance for `s`: CUDA's 16-bit types, the loads, the constants and
 /// the kernel `rmlx_fused_matvec`.
 fn source(s: &Shape) -> String {
@@ -322,34 +325,62 @@ fn source(s: &Shape) -> String {
     )
 }
 
-/// The launch of the instance for `s` (compiled, or read from the cache, once per process).
-fn launch_for(s: Shape) -> Result<Arc<CudaLaunch>> {
-    static LAUNCHES: Launches<Shape> = LazyLock::new(Mutex::default);
-    launch_once(&LAUNCHES, &s, || make_launch(&s))
+/// The launch of the products `chain` (each after the first reading the previous one's output as
+/// its `x`; step `i` adds step `residuals[i]`'s output, where set), compiled or read from the cache
+/// once per process and prepared once.
+fn launch_for(chain: &[Shape], residuals: &[Option<usize>]) -> Result<Arc<CudaLaunch>> {
+    static LAUNCHES: Launches<(Vec<Shape>, Vec<Option<usize>>)> = LazyLock::new(Mutex::default);
+    launch_once(&LAUNCHES, &(chain.to_vec(), residuals.to_vec()), || make_launch(chain, residuals))
 }
 
-/// The launch for `s` (its kernel compiled, or read from the cache).
-fn make_launch(s: &Shape) -> Result<CudaLaunch> {
+/// The launch of the products `chain` with `residuals` (their kernels compiled, or read from the
+/// cache).
+fn make_launch(chain: &[Shape], residuals: &[Option<usize>]) -> Result<CudaLaunch> {
+    let mut nodes = Vec::new();
+    let mut next = 0;
+    for (i, s) in chain.iter().enumerate() {
+        // The first product's `x` is input 0; a later one's is the previous product's output.
+        let x = match i {
+            0 => {
+                next = 1;
+                KernelArg::Input(0)
+            }
+            _ => KernelArg::Output(i as u32 - 1),
+        };
+        let residual = residuals[i].map(|j| KernelArg::Output(j as u32));
+        nodes.push(kernel_node(s, x, residual, &mut next, i as u32)?);
+    }
+    let outputs: Vec<_> = chain.iter().map(|s| (vec![s.rows, s.output], s.dtype)).collect();
+    CudaLaunch::new("rmlx_fused_matvec", &nodes, &outputs)
+}
+
+/// The kernel node of product `s` reading `x` (and `residual`, where given), then its other inputs
+/// numbered from `next` on (each one it has no use for gets `x`'s address), writing output `output`.
+fn kernel_node(
+    s: &Shape,
+    x: KernelArg,
+    residual: Option<KernelArg>,
+    next: &mut u32,
+    output: u32,
+) -> Result<KernelNode> {
     let function = cuda::compile("rmlx_fused_matvec", &source(s), Some(&kernel_cache()))?;
     let rows_per_block = WARPS / s.split() * s.rows_per_warp();
     let blocks = (s.output + rows_per_block - 1) / rows_per_block;
-    // The inputs `s` reads are passed in parameter order; each absent one gets `x` (input 0).
     let reads = s.reads();
-    let mut args = Vec::new();
-    let mut next = 0;
-    for i in 0..INPUTS {
-        match reads & (1 << i) != 0 {
-            true => {
-                args.push(KernelArg::Input(next));
-                next += 1;
+    let mut args = vec![x];
+    for i in 1..INPUTS {
+        match (reads & (1 << i) != 0, residual) {
+            (true, Some(r)) if i == RESIDUAL => args.push(r),
+            (true, _) => {
+                args.push(KernelArg::Input(*next));
+                *next += 1;
             }
-            false => args.push(KernelArg::Input(0)),
+            (false, _) => args.push(x),
         }
     }
-    args.extend([KernelArg::Output(0), KernelArg::I32(s.rows)]);
-    let node =
-        KernelNode { function, grid: [blocks as u32, 1, 1], block: [(WARPS * 32) as u32, 1, 1], shared_bytes: 0, args };
-    CudaLaunch::new("rmlx_fused_matvec", &[node], &[(vec![s.rows, s.output], s.dtype)])
+    args.extend([KernelArg::Output(output), KernelArg::I32(s.rows)]);
+    let (grid, block) = ([blocks as u32, 1, 1], [(WARPS * 32) as u32, 1, 1]);
+    Ok(KernelNode { function, grid, block, shared_bytes: 0, args })
 }
 
 /// A matrix `W` `[N, K]` the kernel multiplies by: dense (of the activations' type) or quantised.
@@ -484,21 +515,70 @@ pub fn fused_matvec(x: &Array, f: &Fused) -> Result<Option<Array>> {
     let Some(shape) = serves(x, f) else {
         return Ok(None);
     };
-    let x2 = x.reshape(&[shape.rows, shape.input])?;
-    let res = f.residual.map(|r| r.reshape(&[shape.rows, shape.output])).transpose()?;
-    let mut all: [Option<&Array>; 10] = [None; 10];
-    all[0] = Some(&x2);
-    [all[1], all[2], all[3]] = matrix_inputs(f.weight);
-    if let Some((up, _)) = f.gated {
-        [all[4], all[5], all[6]] = matrix_inputs(up);
-    }
-    [all[7], all[8], all[9]] = [f.norm.map(|n| n.0), res.as_ref(), f.bias];
-    let inputs: Vec<Array> = all.iter().flatten().map(|&a| a.clone()).collect();
-    debug_assert_eq!(all.map(|a| a.is_some()), std::array::from_fn(|i| shape.reads() & (1 << i) != 0));
-    let y = launch_for(shape)?.call(&inputs)?;
+    let mut inputs = vec![x.reshape(&[shape.rows, shape.input])?];
+    side_inputs(f, &shape, false, &mut inputs)?;
+    let y = launch_for(&[shape], &[None])?.call(&inputs)?;
     let mut out_shape = x.shape().to_vec();
     *out_shape.last_mut().expect("checked by serves") = shape.output;
     Ok(Some(y[0].reshape(&out_shape)?))
+}
+
+/// `second` applied to `first`'s product of `x` (`second`'s residual, if any, an array of its
+/// output's shape, `x` itself for a feed-forward's residual), as one node of MLX's graph running
+/// both kernels: a feed-forward half is `x + down(act(gate(n(x))) · up(n(x)))` in one node instead
+/// of two. `Ok(None)` where either product does not serve.
+pub fn fused_pair(x: &Array, first: &Fused, second: &Fused) -> Result<Option<Array>> {
+    fused_chain(x, &[(*first, None), (*second, None)])
+}
+
+/// Products applied in turn, as one node of MLX's graph: the first reads `x`, each later one the
+/// previous one's output; a step `(f, Some(j))` adds step `j`'s output as its residual (`f`'s own
+/// residual then unset), `(f, None)` takes `f` as it is. Returns the last product (of `x`'s shape
+/// but for the last axis); `Ok(None)` where a step does not serve.
+pub fn fused_chain(x: &Array, steps: &[(Fused, Option<usize>)]) -> Result<Option<Array>> {
+    let mut shapes: Vec<Shape> = Vec::new();
+    let mut xs = x.shape().to_vec();
+    if x.is_tracer() || steps.is_empty() {
+        return Ok(None);
+    }
+    for (i, (f, from)) in steps.iter().enumerate() {
+        let Some(mut s) = shape_for(x.dtype(), &xs, f) else {
+            return Ok(None);
+        };
+        if let Some(j) = *from {
+            // Only an unfused epilogue takes a step's output, of this step's output shape.
+            let fits = j < i && f.residual.is_none() && s.epilogue == 0 && shapes[j].output == s.output;
+            if !fits {
+                return Ok(None);
+            }
+            s.epilogue = 1;
+        }
+        *xs.last_mut().expect("checked by shape_for") = s.output;
+        shapes.push(s);
+    }
+    let mut inputs = vec![x.reshape(&[shapes[0].rows, shapes[0].input])?];
+    for ((f, from), s) in steps.iter().zip(&shapes) {
+        side_inputs(f, s, from.is_some(), &mut inputs)?;
+    }
+    let wiring: Vec<Option<usize>> = steps.iter().map(|(_, from)| *from).collect();
+    let y = launch_for(&shapes, &wiring)?.call(&inputs)?;
+    Ok(Some(y[steps.len() - 1].reshape(&xs)?))
+}
+
+/// Appends the inputs `f` reads besides `x` (and its residual, with `residual_from_step`), in the
+/// kernel's parameter order.
+fn side_inputs(f: &Fused, s: &Shape, residual_from_step: bool, inputs: &mut Vec<Array>) -> Result<()> {
+    let res = f.residual.map(|r| r.reshape(&[s.rows, s.output])).transpose()?;
+    let mut all: [Option<&Array>; INPUTS - 1] = [None; INPUTS - 1];
+    [all[0], all[1], all[2]] = matrix_inputs(f.weight);
+    if let Some((up, _)) = f.gated {
+        [all[3], all[4], all[5]] = matrix_inputs(up);
+    }
+    [all[6], all[7], all[8]] = [f.norm.map(|n| n.0), res.as_ref(), f.bias];
+    let reads = s.reads() & !(u16::from(residual_from_step) << 8);
+    debug_assert_eq!(all.map(|a| a.is_some()), std::array::from_fn(|i| reads & (1 << (i + 1)) != 0));
+    inputs.extend(all.iter().flatten().map(|&a| a.clone()));
+    Ok(())
 }
 
 /// A matrix's packed weight, scales and biases (a dense one's weight alone).
@@ -539,13 +619,15 @@ fn matrix_layout(m: Matrix, dtype: Dtype, input: i32) -> Option<(i32, i32, i32)>
 
 /// The kernel's shape for this product, if it serves it.
 fn serves(x: &Array, f: &Fused) -> Option<Shape> {
-    let dtype = x.dtype();
-    let xs = x.shape();
+    (!x.is_tracer()).then(|| shape_for(x.dtype(), x.shape(), f)).flatten()
+}
+
+/// The kernel's shape for the product `f` of an `x` of type `dtype` and shape `xs`, if it serves it.
+fn shape_for(dtype: Dtype, xs: &[i32], f: &Fused) -> Option<Shape> {
     let input = *xs.last()?;
     let rows: i32 = xs[..xs.len() - 1].iter().product();
     let fits = on_cuda()
         && !training()
-        && !x.is_tracer()
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
         && (1..=MAX_ROWS).contains(&rows)
         && input > 0;

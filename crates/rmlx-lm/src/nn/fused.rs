@@ -62,9 +62,42 @@ impl GatedMlp {
         self.down.forward(&self.activation_normed(x, norm)?)
     }
 
-    /// `x + self(norm(x))`: a pre-norm block's feed-forward half.
+    /// `x + self(norm(x))`: a pre-norm block's feed-forward half (one node of MLX's graph where
+    /// the kernels serve both products).
     pub fn forward_residual(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
+        let unbiased = self.gate.bias.is_none() && self.up.bias.is_none();
+        if let (Some(gate), Some(up), Some(down), true) =
+            (self.gate.fusable(), self.up.fusable(), self.down.fusable(), unbiased)
+        {
+            let norm = Some((norm.weight(), norm.eps()));
+            let first = Fused { gated: Some((up, self.gelu)), norm, ..Fused::product(gate) };
+            let second = Fused { residual: Some(x), bias: self.down.bias.as_ref(), ..Fused::product(down) };
+            if let Some(y) = cuda_qmv::fused_pair(x, &first, &second)? {
+                return Ok(y);
+            }
+        }
         self.down.forward_add(&self.activation_normed(x, norm)?, x)
+    }
+
+    /// `h + self(norm(h))` for `h = x + o_proj(o)`: what follows a pre-norm block's attention,
+    /// given its merged heads `o` — one node of MLX's graph where the kernels serve all three
+    /// products (the output projection with the residual, then this feed-forward half).
+    pub fn forward_after_attention(&self, o: &Array, x: &Array, o_proj: &Linear, norm: &RmsNorm) -> Result<Array> {
+        let unbiased = self.gate.bias.is_none() && self.up.bias.is_none();
+        let parts = (o_proj.fusable(), self.gate.fusable(), self.up.fusable(), self.down.fusable());
+        if let (Some(out), Some(gate), Some(up), Some(down), true) = (parts.0, parts.1, parts.2, parts.3, unbiased) {
+            let norm = Some((norm.weight(), norm.eps()));
+            let steps = [
+                (Fused { residual: Some(x), bias: o_proj.bias.as_ref(), ..Fused::product(out) }, None),
+                (Fused { gated: Some((up, self.gelu)), norm, ..Fused::product(gate) }, None),
+                (Fused { bias: self.down.bias.as_ref(), ..Fused::product(down) }, Some(0)),
+            ];
+            if let Some(y) = cuda_qmv::fused_chain(o, &steps)? {
+                return Ok(y);
+            }
+        }
+        let h = o_proj.forward_add(o, x)?;
+        self.forward_residual(&h, norm)
     }
 
     /// `act(gate(norm(x))) · up(norm(x))`.

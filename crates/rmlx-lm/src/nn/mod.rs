@@ -8,6 +8,7 @@ pub(crate) mod cpu_fast;
 pub(crate) mod cpu_layer;
 mod cpu_pool;
 pub(crate) mod cpu_qmm;
+pub(crate) mod cuda_attention;
 pub(crate) mod cuda_fast;
 pub(crate) mod cuda_qmv;
 mod fused;

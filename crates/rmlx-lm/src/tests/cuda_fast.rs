@@ -5,6 +5,7 @@
 //! explicit divisors and a position scale. Where MLX has no CUDA backend (the CPU CI) the kernel must
 //! decline, and the composed path runs.
 
+use crate::cache::Offset;
 use crate::nn::cuda_fast::{qkv_heads, HeadNorms, Rotation};
 use rmlx::fast::{self, GpuBackend, RopeFreqs};
 use rmlx::{ops, random, Array, Dtype};
@@ -65,8 +66,11 @@ fn stacked_heads_match_mlx_on_cuda_and_decline_elsewhere() {
                 for norm in [true, false] {
                     for positions in [vec![4093], vec![0, 17, 40000]] {
                         let scale = if positions.len() > 1 { 0.5 } else { 1.0 };
-                        let pos = Array::from_slice(&positions, &[positions.len() as i32]).unwrap();
-                        let rotation = Rotation { divisors: &divisors, scale, positions: &pos };
+                        let offset = match positions[..] {
+                            [p] => Offset::Uniform(p as usize),
+                            _ => Offset::PerRow(Array::from_slice(&positions, &[positions.len() as i32]).unwrap()),
+                        };
+                        let rotation = Rotation { divisors: &divisors, scale, offset: &offset };
                         let norms = norm.then_some(HeadNorms { query: &qw, key: &kw, eps: 1e-6 });
                         let got = qkv_heads(&y, batch, (heads, kv, d), norms, &rotation).unwrap();
                         let Some(got) = got else {
@@ -100,12 +104,12 @@ fn stacked_heads_match_mlx_on_cuda_and_decline_elsewhere() {
         // An odd head size, and more than one position per sequence: declined.
         let y = Array::from_slice(&vec![0.5f32; 2 * 3 * 33], &[2, 3 * 33]).unwrap();
         let div = Array::from_slice(&[1.0f32; 16], &[16]).unwrap();
-        let pos = Array::from_slice(&[1i32], &[1]).unwrap();
-        let rotation = Rotation { divisors: &div, scale: 1.0, positions: &pos };
+        let offset = Offset::Uniform(1);
+        let rotation = Rotation { divisors: &div, scale: 1.0, offset: &offset };
         assert!(qkv_heads(&y, 2, (1, 1, 33), None, &rotation).unwrap().is_none());
         let y = Array::from_slice(&vec![0.5f32; 4 * 3 * 64], &[4, 3 * 64]).unwrap();
         let div = Array::from_slice(&[1.0f32; 32], &[32]).unwrap();
-        let rotation = Rotation { divisors: &div, scale: 1.0, positions: &pos };
+        let rotation = Rotation { divisors: &div, scale: 1.0, offset: &offset };
         assert!(qkv_heads(&y, 2, (1, 1, 64), None, &rotation).unwrap().is_none(), "two positions per sequence");
     })
 }

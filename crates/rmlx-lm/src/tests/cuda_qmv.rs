@@ -5,7 +5,7 @@
 //! leave a partial warp or block. And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of
 //! another type, training, traced transforms, and everything off MLX's CUDA backend (the CPU CI).
 
-use crate::nn::cuda_qmv::{fused_matvec, matvec_kernel, Fused, Matrix, MAX_ROWS};
+use crate::nn::cuda_qmv::{fused_chain, fused_matvec, fused_pair, matvec_kernel, Fused, Matrix, MAX_ROWS};
 use crate::nn::with_training;
 use rmlx::fast::{self, GpuBackend};
 use rmlx::quantization::{dequantize, quantize, quantized_matmul, QuantMode, Quantized};
@@ -242,6 +242,62 @@ fn fused_products_match_the_composed_operations() {
             }
         }
     })
+}
+
+/// A feed-forward half as one launch of two kernels (`fused_pair`), and the output projection with
+/// it as one launch of three (`fused_chain`, the projection's output the last residual), give
+/// exactly what the fused products give one after the other: the same kernels over the same
+/// values, bit for bit (dense and 4-bit, bf16 and f16, 1 and 3 rows, SwiGLU and GeGLU).
+#[test]
+fn fused_pairs_equal_their_products_in_turn() {
+    if !cuda() {
+        return;
+    }
+    // (rows, hidden, intermediate, bits, dtype, gelu)
+    let cases: &[(i32, i32, i32, i32, Dtype, bool)] = &[
+        (1, 1024, 2816, 0, Dtype::Bfloat16, false),
+        (3, 1024, 2816, 4, Dtype::Bfloat16, false),
+        (1, 512, 1536, 4, Dtype::Float16, true),
+    ];
+    rmlx::with_device(Device::gpu(), || {
+        for (i, &(rows, hidden, inter, bits, dtype, gelu)) in cases.iter().enumerate() {
+            let seed = 7000 + 100 * i as u64;
+            let x = normal(&[rows, hidden], 1.0, seed).astype(dtype).unwrap();
+            let nw = (normal(&[hidden], 0.2, seed + 1) + 1.0).unwrap().astype(dtype).unwrap();
+            let dense = [(inter, hidden), (inter, hidden), (hidden, inter), (hidden, hidden)]
+                .iter()
+                .enumerate()
+                .map(|(j, &(n, k))| normal(&[n, k], 0.05, seed + 2 + j as u64).astype(dtype).unwrap())
+                .collect::<Vec<_>>();
+            let quantized: Vec<Option<Quantized>> = dense
+                .iter()
+                .map(|w| (bits > 0).then(|| cast(&quantize(w, 64, bits, QuantMode::Affine).unwrap(), dtype)))
+                .collect();
+            let matrix = |j: usize| match &quantized[j] {
+                Some(q) => Matrix::Quantized(q),
+                None => Matrix::Dense(&dense[j]),
+            };
+            let first = Fused { gated: Some((matrix(1), gelu)), norm: Some((&nw, 1e-5)), ..Fused::product(matrix(0)) };
+            let second = Fused { residual: Some(&x), ..Fused::product(matrix(2)) };
+            let what = format!("case {i}: {rows} rows, {bits} bits, {dtype:?}");
+            let pair = fused_pair(&x, &first, &second).unwrap().unwrap_or_else(|| panic!("{what}: declined"));
+            let a = fused_matvec(&x, &first).unwrap().unwrap();
+            let in_turn = fused_matvec(&a, &second).unwrap().unwrap();
+            assert_eq!(pair.shape(), &[rows, hidden][..], "{what}");
+            assert_eq!(values(&pair), values(&in_turn), "{what}");
+            // The output projection first, its result the feed-forward's residual (a step's output).
+            let o = normal(&[rows, hidden], 1.0, seed + 9).astype(dtype).unwrap();
+            let project = Fused { residual: Some(&x), ..Fused::product(matrix(3)) };
+            let h = fused_matvec(&o, &project).unwrap();
+            let down = Fused::product(matrix(2));
+            let steps = [(project, None), (first, None), (down, Some(0))];
+            let chain = fused_chain(&o, &steps).unwrap().unwrap_or_else(|| panic!("{what}: chain declined"));
+            let h = h.unwrap();
+            let a = fused_matvec(&h, &first).unwrap().unwrap();
+            let in_turn = fused_matvec(&a, &Fused { residual: Some(&h), ..down }).unwrap().unwrap();
+            assert_eq!(values(&chain), values(&in_turn), "{what}: chain");
+        }
+    });
 }
 
 #[test]

@@ -9,6 +9,7 @@ mod common;
 mod batch_cache;
 mod cpu_fast;
 mod cpu_qmm;
+mod cuda_attention;
 mod cuda_fast;
 mod cuda_qmv;
 mod fuzz;
