@@ -65,12 +65,7 @@ impl GatedMlp {
     /// `x + self(norm(x))`: a pre-norm block's feed-forward half (one node of MLX's graph where
     /// the kernels serve both products).
     pub fn forward_residual(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
-        let unbiased = self.gate.bias.is_none() && self.up.bias.is_none();
-        if let (Some(gate), Some(up), Some(down), true) =
-            (self.gate.fusable(), self.up.fusable(), self.down.fusable(), unbiased)
-        {
-            let norm = Some((norm.weight(), norm.eps()));
-            let first = Fused { gated: Some((up, self.gelu)), norm, ..Fused::product(gate) };
+        if let (Some(first), Some(down)) = (self.fused_activation(norm), self.down.fusable()) {
             let second = Fused { residual: Some(x), bias: self.down.bias.as_ref(), ..Fused::product(down) };
             if let Some(y) = cuda_qmv::fused_pair(x, &first, &second)? {
                 return Ok(y);
@@ -83,13 +78,11 @@ impl GatedMlp {
     /// given its merged heads `o` — one node of MLX's graph where the kernels serve all three
     /// products (the output projection with the residual, then this feed-forward half).
     pub fn forward_after_attention(&self, o: &Array, x: &Array, o_proj: &Linear, norm: &RmsNorm) -> Result<Array> {
-        let unbiased = self.gate.bias.is_none() && self.up.bias.is_none();
-        let parts = (o_proj.fusable(), self.gate.fusable(), self.up.fusable(), self.down.fusable());
-        if let (Some(out), Some(gate), Some(up), Some(down), true) = (parts.0, parts.1, parts.2, parts.3, unbiased) {
-            let norm = Some((norm.weight(), norm.eps()));
+        let parts = (o_proj.fusable(), self.fused_activation(norm), self.down.fusable());
+        if let (Some(out), Some(activation), Some(down)) = parts {
             let steps = [
                 (Fused { residual: Some(x), bias: o_proj.bias.as_ref(), ..Fused::product(out) }, None),
-                (Fused { gated: Some((up, self.gelu)), norm, ..Fused::product(gate) }, None),
+                (activation, None),
                 (Fused { bias: self.down.bias.as_ref(), ..Fused::product(down) }, Some(0)),
             ];
             if let Some(y) = cuda_qmv::fused_chain(o, &steps)? {
@@ -102,15 +95,21 @@ impl GatedMlp {
 
     /// `act(gate(norm(x))) · up(norm(x))`.
     fn activation_normed(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
-        let unbiased = self.gate.bias.is_none() && self.up.bias.is_none();
-        if let (Some(gate), Some(up), true) = (self.gate.fusable(), self.up.fusable(), unbiased) {
-            let f =
-                Fused { gated: Some((up, self.gelu)), norm: Some((norm.weight(), norm.eps())), ..Fused::product(gate) };
+        if let Some(f) = self.fused_activation(norm) {
             if let Some(y) = cuda_qmv::fused_matvec(x, &f)? {
                 return Ok(y);
             }
         }
         let n = norm.forward(x)?;
         Ok(gated_activation(&self.gate.forward(&n)?, &self.up.forward(&n)?, self.gelu)?)
+    }
+
+    /// `act(gate(norm(x))) · up(norm(x))` as one fused product, where gate and up can be fused
+    /// (no adapters, no biases).
+    fn fused_activation<'a>(&'a self, norm: &'a RmsNorm) -> Option<Fused<'a>> {
+        let unbiased = self.gate.bias.is_none() && self.up.bias.is_none();
+        let (gate, up) = (self.gate.fusable()?, self.up.fusable()?);
+        let norm = Some((norm.weight(), norm.eps()));
+        unbiased.then_some(Fused { gated: Some((up, self.gelu)), norm, ..Fused::product(gate) })
     }
 }
