@@ -4,9 +4,9 @@
 //! of 256 positions and writes each step's keys and values into them in place (`slice_update` on a
 //! buffer nothing else references; on MLX's CUDA backend a decoding step writes through rmlx's
 //! attention kernel, which updates the buffers as their only owner, so nothing outside the cache
-//! may keep them: [`KvCache::state`] lends them for evaluation). [`KvCache::Rotating`] keeps at most `max_size` positions (a
-//! sliding window; Gemma 3's local layers, or every layer when the user sets a context limit), the
-//! first `keep` of them never evicted.
+//! may keep them: [`KvCache::state`] lends them for evaluation). [`KvCache::Rotating`] keeps at
+//! most `max_size` positions (a sliding window; Gemma 3's local layers, or every layer when the
+//! user sets a context limit), the first `keep` of them never evicted.
 //!
 //! Each update also returns the attention mask the new queries need, so that the model code never
 //! reasons about positions. The buffers and the offset are plain fields a compiled, static-shape

@@ -248,14 +248,14 @@ pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCa
     }
     if let KvCache::Standard(c) = cache {
         // On MLX's CUDA backend, one position: the cache write and the attention in one node.
-        if q.ndim() == 4 && q.shape()[2] == 1 && c.offset < crate::nn::cuda_attention::MAX_CONTEXT {
+        if q.ndim() == 4 && q.shape()[2] == 1 {
             c.reserve(k, v)?;
             let (keys, values) = (c.keys.take().expect("reserved"), c.values.take().expect("reserved"));
-            let (context, at) = (c.offset + 1, Offset::Uniform(c.offset));
-            let fused = crate::nn::cuda_attention::cache_attention(q, k, v, (&keys, &values), &at, context, scale);
+            let at = Offset::Uniform(c.offset);
+            let fused = crate::nn::cuda_attention::cache_attention(q, k, v, (&keys, &values), &at, scale);
             match fused {
                 Ok(Some([attention, keys, values])) => {
-                    (c.keys, c.values, c.offset) = (Some(keys), Some(values), context);
+                    (c.keys, c.values, c.offset) = (Some(keys), Some(values), c.offset + 1);
                     return Ok(attention);
                 }
                 other => {

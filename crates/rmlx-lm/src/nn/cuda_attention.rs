@@ -5,7 +5,7 @@
 //! The composed step takes two slice updates, two slices of the buffers and MLX's attention (five
 //! to seven nodes with their copies); a decoding step of a small model is bound by the host work
 //! MLX does per node. Here two kernels (flash-decoding): one block per (query head, sequence,
-//! chunk of [`chunk`] positions) scores its chunk, keeps the chunk's maximum, sum of exponentials
+//! chunk of 32 or more positions) scores its chunk, keeps the chunk's maximum, sum of exponentials
 //! and weighted values (float32); a second kernel merges the chunks of each head. The block
 //! holding the new position reads the new key and value from the step's inputs and one block per
 //! KV head writes them into the cache, so nothing waits for the write.
@@ -17,16 +17,12 @@ use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode};
 use rmlx::{Array, Dtype, Result};
 use std::sync::{Arc, LazyLock, Mutex};
 
-/// The longest context the kernels take (positions including the new one).
-pub const MAX_CONTEXT: usize = 1 << 20;
+/// The largest cache the kernels take, in positions (a block's chunk, and the scores it keeps in
+/// shared memory, grow with the cache: 8,192 positions, 32 KB, at this size).
+pub const MAX_CAPACITY: usize = 1 << 20;
 
 /// Threads of a block of the first kernel.
 const THREADS: u32 = 128;
-
-/// Chunks of a cache of `capacity` positions: at most 128, of at least 32 positions.
-fn chunk(capacity: i32) -> i32 {
-    (capacity.max(1) as u32).div_ceil(128).next_power_of_two().max(32) as i32
-}
 
 /// Block `(hq, b, c)`: query head `hq` of sequence `b` over positions `[c·CHUNK, (c+1)·CHUNK)` of
 /// the valid ones; the block holding the new position reads it from `k`, `v` (and, for the first
@@ -238,6 +234,13 @@ struct Shape {
     scale: u32,
 }
 
+impl Shape {
+    /// Positions a block takes: at most 128 chunks a head, of at least 32 positions.
+    fn chunk(&self) -> i32 {
+        (self.capacity.max(1) as u32).div_ceil(128).next_power_of_two().max(32) as i32
+    }
+}
+
 /// Writes `k, v` (`[B, Hkv, 1, D]`) into the cache buffers `(keys, values)` (`[B, Hkv, capacity,
 /// D]`) at `position` (one for every sequence, or one each: `[B]` int32, each below `capacity`)
 /// and attends `q` (`[B, Hq, 1, D]`, `Hq` a multiple of `Hkv`) over the positions up to it,
@@ -247,14 +250,13 @@ struct Shape {
 /// buffers, updated in place even while work queued earlier still reads them, and any other array
 /// over them sees the new position (a buffer that is not row-contiguous is copied first). `None`
 /// where it does not serve (not MLX's CUDA backend, training, other shapes or types, a head size
-/// not a multiple of 32 or above 256, `context` above [`MAX_CONTEXT`]).
+/// not a multiple of 32 or above 256, a capacity above [`MAX_CAPACITY`]).
 pub fn cache_attention(
     q: &Array,
     k: &Array,
     v: &Array,
     (keys, values): (&Array, &Array),
     position: &Offset,
-    context: usize,
     scale: f32,
 ) -> Result<Option<[Array; 3]>> {
     let dtype = q.dtype();
@@ -262,7 +264,6 @@ pub fn cache_attention(
     let serves = on_cuda()
         && !training()
         && !q.is_tracer()
-        && context <= MAX_CONTEXT
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
         && qs.len() == 4
         && ks.len() == 4
@@ -279,6 +280,7 @@ pub fn cache_attention(
         && cs[0] == ks[0]
         && cs[1] == ks[1]
         && cs[3] == ks[3]
+        && cs[2] as usize <= MAX_CAPACITY
         && values.shape() == cs
         && [k, v, keys, values].iter().all(|a| a.dtype() == dtype)
         && match position {
@@ -325,7 +327,7 @@ fn source(s: &Shape) -> String {
         s.heads,
         s.kv_heads,
         s.per_row,
-        chunk(s.capacity),
+        s.chunk(),
     )
 }
 
@@ -344,8 +346,7 @@ fn make_launch(s: &Shape) -> Result<CudaLaunch> {
     let partial = cuda::compile("rmlx_cache_partial", &source, Some(&kernel_cache()))?;
     let merge = cuda::compile("rmlx_cache_merge", &source, Some(&kernel_cache()))?;
     use KernelArg::{Input, Output, Value, F32, I32};
-    let (batch, capacity, chunks) =
-        (s.batch as u32, I32(s.capacity), (s.capacity + chunk(s.capacity) - 1) / chunk(s.capacity));
+    let (batch, capacity, chunks) = (s.batch as u32, I32(s.capacity), (s.capacity + s.chunk() - 1) / s.chunk());
     let nodes = [
         KernelNode {
             function: partial,

@@ -49,7 +49,6 @@ fn cache_attention_matches_the_composed_step() {
                 [p] => Offset::Uniform(*p as usize),
                 _ => Offset::PerRow(Array::from_slice(positions, &[positions.len() as i32]).unwrap()),
             };
-            let context = *positions.iter().max().unwrap() as usize + 1;
             let scale = 1.0 / (d as f32).sqrt();
             let (mut keys_want, mut values_want) = (keys.to_vec_f32().unwrap(), values.to_vec_f32().unwrap());
             let (k_rows, v_rows) = (k.to_vec_f32().unwrap(), v.to_vec_f32().unwrap());
@@ -61,7 +60,7 @@ fn cache_attention_matches_the_composed_step() {
                     values_want[at..at + d as usize].copy_from_slice(&v_rows[from..from + d as usize]);
                 }
             }
-            let got = cache_attention(&q, &k, &v, (&keys, &values), &pos, context, scale).unwrap();
+            let got = cache_attention(&q, &k, &v, (&keys, &values), &pos, scale).unwrap();
             let Some([attention, new_keys, new_values]) = got else {
                 assert!(!cuda, "{what}: declined on MLX's CUDA backend");
                 continue;
