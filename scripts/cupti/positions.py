@@ -8,22 +8,15 @@ the next layer's q/k/v) where timeline.py only pools them. One line a position: 
 Usage: positions.py TRACE [--seconds 0.4] [--kernel rmlx_fused_matvec] [--json]"""
 import argparse, collections, json, statistics
 
+import tracefile
+
 ap = argparse.ArgumentParser()
 ap.add_argument("trace")
 ap.add_argument("--seconds", type=float, default=0.4)
 ap.add_argument("--kernel", default="rmlx_fused_matvec")
 ap.add_argument("--json", action="store_true")
 a = ap.parse_args()
-rows = []
-for line in open(a.trace):
-    parts = line.rstrip("\n").split("\t", 2)
-    if len(parts) == 3:
-        rows.append((int(parts[0]), int(parts[1]), parts[2]))
-if not rows:
-    raise SystemExit(f"{a.trace}: no kernels")
-rows.sort()
-end = max(r[1] for r in rows)
-window = [r for r in rows if r[0] >= end - int(a.seconds * 1e9)]
+window, _ = tracefile.window(a.trace, a.seconds)
 
 
 def short(name):

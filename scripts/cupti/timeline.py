@@ -7,21 +7,15 @@ One JSON line with --json, else a table.
 Usage: timeline.py TRACE [--seconds 0.5] [--top 12] [--json]"""
 import argparse, collections, json
 
+import tracefile
+
 ap = argparse.ArgumentParser()
 ap.add_argument("trace")
 ap.add_argument("--seconds", type=float, default=0.5)
 ap.add_argument("--top", type=int, default=12)
 ap.add_argument("--json", action="store_true")
 a = ap.parse_args()
-rows = []
-for line in open(a.trace):
-    parts = line.rstrip("\n").split("\t", 2)
-    if len(parts) == 3:
-        rows.append((int(parts[0]), int(parts[1]), parts[2]))
-rows.sort()
-end = max(r[1] for r in rows)
-lo = end - int(a.seconds * 1e9)
-win = [r for r in rows if r[0] >= lo]
+win, end = tracefile.window(a.trace, a.seconds)
 start = win[0][0]
 busy, cur_s, cur_e, gaps = 0, None, None, []
 for s, e, _ in win:
