@@ -11,12 +11,15 @@ import statistics, sys
 
 import tracefile
 
+# Runs of each configuration, and the first of them left out of its median.
+RUNS, WARMUP = 30, 5
+
 if len(sys.argv) == 4 and sys.argv[1] == "--report":
     kernels, _ = tracefile.window(sys.argv[2], 1e9)
     kernels = [k for k in kernels if "custom_kernel_read_" in k[2]]
     marks = [line.split(" ", 1)[1].strip() for line in open(sys.argv[3]) if line.startswith("MARK")]
     for i, mark in enumerate(marks):
-        d = statistics.median((e - b) / 1000 for b, e, _ in kernels[i * 30 + 5:(i + 1) * 30])
+        d = statistics.median((e - b) / 1000 for b, e, _ in kernels[i * RUNS + WARMUP:(i + 1) * RUNS])
         mb = float(mark.split()[1][:-2])
         print(f"{mark:36s} p50 {d:8.2f} us  {mb / d:5.2f} TB/s")
     sys.exit()
@@ -95,7 +98,7 @@ for (n, k) in ((4096, 12288), (12288, 4096), (151936, 4096)):
         runs.append((f"C r{r} u{u}", kc, blocks, 128, [("N", n), ("ROW4", row4), ("R", r), ("U", u)]))
     for label, kern, blocks, threads, tmpl in runs:
         tmpl = tmpl + [("OUTN", blocks * threads)]
-        for i in range(30):
+        for i in range(RUNS):
             o = kern(inputs=[ws[i % 2]], template=tmpl, grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
                      output_shapes=[(blocks * threads,)], output_dtypes=[mx.uint32])[0]
             mx.eval(o)

@@ -346,7 +346,8 @@ fn make_launch(s: &Shape) -> Result<CudaLaunch> {
     let partial = cuda::compile("rmlx_cache_partial", &source, Some(&kernel_cache()))?;
     let merge = cuda::compile("rmlx_cache_merge", &source, Some(&kernel_cache()))?;
     use KernelArg::{Input, Output, Value, F32, I32};
-    let (batch, capacity, chunks) = (s.batch as u32, I32(s.capacity), (s.capacity + s.chunk() - 1) / s.chunk());
+    let chunk = s.chunk();
+    let (batch, capacity, chunks) = (s.batch as u32, I32(s.capacity), (s.capacity + chunk - 1) / chunk);
     let nodes = [
         KernelNode {
             function: partial,
