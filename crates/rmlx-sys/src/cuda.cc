@@ -336,6 +336,15 @@ int32_t cuda_compute_capability(int32_t device) {
   return major * 10 + minor;
 }
 
+int32_t cuda_multiprocessors(int32_t device) {
+  const Api& a = usable_api();
+  int dev = 0, count = 0;
+  check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+  check_cuda(a.cuDeviceGetAttribute(&count, 16, dev), "cuDeviceGetAttribute");
+  return count;
+}
+
 int32_t nvrtc_version() {
   const Api& a = usable_api();
   int major = 0, minor = 0;

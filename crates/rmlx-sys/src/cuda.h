@@ -21,6 +21,7 @@ struct PreparedLaunch {
 
 rust::String cuda_unavailable();
 int32_t cuda_compute_capability(int32_t device);
+int32_t cuda_multiprocessors(int32_t device);
 int32_t nvrtc_version();
 rust::Vec<uint8_t> nvrtc_compile(rust::Str source, rust::Str name, int32_t arch);
 uint64_t cuda_load_function(int32_t device, rust::Slice<const uint8_t> image, rust::Str name);

@@ -56,6 +56,8 @@ pub mod cffi {
         fn cuda_unavailable() -> String;
         /// `major * 10 + minor` of CUDA device `device`.
         fn cuda_compute_capability(device: i32) -> Result<i32>;
+        /// The multiprocessors of CUDA device `device`.
+        fn cuda_multiprocessors(device: i32) -> Result<i32>;
         /// NVRTC's version as `major * 1000 + minor * 10`.
         fn nvrtc_version() -> Result<i32>;
         /// Compiles `source` for `arch` (`major * 10 + minor`) to a cubin; NVRTC's log on failure.

@@ -52,6 +52,15 @@ pub fn unavailable() -> Option<String> {
     (!WHY.is_empty()).then(|| WHY.clone())
 }
 
+/// The multiprocessors of the GPU MLX uses by default (132 on an H100 SXM): a kernel whose blocks
+/// loop over their work sizes its grid by them.
+pub fn multiprocessors() -> Result<i32> {
+    if let Some(why) = unavailable() {
+        return Err(Error::Unsupported(format!("the GPU's multiprocessors: {why}")));
+    }
+    Ok(cffi::cuda_multiprocessors(crate::Device::gpu().index)?)
+}
+
 /// A loaded kernel function (for the life of the process) and the device it was loaded on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaFunction {

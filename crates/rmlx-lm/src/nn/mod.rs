@@ -11,6 +11,7 @@ pub(crate) mod cpu_qmm;
 pub(crate) mod cuda_attention;
 pub(crate) mod cuda_fast;
 pub(crate) mod cuda_qmv;
+mod cuda_qmv_ix;
 mod fused;
 mod gated;
 mod grad_checkpoint;

@@ -5,7 +5,9 @@
 //! leave a partial warp or block. And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of
 //! another type, training, traced transforms, and everything off MLX's CUDA backend (the CPU CI).
 
-use crate::nn::cuda_qmv::{fused_chain, fused_matvec, fused_pair, matvec_kernel, Fused, Matrix, MAX_ROWS};
+use crate::nn::cuda_qmv::{
+    fused_chain, fused_matvec, fused_pair, matvec_kernel, takes_integer_form, Fused, Matrix, MAX_ROWS,
+};
 use crate::nn::with_training;
 use rmlx::fast::{self, GpuBackend};
 use rmlx::quantization::{dequantize, quantize, quantized_matmul, QuantMode, Quantized};
@@ -159,6 +161,8 @@ fn fused_products_match_the_composed_operations() {
         (1, 2048, 130, 0, 0, f16),
         (5, 1152, 33, 8, 128, bf16),
         (1, 1152, 40000, 4, 64, bf16),
+        (2, 2048, 8192, 8, 32, f16),
+        (1, 4096, 12288, 4, 128, f16),
     ];
     let fusions = [
         Fusion::Plain,
@@ -205,6 +209,10 @@ fn fused_products_match_the_composed_operations() {
                     bias: biased.then_some(&bias),
                     residual: residual.then_some(&res),
                 };
+                // The integer form takes the 16-bit rows of 512 tiles and more (of 4 warps' rows).
+                let rows_per_tile = 16 / if gated.is_some() { 2 } else { 1 } / rows;
+                let integer = bits > 0 && dtype != f32_ && rows <= 2 && n / rows_per_tile >= 512;
+                assert_eq!(takes_integer_form(&x, &f), integer, "{what}: the integer form");
                 let got = fused_matvec(&x, &f).unwrap().unwrap_or_else(|| panic!("{what}: declined"));
                 assert_eq!((got.shape(), got.dtype()), (&[rows, n][..], dtype), "{what}");
                 let want = rmlx::with_device(Device::cpu(), || {
@@ -267,6 +275,8 @@ fn fused_pairs_equal_their_products_in_turn() {
         (1, 1024, 2816, 0, Dtype::Bfloat16, false),
         (3, 1024, 2816, 4, Dtype::Bfloat16, false),
         (1, 512, 1536, 4, Dtype::Float16, true),
+        // The gate/up product in the integer form, the others not.
+        (1, 1024, 4608, 4, Dtype::Bfloat16, false),
     ];
     rmlx::with_device(Device::gpu(), || {
         for (i, &(rows, hidden, inter, bits, dtype, gelu)) in cases.iter().enumerate() {
