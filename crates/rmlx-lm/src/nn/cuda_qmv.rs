@@ -382,11 +382,7 @@ fn kernel_node(
     output: u32,
 ) -> Result<KernelNode> {
     let function = cuda::compile("rmlx_fused_matvec", &source(s), Some(&kernel_cache()))?;
-    let rows_per_block = WARPS / s.split() * s.rows_per_warp();
-    let mut blocks = (s.output + rows_per_block - 1) / rows_per_block;
-    if s.ix {
-        blocks = ix::grid(blocks)?;
-    }
+    let blocks = if s.ix { ix::grid(s.row_blocks())? } else { s.row_blocks() };
     let reads = s.reads();
     let mut args = vec![x];
     for i in 1..INPUTS {
@@ -507,6 +503,12 @@ impl Shape {
             0 => 16 / self.dtype.size() as i32,
             bits => 4 * 32 / bits,
         }
+    }
+
+    /// Blocks of [`WARPS`] warps' output rows (the integer form's tiles).
+    fn row_blocks(&self) -> i32 {
+        let rows_per_block = WARPS / self.split() * self.rows_per_warp();
+        (self.output + rows_per_block - 1) / rows_per_block
     }
 
     /// Warps splitting one row's inputs: enough warps in all to keep the memory busy (about 32 a
@@ -702,8 +704,9 @@ fn shape_for(dtype: Dtype, xs: &[i32], f: &Fused) -> Option<Shape> {
         norm: f.norm.map(|(_, eps)| eps.to_bits()),
         bias: f.bias.is_some(),
         epilogue,
-        ix: false,
+        ix: true,
     };
-    shape.ix = ix::serves(dtype, bits, shape.computed_rows(), input, (output, shape.matrices()));
+    // Tiles counted with the integer form's layout (`ix` set), which it keeps where it serves.
+    shape.ix = ix::serves(dtype, bits, shape.computed_rows(), input) && shape.row_blocks() >= ix::MIN_TILES;
     Some(shape)
 }

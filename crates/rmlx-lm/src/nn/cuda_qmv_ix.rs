@@ -44,7 +44,7 @@ pub(super) const BLOCKS_PER_SM: i32 = 6;
 /// this way, its q/k/v (384 tiles) no faster, its o and down projections (256) slower
 /// (BENCHMARKS.md). The rule is the product's shape alone, so that a model's results do not depend
 /// on the GPU.
-const MIN_TILES: i32 = 512;
+pub(super) const MIN_TILES: i32 = 512;
 
 /// The most shared memory `x` may take a block (of 48 KiB, with the rest of the kernel's).
 const SHARED_LIMIT: i32 = 40 * 1024;
@@ -55,22 +55,20 @@ pub(super) fn rows_per_warp(matrices: i32, computed_rows: i32) -> i32 {
     (ROWS_PER_WARP / matrices / computed_rows).max(1)
 }
 
-/// Whether the integer form computes a product of `bits`-bit weights (0: dense), `computed_rows`
-/// rows of `x` of `dtype` with `input` features, and `output` rows of `matrices` matrices: 16-bit
-/// `x` of 1 or 2 rows that fits the block's shared memory, and at least [`MIN_TILES`] tiles.
-pub(super) fn serves(dtype: Dtype, bits: i32, computed_rows: i32, input: i32, (output, matrices): (i32, i32)) -> bool {
+/// Whether the integer form can compute a product of `bits`-bit weights (0: dense) and
+/// `computed_rows` rows of `x` of `dtype` with `input` features: 16-bit `x` of 1 or 2 rows that
+/// fits the block's shared memory. (It takes the product where it also has [`MIN_TILES`] tiles.)
+pub(super) fn serves(dtype: Dtype, bits: i32, computed_rows: i32, input: i32) -> bool {
     let vals = match bits {
         4 => 32,
         8 => 16,
         _ => return false,
     };
     let shared = computed_rows * (2 * input + 8 * (input / vals));
-    let rows_per_tile = 4 * rows_per_warp(matrices, computed_rows);
     matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
         && computed_rows <= 2
         && input % vals == 0
         && shared <= SHARED_LIMIT
-        && (output + rows_per_tile - 1) / rows_per_tile >= MIN_TILES
 }
 
 /// The blocks of a launch over `tiles` tiles: [`BLOCKS_PER_SM`] a multiprocessor, or one a tile
