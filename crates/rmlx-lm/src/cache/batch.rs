@@ -9,7 +9,7 @@
 //! (Gemma 3's local layers) drops the positions no query can see any more, so that its memory
 //! stays bounded by the window however long the sequences grow.
 
-use super::{grow, positions, write_at, Mask, STEP};
+use super::{grow, positions, rows_of, write_at, Mask, STEP};
 use crate::{Error, Result};
 use rmlx::{ops, Array};
 use std::cell::RefCell;
@@ -256,8 +256,8 @@ impl BatchCache {
         let capacity = self.keys.as_ref().map_or(0, |b| b.shape()[2]);
         if self.keys.is_none() || start + len > capacity {
             let extra = (len + STEP - 1) / STEP * STEP;
-            self.keys = Some(grow(self.keys.take(), k, start, extra)?);
-            self.values = Some(grow(self.values.take(), v, start, extra)?);
+            self.keys = Some(grow(self.keys.take(), rows_of(k), start, extra)?);
+            self.values = Some(grow(self.values.take(), rows_of(v), start, extra)?);
         }
         let end = start + len;
         let keys = positions(&write_at(&mut self.keys, k, start)?, 0, end)?;

@@ -190,9 +190,17 @@ fn keep_and_tail(a: &Array, keep: i32, start: i32, end: i32) -> Result<Array> {
     Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, end)?], 2)?)
 }
 
-fn grow(buffer: Option<Array>, like: &Array, used: i32, extra: i32) -> Result<Array> {
-    let shape = [dim(like, 0), dim(like, 1), extra, dim(like, 3)];
-    let fresh = ops::zeros(&shape, like.dtype())?;
+/// The shape (`[B, H, L, D]`) and dtype of rows a buffer holds.
+pub(super) type Rows = ([i32; 4], rmlx::Dtype);
+
+pub(super) fn rows_of(a: &Array) -> Rows {
+    ([dim(a, 0), dim(a, 1), dim(a, 2), dim(a, 3)], a.dtype())
+}
+
+/// `buffer`'s first `used` positions followed by `extra` zero ones, for `like` rows.
+fn grow(buffer: Option<Array>, (like, dtype): Rows, used: i32, extra: i32) -> Result<Array> {
+    let shape = [like[0], like[1], extra, like[3]];
+    let fresh = ops::zeros(&shape, dtype)?;
     Ok(match buffer {
         Some(b) => ops::concatenate(&[&positions(&b, 0, used)?, &fresh], 2)?,
         None => fresh,
@@ -205,6 +213,9 @@ pub struct StandardCache {
     pub keys: Option<Array>,
     pub values: Option<Array>,
     pub offset: usize,
+    /// The decoding attention kernel's count of finished chunks per sequence and query head
+    /// (`nn::cuda_attention`), zero between its calls; made by its first call.
+    pub done: Option<Array>,
 }
 
 impl StandardCache {
@@ -223,11 +234,20 @@ impl StandardCache {
     /// Grows the buffers (allocating them first) so that `k, v: [B, H, L, D]` fit after the
     /// valid positions.
     pub fn reserve(&mut self, k: &Array, v: &Array) -> Result<()> {
-        let (prev, len) = (self.offset as i32, dim(k, 2));
+        self.reserve_rows(dim(k, 2), rows_of(k), rows_of(v))
+    }
+
+    /// [`reserve`](Self::reserve) for keys and values of `shape` (`[B, H, L, D]`) and `dtype`.
+    pub fn reserve_for(&mut self, shape: [i32; 4], dtype: rmlx::Dtype) -> Result<()> {
+        self.reserve_rows(shape[2], (shape, dtype), (shape, dtype))
+    }
+
+    fn reserve_rows(&mut self, len: i32, keys: Rows, values: Rows) -> Result<()> {
+        let prev = self.offset as i32;
         if self.keys.is_none() || prev + len > self.capacity() as i32 {
             let extra = (len + STEP - 1) / STEP * STEP;
-            self.keys = Some(grow(self.keys.take(), k, prev, extra)?);
-            self.values = Some(grow(self.values.take(), v, prev, extra)?);
+            self.keys = Some(grow(self.keys.take(), keys, prev, extra)?);
+            self.values = Some(grow(self.values.take(), values, prev, extra)?);
         }
         Ok(())
     }
@@ -373,8 +393,8 @@ impl RotatingCache {
         } else if self.idx >= cap && cap < self.max_size {
             let extra = (STEP as usize).min(self.max_size - cap) as i32;
             let used = self.idx as i32;
-            self.keys = Some(grow(self.keys.take(), k, used, extra)?);
-            self.values = Some(grow(self.values.take(), v, used, extra)?);
+            self.keys = Some(grow(self.keys.take(), rows_of(k), used, extra)?);
+            self.values = Some(grow(self.values.take(), rows_of(v), used, extra)?);
         }
         if self.idx == self.max_size {
             self.idx = self.keep;

@@ -3,9 +3,10 @@
 //! call and the output projection. What differs per architecture is an [`AttentionSpec`].
 
 use super::{cached_attention, merge_heads, split_heads, Rope};
-use crate::cache::{KvCache, Offset};
+use crate::cache::{KvCache, Offset, StandardCache};
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::AttentionParts;
+use crate::nn::cuda_attention::{self, StepHeads};
 use crate::nn::cuda_fast::{self, HeadNorms};
 use crate::nn::{join, Builder, Linear, Module, RmsNorm, Role, Stacked};
 use crate::Result;
@@ -83,7 +84,17 @@ impl Attention {
     /// ([`Attention::o_proj`]).
     pub fn attend(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
         let offset = cache.rope_offset()?;
-        let [q, k, v] = self.heads(x, norm, batch, &offset)?;
+        let group = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let stacked = match &self.qkv {
+            Some(s) => s.forward_normed(&group, x, norm)?,
+            None => None,
+        };
+        if let (Some(y), KvCache::Standard(c)) = (&stacked, &mut *cache) {
+            if let Some(attention) = self.decode_attention(y, batch, &offset, c)? {
+                return merge_heads(&attention);
+            }
+        }
+        let [q, k, v] = self.heads(stacked, x, norm, batch, &offset)?;
         merge_heads(&cached_attention(&q, &k, &v, cache, self.scale)?)
     }
 
@@ -93,15 +104,18 @@ impl Attention {
         &self.o_proj
     }
 
-    /// The query, key and value heads `[B, H, L, D]` of `norm(x)`, queries and keys normalised
-    /// (with q/k norms) and rotated to their positions.
-    fn heads(&self, x: &Array, norm: &RmsNorm, batch: i32, offset: &Offset) -> Result<[Array; 3]> {
+    /// The query, key and value heads `[B, H, L, D]` of `norm(x)` (or of `stacked`, the q/k/v
+    /// product of `norm(x)` stacked, where it was made), queries and keys normalised (with q/k
+    /// norms) and rotated to their positions.
+    fn heads(
+        &self,
+        stacked: Option<Array>,
+        x: &Array,
+        norm: &RmsNorm,
+        batch: i32,
+        offset: &Offset,
+    ) -> Result<[Array; 3]> {
         let (q_heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
-        let group = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let stacked = match &self.qkv {
-            Some(s) => s.forward_normed(&group, x, norm)?,
-            None => None,
-        };
         let [q, k, v] = match stacked {
             Some(y) => {
                 if let Some(heads) = self.fused_heads(&y, batch, offset)? {
@@ -144,18 +158,43 @@ impl Attention {
         })
     }
 
+    /// The q/k norms as the CUDA kernels take them: `Ok(None)` without norms, `Err(())` where the
+    /// kernels cannot take them (one norm alone, or two epsilons).
+    fn head_norms(&self) -> std::result::Result<Option<HeadNorms<'_>>, ()> {
+        match (&self.q_norm, &self.k_norm) {
+            (Some(q), Some(k)) if q.eps() == k.eps() => {
+                Ok(Some(HeadNorms { query: q.weight(), key: k.weight(), eps: q.eps() }))
+            }
+            (None, None) => Ok(None),
+            _ => Err(()),
+        }
+    }
+
     /// [`heads`](Self::heads) of the stacked product `y` as one CUDA kernel, where it serves.
     fn fused_heads(&self, y: &Array, batch: i32, offset: &Offset) -> Result<Option<[Array; 3]>> {
-        let norms = match (&self.q_norm, &self.k_norm) {
-            (Some(q), Some(k)) if q.eps() == k.eps() => {
-                Some(HeadNorms { query: q.weight(), key: k.weight(), eps: q.eps() })
-            }
-            (None, None) => None,
-            _ => return Ok(None),
-        };
+        let Ok(norms) = self.head_norms() else { return Ok(None) };
         let Some(rotation) = self.rope.rotation(self.head_dim, offset) else { return Ok(None) };
         let dims = (self.heads, self.kv_heads, self.head_dim);
         Ok(cuda_fast::qkv_heads(y, batch, dims, norms, &rotation)?)
+    }
+
+    /// A decoding step's heads, cache write and attention (`[B, Hq, 1, D]`) from the stacked
+    /// product `y` as one CUDA kernel, where it serves.
+    fn decode_attention(
+        &self,
+        y: &Array,
+        batch: i32,
+        offset: &Offset,
+        cache: &mut StandardCache,
+    ) -> Result<Option<Array>> {
+        let Ok(norms) = self.head_norms() else { return Ok(None) };
+        let Some(rotation) = self.rope.rotation(self.head_dim, offset) else { return Ok(None) };
+        if y.shape().first() != Some(&batch) {
+            return Ok(None);
+        }
+        let heads = (self.heads, self.kv_heads, self.head_dim);
+        let step = StepHeads::Stacked { y, heads, norms, rotation: &rotation };
+        cuda_attention::standard_cache_attention(&step, cache, self.scale)
     }
 }
 

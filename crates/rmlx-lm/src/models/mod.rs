@@ -248,21 +248,9 @@ pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCa
     }
     if let KvCache::Standard(c) = cache {
         // On MLX's CUDA backend, one position: the cache write and the attention in one node.
-        if q.ndim() == 4 && q.shape()[2] == 1 {
-            c.reserve(k, v)?;
-            let (keys, values) = (c.keys.take().expect("reserved"), c.values.take().expect("reserved"));
-            let at = Offset::Uniform(c.offset);
-            let fused = crate::nn::cuda_attention::cache_attention(q, k, v, (&keys, &values), &at, scale);
-            match fused {
-                Ok(Some([attention, keys, values])) => {
-                    (c.keys, c.values, c.offset) = (Some(keys), Some(values), c.offset + 1);
-                    return Ok(attention);
-                }
-                other => {
-                    (c.keys, c.values) = (Some(keys), Some(values));
-                    other?;
-                }
-            }
+        let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
+        if let Some(attention) = crate::nn::cuda_attention::standard_cache_attention(&heads, c, scale)? {
+            return Ok(attention);
         }
     }
     let (keys, values, mask) = cache.update(k, v)?;

@@ -7,7 +7,9 @@
 //! and nothing else changed. Where MLX has no CUDA backend the launch must decline.
 
 use crate::cache::Offset;
-use crate::nn::cuda_attention::cache_attention;
+use crate::cache::StandardCache;
+use crate::nn::cuda_attention::{cache_attention, standard_cache_attention, StepHeads};
+use crate::nn::cuda_fast::{qkv_heads, HeadNorms, Rotation};
 use rmlx::fast::{self, AttentionMask, GpuBackend};
 use rmlx::{ops, random, Array, Device, Dtype};
 
@@ -60,8 +62,10 @@ fn cache_attention_matches_the_composed_step() {
                     values_want[at..at + d as usize].copy_from_slice(&v_rows[from..from + d as usize]);
                 }
             }
-            let got = cache_attention(&q, &k, &v, (&keys, &values), &pos, scale).unwrap();
-            let Some([attention, new_keys, new_values]) = got else {
+            let done = ops::zeros(&[b * hq], Dtype::Uint32).unwrap();
+            let heads = StepHeads::Ready { q: &q, k: &k, v: &v };
+            let got = cache_attention(&heads, (&keys, &values, &done), &pos, scale).unwrap();
+            let Some([attention, new_keys, new_values, new_done]) = got else {
                 assert!(!cuda, "{what}: declined on MLX's CUDA backend");
                 continue;
             };
@@ -70,6 +74,7 @@ fn cache_attention_matches_the_composed_step() {
             assert!(new_values.to_vec_f32().unwrap() == values_want, "{what}: values written at the position alone");
             assert!(keys.to_vec_f32().unwrap() == keys_want, "{what}: the keys' buffer updated in place");
             assert!(values.to_vec_f32().unwrap() == values_want, "{what}: the values' buffer updated in place");
+            assert!(new_done.to_vec_f32().unwrap().iter().all(|&c| c == 0.0), "{what}: the chunk counts left zero");
             for row in 0..b {
                 let p = positions[if positions.len() > 1 { row as usize } else { 0 }];
                 let one = |a: &Array, h: i32, l: i32| {
@@ -93,5 +98,65 @@ fn cache_attention_matches_the_composed_step() {
                 assert!(diff <= tolerance, "{what}, sequence {row}: max |Δ| {diff}");
             }
         }
+    });
+}
+
+/// The heads made inside the kernel from the stacked q/k/v product give the same bits as the
+/// heads kernel followed by the attention over ready heads, step after step on one cache (the
+/// chunk counts wrap back to zero whatever the number of chunks): positions across a chunk's end
+/// and the cache's growth, with and without q/k norms, in every dtype.
+#[test]
+fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
+    let cuda = fast::gpu_backend() == Some(GpuBackend::Cuda);
+    let device = if cuda { Device::gpu() } else { Device::cpu() };
+    rmlx::with_device(device, || {
+        let mut steps = 0;
+        for (i, &(hq, hkv, d)) in [(16, 8, 128), (8, 2, 64), (4, 4, 256), (6, 2, 96)].iter().enumerate() {
+            for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+                for norm in [true, false] {
+                    let batch = 2;
+                    let seed = 1000 * i as u64;
+                    let qw = normal(&[d], seed + 1).astype(dtype).unwrap();
+                    let kw = normal(&[d], seed + 2).astype(dtype).unwrap();
+                    let divisors: Vec<f32> = (0..d / 2).map(|j| 1e4f32.powf(2.0 * j as f32 / d as f32)).collect();
+                    let divisors = Array::from_slice(&divisors, &[d / 2]).unwrap();
+                    let (mut fused, mut split) = (StandardCache::default(), StandardCache::default());
+                    for position in 0..300usize {
+                        let y =
+                            normal(&[batch, (hq + 2 * hkv) * d], seed + 10 + position as u64).astype(dtype).unwrap();
+                        let offset = Offset::Uniform(position);
+                        let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &offset };
+                        let norms = || norm.then_some(HeadNorms { query: &qw, key: &kw, eps: 1e-5 });
+                        let scale = 1.0 / (d as f32).sqrt();
+                        let stacked =
+                            StepHeads::Stacked { y: &y, heads: (hq, hkv, d), norms: norms(), rotation: &rotation };
+                        let got = standard_cache_attention(&stacked, &mut fused, scale).unwrap();
+                        let Some(got) = got else {
+                            assert!(!cuda, "declined on MLX's CUDA backend");
+                            return;
+                        };
+                        let [q, k, v] = qkv_heads(&y, batch, (hq, hkv, d), norms(), &rotation).unwrap().unwrap();
+                        let ready = StepHeads::Ready { q: &q, k: &k, v: &v };
+                        let want = standard_cache_attention(&ready, &mut split, scale).unwrap().unwrap();
+                        // Check some steps whole; evaluate the rest as a decoding loop would.
+                        if position % 37 == 0 || (30..=34).contains(&position) || position >= 296 {
+                            let what = format!("{hq}/{hkv}×{d} {dtype:?} norm {norm} at {position}");
+                            assert_eq!(got.to_vec_f32().unwrap(), want.to_vec_f32().unwrap(), "{what}: attention");
+                            let (a, b) = (fused.keys.as_ref().unwrap(), split.keys.as_ref().unwrap());
+                            assert_eq!(a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap(), "{what}: keys");
+                            let (a, b) = (fused.values.as_ref().unwrap(), split.values.as_ref().unwrap());
+                            assert_eq!(a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap(), "{what}: values");
+                            steps += 1;
+                        } else {
+                            rmlx::eval([&got, &want]).unwrap();
+                        }
+                    }
+                    assert_eq!((fused.offset, split.offset), (300, 300));
+                    let done = fused.done.as_ref().unwrap().to_vec_f32().unwrap();
+                    assert!(done.len() == (batch * hq) as usize && done.iter().all(|&c| c == 0.0), "counts left zero");
+                }
+            }
+        }
+        assert_eq!(steps, if cuda { 4 * 3 * 2 * 17 } else { 0 });
     });
 }
