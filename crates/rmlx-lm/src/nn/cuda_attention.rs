@@ -103,7 +103,6 @@ const SOURCE: &str = r#"
     __shared__ float score[CHUNK];
     __shared__ float part[WARPS];
     __shared__ float sacc[RG][D];
-    __shared__ float weight[NT];
     __shared__ bool last;
     T* qh = reinterpret_cast<T*>(qh4);
     T* knew = reinterpret_cast<T*>(knew4);
@@ -269,59 +268,35 @@ const SOURCE: &str = r#"
         return;
     }
     __threadfence();
-    // The chunks' weights exp(m_c - max m) in shared memory (at most NT chunks a head), and the
-    // sum of exponentials over all; then every element's weighted sum, MERGE loads in flight.
-    float top = __int_as_float(0xff800000);
-    for (int i = t; i < chunks; i += NT) {
-        top = fmaxf(top, __ldcg(stats + (head_rows + i) * 2));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-    }
-    if (lane == 0) {
-        part[warp] = top;
-    }
-    __syncthreads();
-    top = part[0];
-#pragma unroll
-    for (int w = 1; w < WARPS; ++w) {
-        top = fmaxf(top, part[w]);
-    }
-    __syncthreads();
-    float total = 0.0f;
-    for (int i = t; i < chunks; i += NT) {
-        const float w = expf(__ldcg(stats + (head_rows + i) * 2) - top);
-        weight[i] = w;
-        total = fmaf(__ldcg(stats + (head_rows + i) * 2 + 1), w, total);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        total += __shfl_xor_sync(0xffffffffu, total, o);
-    }
-    if (lane == 0) {
-        part[warp] = total;
-    }
-    __syncthreads();
-    total = part[0];
-#pragma unroll
-    for (int w = 1; w < WARPS; ++w) {
-        total += part[w];
-    }
     for (int e = t; e < D; e += NT) {
+        // One pass with a running maximum; BATCH chunks loaded before any is used.
+        float top = __int_as_float(0xff800000);
+        float total = 0.0f;
         float o = 0.0f;
-        for (int c0 = 0; c0 < chunks; c0 += MERGE) {
-            float cx[MERGE];
+        for (int c0 = 0; c0 < chunks; c0 += BATCH) {
+            float cm[BATCH], cl[BATCH], cx[BATCH];
 #pragma unroll
-            for (int u = 0; u < MERGE; ++u) {
-                cx[u] = c0 + u < chunks ? __ldcg(partial + (head_rows + c0 + u) * D + e) : 0.0f;
+            for (int u = 0; u < BATCH; ++u) {
+                const bool in = c0 + u < chunks;
+                cm[u] = in ? __ldcg(stats + (head_rows + c0 + u) * 2) : __int_as_float(0xff800000);
+                cl[u] = in ? __ldcg(stats + (head_rows + c0 + u) * 2 + 1) : 0.0f;
+                cx[u] = in ? __ldcg(partial + (head_rows + c0 + u) * D + e) : 0.0f;
             }
+            float next = top;
 #pragma unroll
-            for (int u = 0; u < MERGE; ++u) {
-                if (c0 + u < chunks) {
-                    o = fmaf(cx[u], weight[c0 + u], o);
-                }
+            for (int u = 0; u < BATCH; ++u) {
+                next = fmaxf(next, cm[u]);
             }
+            const float rescale = expf(top - next);
+            total *= rescale;
+            o *= rescale;
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const float w = c0 + u < chunks ? expf(cm[u] - next) : 0.0f;
+                total = fmaf(cl[u], w, total);
+                o = fmaf(cx[u], w, o);
+            }
+            top = next;
         }
         out[(static_cast<long long>(b) * HQ + hq) * D + e] = static_cast<T>(o / total);
     }
@@ -347,8 +322,7 @@ struct Shape {
 }
 
 impl Shape {
-    /// Positions a block takes: at most 128 chunks a head (`THREADS`: the merge keeps a weight
-    /// a chunk in shared memory), of at least 32 positions.
+    /// Positions a block takes: at most 128 chunks a head, of at least 32 positions.
     fn chunk(&self) -> i32 {
         (self.capacity.max(1) as u32).div_ceil(128).next_power_of_two().max(32) as i32
     }
@@ -526,8 +500,8 @@ fn source(s: &Shape) -> String {
         "{CUDA_TYPES}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
          constexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool PER_ROW = {};\nconstexpr bool STACKED = {};\nconstexpr bool NORM = {};\n\
-         constexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\nconstexpr int MERGE = 16;\n{ROTATED}\
-         extern \"C\" __global__ void __launch_bounds__({THREADS}, 8) rmlx_decode_attention(const T* a0, \
+         constexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n{ROTATED}\
+         extern \"C\" __global__ void __launch_bounds__({THREADS}) rmlx_decode_attention(const T* a0, \
          const T* a1, const T* a2, const float* divisors, T* keys, T* values, unsigned* done, const int* pos, \
          int position, T* out, float* partial, float* stats, int capacity, float scale, float eps, float rope_scale) \
          {{\n{SOURCE}}}\n",
