@@ -23,7 +23,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 /// shared memory, grow with the cache: 8,192 positions, 32 KB, at this size).
 pub const MAX_CAPACITY: usize = 1 << 20;
 
-/// Threads of a block of the first kernel.
+/// Threads of a block.
 const THREADS: u32 = 128;
 
 /// Head `row` normalised (with `NORM`: weight `w`, epsilon `eps`) and rotated by `angle` over the

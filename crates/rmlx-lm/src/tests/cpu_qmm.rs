@@ -37,7 +37,11 @@ fn matches_the_dequantised_product() {
         let key = random::key(7).unwrap();
         let (n, k) = (70, 256);
         let w = random::normal(&[n, k], Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap();
-        for (bits, group) in [(4, 16), (4, 32), (4, 64), (8, 16), (8, 32), (8, 64)] {
+        // Groups of 128 too, and 96 values (an odd number of groups of 32).
+        let narrow = ops::slice(&w, &[0, 0], &[n, 96], &[1, 1]).unwrap();
+        let cases = [(4, 16), (4, 32), (4, 64), (4, 128), (8, 16), (8, 32), (8, 64)].map(|c| (c, &w));
+        for ((bits, group), w) in cases.into_iter().chain([((4, 32), &narrow)]) {
+            let k = w.shape()[1];
             for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
                 let q = quantized(&w.astype(dtype).unwrap(), group, bits);
                 let dense = dequantize(&q, Some(Dtype::Float32)).unwrap();
@@ -56,7 +60,7 @@ fn matches_the_dequantised_product() {
                     // float32 within summation order; the half types within their own rounding.
                     let tol = if dtype == Dtype::Float32 { 1e-4 } else { 0.05 };
                     let err = max_abs_diff(&got, &want);
-                    assert!(err < tol, "{bits} bits, group {group}, {dtype:?}, {rows} rows: off by {err}");
+                    assert!(err < tol, "{bits} bits, group {group}, k {k}, {dtype:?}, {rows} rows: off by {err}");
                 }
             }
         }
