@@ -401,6 +401,7 @@ pub fn cache_attention(
         && d <= 256
         && hkv > 0
         && hq % hkv == 0
+        && cs.len() == 4
         && cs == [batch, hkv, cs[2], d]
         && cs[2] as usize <= MAX_CAPACITY
         && values.shape() == cs

@@ -98,6 +98,11 @@ fn cache_attention_matches_the_composed_step() {
                 assert!(diff <= tolerance, "{what}, sequence {row}: max |Δ| {diff}");
             }
         }
+        // Buffers of another rank are declined, not indexed.
+        let (q, k) = (normal(&[1, 2, 1, 32], 1), normal(&[1, 2, 1, 32], 2));
+        let (flat, done) = (normal(&[2, 64], 3), ops::zeros(&[2], Dtype::Uint32).unwrap());
+        let heads = StepHeads::Ready { q: &q, k: &k, v: &k };
+        assert!(cache_attention(&heads, (&flat, &flat, &done), &Offset::Uniform(0), 1.0).unwrap().is_none());
     });
 }
 
