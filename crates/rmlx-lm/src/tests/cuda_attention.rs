@@ -4,7 +4,9 @@
 //! two; grouped heads, head sizes 64, 96, 128 and 256, one chunk of positions or many (the new
 //! position first, last or inside one), two sequences at one position or one each. The buffers
 //! are the caller's and written in place: the arrays passed in hold the new position afterwards
-//! and nothing else changed. Where MLX has no CUDA backend the launch must decline.
+//! and nothing else changed, and the chunk counts are left at zero. The heads made inside the
+//! kernel from the stacked q/k/v product match the heads kernel followed by the attention, bit for
+//! bit, over hundreds of steps of one cache. Where MLX has no CUDA backend the launch must decline.
 
 use crate::cache::Offset;
 use crate::cache::StandardCache;
