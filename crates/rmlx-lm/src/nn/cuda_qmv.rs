@@ -22,7 +22,9 @@
 //! Quantised products of 16-bit activations with many output rows (a feed-forward's gate/up, a
 //! vocabulary head) take the kernel's integer form instead ([`ix`]: `x` as 16-bit fixed point,
 //! four 4- or 8-bit values multiplied at once with `dp4a`), which issues about a fifth of the
-//! instructions.
+//! instructions; those of 1 or 2 rows of `x` with fewer output rows and no gate (q/k/v, output and
+//! down projections) its split form (a row's inputs split between a block's warps, `x` in
+//! registers, the weights copied ahead into shared memory).
 
 use super::cuda_fast::{cuda_type, kernel_cache, launch_once, on_cuda, Launches, CUDA_TYPES};
 use super::cuda_qmv_ix as ix;
@@ -329,11 +331,17 @@ fn source(s: &Shape) -> String {
         ("EPS", s.norm.unwrap_or(0) as i32),
         ("BIAS", i32::from(s.bias)),
         ("EPI", s.epilogue),
+        ("DEPTH", if s.form == Form::SplitInteger { ix::split_depth(s.bits, s.input, r) } else { 1 }),
     ];
     let constants: String = constants.iter().map(|(n, v)| format!("constexpr int {n} = {v};\n")).collect();
-    let (body, ix_header, bounds) = match s.ix {
-        true => (ix::SOURCE, ix::HEADER, format!("128, {}", ix::BLOCKS_PER_SM)),
-        false => (SOURCE, "", "128".to_string()),
+    let (body, ix_header, bounds) = match s.form {
+        Form::Integer => (ix::SOURCE, ix::HEADER.to_string(), format!("128, {}", ix::BLOCKS_PER_SM)),
+        Form::SplitInteger => (
+            ix::SPLIT_SOURCE,
+            format!("{}{}", ix::HEADER, ix::SPLIT_HEADER),
+            format!("{}, {}", 32 * split, ix::split_blocks_per_sm(split)),
+        ),
+        Form::Float => (SOURCE, String::new(), "128".to_string()),
     };
     format!(
         "{CUDA_TYPES}{HEADER}{FINISH}{ix_header}typedef {t} T;\n{constants}\
@@ -382,7 +390,11 @@ fn kernel_node(
     output: u32,
 ) -> Result<KernelNode> {
     let function = cuda::compile("rmlx_fused_matvec", &source(s), Some(&kernel_cache()))?;
-    let blocks = if s.ix { ix::grid(s.row_blocks())? } else { s.row_blocks() };
+    let (blocks, threads) = match s.form {
+        Form::Integer => (ix::grid(s.row_blocks(), ix::BLOCKS_PER_SM)?, WARPS * 32),
+        Form::SplitInteger => (ix::grid(s.row_blocks(), ix::split_blocks_per_sm(s.split()))?, 32 * s.split()),
+        Form::Float => (s.row_blocks(), WARPS * 32),
+    };
     let reads = s.reads();
     let mut args = vec![x];
     for i in 1..INPUTS {
@@ -396,7 +408,7 @@ fn kernel_node(
         }
     }
     args.extend([KernelArg::Output(output), KernelArg::I32(s.rows)]);
-    let (grid, block) = ([blocks as u32, 1, 1], [(WARPS * 32) as u32, 1, 1]);
+    let (grid, block) = ([blocks as u32, 1, 1], [threads as u32, 1, 1]);
     Ok(KernelNode { function, grid, block, shared_bytes: 0, args })
 }
 
@@ -443,8 +455,22 @@ struct Shape {
     bias: bool,
     /// 0 the product, 1 a residual added, 2 SwiGLU, 3 GeGLU.
     epilogue: i32,
-    /// The integer form ([`ix`]).
-    ix: bool,
+    /// Which kernel computes it.
+    form: Form,
+}
+
+/// The kernel a product takes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Form {
+    /// Float sums, three instructions a 4-bit value ([`SOURCE`]): float32 activations, dense
+    /// weights, gated products of few rows.
+    Float,
+    /// `x` as fixed point in shared memory, `dp4a` ([`ix::SOURCE`]): 16-bit activations and many
+    /// output rows.
+    Integer,
+    /// `x` as fixed point in registers, a row's inputs split between a block's warps
+    /// ([`ix::SPLIT_SOURCE`]): 16-bit activations and fewer output rows.
+    SplitInteger,
 }
 
 impl Shape {
@@ -486,8 +512,10 @@ impl Shape {
     /// the input rows grow (each keeps `rows × R` sums) and for gated products (two weight rows an
     /// output row).
     fn rows_per_warp(&self) -> i32 {
-        if self.ix {
-            return ix::rows_per_warp(self.matrices(), self.computed_rows());
+        match self.form {
+            Form::Integer => return ix::rows_per_warp(self.matrices(), self.computed_rows()),
+            Form::SplitInteger => return ix::split_rows(self.bits, self.input, self.computed_rows()),
+            Form::Float => {}
         }
         let r = match self.computed_rows() {
             1 if self.output >= 32768 => 4,
@@ -505,8 +533,11 @@ impl Shape {
         }
     }
 
-    /// Blocks of [`WARPS`] warps' output rows (the integer form's tiles).
+    /// Blocks of [`WARPS`] warps' output rows (the integer form's tiles); the split form's tiles.
     fn row_blocks(&self) -> i32 {
+        if self.form == Form::SplitInteger {
+            return (self.output + self.rows_per_warp() - 1) / self.rows_per_warp();
+        }
         let rows_per_block = WARPS / self.split() * self.rows_per_warp();
         (self.output + rows_per_block - 1) / rows_per_block
     }
@@ -515,8 +546,10 @@ impl Shape {
     /// multiprocessor of an H100), at most one a step of 32 lanes' loads, and at most a block's.
     fn split(&self) -> i32 {
         const WANTED_WARPS: i32 = 132 * 32;
-        if self.ix {
-            return 1;
+        match self.form {
+            Form::Integer => return 1,
+            Form::SplitInteger => return ix::split_warps(self.bits, self.input),
+            Form::Float => {}
         }
         let per_step = 32 * self.values_per_load();
         let steps = (self.input + per_step - 1) / per_step;
@@ -557,7 +590,13 @@ pub fn fused_matvec(x: &Array, f: &Fused) -> Result<Option<Array>> {
 /// Whether [`fused_matvec`] computes `f`'s product of `x` in the integer form ([`ix`]).
 #[cfg(test)]
 pub(crate) fn takes_integer_form(x: &Array, f: &Fused) -> bool {
-    serves(x, f).is_some_and(|s| s.ix)
+    serves(x, f).is_some_and(|s| s.form == Form::Integer)
+}
+
+/// Whether [`fused_matvec`] computes `f`'s product of `x` in the split integer form.
+#[cfg(test)]
+pub(crate) fn takes_split_form(x: &Array, f: &Fused) -> bool {
+    serves(x, f).is_some_and(|s| s.form == Form::SplitInteger)
 }
 
 /// `second` applied to `first`'s product of `x` (`second`'s residual, if any, an array of its
@@ -704,9 +743,16 @@ fn shape_for(dtype: Dtype, xs: &[i32], f: &Fused) -> Option<Shape> {
         norm: f.norm.map(|(_, eps)| eps.to_bits()),
         bias: f.bias.is_some(),
         epilogue,
-        ix: true,
+        form: Form::Integer,
     };
-    // Tiles counted with the integer form's layout (`ix` set), which it keeps where it serves.
-    shape.ix = ix::serves(dtype, bits, shape.computed_rows(), input) && shape.row_blocks() >= ix::MIN_TILES;
+    // Tiles counted with the integer form's layout, which it keeps where it serves.
+    let integer = ix::serves(dtype, bits, shape.computed_rows(), input);
+    shape.form = if integer && shape.row_blocks() >= ix::MIN_TILES {
+        Form::Integer
+    } else if ix::split_serves(dtype, bits, shape.computed_rows(), input, epilogue) {
+        Form::SplitInteger
+    } else {
+        Form::Float
+    };
     Some(shape)
 }

@@ -27,6 +27,13 @@
 //! Each block prepares all of `x` once, then loops over tiles of output rows (a warp owns
 //! [`ROWS_PER_WARP`] weight rows of a tile and the warps do not split a row's inputs), so that
 //! the preparing is shared by many rows; the grid is what the GPU runs at once.
+//!
+//! **The split form** ([`SPLIT_SOURCE`]) serves the products with too few rows for that (under
+//! [`MIN_TILES`] tiles: a layer's q/k/v, output and down projections, which are not gated): the
+//! warps of a block split each row's inputs, each lane keeps its own units of `x` in registers in
+//! the same fixed point, and each lane's next tile of weights, scales and biases arrives in a ring
+//! in shared memory through `cp.async` while it computes the current one. On qwen3-8b 4-bit this
+//! takes q/k/v from 12.3 to 8.4 µs and the down projection from 16.5 to 14.0 (BENCHMARKS.md).
 
 use rmlx::Dtype;
 
@@ -71,9 +78,8 @@ pub(super) fn serves(dtype: Dtype, bits: i32, computed_rows: i32, input: i32) ->
         && shared <= SHARED_LIMIT
 }
 
-/// The blocks of a launch over `tiles` tiles: [`BLOCKS_PER_SM`] a multiprocessor, or one a tile
-/// where fewer.
-pub(super) fn grid(tiles: i32) -> rmlx::Result<i32> {
+/// The blocks of a launch over `tiles` tiles: `per_sm` a multiprocessor, or one a tile where fewer.
+pub(super) fn grid(tiles: i32, per_sm: i32) -> rmlx::Result<i32> {
     static MULTIPROCESSORS: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     let sms = match MULTIPROCESSORS.get() {
         Some(&n) => n,
@@ -82,7 +88,20 @@ pub(super) fn grid(tiles: i32) -> rmlx::Result<i32> {
             *MULTIPROCESSORS.get_or_init(|| n)
         }
     };
-    Ok(tiles.min(sms * BLOCKS_PER_SM).max(1))
+    Ok(tiles.min(sms * per_sm).max(1))
+}
+
+/// Whether the split form ([`SPLIT_SOURCE`]) can compute a product of `bits`-bit weights,
+/// `computed_rows` rows of 16-bit `x` of `dtype` with `input` features and epilogue `epilogue`
+/// (not a gated one), its ring holding a row of a tile (inputs up to about 54,000 at 4
+/// bits, 27,000 at 8).
+pub(super) fn split_serves(dtype: Dtype, bits: i32, computed_rows: i32, input: i32, epilogue: i32) -> bool {
+    matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
+        && matches!(bits, 4 | 8)
+        && computed_rows <= 2
+        && epilogue < 2
+        && input % (128 / bits) == 0
+        && split_row_bytes(bits, input) <= SPLIT_RING_BYTES
 }
 
 /// The kernel body (the parameters and constants of [`super::cuda_qmv`]'s, `BITS` 4 or 8, `M` 1
@@ -319,3 +338,316 @@ __device__ __forceinline__ int rmlx_dp4a(unsigned a, unsigned b, int c) {
     return d;
 }
 "#;
+
+/// The split integer form, for quantised products of 16-bit activations with too few output rows
+/// for [`SOURCE`]'s tiles (a layer's q/k/v, output and down projections): the `KW` warps of a
+/// block split each row's inputs, a lane owning the same unit of `VALS` inputs (or [`split_steps`]
+/// of them) for every row. Each lane writes its units of `x` as 16-bit fixed point once, in
+/// registers (`hi` and `lo` bytes in `dp4a`'s order, as [`SOURCE`] does in shared memory, the norm's
+/// weight applied and the unit's squares summed), then the block takes tiles of `R` output rows
+/// (`tile = blockIdx.x, blockIdx.x + gridDim.x, …`). Each lane copies its own weights, scales and
+/// biases of the next `DEPTH - 1` tiles into a ring in shared memory (`cp.async`, no registers
+/// held while they arrive; a lane reads only what it copied, so the ring needs no barrier). A
+/// lane's `M · R` sums meet in log₂(`M · R`) halving shuffles and one exchange a remaining level,
+/// the warps' sums in shared memory, added in warp order.
+pub(super) const SPLIT_SOURCE: &str = r#"
+    constexpr int PER_WORD = 32 / BITS;
+    constexpr int VALS = 4 * PER_WORD;
+    constexpr int UNITS = K / VALS;
+    constexpr int STEPS = (UNITS + 31) / 32;
+    constexpr int SPW = (STEPS + KW - 1) / KW;
+    constexpr int THREADS = KW * 32;
+    constexpr long long ROW_BYTES = static_cast<long long>(K) * BITS / 8;
+    constexpr int GROUPS = K / GS;
+    constexpr long long SCALES = static_cast<long long>(N) * GROUPS;
+    constexpr int TILES = (N + R - 1) / R;
+    constexpr int C = M * R;
+    constexpr int XW = BITS == 4 ? 8 : 4;
+    constexpr int RAW = VALS * static_cast<int>(sizeof(T)) / 16;
+    constexpr int PER_RAW = 16 / static_cast<int>(sizeof(T));
+    constexpr float MAGIC = 12582912.0f;
+    static_assert(EPI < 2, "the split form computes plain products and residuals");
+    static_assert(C <= 32 && (C & (C - 1)) == 0, "a lane's sums: a power of two up to 32");
+    __shared__ uint4 ring_w[DEPTH][SPW][R][THREADS];
+    __shared__ unsigned ring_s[DEPTH][SPW][R][THREADS];
+    __shared__ unsigned ring_b[DEPTH][SPW][R][THREADS];
+    __shared__ float partial[2][KW][C];
+    __shared__ float squares[KW * M];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    // Tile `tile`'s 16 bytes of each row for this lane's units into ring slot `slot`, with the
+    // 4-byte words holding their scales and biases (zeros past the last tile or unit).
+    auto fetch = [&](int slot, int tile) {
+#pragma unroll
+        for (int s = 0; s < SPW; ++s) {
+            const int unit = (warp * SPW + s) * 32 + lane;
+            const bool live = tile < TILES && unit < UNITS;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const long long row = min(tile * R + r, N - 1);
+                const long long i = row * GROUPS + unit * VALS / GS;
+                const int bytes = !live ? 0 : (i | 1) < SCALES ? 4 : 2;
+                const char* src = reinterpret_cast<const char*>(w) + row * ROW_BYTES + static_cast<long long>(unit) * 16;
+                rmlx_cp_async(&ring_w[slot][s][r][threadIdx.x], live ? src : reinterpret_cast<const char*>(w), live ? 16 : 0);
+                rmlx_cp_async4(&ring_s[slot][s][r][threadIdx.x], live ? scales + (i & ~1ll) : scales, bytes);
+                rmlx_cp_async4(&ring_b[slot][s][r][threadIdx.x], live ? biases + (i & ~1ll) : biases, bytes);
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+    // A 16-bit value of a word copied by `fetch`: the upper half for an odd index.
+    auto half_of = [](unsigned word, long long i) {
+        T t;
+        t.bits = static_cast<unsigned short>(word >> (16 * static_cast<int>(i & 1)));
+        return static_cast<float>(t);
+    };
+#pragma unroll
+    for (int d = 0; d < DEPTH - 1; ++d) fetch(d, blockIdx.x + d * gridDim.x);
+    // This lane's units of x as fixed point, while the first tiles arrive: a pass for the unit's
+    // largest value, sum and squares, then one writing hi and lo eight values at a time.
+    unsigned xh[M][SPW][XW], xl[M][SPW][XW];
+    float xd[M][SPW], xs[M][SPW], sq[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        sq[m] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < SPW; ++s) {
+            const int unit = (warp * SPW + s) * 32 + lane;
+            uint4 raw[RAW], nraw[RAW];
+#pragma unroll
+            for (int i = 0; i < RAW; ++i) {
+                raw[i] = make_uint4(0u, 0u, 0u, 0u);
+                nraw[i] = raw[i];
+            }
+            if (unit < UNITS) {
+#pragma unroll
+                for (int i = 0; i < RAW; ++i) {
+                    raw[i] = __ldg(reinterpret_cast<const uint4*>(x + static_cast<long long>(min(m, rows - 1)) * K + unit * VALS) + i);
+                    if constexpr (NORM) nraw[i] = __ldg(reinterpret_cast<const uint4*>(nw + unit * VALS) + i);
+                }
+            }
+            auto value = [&](int j) {
+                const float f = static_cast<float>(reinterpret_cast<const T*>(&raw[j / PER_RAW])[j % PER_RAW]);
+                return NORM ? f * static_cast<float>(reinterpret_cast<const T*>(&nraw[j / PER_RAW])[j % PER_RAW]) : f;
+            };
+            float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VALS; ++j) {
+                const float f = static_cast<float>(reinterpret_cast<const T*>(&raw[j / PER_RAW])[j % PER_RAW]);
+                sq[m] = fmaf(f, f, sq[m]);
+                const float v = value(j);
+                amax = fmaxf(amax, fabsf(v));
+                sum += v;
+            }
+            // hi = round(x / d), lo = round(254 · x / d) − 254 · hi, from the float bits of
+            // 1.5 · 2^23 plus each (their low bytes; the constant's low byte is zero).
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const float inv254 = inv * 254.0f;
+            auto pack = [](unsigned a, unsigned b, unsigned c, unsigned d) {
+                return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+            };
+#pragma unroll
+            for (int word = 0; word < 4; ++word) {
+                constexpr int PER = BITS == 4 ? 8 : 4;
+                unsigned hi[PER], lo[PER];
+#pragma unroll
+                for (int j = 0; j < PER; ++j) {
+                    const float v = value(PER * word + j);
+                    hi[j] = __float_as_uint(fmaf(v, inv, MAGIC));
+                    lo[j] = __float_as_uint(fmaf(v, inv254, MAGIC)) - 254u * hi[j];
+                }
+                if constexpr (BITS == 4) {
+                    xh[m][s][2 * word] = pack(hi[0], hi[2], hi[4], hi[6]);
+                    xh[m][s][2 * word + 1] = pack(hi[1], hi[3], hi[5], hi[7]);
+                    xl[m][s][2 * word] = pack(lo[0], lo[2], lo[4], lo[6]);
+                    xl[m][s][2 * word + 1] = pack(lo[1], lo[3], lo[5], lo[7]);
+                } else {
+                    xh[m][s][word] = pack(hi[0], hi[1], hi[2], hi[3]);
+                    xl[m][s][word] = pack(lo[0], lo[1], lo[2], lo[3]);
+                }
+            }
+            xd[m][s] = amax / (127.0f * 254.0f);
+            xs[m][s] = sum;
+        }
+    }
+    // Each row's inverse root mean square, the warps' sums of squares added in warp order.
+    float inv_rms[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        inv_rms[m] = 1.0f;
+        if constexpr (NORM) {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sq[m] += __shfl_xor_sync(0xffffffffu, sq[m], o);
+            if (lane == 0) squares[warp * M + m] = sq[m];
+        }
+    }
+    if constexpr (NORM) {
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float total = 0.0f;
+#pragma unroll
+            for (int v = 0; v < KW; ++v) total += squares[v * M + m];
+            inv_rms[m] = rsqrtf(total / K + __int_as_float(EPS));
+        }
+    }
+    int buffer = 0;
+    int slot = 0;
+    for (int tile = blockIdx.x; tile < TILES; tile += gridDim.x) {
+        // The slot read last time takes the tile DEPTH - 1 ahead; then this tile's copies are in.
+        fetch((slot + DEPTH - 1) % DEPTH, tile + (DEPTH - 1) * gridDim.x);
+        asm volatile("cp.async.wait_group %0;" ::"n"(DEPTH - 1));
+        float acc[C];
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[c] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < SPW; ++s) {
+            const int unit = (warp * SPW + s) * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 wv = ring_w[slot][s][r][threadIdx.x];
+                const long long i = static_cast<long long>(min(tile * R + r, N - 1)) * GROUPS + unit * VALS / GS;
+                const float scale = half_of(ring_s[slot][s][r][threadIdx.x], i);
+                const float bias_ = half_of(ring_b[slot][s][r][threadIdx.x], i);
+                const unsigned ua[4] = {wv.x, wv.y, wv.z, wv.w};
+                unsigned even[4], odd[4];
+#pragma unroll
+                for (int word = 0; word < 4; ++word) {
+                    even[word] = BITS == 4 ? ua[word] & 0x0F0F0F0Fu : ua[word];
+                    odd[word] = BITS == 4 ? (ua[word] >> 4) & 0x0F0F0F0Fu : 0u;
+                }
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    int h = 0, l = 0;
+#pragma unroll
+                    for (int word = 0; word < 4; ++word) {
+                        if constexpr (BITS == 4) {
+                            h = rmlx_dp4a(even[word], xh[m][s][2 * word], h);
+                            h = rmlx_dp4a(odd[word], xh[m][s][2 * word + 1], h);
+                            l = rmlx_dp4a(even[word], xl[m][s][2 * word], l);
+                            l = rmlx_dp4a(odd[word], xl[m][s][2 * word + 1], l);
+                        } else {
+                            h = rmlx_dp4a(even[word], xh[m][s][word], h);
+                            l = rmlx_dp4a(even[word], xl[m][s][word], l);
+                        }
+                    }
+                    const float qx = xd[m][s] * static_cast<float>(254 * h + l);
+                    acc[m * R + r] = fmaf(scale, qx, fmaf(bias_, xs[m][s], acc[m * R + r]));
+                }
+            }
+        }
+        slot = (slot + 1) % DEPTH;
+        // Halving: at each of the first log2(C) levels a lane keeps half of its sums (the upper
+        // half where its bit is set) and adds its partner's; the later levels add the one left.
+        int index = 0;
+        int count = C;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            if (count > 1) {
+                const int half = count / 2;
+                const bool upper = (lane & o) != 0;
+#pragma unroll
+                for (int i = 0; i < C / 2; ++i) {
+                    if (i < half) {
+                        const float send = upper ? acc[i] : acc[i + half];
+                        const float keep = upper ? acc[i + half] : acc[i];
+                        acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                    }
+                }
+                index += upper ? half : 0;
+                count = half;
+            } else {
+                acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], o);
+            }
+        }
+        if ((lane & (32 / C - 1)) == 0) partial[buffer][warp][index] = acc[0];
+        __syncthreads();
+        if (threadIdx.x < C) {
+            float v = 0.0f;
+#pragma unroll
+            for (int p = 0; p < KW; ++p) v += partial[buffer][p][threadIdx.x];
+            const int m = threadIdx.x / R;
+            const int row = tile * R + threadIdx.x % R;
+            if (m < rows && row < N) {
+                rmlx_finish<T, EPI, BIAS>(v, v, inv_rms[m], bias, res, y, m, row, N);
+            }
+        }
+        buffer ^= 1;
+    }
+    asm volatile("cp.async.wait_all;");
+"#;
+
+/// Asynchronous copies to shared memory: `bytes` of 16 (or of 4) from `src`, the rest zeros.
+pub(super) const SPLIT_HEADER: &str = r#"
+__device__ __forceinline__ void rmlx_cp_async(void* dst, const void* src, int bytes) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void rmlx_cp_async4(void* dst, const void* src, int bytes) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(bytes));
+}
+"#;
+
+/// Warps a multiprocessor the split form's grid is made for (blocks of [`split_warps`] warps;
+/// its kernel's registers are bounded for them). Measured on qwen3-8b 4-bit (BENCHMARKS.md): 16
+/// left the down projection's 12-warp blocks one a multiprocessor, 32 bound the registers to 64
+/// and slowed q/k/v.
+const SPLIT_WARPS_PER_SM: i32 = 24;
+
+/// Tiles in flight in a block's ring: the tile computed and the next one. Deeper rings (3, 4)
+/// were slower: their shared memory leaves fewer blocks a multiprocessor.
+const SPLIT_DEPTH: i32 = 2;
+
+/// The shared memory a block's ring may take (of 48 KiB, with the kernel's other arrays).
+const SPLIT_RING_BYTES: i32 = 40 * 1024;
+
+/// Blocks a multiprocessor of the split form with `warps` warps a block.
+pub(super) fn split_blocks_per_sm(warps: i32) -> i32 {
+    (SPLIT_WARPS_PER_SM / warps).max(1)
+}
+
+/// Output rows a tile of the split form: 4 for one row of `x`, 2 for two (a lane keeps 4 sums),
+/// halved while three tiles' copies would not fit [`SPLIT_RING_BYTES`] (a down projection's
+/// 12-warp blocks take one row a tile).
+pub(super) fn split_rows(bits: i32, input: i32, computed_rows: i32) -> i32 {
+    let mut rows = (4 / computed_rows).max(1);
+    while rows > 1 && 3 * rows * split_row_bytes(bits, input) > SPLIT_RING_BYTES {
+        rows /= 2;
+    }
+    rows
+}
+
+/// The ring's depth (`DEPTH`) for tiles of `rows` rows: [`SPLIT_DEPTH`], or fewer where they do
+/// not fit [`SPLIT_RING_BYTES`].
+pub(super) fn split_depth(bits: i32, input: i32, rows: i32) -> i32 {
+    (SPLIT_RING_BYTES / (rows * split_row_bytes(bits, input))).clamp(1, SPLIT_DEPTH)
+}
+
+/// A block's ring bytes for one row of a tile: 16 bytes of weights and a 4-byte word of scales
+/// and of biases for each unit its lanes own.
+fn split_row_bytes(bits: i32, input: i32) -> i32 {
+    32 * split_warps(bits, input) * split_steps(bits, input) * 24
+}
+
+/// Steps of 32 lanes' units a warp of the split form takes: one where a block of up to
+/// [`SPLIT_MAX_WARPS`] warps covers the inputs, more for longer rows.
+fn split_steps(bits: i32, input: i32) -> i32 {
+    let steps = (split_units(bits, input) + 31) / 32;
+    (steps + SPLIT_MAX_WARPS - 1) / SPLIT_MAX_WARPS
+}
+
+/// Warps a block of the split form: one a step of 32 units, [`split_steps`] steps each.
+pub(super) fn split_warps(bits: i32, input: i32) -> i32 {
+    let steps = (split_units(bits, input) + 31) / 32;
+    let per_warp = split_steps(bits, input);
+    (steps + per_warp - 1) / per_warp
+}
+
+/// The most warps a block of the split form.
+const SPLIT_MAX_WARPS: i32 = 16;
+
+/// Units of `x` a row has: 16 bytes of weights each.
+fn split_units(bits: i32, input: i32) -> i32 {
+    input / (128 / bits)
+}

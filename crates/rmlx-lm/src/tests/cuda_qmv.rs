@@ -2,12 +2,12 @@
 //! weights dequantised, computed in float32 on the CPU, and against MLX's own `quantized_matmul` on
 //! the GPU: 4 and 8 bits, groups of 32, 64 and 128, float32, bfloat16 and float16, 1 to 8 rows
 //! (leading axes flattened), input sizes that leave a partial step (1,152) and output counts that
-//! leave a partial warp or block; the integer form of 16-bit products with many outputs, and that
-//! it keeps 16 bits of `x`. And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of
+//! leave a partial warp or block; the integer forms of 16-bit products (many outputs; fewer, split
+//! between warps), and that they keep 16 bits of `x`. And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of
 //! another type, training, traced transforms, and everything off MLX's CUDA backend (the CPU CI).
 
 use crate::nn::cuda_qmv::{
-    fused_chain, fused_matvec, fused_pair, matvec_kernel, takes_integer_form, Fused, Matrix, MAX_ROWS,
+    fused_chain, fused_matvec, fused_pair, matvec_kernel, takes_integer_form, takes_split_form, Fused, Matrix, MAX_ROWS,
 };
 use crate::nn::with_training;
 use rmlx::fast::{self, GpuBackend};
@@ -164,6 +164,11 @@ fn fused_products_match_the_composed_operations() {
         (1, 1152, 40000, 4, 64, bf16),
         (2, 2048, 8192, 8, 32, f16),
         (1, 4096, 12288, 4, 128, f16),
+        (1, 12288, 4096, 4, 64, bf16),
+        (2, 4096, 1000, 4, 32, f16),
+        (1, 3072, 300, 8, 64, bf16),
+        (2, 12288, 130, 8, 128, f16),
+        (2, 1152, 77, 4, 128, bf16),
     ];
     let fusions = [
         Fusion::Plain,
@@ -214,6 +219,9 @@ fn fused_products_match_the_composed_operations() {
                 let rows_per_tile = 16 / if gated.is_some() { 2 } else { 1 } / rows;
                 let integer = bits > 0 && dtype != f32_ && rows <= 2 && n / rows_per_tile >= 512;
                 assert_eq!(takes_integer_form(&x, &f), integer, "{what}: the integer form");
+                // The split form takes the other 16-bit products of 1 or 2 rows that are not gated.
+                let split = bits > 0 && dtype != f32_ && rows <= 2 && !integer && gated.is_none();
+                assert_eq!(takes_split_form(&x, &f), split, "{what}: the split form");
                 let got = fused_matvec(&x, &f).unwrap().unwrap_or_else(|| panic!("{what}: declined"));
                 assert_eq!((got.shape(), got.dtype()), (&[rows, n][..], dtype), "{what}");
                 let want = rmlx::with_device(Device::cpu(), || {
@@ -350,51 +358,55 @@ fn fused_products_decline_what_they_do_not_compute() {
 /// token at a time in float32 with every quantised product on rmlx's kernel: the step's graph
 /// has no MLX quantised product left, and each position's logits and the greedy tokens are
 /// transformers' (computed from the dequantised weights), as with MLX's product.
-/// The integer form keeps `x` to 16 bits a value, not 8. Every unit of 32 inputs holds +100 and
+/// Both integer forms keep `x` to 16 bits a value, not 8. Every unit of 32 inputs holds +100 and
 /// -100 at two inputs whose weight columns are equal (their products cancel) and values of about
 /// 0.5 elsewhere: rounded to 8 bits of their unit's largest value (`hi` alone), the small values
 /// move the product by over 10 times the tolerance (0.43 of the largest output); at 16 bits (an
-/// error of up to 100 / 64,516 a value) the kernel stays within it of the float32 product of the
-/// dequantised weights (with the float16 output's own rounding).
+/// error of up to 100 / 64,516 a value) each form stays within it of the float32 product of the
+/// dequantised weights (with the float16 output's own rounding): 8,192 outputs take the integer
+/// form, 1,024 the split one.
 #[test]
-fn the_integer_form_keeps_sixteen_bits_of_x() {
+fn the_integer_forms_keep_sixteen_bits_of_x() {
     if !cuda() {
         return;
     }
-    let (k, n) = (2048, 8192);
+    let k = 2048;
     let mut xv = values(&normal(&[1, k], 0.5, 31));
     for unit in xv.chunks_mut(32) {
         unit[..2].copy_from_slice(&[100.0, -100.0]);
     }
-    let mut wv = values(&normal(&[n, k], 0.05, 32));
-    for row in wv.chunks_mut(k as usize) {
-        for unit in row.chunks_mut(32) {
-            unit[1] = unit[0];
-        }
-    }
     let x = Array::from_slice(&xv, &[1, k]).unwrap().astype(Dtype::Float16).unwrap();
-    let w = Array::from_slice(&wv, &[n, k]).unwrap();
-    let q = cast(&quantize(&w, 64, 4, QuantMode::Affine).unwrap(), Dtype::Float16);
-    let want = reference(&x, &q);
-    let tol = 5e-3;
-    // What 8 bits a value would give: each unit rounded to multiples of its largest value / 127.
-    let hi_only: Vec<f32> = values(&x)
-        .chunks(32)
-        .flat_map(|unit| {
-            let d = unit.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
-            unit.iter().map(move |v| (v / d).round() * d)
+    for n in [8192, 1024] {
+        let mut wv = values(&normal(&[n, k], 0.05, 32));
+        for row in wv.chunks_mut(k as usize) {
+            for unit in row.chunks_mut(32) {
+                unit[1] = unit[0];
+            }
+        }
+        let w = Array::from_slice(&wv, &[n, k]).unwrap();
+        let q = cast(&quantize(&w, 64, 4, QuantMode::Affine).unwrap(), Dtype::Float16);
+        let want = reference(&x, &q);
+        let tol = 5e-3;
+        // What 8 bits a value would give: each unit rounded to multiples of its largest value / 127.
+        let hi_only: Vec<f32> = values(&x)
+            .chunks(32)
+            .flat_map(|unit| {
+                let d = unit.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                unit.iter().map(move |v| (v / d).round() * d)
+            })
+            .collect();
+        let coarse = reference(&Array::from_slice(&hi_only, &[1, k]).unwrap(), &q);
+        let coarse_err = relative_error(&coarse, &want);
+        assert!(coarse_err > 10.0 * tol, "{n}: 8 bits a value give {coarse_err}: the test would not see them");
+        rmlx::with_device(Device::gpu(), || {
+            let plain = Fused::product(Matrix::Quantized(&q));
+            let form = (takes_integer_form(&x, &plain), takes_split_form(&x, &plain));
+            assert_eq!(form, (n == 8192, n == 1024), "{n} outputs of 16-bit x: (integer, split) form");
+            let got = values(&matvec_kernel(&x, &q).unwrap().unwrap());
+            let err = relative_error(&got, &want);
+            assert!(err <= tol, "{n} outputs: {err} from the dequantised product");
         })
-        .collect();
-    let coarse = reference(&Array::from_slice(&hi_only, &[1, k]).unwrap(), &q);
-    let coarse_err = relative_error(&coarse, &want);
-    assert!(coarse_err > 10.0 * tol, "8 bits a value give {coarse_err}: the test would not see them");
-    rmlx::with_device(Device::gpu(), || {
-        let plain = Fused::product(Matrix::Quantized(&q));
-        assert!(takes_integer_form(&x, &plain), "{n} outputs of 16-bit x: the integer form");
-        let got = values(&matvec_kernel(&x, &q).unwrap().unwrap());
-        let err = relative_error(&got, &want);
-        assert!(err <= tol, "the integer form: {err} from the dequantised product");
-    })
+    }
 }
 
 #[test]
