@@ -359,7 +359,7 @@ pub(super) const SPLIT_SOURCE: &str = r#"
     constexpr int THREADS = KW * 32;
     constexpr long long ROW_BYTES = static_cast<long long>(K) * BITS / 8;
     constexpr int GROUPS = K / GS;
-    constexpr long long SCALES = static_cast<long long>(N) * GROUPS;
+    constexpr unsigned long long SCALES = static_cast<unsigned long long>(N) * GROUPS;
     constexpr int TILES = (N + R - 1) / R;
     constexpr int C = M * R;
     constexpr int XW = BITS == 4 ? 8 : 4;
@@ -375,8 +375,18 @@ pub(super) const SPLIT_SOURCE: &str = r#"
     __shared__ float squares[KW * M];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    // The aligned 4-byte word holding element `i` of `base` (scales or biases, of N · GROUPS
+    // elements; a slice's may start at an odd element), and how many of its bytes are the array's:
+    // 2 where `i` is the first half of the array's last word.
+    auto word_of = [](const T* base, long long i, int& bytes) {
+        const unsigned long long at = reinterpret_cast<unsigned long long>(base + i);
+        const unsigned long long end = reinterpret_cast<unsigned long long>(base + SCALES);
+        const unsigned long long word = at & ~3ull;
+        bytes = word + 4 <= end ? 4 : 2;
+        return reinterpret_cast<const T*>(word);
+    };
     // Tile `tile`'s 16 bytes of each row for this lane's units into ring slot `slot`, with the
-    // 4-byte words holding their scales and biases (zeros past the last tile or unit).
+    // words holding their scales and biases (zeros past the last tile or unit).
     auto fetch = [&](int slot, int tile) {
 #pragma unroll
         for (int s = 0; s < SPW; ++s) {
@@ -385,20 +395,23 @@ pub(super) const SPLIT_SOURCE: &str = r#"
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const long long row = min(tile * R + r, N - 1);
-                const long long i = row * GROUPS + unit * VALS / GS;
-                const int bytes = !live ? 0 : (i | 1) < SCALES ? 4 : 2;
+                const long long i = live ? row * GROUPS + unit * VALS / GS : 0;
+                int scale_bytes, bias_bytes;
+                const T* scale_word = word_of(scales, i, scale_bytes);
+                const T* bias_word = word_of(biases, i, bias_bytes);
                 const char* src = reinterpret_cast<const char*>(w) + row * ROW_BYTES + static_cast<long long>(unit) * 16;
                 rmlx_cp_async(&ring_w[slot][s][r][threadIdx.x], live ? src : reinterpret_cast<const char*>(w), live ? 16 : 0);
-                rmlx_cp_async4(&ring_s[slot][s][r][threadIdx.x], live ? scales + (i & ~1ll) : scales, bytes);
-                rmlx_cp_async4(&ring_b[slot][s][r][threadIdx.x], live ? biases + (i & ~1ll) : biases, bytes);
+                rmlx_cp_async4(&ring_s[slot][s][r][threadIdx.x], scale_word, live ? scale_bytes : 0);
+                rmlx_cp_async4(&ring_b[slot][s][r][threadIdx.x], bias_word, live ? bias_bytes : 0);
             }
         }
         asm volatile("cp.async.commit_group;");
     };
-    // A 16-bit value of a word copied by `fetch`: the upper half for an odd index.
-    auto half_of = [](unsigned word, long long i) {
+    // Element `i` of `base` from its word copied by `fetch`: the upper half where its address is.
+    auto half_of = [](unsigned word, const T* base, long long i) {
         T t;
-        t.bits = static_cast<unsigned short>(word >> (16 * static_cast<int>(i & 1)));
+        const int upper = (reinterpret_cast<unsigned long long>(base + i) >> 1) & 1;
+        t.bits = static_cast<unsigned short>(word >> (16 * upper));
         return static_cast<float>(t);
     };
 #pragma unroll
@@ -507,8 +520,8 @@ pub(super) const SPLIT_SOURCE: &str = r#"
             for (int r = 0; r < R; ++r) {
                 const uint4 wv = ring_w[slot][s][r][threadIdx.x];
                 const long long i = static_cast<long long>(min(tile * R + r, N - 1)) * GROUPS + unit * VALS / GS;
-                const float scale = half_of(ring_s[slot][s][r][threadIdx.x], i);
-                const float bias_ = half_of(ring_b[slot][s][r][threadIdx.x], i);
+                const float scale = half_of(ring_s[slot][s][r][threadIdx.x], scales, i);
+                const float bias_ = half_of(ring_b[slot][s][r][threadIdx.x], biases, i);
                 const unsigned ua[4] = {wv.x, wv.y, wv.z, wv.w};
                 unsigned even[4], odd[4];
 #pragma unroll

@@ -409,6 +409,36 @@ fn the_integer_forms_keep_sixteen_bits_of_x() {
     }
 }
 
+/// The split form reads scales and biases as 4-byte words: those of a matrix sliced from a larger
+/// one by rows may start at an odd element (9 groups a row here), and the last word may hold one
+/// element of the array. The product over such a slice matches the dequantised product.
+#[test]
+fn the_split_form_reads_the_scales_of_a_slice() {
+    if !cuda() {
+        return;
+    }
+    let (k, n) = (1152, 301);
+    let x = normal(&[1, k], 1.0, 41).astype(Dtype::Bfloat16).unwrap();
+    let whole = cast(&quantize(&normal(&[n + 1, k], 0.05, 42), 128, 4, QuantMode::Affine).unwrap(), Dtype::Bfloat16);
+    let rows = |a: &Array| {
+        let cols = a.shape()[1];
+        ops::slice(a, &[1, 0], &[n + 1, cols], &[1, 1]).unwrap()
+    };
+    let q = Quantized {
+        weight: rows(&whole.weight),
+        scales: rows(&whole.scales),
+        biases: whole.biases.as_ref().map(rows),
+        ..whole.clone()
+    };
+    let want = reference(&x, &q);
+    rmlx::with_device(Device::gpu(), || {
+        assert!(takes_split_form(&x, &Fused::product(Matrix::Quantized(&q))), "{n} outputs: the split form");
+        let got = values(&matvec_kernel(&x, &q).unwrap().unwrap());
+        let err = relative_error(&got, &want);
+        assert!(err <= 2e-2, "a slice's scales: {err} from the dequantised product");
+    })
+}
+
 #[test]
 fn quantised_models_decode_through_the_kernel() {
     use super::common::{fixture_with_tokenizer, floats, ids, reference, tf32};
