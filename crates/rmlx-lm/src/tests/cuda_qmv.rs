@@ -3,8 +3,9 @@
 //! the GPU: 4 and 8 bits, groups of 32, 64 and 128, float32, bfloat16 and float16, 1 to 8 rows
 //! (leading axes flattened), input sizes that leave a partial step (1,152) and output counts that
 //! leave a partial warp or block; the integer forms of 16-bit products (many outputs; fewer, split
-//! between warps), and that they keep 16 bits of `x`. And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of
-//! another type, training, traced transforms, and everything off MLX's CUDA backend (the CPU CI).
+//! between warps), that they keep 16 bits of `x`, and scales read from a matrix sliced by rows.
+//! And what it leaves to MLX: 9 rows, 3 bits, no biases, scales of another type, training, traced
+//! transforms, and everything off MLX's CUDA backend (the CPU CI).
 
 use crate::nn::cuda_qmv::{
     fused_chain, fused_matvec, fused_pair, matvec_kernel, takes_integer_form, takes_split_form, Fused, Matrix, MAX_ROWS,
@@ -354,10 +355,6 @@ fn fused_products_decline_what_they_do_not_compute() {
     })
 }
 
-/// Quantised fixtures (4-bit layers, an 8-bit tied embedding and down projection) decoded one
-/// token at a time in float32 with every quantised product on rmlx's kernel: the step's graph
-/// has no MLX quantised product left, and each position's logits and the greedy tokens are
-/// transformers' (computed from the dequantised weights), as with MLX's product.
 /// Both integer forms keep `x` to 16 bits a value, not 8. Every unit of 32 inputs holds +100 and
 /// -100 at two inputs whose weight columns are equal (their products cancel) and values of about
 /// 0.5 elsewhere: rounded to 8 bits of their unit's largest value (`hi` alone), the small values
@@ -439,6 +436,10 @@ fn the_split_form_reads_the_scales_of_a_slice() {
     })
 }
 
+/// Quantised fixtures (4-bit layers, an 8-bit tied embedding and down projection) decoded one
+/// token at a time in float32 with every quantised product on rmlx's kernel: the step's graph
+/// has no MLX quantised product left, and each position's logits and the greedy tokens are
+/// transformers' (computed from the dequantised weights), as with MLX's product.
 #[test]
 fn quantised_models_decode_through_the_kernel() {
     use super::common::{fixture_with_tokenizer, floats, ids, reference, tf32};
