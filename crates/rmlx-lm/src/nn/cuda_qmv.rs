@@ -508,9 +508,10 @@ impl Shape {
         }
     }
 
-    /// Output rows a warp: more for large outputs (fewer loads of `x` per weight byte), fewer as
-    /// the input rows grow (each keeps `rows × R` sums) and for gated products (two weight rows an
-    /// output row).
+    /// Output rows a warp (the kernels' `R`): more for large outputs (fewer loads of `x` per weight
+    /// byte), fewer as the input rows grow (each keeps `rows × R` sums) and for gated products (two
+    /// weight rows an output row). In the split form every warp of a block takes the same `R` rows
+    /// (a tile), each over its own inputs.
     fn rows_per_warp(&self) -> i32 {
         match self.form {
             Form::Integer => return ix::rows_per_warp(self.matrices(), self.computed_rows()),

@@ -276,29 +276,10 @@ pub(super) const SOURCE: &str = r#"
                 }
 #pragma unroll
                 for (int r = 0; r < RR; ++r) {
-                    const unsigned ua[4] = {cur.w[r].x, cur.w[r].y, cur.w[r].z, cur.w[r].w};
-                    unsigned even[4], odd[4];
-#pragma unroll
-                    for (int w = 0; w < 4; ++w) {
-                        even[w] = BITS == 4 ? ua[w] & 0x0F0F0F0Fu : ua[w];
-                        odd[w] = BITS == 4 ? (ua[w] >> 4) & 0x0F0F0F0Fu : 0u;
-                    }
 #pragma unroll
                     for (int m = 0; m < M; ++m) {
                         int h = 0, l = 0;
-#pragma unroll
-                        for (int w = 0; w < 4; ++w) {
-                            if constexpr (BITS == 4) {
-                                h = rmlx_dp4a(even[w], xv[m][w].x, h);
-                                h = rmlx_dp4a(odd[w], xv[m][w].y, h);
-                                l = rmlx_dp4a(even[w], xv[m][w].z, l);
-                                l = rmlx_dp4a(odd[w], xv[m][w].w, l);
-                            } else {
-                                const uint4 p = xv[m][w / 2];
-                                h = rmlx_dp4a(even[w], w % 2 ? p.y : p.x, h);
-                                l = rmlx_dp4a(even[w], w % 2 ? p.w : p.z, l);
-                            }
-                        }
+                        rmlx_unit_sums<BITS>(cur.w[r], xv[m], h, l);
                         const float qx = um[m].x * static_cast<float>(254 * h + l);
                         acc[m][r] = fmaf(cur.s[r], qx, fmaf(cur.b[r], um[m].y, acc[m][r]));
                     }
@@ -330,12 +311,33 @@ pub(super) const SOURCE: &str = r#"
     }
 "#;
 
-/// `dp4a` of unsigned weight bytes and signed input bytes.
+/// `dp4a` of unsigned weight bytes and signed input bytes, and the sums of one unit: `w` 16 bytes
+/// of a weight row (eight 4-bit or four 8-bit values a word), `x` its `VALS` inputs as the pieces
+/// the module docs lay out, `h += Σ q·hi` and `l += Σ q·lo`. Both forms call it.
 pub(super) const HEADER: &str = r#"
 __device__ __forceinline__ int rmlx_dp4a(unsigned a, unsigned b, int c) {
     int d;
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+}
+template <int BITS>
+__device__ __forceinline__ void rmlx_unit_sums(uint4 w, const uint4* x, int& h, int& l) {
+    const unsigned ua[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int word = 0; word < 4; ++word) {
+        if constexpr (BITS == 4) {
+            const unsigned even = ua[word] & 0x0F0F0F0Fu;
+            const unsigned odd = (ua[word] >> 4) & 0x0F0F0F0Fu;
+            h = rmlx_dp4a(even, x[word].x, h);
+            h = rmlx_dp4a(odd, x[word].y, h);
+            l = rmlx_dp4a(even, x[word].z, l);
+            l = rmlx_dp4a(odd, x[word].w, l);
+        } else {
+            const uint4 p = x[word / 2];
+            h = rmlx_dp4a(ua[word], word % 2 ? p.y : p.x, h);
+            l = rmlx_dp4a(ua[word], word % 2 ? p.w : p.z, l);
+        }
+    }
 }
 "#;
 
@@ -343,8 +345,8 @@ __device__ __forceinline__ int rmlx_dp4a(unsigned a, unsigned b, int c) {
 /// for [`SOURCE`]'s tiles (a layer's q/k/v, output and down projections): the `KW` warps of a
 /// block split each row's inputs, a lane owning the same unit of `VALS` inputs (or [`split_steps`]
 /// of them) for every row. Each lane writes its units of `x` as 16-bit fixed point once, in
-/// registers (`hi` and `lo` bytes in `dp4a`'s order, as [`SOURCE`] does in shared memory, the norm's
-/// weight applied and the unit's squares summed), then the block takes tiles of `R` output rows
+/// registers (the pieces [`SOURCE`] keeps in shared memory, the norm's weight applied and the
+/// unit's squares summed), then the block takes tiles of `R` output rows
 /// (`tile = blockIdx.x, blockIdx.x + gridDim.x, …`). Each lane copies its own weights, scales and
 /// biases of the next `DEPTH - 1` tiles into a ring in shared memory (`cp.async`, no registers
 /// held while they arrive; a lane reads only what it copied, so the ring needs no barrier). A
@@ -362,7 +364,7 @@ pub(super) const SPLIT_SOURCE: &str = r#"
     constexpr unsigned long long SCALES = static_cast<unsigned long long>(N) * GROUPS;
     constexpr int TILES = (N + R - 1) / R;
     constexpr int C = M * R;
-    constexpr int XW = BITS == 4 ? 8 : 4;
+    constexpr int U = VALS / 8;
     constexpr int RAW = VALS * static_cast<int>(sizeof(T)) / 16;
     constexpr int PER_RAW = 16 / static_cast<int>(sizeof(T));
     constexpr float MAGIC = 12582912.0f;
@@ -418,7 +420,7 @@ pub(super) const SPLIT_SOURCE: &str = r#"
     for (int d = 0; d < DEPTH - 1; ++d) fetch(d, blockIdx.x + d * gridDim.x);
     // This lane's units of x as fixed point, while the first tiles arrive: a pass for the unit's
     // largest value, sum and squares, then one writing hi and lo eight values at a time.
-    unsigned xh[M][SPW][XW], xl[M][SPW][XW];
+    uint4 xv[M][SPW][U];
     float xd[M][SPW], xs[M][SPW], sq[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -470,13 +472,14 @@ pub(super) const SPLIT_SOURCE: &str = r#"
                     lo[j] = __float_as_uint(fmaf(v, inv254, MAGIC)) - 254u * hi[j];
                 }
                 if constexpr (BITS == 4) {
-                    xh[m][s][2 * word] = pack(hi[0], hi[2], hi[4], hi[6]);
-                    xh[m][s][2 * word + 1] = pack(hi[1], hi[3], hi[5], hi[7]);
-                    xl[m][s][2 * word] = pack(lo[0], lo[2], lo[4], lo[6]);
-                    xl[m][s][2 * word + 1] = pack(lo[1], lo[3], lo[5], lo[7]);
+                    xv[m][s][word] = make_uint4(pack(hi[0], hi[2], hi[4], hi[6]), pack(hi[1], hi[3], hi[5], hi[7]),
+                                                pack(lo[0], lo[2], lo[4], lo[6]), pack(lo[1], lo[3], lo[5], lo[7]));
+                } else if (word % 2 == 0) {
+                    xv[m][s][word / 2].x = pack(hi[0], hi[1], hi[2], hi[3]);
+                    xv[m][s][word / 2].z = pack(lo[0], lo[1], lo[2], lo[3]);
                 } else {
-                    xh[m][s][word] = pack(hi[0], hi[1], hi[2], hi[3]);
-                    xl[m][s][word] = pack(lo[0], lo[1], lo[2], lo[3]);
+                    xv[m][s][word / 2].y = pack(hi[0], hi[1], hi[2], hi[3]);
+                    xv[m][s][word / 2].w = pack(lo[0], lo[1], lo[2], lo[3]);
                 }
             }
             xd[m][s] = amax / (127.0f * 254.0f);
@@ -522,28 +525,10 @@ pub(super) const SPLIT_SOURCE: &str = r#"
                 const long long i = static_cast<long long>(min(tile * R + r, N - 1)) * GROUPS + unit * VALS / GS;
                 const float scale = half_of(ring_s[slot][s][r][threadIdx.x], scales, i);
                 const float bias_ = half_of(ring_b[slot][s][r][threadIdx.x], biases, i);
-                const unsigned ua[4] = {wv.x, wv.y, wv.z, wv.w};
-                unsigned even[4], odd[4];
-#pragma unroll
-                for (int word = 0; word < 4; ++word) {
-                    even[word] = BITS == 4 ? ua[word] & 0x0F0F0F0Fu : ua[word];
-                    odd[word] = BITS == 4 ? (ua[word] >> 4) & 0x0F0F0F0Fu : 0u;
-                }
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     int h = 0, l = 0;
-#pragma unroll
-                    for (int word = 0; word < 4; ++word) {
-                        if constexpr (BITS == 4) {
-                            h = rmlx_dp4a(even[word], xh[m][s][2 * word], h);
-                            h = rmlx_dp4a(odd[word], xh[m][s][2 * word + 1], h);
-                            l = rmlx_dp4a(even[word], xl[m][s][2 * word], l);
-                            l = rmlx_dp4a(odd[word], xl[m][s][2 * word + 1], l);
-                        } else {
-                            h = rmlx_dp4a(even[word], xh[m][s][word], h);
-                            l = rmlx_dp4a(even[word], xl[m][s][word], l);
-                        }
-                    }
+                    rmlx_unit_sums<BITS>(wv, xv[m][s], h, l);
                     const float qx = xd[m][s] * static_cast<float>(254 * h + l);
                     acc[m * R + r] = fmaf(scale, qx, fmaf(bias_, xs[m][s], acc[m * R + r]));
                 }
