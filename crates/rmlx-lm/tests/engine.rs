@@ -115,6 +115,29 @@ fn a_batch_decodes_what_each_request_decodes_alone() {
     assert_eq!(engine.kv_bytes(), 0, "the batch is empty once every request ended");
 }
 
+/// Log-probabilities through the engine, `prompts[0]` submitted first and all started together.
+fn engine_logprobs(lm: &LoadedModel, prompts: &[&[u32]], opts: &GenerateOptions) -> Vec<Vec<f32>> {
+    let mut engine = Engine::new(lm, EngineOptions::default());
+    let seqs: Vec<SeqId> = prompts.iter().map(|p| engine.submit(request(p, opts.clone())).unwrap()).collect();
+    let mut out = HashMap::new();
+    drain(&mut engine, &mut out);
+    seqs.iter().map(|s| out[s].logprobs.clone()).collect()
+}
+
+#[test]
+fn the_longest_sequence_of_a_batch_decodes_bit_for_bit_as_alone() {
+    let (_d, lm) = load("llama_gqa");
+    let prompts = prompts(&ids(&reference("llama_gqa")["prompt_ids"]));
+    let greedy = options(12, SamplerConfig::default());
+    // The 24-token prompt with the 7- and 3-token ones: only the shorter rows are padded.
+    let batched = engine_logprobs(&lm, &[&prompts[0], &prompts[1], &prompts[3]], &greedy);
+    assert_eq!(batched[0], engine_logprobs(&lm, &[&prompts[0]], &greedy)[0]);
+    // A padded row attends over its cache in another order: the same up to rounding.
+    let short = engine_logprobs(&lm, &[&prompts[1]], &greedy).remove(0);
+    assert_eq!(short.len(), 12);
+    assert!(batched[1].iter().zip(&short).all(|(a, b)| (a - b).abs() < 1e-4), "{:?} against {short:?}", batched[1]);
+}
+
 #[test]
 fn seeded_sampling_is_the_same_alone_or_in_a_batch() {
     let (_d, lm) = load("llama_gqa");
