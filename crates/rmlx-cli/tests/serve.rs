@@ -127,10 +127,11 @@ fn concurrent_requests_share_a_batch_and_decode_as_alone() {
         "Water boils at",
     ];
     // A sequence batched with a longer one is padded, and its attention then sums in another
-    // order than alone: a token's log-probability moves by up to ~3e-5. A seeded draw that lands that close to the
-    // boundary between two tokens may go either way; seed 1 does so on "Once upon a time" at its
-    // 9th token (5 of 60 random arrival orders diverged there), seeds 101, 103 and 105 in none of
-    // 80. So the seeds below are those, and every token's log-probability is compared too.
+    // order than alone: a token's log-probability moves by up to ~3e-5. A seeded draw that lands
+    // that close to the boundary between two tokens may go either way; seed 1 does so on "Once
+    // upon a time" at its 9th token (5 of 60 random arrival orders diverged there), seeds 101,
+    // 103 and 105 in none of 80. So the seeds below are those, and every token's
+    // log-probability is compared too.
     let body = |i: usize| {
         let mut b = json!({"prompt": prompts[i], "max_tokens": 16, "temperature": 0, "logprobs": 1});
         if i % 2 == 1 {

@@ -11,9 +11,9 @@
 //! the same tokens alone or in a batch, up to rounding: a sequence batched with a longer one is
 //! padded, its attention then sums in another order, and a token's log-probability may differ by
 //! ~3e-5 (so a draw, or a greedy choice, that close to a tie between two tokens can go either
-//! way); batched with sequences no longer than itself, it decodes bit for bit as alone. A request may name a LoRA adapter loaded into the engine
-//! ([`Engine::load_adapter`]): the batch mixes adapters row by row over the one base model
-//! ([`crate::nn::AdapterBank`]).
+//! way); batched with sequences no longer than itself, it decodes bit for bit as alone.
+//! A request may name a LoRA adapter loaded into the engine ([`Engine::load_adapter`]): the batch
+//! mixes adapters row by row over the one base model ([`crate::nn::AdapterBank`]).
 //!
 //! ```
 //! # fn main() -> rmlx_lm::Result<()> {
