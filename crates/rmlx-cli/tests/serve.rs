@@ -150,17 +150,12 @@ fn concurrent_requests_share_a_batch_and_decode_as_alone() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    let logprobs = |v: &Value| -> Vec<f64> {
+        v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect()
+    };
     for i in 0..prompts.len() {
         assert_eq!(together[i]["choices"][0]["text"], alone[i]["choices"][0]["text"], "prompt {i}: {}", prompts[i]);
         assert_eq!(together[i]["usage"]["completion_tokens"], alone[i]["usage"]["completion_tokens"]);
-        let logprobs = |v: &Value| -> Vec<f64> {
-            v["choices"][0]["logprobs"]["token_logprobs"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|l| l.as_f64().unwrap())
-                .collect()
-        };
         let (a, b) = (logprobs(&together[i]), logprobs(&alone[i]));
         assert!(!a.is_empty() && a.len() == b.len(), "prompt {i}: {a:?} against {b:?}");
         assert!(a.iter().zip(&b).all(|(a, b)| (a - b).abs() < 1e-3), "prompt {i}: {a:?} against {b:?}");
