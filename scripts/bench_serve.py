@@ -3,7 +3,7 @@ model folder (BENCHMARKS.md's serving rows). Standard library only.
 
 Usage (on the GPU machine, after `source .gpu/b/device-setup`):
     python3 scripts/bench_serve.py --rmlx path/to/rmlx MODELS/qwen3-0.6b [--clients 32]
-        [--max-tokens 256] [--rounds 2] [--skip-peer]
+        [--max-tokens 256] [--rounds 2] [--skip-peer | --skip-rmlx]
 
 Each of N clients runs `--rounds` streamed `/v1/completions` requests one after another, all at
 once: the prompt is a shared ~300-word "system" text plus the client's own question (and, from the
@@ -238,6 +238,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--skip-rmlx", action="store_true", help="mlx_lm.server only")
     ap.add_argument("--soak", type=int, default=0, help="rmlx only: this many mixed requests, memory curve")
     ap.add_argument("--rmlx-args", default="", help="extra arguments for rmlx serve")
     ap.add_argument("--adapter", dest="adapters", action="append", default=[], metavar="NAME=PATH",
@@ -246,14 +247,16 @@ def main():
     model = pathlib.Path(a.model)
     ensure_tokenizer(model)
     results = {}
-    port = free_port()
-    results["rmlx"] = serve([a.rmlx, "serve", "--model", str(model), "--port", str(port),
-                             "--max-batch", str(a.clients), *a.rmlx_args.split(),
-                             *[arg for spec in a.adapters for arg in ("--adapter", spec)]], port, a, "rmlx")
+    if not a.skip_rmlx:
+        port = free_port()
+        results["rmlx"] = serve([a.rmlx, "serve", "--model", str(model), "--port", str(port),
+                                 "--max-batch", str(a.clients), *a.rmlx_args.split(),
+                                 *[arg for spec in a.adapters for arg in ("--adapter", spec)]], port, a, "rmlx")
     if not a.skip_peer and not a.soak:
         port = free_port()
         results["mlx-lm"] = serve([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port),
                                    "--decode-concurrency", str(a.clients)], port, a, "mlx-lm")
+    if len(results) == 2:
         r, m = results["rmlx"], results["mlx-lm"]
         print(json.dumps({"summary": model.name, "clients": a.clients,
                           "rmlx_tok_s": r["tokens_per_sec"], "mlx_lm_tok_s": m["tokens_per_sec"],

@@ -82,6 +82,9 @@ fn main() {
     if matches!(cli.command, Command::Lora(_)) {
         lora::limit_gpu_graphs();
     }
+    // MLX's run-time compiled CUDA kernels kept in rmlx's cache rather than the temporary
+    // directory (set here, before any thread uses the GPU).
+    rmlx_lm::persist_mlx_kernels();
     // Each command is one single-threaded loop over MLX: it runs where MLX evaluates, so that no
     // evaluation is handed from thread to thread.
     let result = rmlx::on_evaluation_thread(move || match cli.command {

@@ -695,3 +695,24 @@ fn metrics_account_for_memory_and_idle_memory_is_given_back() {
     assert!(metric(&text, "rmlx_resident_memory_bytes") > weights / 2);
     assert!(metric(&text, "rmlx_requests_total") >= 4);
 }
+
+#[test]
+fn a_server_that_warms_up_answers_as_generate_and_counts_only_requests() {
+    let server = Server::start(&["--warm-up", "on", "--max-batch", "4", "--prefill-step", "64"]);
+    // The warm-up's made-up prompts left nothing in the prompt cache and nothing in the counters.
+    let (text, generated, prompt_tokens) = generate("The capital of France is", true, 12);
+    let (status, v) = server
+        .post("/v1/completions", &json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(text.as_str()));
+    assert_eq!(
+        (v["usage"]["completion_tokens"].as_u64(), v["usage"]["prompt_tokens"].as_u64()),
+        (Some(generated), Some(prompt_tokens))
+    );
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(), Some(0));
+    let (_, metrics) = server.request("GET", "/metrics", None, &[]);
+    let line = |name: &str| metrics.lines().find(|l| l.starts_with(&format!("{name} "))).map(str::to_string);
+    assert_eq!(line("rmlx_requests_total").as_deref(), Some("rmlx_requests_total 1"));
+    let completion = format!("rmlx_completion_tokens_total {generated}");
+    assert_eq!(line("rmlx_completion_tokens_total"), Some(completion));
+}

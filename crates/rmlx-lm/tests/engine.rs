@@ -491,3 +491,26 @@ fn sliding_window_layers_drop_what_no_query_sees() {
     assert_eq!(out[&ss].cached, Some(0));
     assert_eq!(out[&ss].tokens, alone(&lm, &sharing, &more));
 }
+
+#[test]
+fn a_warmed_up_engine_decodes_as_a_fresh_one() {
+    let (_d, lm) = load("llama_gqa");
+    let r = reference("llama_gqa");
+    let prompt = ids(&r["prompt_ids"]);
+    let greedy = options(12, SamplerConfig::default());
+    let mut engine = Engine::new(&lm, EngineOptions { max_batch: 5, prefill_tokens: 48, ..EngineOptions::default() });
+    // Refused while a request runs: its updates would be lost.
+    let first = engine.submit(request(&prompt, greedy.clone())).unwrap();
+    assert!(matches!(engine.warm_up(), Err(Error::InvalidParameter(_))));
+    let mut out = HashMap::new();
+    drain(&mut engine, &mut out);
+    assert_eq!(out[&first].tokens, ids(&r["greedy"]));
+    // The 48-token prompt alone, then the batch of 5 (45 padded prompt tokens) down to 1.
+    assert_eq!(engine.warm_up().unwrap(), 6);
+    assert!(engine.is_idle());
+    assert_eq!((engine.prompt_cache_usage(), engine.kv_bytes()), ((0, 0), 0));
+    // The same request again: nothing reused from before the warm-up, the same tokens.
+    let again = engine.submit(request(&prompt, greedy.clone())).unwrap();
+    drain(&mut engine, &mut out);
+    assert_eq!((out[&again].cached, &out[&again].tokens), (Some(0), &ids(&r["greedy"])));
+}

@@ -58,6 +58,16 @@ pub enum Event {
     Failed(ApiError),
 }
 
+/// What the loop does before it serves.
+pub struct Start {
+    /// LoRA adapters to load: name and folder.
+    pub adapters: Vec<(String, std::path::PathBuf)>,
+    /// Whether to run [`Engine::warm_up`] first.
+    pub warm_up: bool,
+    /// Told once the loop takes requests.
+    pub ready: std::sync::mpsc::Sender<()>,
+}
+
 /// Counters for `/metrics`, shared with the HTTP side (plain atomics: no MLX there).
 #[derive(Default)]
 pub struct Stats {
@@ -102,19 +112,30 @@ pub fn load_adapter(lm: &LoadedModel, engine: &mut Engine, name: &str, path: &st
 
 /// Serves jobs until every sender is gone. Runs on the evaluation thread. `adapters` are loaded
 /// first (they were checked by [`load_adapter`] at start-up); `control` loads and unloads more.
+/// With `warm_up`, the engine first runs [`Engine::warm_up`]; then `ready` is told that requests
+/// may come.
 pub fn run(
     lm: &LoadedModel,
     jobs: Receiver<Job>,
     control: Receiver<Control>,
     opts: EngineOptions,
-    adapters: Vec<(String, std::path::PathBuf)>,
+    start: Start,
     stats: Arc<Stats>,
 ) -> rmlx_lm::Result<()> {
     let max_batch = opts.max_batch.max(1);
     let mut engine = Engine::new(lm, opts);
-    for (name, path) in &adapters {
+    for (name, path) in &start.adapters {
         load_adapter(lm, &mut engine, name, path)?;
     }
+    if start.warm_up {
+        let begun = std::time::Instant::now();
+        tracing::info!(
+            "warming up: one pass over every batch size up to {max_batch}, so that the GPU kernels are ready"
+        );
+        let steps = engine.warm_up()?;
+        tracing::info!(steps, seconds = begun.elapsed().as_secs_f64(), "warmed up");
+    }
+    let _ = start.ready.send(());
     let mut live: HashMap<SeqId, Live> = HashMap::new();
     let mut busy = false;
     loop {

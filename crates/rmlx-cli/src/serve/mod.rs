@@ -108,6 +108,11 @@ pub struct Args {
     /// Seconds a client has to send a request's body (408 past it).
     #[arg(long, default_value_t = 30, value_parser = count)]
     body_timeout: usize,
+    /// Before taking requests, run one pass over every batch size (`auto`: when the model runs on
+    /// a GPU), so that kernels compiled on first use (a minute or more for a quantised model on a
+    /// fresh machine) are ready before the first clients wait: `auto`, `on` or `off`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    warm_up: String,
     /// Seconds the requests in progress may take to finish after Ctrl-C or SIGTERM; then the
     /// streams still open end with an error and the server exits (a second signal exits at once).
     #[arg(long, default_value_t = 30)]
@@ -217,8 +222,13 @@ pub fn run(a: Args) -> Result<()> {
         backend,
         cut,
     });
-    // HTTP on tokio's threads; the model stays on this one (the evaluation thread).
+    // HTTP on tokio's threads, once the engine is ready (connections wait in the listen backlog
+    // until then); the model stays on this one (the evaluation thread).
+    let (ready, engine_ready) = std::sync::mpsc::channel::<()>();
     let http = std::thread::Builder::new().name("rmlx-http".into()).spawn(move || -> Result<()> {
+        if engine_ready.recv().is_err() {
+            return Ok(()); // the engine did not start
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         runtime.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -227,6 +237,7 @@ pub fn run(a: Args) -> Result<()> {
         })
     })?;
     let Some(lm) = model.as_native() else {
+        let _ = ready.send(());
         interface::run(model, queue, stats);
         return http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?;
     };
@@ -258,10 +269,17 @@ pub fn run(a: Args) -> Result<()> {
         context: Some(context),
         pipelined: a.pipelined_decode,
     };
-    let served = engine::run(lm, queue, control_queue, options, a.adapters.clone(), stats);
+    let warm_up = match a.warm_up.as_str() {
+        "on" => true,
+        "off" => false,
+        _ => rmlx::default_device().kind == rmlx::DeviceType::Gpu,
+    };
+    let start = engine::Start { adapters: a.adapters.clone(), warm_up, ready };
+    let served = engine::run(lm, queue, control_queue, options, start, stats);
     if let Err(e) = served {
-        // Only start-up can fail (the adapters, checked above): nothing was served.
-        anyhow::bail!("loading the adapters: {e}");
+        // Only start-up can fail (loading the adapters, checked above, or the warm-up): nothing
+        // was served.
+        anyhow::bail!("starting the engine: {e}");
     }
     http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
 }

@@ -44,6 +44,7 @@ mod prefill;
 mod prompt_cache;
 mod sampling;
 mod sequence;
+mod warm_up;
 
 pub use budget::{device_kv_budget, kv_budget};
 pub use prompt_cache::PromptCache;
@@ -59,7 +60,7 @@ use rmlx::{ops, Dtype};
 use sampling::{sample_rows, Sampled};
 use sequence::Sequence;
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Bytes of freed buffers MLX may keep for reuse before the engine gives them back.
 const CACHE_SLACK: usize = 4 << 30;
@@ -308,8 +309,20 @@ impl<'m> Engine<'m> {
     pub fn step(&mut self) -> Result<Vec<Update>> {
         let mut out = Vec::new();
         self.drop_cancelled(&mut out)?;
-        self.prefill_some(&mut out)?;
+        let start = Instant::now();
+        let prefilled = self.prefill_some(&mut out)?;
+        let prefill_time = start.elapsed();
         self.decode(&mut out)?;
+        if prefilled > 0 || !self.running.is_empty() {
+            tracing::debug!(
+                prefill_tokens = prefilled,
+                prefill_ms = prefill_time.as_secs_f64() * 1e3,
+                decode_rows = self.running.len(),
+                decode_ms = (start.elapsed() - prefill_time).as_secs_f64() * 1e3,
+                waiting = self.waiting.len(),
+                "engine step"
+            );
+        }
         Ok(out)
     }
 

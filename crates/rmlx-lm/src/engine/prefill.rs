@@ -61,9 +61,10 @@ impl Layout {
 impl Engine<'_> {
     /// Computes up to [`super::EngineOptions::prefill_tokens`] prompt tokens (padding included);
     /// the sequences whose prompt is done join the running batch together (one copy of the
-    /// batch's cache per step, not one per newcomer).
-    pub(super) fn prefill_some(&mut self, out: &mut Vec<Update>) -> Result<()> {
-        let mut budget = self.opts.prefill_tokens.max(1);
+    /// batch's cache per step, not one per newcomer). Returns the tokens computed.
+    pub(super) fn prefill_some(&mut self, out: &mut Vec<Update>) -> Result<usize> {
+        let full = self.opts.prefill_tokens.max(1);
+        let mut budget = full;
         let mut joining: Vec<Joining> = Vec::new();
         while budget > 0 {
             if self.prefill.is_none() {
@@ -100,7 +101,8 @@ impl Engine<'_> {
             let p = self.prefill.take().expect("set above");
             joining.extend(self.first_tokens(vec![p.seq], p.caches, &h, out)?);
         }
-        self.join(joining)
+        self.join(joining)?;
+        Ok(full - budget)
     }
 
     /// Takes the waiting requests to compute together: as many as the batch, the key/value

@@ -523,7 +523,7 @@ fn source(s: &Shape) -> String {
 /// place.
 fn launch_for(s: Shape) -> Result<Arc<CudaLaunch>> {
     static LAUNCHES: Launches<Shape> = LazyLock::new(Mutex::default);
-    launch_once(&LAUNCHES, &s, || make_launch(&s))
+    launch_once(&LAUNCHES, "rmlx_decode_attention", &s, || make_launch(&s))
 }
 
 /// The launch for `s` (its kernel compiled, or read from the cache).

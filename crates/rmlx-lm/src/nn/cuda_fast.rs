@@ -181,7 +181,7 @@ fn source(s: &KernelShape) -> String {
 /// (for all rows) for `s`, made once per process.
 fn launch_for(s: KernelShape) -> Result<Arc<CudaLaunch>> {
     static LAUNCHES: Launches<KernelShape> = LazyLock::new(Mutex::default);
-    launch_once(&LAUNCHES, &s, || make_launch(&s))
+    launch_once(&LAUNCHES, "rmlx_qkv_heads", &s, || make_launch(&s))
 }
 
 /// The launch for `s` (its kernel compiled, or read from the cache).
@@ -229,16 +229,20 @@ pub(super) fn cuda_type(dtype: Dtype) -> &'static str {
 /// thread.
 pub(super) type Launches<K> = LazyLock<Mutex<HashMap<K, Arc<CudaLaunch>>>>;
 
-/// The launch for `key` in `launches`, made by `make` the first time.
+/// The launch of kernel `name` for `key` in `launches`, made by `make` the first time (how long
+/// that took, its kernel compiled or read from the cache, is logged at debug level).
 pub(super) fn launch_once<K: Eq + Hash + Clone>(
     launches: &Launches<K>,
+    name: &str,
     key: &K,
     make: impl FnOnce() -> Result<CudaLaunch>,
 ) -> Result<Arc<CudaLaunch>> {
     if let Some(l) = launches.lock().unwrap_or_else(|e| e.into_inner()).get(key) {
         return Ok(l.clone());
     }
+    let start = std::time::Instant::now();
     let launch = Arc::new(make()?);
+    tracing::debug!(kernel = name, ms = start.elapsed().as_secs_f64() * 1e3, "CUDA launch made");
     launches.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), launch.clone());
     Ok(launch)
 }

@@ -356,7 +356,7 @@ fn source(s: &Shape) -> String {
 /// once per process and prepared once.
 fn launch_for(chain: &[Shape], residuals: &[Option<usize>]) -> Result<Arc<CudaLaunch>> {
     static LAUNCHES: Launches<(Vec<Shape>, Vec<Option<usize>>)> = LazyLock::new(Mutex::default);
-    launch_once(&LAUNCHES, &(chain.to_vec(), residuals.to_vec()), || make_launch(chain, residuals))
+    launch_once(&LAUNCHES, "rmlx_fused_matvec", &(chain.to_vec(), residuals.to_vec()), || make_launch(chain, residuals))
 }
 
 /// The launch of the products `chain` with `residuals` (their kernels compiled, or read from the
