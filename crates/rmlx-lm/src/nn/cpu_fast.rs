@@ -1,6 +1,6 @@
-//! RMSNorm, RoPE, causal attention over a key/value cache (a decoding step's query or a prompt's),
-//! SwiGLU and the sampler's log-softmax on the CPU, as one primitive each (and their arithmetic on
-//! slices, which the fused decoding step, [`super::cpu_layer`], shares).
+//! RMSNorm, RoPE, SwiGLU and the sampler's log-softmax on the CPU, as one primitive each (and
+//! their arithmetic on slices, which the fused decoding step, [`super::cpu_layer`], shares);
+//! attention over a key/value cache is [`super::cpu_attention`]'s, re-exported here.
 //!
 //! MLX's CPU backend has no kernels for its fused `rms_norm` and `rope`: it composes each from
 //! a dozen or more small operations (squares, sums, broadcasts, `Arange`, `Sin`, `Cos`,
@@ -11,6 +11,7 @@
 //! They have no derivatives: [`applies`] keeps them out of training and of traced transforms,
 //! where MLX's operations (differentiable) stay in use. On the GPU, MLX's own kernels run.
 
+pub use super::cpu_attention::cache_attention;
 use crate::nn::cpu_qmm::to_f32;
 use crate::nn::training;
 use half::{bf16, f16};
@@ -38,19 +39,6 @@ pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Array> {
 /// divided by `divisors[i]` (`[dims/2]`, float32), is the angle of pair `i`.
 pub fn rope(x: &Array, dims: i32, divisors: &Array, scale: f32, offsets: &Array) -> Result<Array> {
     let out = apply(RopeCpu { dims: dims as usize, scale }, &[x.clone(), divisors.clone(), offsets.clone()])?;
-    Ok(out.into_iter().next().expect("one output"))
-}
-
-/// Attention of the last `L` of `valid` positions, queries `q` `[B, Hq, L, D]`, over the first
-/// `valid` positions of the cache buffers `keys`, `values` `[B, Hkv, capacity, D]` (`Hq` a multiple
-/// of `Hkv`: query head `h` reads key/value head `h / (Hq / Hkv)`), causally (query `l` sees
-/// positions `0..=valid - L + l`), scores multiplied by `scale`. Softmax and sums in float32.
-/// One query (a decoding step) runs on the evaluating thread; a prompt's queries are split over
-/// the threads (MLX's CPU attention over a prompt of half-precision values runs its products
-/// without BLAS, on one thread).
-pub fn cache_attention(q: &Array, keys: &Array, values: &Array, valid: usize, scale: f32) -> Result<Array> {
-    let op = CacheAttentionCpu { valid, scale };
-    let out = apply(op, &[q.clone(), keys.clone(), values.clone()])?;
     Ok(out.into_iter().next().expect("one output"))
 }
 
@@ -264,125 +252,6 @@ impl CustomPrimitive for RopeCpu {
     }
 }
 
-struct CacheAttentionCpu {
-    valid: usize,
-    scale: f32,
-}
-
-impl CustomPrimitive for CacheAttentionCpu {
-    fn name(&self) -> String {
-        "CpuCacheAttention".into()
-    }
-
-    fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
-        let (q, k, v) = (&inputs[0], &inputs[1], &inputs[2]);
-        let fits = q.shape.len() == 4
-            && q.shape[2] >= 1
-            && k.shape.len() == 4
-            && k.shape == v.shape
-            && k.shape[0] == q.shape[0]
-            && k.shape[1] > 0
-            && q.shape[1] % k.shape[1] == 0
-            && k.shape[3] == q.shape[3]
-            && self.valid >= q.shape[2] as usize
-            && self.valid <= k.shape[2] as usize
-            && q.dtype == k.dtype
-            && k.dtype == v.dtype;
-        if !fits {
-            return Err(Error::InvalidArgument(format!(
-                "cache attention: q {:?}, keys {:?}, values {:?}, {} valid positions",
-                q.shape, k.shape, v.shape, self.valid
-            )));
-        }
-        Ok(vec![q.clone()])
-    }
-
-    fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
-        let (qs, ks) = (inputs[0].shape(), inputs[1].shape());
-        let (b, hq, len, d) = (qs[0] as usize, qs[1] as usize, qs[2] as usize, qs[3] as usize);
-        let (hkv, capacity) = (ks[1] as usize, ks[2] as usize);
-        let q = to_f32(&inputs[0])?;
-        let (keys, values) = (Rows::of(&inputs[1])?, Rows::of(&inputs[2])?);
-        let mut y = vec![0f32; q.len()];
-        let group = hq / hkv;
-        if len == 1 {
-            let mut scratch = AttentionScratch::default();
-            for bi in 0..b {
-                for kv in 0..hkv {
-                    let heads = (bi * hq + kv * group) * d..(bi * hq + (kv + 1) * group) * d;
-                    let at = (bi * hkv + kv) * capacity * d;
-                    let cache = (keys.at(at), values.at(at));
-                    scratch.attend(&q[heads.clone()], cache, self.valid, d, self.scale, &mut y[heads]);
-                }
-            }
-            return store(&mut outputs[0], &y);
-        }
-        // A prompt: every key/value head's valid rows in float32 once, then one query row a part.
-        let heads: Vec<(Vec<f32>, Vec<f32>)> = (0..b * hkv)
-            .map(|h| {
-                let at = h * capacity * d;
-                let (mut k, mut v) = (Vec::new(), Vec::new());
-                keys.at(at).read(self.valid * d, &mut k);
-                values.at(at).read(self.valid * d, &mut v);
-                (k, v)
-            })
-            .collect();
-        let first_visible = self.valid - len + 1;
-        super::cpu_pool::for_each_part(&mut y, d, |row, out| {
-            let (head, l) = (row / len, row % len);
-            let (k, v) = &heads[(head / hq) * hkv + (head % hq) / group];
-            let query = &q[row * d..(row + 1) * d];
-            attend_row(query, (k, v), first_visible + l, d, self.scale, exponentials, &mut Vec::new(), out);
-        });
-        store(&mut outputs[0], &y)
-    }
-
-    fn is_equivalent(&self, other: &Self) -> bool {
-        self.valid == other.valid && self.scale == other.scale
-    }
-}
-
-/// One query over the first `visible` rows of `keys` and `values` (`[_, D]`, float32) into `out`:
-/// scores in `scores`, their exponentials less the maximum by `exp`, summed in order.
-#[allow(clippy::too_many_arguments)]
-fn attend_row(
-    query: &[f32],
-    (keys, values): (&[f32], &[f32]),
-    visible: usize,
-    d: usize,
-    scale: f32,
-    exp: impl Fn(&mut [f32], f32),
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    scores.clear();
-    scores.extend(keys.chunks_exact(d).take(visible).map(|k| scale * dot(query, k)));
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    exp(scores, max);
-    let total = scores.iter().fold(0f32, |t, &s| t + s);
-    out.fill(0.0);
-    for (p, v) in scores.iter().zip(values.chunks_exact(d)) {
-        let w = p / total;
-        out.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
-    }
-}
-
-/// `s ← exp(s - max)` for every score.
-fn exponentials(scores: &mut [f32], max: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("fma") {
-        // SAFETY: the processor has FMA.
-        return unsafe { exponentials_fma(scores, max) };
-    }
-    scores.iter_mut().for_each(|s| *s = mlx_exp(*s - max));
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-unsafe fn exponentials_fma(scores: &mut [f32], max: f32) {
-    scores.iter_mut().for_each(|s| *s = mlx_exp(*s - max));
-}
-
 /// `silu(g) · u` as the composed graph computes it on the CPU: MLX's sigmoid (its own `exp`, the
 /// exponential rounded to `dtype`), times `g`, times `u`, each result rounded to `dtype`.
 pub(crate) fn swiglu(g: &[f32], u: &[f32], dtype: Dtype) -> Vec<f32> {
@@ -529,78 +398,6 @@ impl Angles {
             let (a, z) = (x[i], x[i + half]);
             y[i] = a * c - z * s;
             y[i + half] = a * s + z * c;
-        }
-    }
-}
-
-/// One key/value head's cached rows: `[capacity, D]` from a position's row on.
-#[derive(Clone, Copy)]
-pub(crate) enum Rows<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [bf16]),
-    F16(&'a [f16]),
-}
-
-impl<'a> Rows<'a> {
-    pub fn of(t: &'a CpuTensor<'_>) -> Result<Rows<'a>> {
-        Ok(match t.dtype() {
-            Dtype::Float32 => Rows::F32(t.as_slice::<f32>()?),
-            Dtype::Bfloat16 => Rows::Bf16(t.as_slice::<bf16>()?),
-            Dtype::Float16 => Rows::F16(t.as_slice::<f16>()?),
-            d => return Err(Error::InvalidArgument(format!("a tensor of dtype {d:?}"))),
-        })
-    }
-
-    /// The rows from element `at` on.
-    pub fn at(self, at: usize) -> Rows<'a> {
-        match self {
-            Rows::F32(s) => Rows::F32(&s[at..]),
-            Rows::Bf16(s) => Rows::Bf16(&s[at..]),
-            Rows::F16(s) => Rows::F16(&s[at..]),
-        }
-    }
-
-    /// The first `n` elements in float32, into `out`.
-    fn read(&self, n: usize, out: &mut Vec<f32>) {
-        out.clear();
-        match self {
-            Rows::F32(s) => out.extend_from_slice(&s[..n]),
-            // A bfloat16 is the upper half of its float32 (NaN included).
-            Rows::Bf16(s) => out.extend(s[..n].iter().map(|v| f32::from_bits((v.to_bits() as u32) << 16))),
-            Rows::F16(s) => out.extend(s[..n].iter().map(|v| v.to_f32())),
-        }
-    }
-}
-
-/// Buffers reused across the heads of one attention.
-#[derive(Default)]
-pub(crate) struct AttentionScratch {
-    keys: Vec<f32>,
-    values: Vec<f32>,
-    scores: Vec<f32>,
-}
-
-impl AttentionScratch {
-    /// The query heads `q` (`[G, D]`, a group sharing one key/value head) attending over the
-    /// first `valid` rows of `(keys, values)`, softmax in float32; the result into `out` (`[G, D]`).
-    /// The group's key and value rows are converted to float32 once.
-    pub fn attend(
-        &mut self,
-        q: &[f32],
-        (keys, values): (Rows<'_>, Rows<'_>),
-        valid: usize,
-        d: usize,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        keys.read(valid * d, &mut self.keys);
-        values.read(valid * d, &mut self.values);
-        // libm's `exp` here (a decoding step's tokens were measured with it); a prompt's rows
-        // take MLX's, vectorised.
-        let libm = |s: &mut [f32], max: f32| s.iter_mut().for_each(|v| *v = (*v - max).exp());
-        for (qh, oh) in q.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            let rows = (&self.keys[..], &self.values[..]);
-            attend_row(qh, rows, valid, d, scale, libm, &mut self.scores, oh);
         }
     }
 }

@@ -21,8 +21,8 @@
 //! It serves one sequence and one position (a decoding step of `generate`), outside training and
 //! traced transforms, when no adapter changes a projection: otherwise the block is composed.
 
-use super::cpu_fast::{rms_row, round, store, swiglu, Angles, AttentionScratch, Rows};
-use super::cpu_pool::for_each_part;
+use super::cpu_attention::{attend_heads, Rows};
+use super::cpu_fast::{rms_row, round, store, swiglu, Angles};
 use super::cpu_qmm::{row_products, to_f32, Packed};
 use super::{GatedMlp, Linear, LinearWeight, RmsNorm};
 use crate::cache::StandardCache;
@@ -308,17 +308,11 @@ impl CustomPrimitive for AttentionOutputMlp {
         let [o, gate, up, down] = self.layouts;
         let x = to_f32(&inputs[0])?;
         let q = to_f32(&inputs[1])?;
-        let (heads, kv_heads, capacity) =
-            (inputs[1].shape()[1] as usize, inputs[2].shape()[1] as usize, inputs[2].shape()[2] as usize);
+        let (kv_heads, capacity) = (inputs[2].shape()[1] as usize, inputs[2].shape()[2] as usize);
         let (keys, values) = (Rows::of(&inputs[2])?, Rows::of(&inputs[3])?);
-        let group = heads / kv_heads;
-        // The key/value heads over the threads.
+        let cache: Vec<_> = (0..kv_heads).map(|h| (keys.at(h * capacity * d), values.at(h * capacity * d))).collect();
         let mut attended = vec![0f32; q.len()];
-        for_each_part(&mut attended, group * d, |kv, out| {
-            let cache = (keys.at(kv * capacity * d), values.at(kv * capacity * d));
-            let queries = &q[kv * group * d..(kv + 1) * group * d];
-            AttentionScratch::default().attend(queries, cache, self.valid, d, self.scale, out);
-        });
+        attend_heads(&q, &cache, self.valid, d, self.scale, &mut attended);
         round(&mut attended, dtype);
         let projected = product(&attended, &inputs[5..8], o, dtype)?;
         let mut h: Vec<f32> = x.iter().zip(&projected).map(|(a, b)| a + b).collect();

@@ -4,6 +4,7 @@
 //! its parameters are listed and replaced by the checkpoint's names.
 
 mod adapter_bank;
+pub(crate) mod cpu_attention;
 pub(crate) mod cpu_fast;
 pub(crate) mod cpu_layer;
 mod cpu_pool;

@@ -85,6 +85,31 @@ fn training_keeps_mlx_operations() {
 fn cache_attention_matches_mlx() {
     rmlx::with_device(rmlx::Device::cpu(), || {
         let key = random::key(9).unwrap();
+        // Head sizes with rows of their own (64, 128, 256) and without (16).
+        for d in [64, 128, 256] {
+            // 6 query heads over 2 key/value heads: a step computes 3 rows together, a prompt of 7
+            // positions 4 and 3.
+            let q = random::normal(&[1, 6, 7, d], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
+            let k = random::normal(&[1, 2, 23, d], Dtype::Float32, 0.0, 1.0, Some(&random::key(10).unwrap())).unwrap();
+            let v = random::normal(&[1, 2, 23, d], Dtype::Float32, 0.0, 1.0, Some(&random::key(11).unwrap())).unwrap();
+            // A row is computed the same in any company: the prompt's last row is the step's.
+            let prompt = cpu_fast::cache_attention(&q, &k, &v, 23, 0.1).unwrap();
+            let last = q.slice_axis(2, 6, 7, 1).unwrap();
+            let step = cpu_fast::cache_attention(&last, &k, &v, 23, 0.1).unwrap();
+            let prompt_last = prompt.slice_axis(2, 6, 7, 1).unwrap().to_vec::<f32>().unwrap();
+            assert_eq!(prompt_last, step.to_vec::<f32>().unwrap(), "D = {d}");
+            // Four keys at a time and the rest (1, 3, 4, 21 valid positions), a step and a prompt.
+            for (queries, valid) in [(1, 1), (1, 3), (1, 4), (1, 21), (5, 5), (7, 23)] {
+                let q = q.slice_axis(2, 0, queries, 1).unwrap();
+                let got = cpu_fast::cache_attention(&q, &k, &v, valid, 0.1).unwrap();
+                let (kv, vv) =
+                    (k.slice_axis(2, 0, valid as i32, 1).unwrap(), v.slice_axis(2, 0, valid as i32, 1).unwrap());
+                let mask = if queries == 1 { fast::AttentionMask::None } else { fast::AttentionMask::Causal };
+                let want = fast::scaled_dot_product_attention(&q, &kv, &vv, 0.1, mask).unwrap();
+                let err = max_abs_diff(&got, &want);
+                assert!(err <= 1e-5, "D = {d}, {queries} queries, {valid} valid: off by {err}");
+            }
+        }
         // Two sequences, 4 query heads over 2 key/value heads, buffers of 40 positions.
         let q = random::normal(&[2, 4, 7, 16], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
         let k = random::normal(&[2, 2, 40, 16], Dtype::Float32, 0.0, 1.0, Some(&random::key(10).unwrap())).unwrap();
