@@ -35,9 +35,9 @@ const MLX_KERNEL_VARIABLE: &str = "MLX_PTX_CACHE_DIR";
 
 /// Keeps the kernels MLX's CUDA backend compiles at run time in `mlx-kernels/<MLX version>` of
 /// [`cache_dir`], where MLX would keep them in the system's temporary directory, which many
-/// systems empty at boot. They are worth keeping: on an H200, MLX compiling the quantised
-/// products of a qwen3-8b 4-bit model took 56 s of its first 320-token prompt, and 72 s more of
-/// a server's first batch of 32 requests. Sets `MLX_PTX_CACHE_DIR` unless it is set already (or
+/// systems empty at boot. They are worth keeping: on an H200, MLX compiling the kernels a
+/// qwen3-8b 4-bit model needs took 56 s of its first 320-token prompt, and 72 s more of a
+/// server's first batch of 32 requests. Sets `MLX_PTX_CACHE_DIR` unless it is set already (or
 /// MLX runs no CUDA), so call it before the GPU's first use, while no other thread runs: MLX
 /// reads it once. Returns the directory it chose, logging (at info) when it is still empty.
 pub fn persist_mlx_kernels() -> Option<PathBuf> {

@@ -311,13 +311,13 @@ impl<'m> Engine<'m> {
         self.drop_cancelled(&mut out)?;
         let start = Instant::now();
         let prefilled = self.prefill_some(&mut out)?;
-        let prefill_time = start.elapsed();
+        let (prefill_time, rows) = (start.elapsed(), self.running.len());
         self.decode(&mut out)?;
-        if prefilled > 0 || !self.running.is_empty() {
+        if prefilled > 0 || rows > 0 {
             tracing::debug!(
                 prefill_tokens = prefilled,
                 prefill_ms = prefill_time.as_secs_f64() * 1e3,
-                decode_rows = self.running.len(),
+                decode_rows = rows,
                 decode_ms = (start.elapsed() - prefill_time).as_secs_f64() * 1e3,
                 waiting = self.waiting.len(),
                 "engine step"

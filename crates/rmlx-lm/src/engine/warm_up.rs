@@ -1,8 +1,7 @@
 //! A start-up pass over the shapes a server's steps take. MLX's CUDA backend compiles some kernels
-//! (the quantised products among them) the first time a shape of work needs them, and rmlx's own
-//! kernels are made per batch size: on a fresh machine a qwen3-8b 4-bit server spent 72 s of its
-//! first burst of 32 requests compiling (BENCHMARKS.md). [`Engine::warm_up`] pays that before the
-//! first client waits for it.
+//! the first time a shape of work needs them, and rmlx's own kernels are made per batch size: on
+//! a fresh machine a qwen3-8b 4-bit server spent 72 s of its first burst of 32 requests in MLX's
+//! compiler (BENCHMARKS.md). [`Engine::warm_up`] pays that before the first client waits for it.
 
 use super::{Engine, PromptCache, Request};
 use crate::generate::GenerateOptions;
