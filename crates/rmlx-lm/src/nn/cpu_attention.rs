@@ -12,7 +12,7 @@
 //! row at a time with a dot product's one chain of additions, a 2,048-token prompt of the default
 //! model ran at 120–137 tokens/s against 180–209 now (BENCHMARKS.md).
 
-use super::cpu_fast::{mlx_exp, store};
+use super::cpu_fast::{dot_as as dot, madd, mlx_exp, store};
 use crate::nn::cpu_pool::for_each;
 use crate::nn::cpu_qmm::to_f32;
 use half::{bf16, f16};
@@ -266,10 +266,7 @@ fn rows_of<const D: usize, const M: usize, const FMA: bool>(
     }
     if !FMA || cfg!(not(target_arch = "x86_64")) {
         for (m, out) in out.chunks_exact_mut(D).enumerate() {
-            out.fill(0.0);
-            for (p, v) in scores.iter().zip(values.chunks_exact(D)) {
-                out.iter_mut().zip(v).for_each(|(o, &v)| *o = madd::<FMA>(p[m], v, *o));
-            }
+            row_sum::<FMA>(scores.iter().map(|p| p[m]), values, out);
         }
     }
     for (row, total) in out.chunks_exact_mut(D).zip(totals) {
@@ -289,11 +286,18 @@ fn any_size<const FMA: bool>(
 ) {
     let mut scores: Vec<f32> = keys[..seen * d].chunks_exact(d).map(|k| scale * dot::<FMA>(q, k)).collect();
     let total = exponentials(&mut scores);
+    row_sum::<FMA>(scores.iter().copied(), values, out);
+    out.iter_mut().for_each(|o| *o /= total);
+}
+
+/// `Σ p[pos] · values[pos]` over the rows of `values` (`[_, out.len()]`) into `out`, one value at a
+/// time: [`weighted_sum`]'s arithmetic for any size.
+#[inline(always)]
+fn row_sum<const FMA: bool>(p: impl Iterator<Item = f32>, values: &[f32], out: &mut [f32]) {
     out.fill(0.0);
-    for (&p, v) in scores.iter().zip(values.chunks_exact(d)) {
+    for (p, v) in p.zip(values.chunks_exact(out.len())) {
         out.iter_mut().zip(v).for_each(|(o, &v)| *o = madd::<FMA>(p, v, *o));
     }
-    out.iter_mut().for_each(|o| *o /= total);
 }
 
 /// `s ← exp(s − max s)` with MLX's `exp`; returns their sum, taken in order.
@@ -304,34 +308,9 @@ fn exponentials(scores: &mut [f32]) -> f32 {
     scores.iter().fold(0f32, |t, &s| t + s)
 }
 
-/// `a · b + c`, fused or not.
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
-}
-
-/// The dot product of two rows in eight lanes, the lanes then summed in order. Every head size
-/// computes a key's score this way, four keys at a time or one.
-#[inline(always)]
-fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail = ac.remainder().iter().zip(bc.remainder()).fold(0f32, |t, (x, y)| madd::<FMA>(*x, *y, t));
-    for (x, y) in ac.zip(bc) {
-        for i in 0..8 {
-            lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
-        }
-    }
-    lanes.iter().fold(0f32, |t, &l| t + l) + tail
-}
-
 /// `scale ·` the dot product of the query with every row of `keys` (`[_, D]`), appended to
 /// `scores`: four rows at a time, each in eight lanes of its own (the same arithmetic as
-/// [`dot`], so a key's score does not depend on where its block starts).
+/// [`super::cpu_fast::dot_as`], so a key's score does not depend on where its block starts).
 #[inline(always)]
 fn scores_of<const D: usize, const FMA: bool>(query: &[f32], keys: &[f32], scale: f32, scores: &mut Vec<f32>) {
     let q: &[f32; D] = query.try_into().expect("a query row of D values");
@@ -403,8 +382,8 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// The multi-row kernels in AVX2 and FMA instructions, lane for lane the arithmetic of [`dot`]
-/// and [`weighted_sum`] (the compiler vectorised the rows instead of the lanes).
+/// The multi-row kernels in AVX2 and FMA instructions, lane for lane the arithmetic of
+/// [`super::cpu_fast::dot_as`] and [`weighted_sum`] (the compiler vectorised the rows instead of the lanes).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;

@@ -359,15 +359,32 @@ pub(crate) fn rms_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// `Σ a·b` with eight independent sums, which the compiler keeps in one vector register.
 #[inline]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_as::<false>(a, b)
+}
+
+/// [`dot`] with fused multiply-adds (`FMA`) or a product and a sum: eight lanes, then the lanes
+/// summed in order, then the tail past a multiple of eight.
+#[inline(always)]
+pub(crate) fn dot_as<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    let tail = ac.remainder().iter().zip(bc.remainder()).fold(0f32, |t, (x, y)| madd::<FMA>(*x, *y, t));
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
-            lanes[i] += x[i] * y[i];
+            lanes[i] = madd::<FMA>(x[i], y[i], lanes[i]);
         }
     }
-    lanes.iter().sum::<f32>() + tail
+    lanes.iter().fold(0f32, |t, &l| t + l) + tail
+}
+
+/// `a · b + c`, fused or not.
+#[inline(always)]
+pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
 }
 
 /// The cosines and sines of one position's rotary angles.

@@ -81,6 +81,16 @@ fn training_keeps_mlx_operations() {
     })
 }
 
+/// `cache_attention` of the first `queries` rows of `q` over `valid` positions, and MLX's
+/// attention over those positions (causal for more than one query).
+fn attention_and_mlx((q, k, v): (&Array, &Array, &Array), queries: i32, valid: usize, scale: f32) -> (Array, Array) {
+    let q = q.slice_axis(2, 0, queries, 1).unwrap();
+    let got = cpu_fast::cache_attention(&q, k, v, valid, scale).unwrap();
+    let (kv, vv) = (k.slice_axis(2, 0, valid as i32, 1).unwrap(), v.slice_axis(2, 0, valid as i32, 1).unwrap());
+    let mask = if queries == 1 { fast::AttentionMask::None } else { fast::AttentionMask::Causal };
+    (got, fast::scaled_dot_product_attention(&q, &kv, &vv, scale, mask).unwrap())
+}
+
 #[test]
 fn cache_attention_matches_mlx() {
     rmlx::with_device(rmlx::Device::cpu(), || {
@@ -100,12 +110,7 @@ fn cache_attention_matches_mlx() {
             assert_eq!(prompt_last, step.to_vec::<f32>().unwrap(), "D = {d}");
             // Four keys at a time and the rest (1, 3, 4, 21 valid positions), a step and a prompt.
             for (queries, valid) in [(1, 1), (1, 3), (1, 4), (1, 21), (5, 5), (7, 23)] {
-                let q = q.slice_axis(2, 0, queries, 1).unwrap();
-                let got = cpu_fast::cache_attention(&q, &k, &v, valid, 0.1).unwrap();
-                let (kv, vv) =
-                    (k.slice_axis(2, 0, valid as i32, 1).unwrap(), v.slice_axis(2, 0, valid as i32, 1).unwrap());
-                let mask = if queries == 1 { fast::AttentionMask::None } else { fast::AttentionMask::Causal };
-                let want = fast::scaled_dot_product_attention(&q, &kv, &vv, 0.1, mask).unwrap();
+                let (got, want) = attention_and_mlx((&q, &k, &v), queries, valid, 0.1);
                 let err = max_abs_diff(&got, &want);
                 assert!(err <= 1e-5, "D = {d}, {queries} queries, {valid} valid: off by {err}");
             }
@@ -119,12 +124,7 @@ fn cache_attention_matches_mlx() {
             // One query (a decoding step) over 1, 29 or 40 valid positions, then the last 7 of 7, 29
             // or 40 causally (a prompt, its first chunk or a later one).
             for (queries, valid) in [(1, 1), (1, 29), (1, 40), (7, 7), (7, 29), (7, 40)] {
-                let q = q.slice_axis(2, 0, queries, 1).unwrap();
-                let got = cpu_fast::cache_attention(&q, &k, &v, valid, 0.3).unwrap();
-                let (kv, vv) =
-                    (k.slice_axis(2, 0, valid as i32, 1).unwrap(), v.slice_axis(2, 0, valid as i32, 1).unwrap());
-                let mask = if queries == 1 { fast::AttentionMask::None } else { fast::AttentionMask::Causal };
-                let want = fast::scaled_dot_product_attention(&q, &kv, &vv, 0.3, mask).unwrap();
+                let (got, want) = attention_and_mlx((&q, &k, &v), queries, valid, 0.3);
                 assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype));
                 let err = max_abs_diff(&got, &want);
                 assert!(err <= tol, "{dtype:?}, {queries} queries, {valid} valid: off by {err}");
