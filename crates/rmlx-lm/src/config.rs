@@ -294,7 +294,7 @@ impl ModelConfig {
             return types.get(i).is_some_and(|t| t == "sliding_attention");
         }
         match self.sliding_window_pattern {
-            Some(p) if p > 0 => (i + 1) % p != 0,
+            Some(p) if p > 0 => !(i + 1).is_multiple_of(p),
             _ => false,
         }
     }

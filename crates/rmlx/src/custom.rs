@@ -127,7 +127,7 @@ fn typed<T: Element>(dtype: Dtype, bytes: &[u8]) -> Result<(*const T, usize)> {
         return Err(Error::DtypeMismatch { expected: T::DTYPE, found: dtype });
     }
     let n = bytes.len() / std::mem::size_of::<T>();
-    if (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(Error::InvalidArgument("misaligned buffer".into()));
     }
     Ok((bytes.as_ptr() as *const T, n))

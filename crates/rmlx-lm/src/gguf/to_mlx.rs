@@ -66,7 +66,7 @@ impl GgufFile {
 /// little-endian host, else decoded element by element. `T` must be `f32`, `f16` or `bf16`.
 fn dense<T: rmlx::Element, const N: usize>(bytes: &[u8], shape: &[i32], conv: fn([u8; N]) -> T) -> Result<Array> {
     debug_assert_eq!(std::mem::size_of::<T>(), N);
-    if cfg!(target_endian = "little") && bytes.as_ptr() as usize % std::mem::align_of::<T>() == 0 {
+    if cfg!(target_endian = "little") && (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
         // SAFETY: T is a plain float type of N bytes for which every bit pattern is valid, the
         // pointer is aligned, and the slice covers `bytes.len() / N` whole elements.
         let s = unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / N) };

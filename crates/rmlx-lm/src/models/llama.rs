@@ -75,7 +75,7 @@ pub fn unpermute_llama_rows(w: Weight, n_head: usize) -> Result<Weight> {
     let shape = w.shape();
     let rows =
         *shape.first().ok_or_else(|| crate::Error::Config("unpermute_llama_rows: a 0-d tensor".into()))? as usize;
-    if n_head.checked_mul(2).is_none_or(|pair| pair == 0 || rows % pair != 0) {
+    if n_head.checked_mul(2).is_none_or(|pair| pair == 0 || !rows.is_multiple_of(pair)) {
         return Err(crate::Error::Config(format!(
             "unpermute_llama_rows: {rows} rows cannot be split into {n_head} heads of pairs"
         )));

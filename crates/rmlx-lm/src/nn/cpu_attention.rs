@@ -396,7 +396,7 @@ mod avx2 {
         scale: f32,
         out: &mut Vec<[f32; M]>,
     ) {
-        assert!(q.len() >= M * D && keys.len() % D == 0);
+        assert!(q.len() >= M * D && keys.len().is_multiple_of(D));
         let q = q.as_ptr();
         for k in keys.chunks_exact(D) {
             let k = k.as_ptr();
@@ -422,7 +422,7 @@ mod avx2 {
         values: &[f32],
         out: &mut [f32],
     ) {
-        assert!(values.len() >= p.len() * D && out.len() >= M * D && D % 16 == 0);
+        assert!(values.len() >= p.len() * D && out.len() >= M * D && D.is_multiple_of(16));
         let v = values.as_ptr();
         for c0 in (0..D).step_by(16) {
             let mut sums = [[_mm256_setzero_ps(); 2]; M];

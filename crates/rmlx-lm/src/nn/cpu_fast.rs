@@ -208,7 +208,7 @@ impl CustomPrimitive for RopeCpu {
     fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
         let (x, div, off) = (&inputs[0], &inputs[1], &inputs[2]);
         let fits = x.shape.len() == 4
-            && self.dims % 2 == 0
+            && self.dims.is_multiple_of(2)
             && self.dims <= x.shape[3] as usize
             && div.shape == [self.dims as i32 / 2]
             && div.dtype == Dtype::Float32

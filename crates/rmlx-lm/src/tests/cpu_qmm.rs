@@ -144,3 +144,60 @@ fn half_rows_take_the_integer_form() {
         assert!(y[n as usize..].iter().all(|v| v.is_finite()), "{y:?}");
     })
 }
+
+/// Every SIMD level of the float form this processor runs (CI's and the development machine's
+/// may differ: each is forced here) against the dequantised weights times `x` summed in float64,
+/// for 4 and 8 bits and groups of 16 (plain code), 32, 64 and 128 (block counts fixed in the
+/// kernels) and 96 (any block count), two rows of `x`.
+#[test]
+fn every_simd_level_of_the_float_form_matches_float64() {
+    use crate::nn::cpu_qmm::float::{FloatRows, Row, Simd};
+    let levels: Vec<Simd> = [Simd::Portable, Simd::Avx2, Simd::Avx512].into_iter().filter(|s| s.available()).collect();
+    // A small deterministic generator: the values do not matter, only that every nibble occurs.
+    let mut state = 0x2545_f491_u32;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        state
+    };
+    let (n, k, m) = (5usize, 384usize, 2usize);
+    for bits in [4usize, 8] {
+        for group in [16usize, 32, 64, 96, 128] {
+            let groups = k / group;
+            let words: Vec<u32> = (0..n * k * bits / 32).map(|_| next()).collect();
+            let unit = |v: u32| (v % 2001) as f32 / 1000.0 - 1.0;
+            let scales: Vec<f32> = (0..n * groups).map(|_| unit(next()) * 0.1).collect();
+            let biases: Vec<f32> = (0..n * groups).map(|_| unit(next())).collect();
+            let x: Vec<f32> = (0..m * k).map(|_| unit(next()) * 3.0).collect();
+            let value = |c: usize, i: usize| {
+                let per_word = 32 / bits;
+                let q = (words[c * k / per_word + i / per_word] >> (bits * (i % per_word))) & ((1 << bits) - 1);
+                let g = c * groups + i / group;
+                scales[g] as f64 * q as f64 + biases[g] as f64
+            };
+            for &simd in &levels {
+                let rows = FloatRows::new(&x, k, bits, group, simd);
+                for c in 0..n {
+                    let wpr = k * bits / 32;
+                    let row = Row {
+                        w: &words[c * wpr..(c + 1) * wpr],
+                        scales: &scales[c * groups..(c + 1) * groups],
+                        biases: &biases[c * groups..(c + 1) * groups],
+                    };
+                    for r in 0..m {
+                        let xs = &x[r * k..(r + 1) * k];
+                        let want: f64 = (0..k).map(|i| value(c, i) * xs[i] as f64).sum();
+                        let magnitude: f64 = (0..k).map(|i| (value(c, i) * xs[i] as f64).abs()).sum();
+                        let got = row.dot(&rows, r) as f64;
+                        // float32 summation: a few units of roundoff of the terms' magnitude.
+                        assert!(
+                            (got - want).abs() <= 1e-6 * magnitude,
+                            "{simd:?}, {bits} bits, group {group}, column {c}, row {r}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

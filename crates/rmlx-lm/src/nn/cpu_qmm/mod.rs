@@ -21,6 +21,7 @@
 //! [`serves`] says which quantised matrices these products take: the loader keeps those
 //! quantised on the CPU and dequantises the others.
 
+pub(crate) mod float;
 mod gemm;
 mod int8;
 
@@ -46,7 +47,7 @@ pub fn cpu_quantized_matmul(x: &Array, q: &Quantized) -> Result<Option<Array>> {
     let group = q.group_size as usize;
     // A decoding step's few half-precision rows take the integer form (see `int8`), float32 rows
     // the float one.
-    let integer = x.dtype() != Dtype::Float32 && group % int8::BLOCK == 0 && rows as usize <= CPU_QMM_MAX_ROWS;
+    let integer = x.dtype() != Dtype::Float32 && group.is_multiple_of(int8::BLOCK) && rows as usize <= CPU_QMM_MAX_ROWS;
     let op = CpuQmm { group, bits: q.bits as usize, integer };
     let out = apply(op, &[x.clone(), q.weight.clone(), q.scales.clone(), biases.clone()])?;
     Ok(out.into_iter().next())
@@ -124,12 +125,23 @@ impl CustomPrimitive for CpuQmm {
 /// A scale or bias element.
 pub(crate) trait Scalar: Copy + Send + Sync {
     fn f(self) -> f32;
+
+    /// `values` as float32: where they are if they are float32, else widened into `buffer`.
+    fn widened<'a>(values: &'a [Self], buffer: &'a mut Vec<f32>) -> &'a [f32] {
+        buffer.clear();
+        buffer.extend(values.iter().map(|v| v.f()));
+        buffer
+    }
 }
 
 impl Scalar for f32 {
     #[inline(always)]
     fn f(self) -> f32 {
         self
+    }
+
+    fn widened<'a>(values: &'a [Self], _: &'a mut Vec<f32>) -> &'a [f32] {
+        values
     }
 }
 
@@ -145,6 +157,14 @@ impl Scalar for f16 {
     #[inline(always)]
     fn f(self) -> f32 {
         self.to_f32()
+    }
+
+    /// With the processor's conversion instructions where it has them.
+    fn widened<'a>(values: &'a [Self], buffer: &'a mut Vec<f32>) -> &'a [f32] {
+        use half::slice::HalfFloatSliceExt;
+        buffer.resize(values.len(), 0.0);
+        values.convert_to_f32_slice(buffer);
+        buffer
     }
 }
 
@@ -270,56 +290,62 @@ impl<'a> Packed<'a> {
     fn columns_of<S: Scalar>(&self, x: &Prepared, scales: &[S], biases: &[S], first: usize, out: &mut [f32]) {
         let (m, k, bits, group) = (x.m, self.k, self.bits, self.group);
         let columns = out.len() / m;
-        if let Some(xq) = &x.quantized {
-            let matrix = int8::Matrix { words: self.words, scales, biases, bits, group, k };
-            let mut dots = [0f32; COLUMNS_PER_TASK];
-            for start in (0..columns).step_by(COLUMNS_PER_TASK) {
-                let count = (columns - start).min(COLUMNS_PER_TASK);
-                for r in 0..m {
-                    matrix.dots(x.simd, xq, r, first + start, &mut dots[..count]);
-                    for (i, v) in dots[..count].iter().enumerate() {
-                        out[(start + i) * m + r] = *v;
+        let rows = match &x.form {
+            Form::Float(rows) => rows,
+            Form::Integer(xq) => {
+                let matrix = int8::Matrix { words: self.words, scales, biases, bits, group, k };
+                let mut dots = [0f32; COLUMNS_PER_TASK];
+                for start in (0..columns).step_by(COLUMNS_PER_TASK) {
+                    let count = (columns - start).min(COLUMNS_PER_TASK);
+                    for r in 0..m {
+                        matrix.dots(avx2_fma(), xq, r, first + start, &mut dots[..count]);
+                        for (i, v) in dots[..count].iter().enumerate() {
+                            out[(start + i) * m + r] = *v;
+                        }
                     }
                 }
+                return;
             }
-            return;
-        }
+        };
         let (groups, words) = (k / group, k * bits / 32);
+        let (mut scale_buffer, mut bias_buffer) = (Vec::new(), Vec::new());
         for (i, col) in out.chunks_mut(m).enumerate() {
             let c = first + i;
-            let row = Row {
+            let row = float::Row {
                 w: &self.words[c * words..(c + 1) * words],
-                scales: &scales[c * groups..(c + 1) * groups],
-                biases: &biases[c * groups..(c + 1) * groups],
+                scales: S::widened(&scales[c * groups..(c + 1) * groups], &mut scale_buffer),
+                biases: S::widened(&biases[c * groups..(c + 1) * groups], &mut bias_buffer),
             };
             for (r, v) in col.iter_mut().enumerate() {
-                let sums = &x.sums[r * groups..(r + 1) * groups];
-                *v = row.dot(x.simd, bits, group, &x.rows[r * k..(r + 1) * k], sums);
+                *v = row.dot(rows, r);
             }
         }
     }
 }
 
-/// Rows of `x` made ready for products with matrices of one layout: quantised for the integer
-/// form, or with each group's sum for the biases of the float form.
+/// Rows of `x` made ready for products with matrices of one layout, in the form they take.
 struct Prepared {
-    rows: Vec<f32>,
-    sums: Vec<f32>,
-    quantized: Option<int8::QuantizedRows>,
+    form: Form,
     m: usize,
-    simd: bool,
+}
+
+enum Form {
+    /// Unpacked weights times `x` ([`float`]).
+    Float(float::FloatRows),
+    /// `x` quantised for integer products ([`int8`]).
+    Integer(int8::QuantizedRows),
 }
 
 impl Prepared {
     fn new(x: &[f32], like: &Packed<'_>, integer: bool) -> Self {
         let (k, bits, group) = (like.k, like.bits, like.group);
         let m = x.len() / k.max(1);
-        if integer && group % int8::BLOCK == 0 {
-            let quantized = Some(int8::QuantizedRows::new(x, k, bits, group));
-            return Prepared { rows: Vec::new(), sums: Vec::new(), quantized, m, simd: avx2_fma() };
-        }
-        let sums = x.chunks(group).map(|g| g.iter().sum()).collect();
-        Prepared { rows: x.to_vec(), sums, quantized: None, m, simd: avx2_fma() }
+        let form = if integer && group % int8::BLOCK == 0 {
+            Form::Integer(int8::QuantizedRows::new(x, k, bits, group))
+        } else {
+            Form::Float(float::FloatRows::new(x, k, bits, group, float::Simd::detect()))
+        };
+        Prepared { form, m }
     }
 }
 
@@ -359,114 +385,4 @@ fn avx2_fma() -> bool {
     return std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
     #[cfg(not(target_arch = "x86_64"))]
     false
-}
-
-/// One output column's packed weights.
-struct Row<'a, S> {
-    w: &'a [u32],
-    scales: &'a [S],
-    biases: &'a [S],
-}
-
-impl<S: Scalar> Row<'_, S> {
-    /// `simd`: [`avx2_fma`]'s answer.
-    fn dot(&self, simd: bool, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: `avx2_fma` found the features.
-            return unsafe { self.dot_avx2(bits, group, x, xsum) };
-        }
-        let _ = simd;
-        self.dot_portable(bits, group, x, xsum)
-    }
-
-    /// Eight values at a time (a 4-bit word, or two 8-bit ones) unpacked, converted and multiplied
-    /// into four independent sums per group (one sum made the loop wait on each addition), each
-    /// group's sum scaled into a vector total.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_avx2(&self, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        use std::arch::x86_64::*;
-        if group % 32 != 0 || !matches!(bits, 4 | 8) {
-            return self.dot_portable(bits, group, x, xsum);
-        }
-        let (groups, words_per_group) = (self.scales.len(), group * bits / 32);
-        assert!(self.w.len() == groups * words_per_group && x.len() == groups * group && xsum.len() >= groups);
-        let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        let nibble = _mm256_set1_epi32(15);
-        // Values `8c..8c + 8` of a group's words, as floats.
-        let eight = |words: *const u32, c: usize| -> __m256i {
-            if bits == 4 {
-                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(*words.add(c) as i32), shifts), nibble)
-            } else {
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(words.add(2 * c) as *const __m128i))
-            }
-        };
-        // One group's `Σ q·x` in eight lanes.
-        let group_sum = |g: usize| -> __m256 {
-            let words = self.w.as_ptr().add(g * words_per_group);
-            let xg = x.as_ptr().add(g * group);
-            let mut acc = [_mm256_setzero_ps(); 4];
-            for c in (0..group / 8).step_by(4) {
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let v = _mm256_cvtepi32_ps(eight(words, c + i));
-                    *a = _mm256_fmadd_ps(v, _mm256_loadu_ps(xg.add(8 * (c + i))), *a);
-                }
-            }
-            _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))
-        };
-        // Even and odd groups into separate totals: one total made every group wait for the
-        // previous group's multiply-add (and the biases' sum for its addition).
-        let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let (mut bias_even, mut bias_odd) = (0f32, 0f32);
-        let mut g = 0;
-        while g + 1 < groups {
-            even = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g].f()), group_sum(g), even);
-            bias_even += self.biases[g].f() * xsum[g];
-            odd = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g + 1].f()), group_sum(g + 1), odd);
-            bias_odd += self.biases[g + 1].f() * xsum[g + 1];
-            g += 2;
-        }
-        if g < groups {
-            even = _mm256_fmadd_ps(_mm256_set1_ps(self.scales[g].f()), group_sum(g), even);
-            bias_even += self.biases[g].f() * xsum[g];
-        }
-        let bias = bias_even + bias_odd;
-        let total = _mm256_add_ps(even, odd);
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), total);
-        lanes.iter().sum::<f32>() + bias
-    }
-
-    /// Written for the compiler to vectorise: eight (or four) lanes, one per value of a word.
-    #[inline(always)]
-    fn dot_portable(&self, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        match bits {
-            4 => self.dot_bits::<4, 8>(group, x, xsum),
-            _ => self.dot_bits::<8, 4>(group, x, xsum),
-        }
-    }
-
-    #[inline(always)]
-    fn dot_bits<const BITS: u32, const PER_WORD: usize>(&self, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        let mask = (1u32 << BITS) - 1;
-        let words_per_group = group / PER_WORD;
-        let mut total = [0f32; PER_WORD];
-        let mut bias = 0f32;
-        for (g, words) in self.w.chunks_exact(words_per_group).enumerate() {
-            let mut acc = [0f32; PER_WORD];
-            let xg = &x[g * group..(g + 1) * group];
-            for (word, xs) in words.iter().zip(xg.chunks_exact(PER_WORD)) {
-                for j in 0..PER_WORD {
-                    acc[j] += ((word >> (BITS * j as u32)) & mask) as f32 * xs[j];
-                }
-            }
-            let scale = self.scales[g].f();
-            for j in 0..PER_WORD {
-                total[j] += scale * acc[j];
-            }
-            bias += self.biases[g].f() * xsum[g];
-        }
-        total.iter().sum::<f32>() + bias
-    }
 }
