@@ -4,14 +4,15 @@
 //! CPU was slower than decoding it dequantised to float32, which reads six times the bytes. This
 //! primitive reads the packed weights (4 or 8 bits, MLX's layout: values packed low bits first
 //! in `uint32` words, a scale and a bias per group of the row) and multiplies them with `x`, with
-//! AVX2 and FMA where the processor has them (detected at run time), in one of three forms:
+//! AVX2 and FMA (and AVX-512 for the float form) where the processor has them (detected at run
+//! time), in one of three forms:
 //!
 //! - up to [`CPU_QMM_MAX_ROWS`] rows (a decoding step) of bfloat16 or float16: the integer form
 //!   ([`int8`]), `x` rounded to 8 bits per block of 32 as llama.cpp rounds its activations,
 //!   integer dot products, about three times fewer instructions per value;
-//! - up to [`CPU_QMM_MAX_ROWS`] rows of float32: the float form, every weight unpacked to a float,
-//!   exact to float32 summation (the integer form moved the default model's logits by up to 0.5
-//!   against transformers' and changed greedy tokens: float32 stays exact);
+//! - up to [`CPU_QMM_MAX_ROWS`] rows of float32: the float form ([`float`]), every weight
+//!   unpacked to a float, exact to float32 summation (the integer form moved the default model's
+//!   logits by up to 0.5 against transformers' and changed greedy tokens: float32 stays exact);
 //! - more rows (a prompt): the panel form ([`gemm`]), exact to float32 summation.
 //!
 //! Large products (the output head over the vocabulary) split their columns over the cores
