@@ -151,7 +151,7 @@ fn half_rows_take_the_integer_form() {
 /// kernels) and 96 (any block count), two rows of `x`.
 #[test]
 fn every_simd_level_of_the_float_form_matches_float64() {
-    use crate::nn::cpu_qmm::float::{FloatRows, Row, Simd};
+    use crate::nn::cpu_qmm::float::{Columns, FloatRows, Simd};
     let levels: Vec<Simd> = [Simd::Portable, Simd::Avx2, Simd::Avx512].into_iter().filter(|s| s.available()).collect();
     // A small deterministic generator: the values do not matter, only that every nibble occurs.
     let mut state = 0x2545_f491_u32;
@@ -178,19 +178,14 @@ fn every_simd_level_of_the_float_form_matches_float64() {
             };
             for &simd in &levels {
                 let rows = FloatRows::new(&x, k, bits, group, simd);
+                let mut out = vec![0f32; n * m];
+                Columns { w: &words, scales: &scales, biases: &biases }.dots(&rows, &mut out);
                 for c in 0..n {
-                    let wpr = k * bits / 32;
-                    let row = Row {
-                        w: &words[c * wpr..(c + 1) * wpr],
-                        scales: &scales[c * groups..(c + 1) * groups],
-                        biases: &biases[c * groups..(c + 1) * groups],
-                    };
                     for r in 0..m {
                         let xs = &x[r * k..(r + 1) * k];
                         let want: f64 = (0..k).map(|i| value(c, i) * xs[i] as f64).sum();
                         let magnitude: f64 = (0..k).map(|i| (value(c, i) * xs[i] as f64).abs()).sum();
-                        let got = row.dot(&rows, r) as f64;
-                        // float32 summation: a few units of roundoff of the terms' magnitude.
+                        let got = out[c * m + r] as f64;
                         assert!(
                             (got - want).abs() <= 1e-6 * magnitude,
                             "{simd:?}, {bits} bits, group {group}, column {c}, row {r}: {got} vs {want}"

@@ -94,33 +94,102 @@ impl FloatRows {
         };
         FloatRows { values, sums, k, bits, group, simd }
     }
+
+    /// Rows of `x`.
+    fn m(&self) -> usize {
+        self.values.len() / self.k.max(1)
+    }
 }
 
-/// One output feature's packed weights (`k · bits / 32` words) with its scales and biases
-/// (`k / group`) widened to float32.
-pub(crate) struct Row<'a> {
+/// Consecutive output features' packed weights (`k · bits / 32` words each) with their scales and
+/// biases (`k / group` each) widened to float32.
+pub(crate) struct Columns<'a> {
     pub w: &'a [u32],
     pub scales: &'a [f32],
     pub biases: &'a [f32],
 }
 
-impl Row<'_> {
-    /// The dot product with row `r` of `x`.
-    pub fn dot(&self, x: &FloatRows, r: usize) -> f32 {
-        let (k, groups) = (x.k, x.k / x.group);
-        let (xs, sums) = (&x.values[r * k..(r + 1) * k], &x.sums[r * groups..(r + 1) * groups]);
-        assert!(self.w.len() * 32 == k * x.bits && self.scales.len() == groups && self.biases.len() == groups);
+impl Columns<'_> {
+    /// Every feature's dot product with every row of `x`, into `out` (`[features, m]`).
+    pub fn dots(&self, x: &FloatRows, out: &mut [f32]) {
+        let (groups, words) = (x.k / x.group, x.k * x.bits / 32);
+        let columns = out.len() / x.m().max(1);
+        assert!(
+            out.len() == columns * x.m()
+                && self.w.len() == columns * words
+                && self.scales.len() == columns * groups
+                && self.biases.len() == columns * groups
+        );
         #[cfg(target_arch = "x86_64")]
         match x.simd {
             // SAFETY: `FloatRows::new` takes the level from `Simd::detect` or a caller that
             // checked `available`; the lengths are checked above.
-            Simd::Avx512 => return unsafe { self.dot_avx512(x.bits, x.group, xs, sums) },
-            Simd::Avx2 => return unsafe { self.dot_avx2(x.bits, x.group, xs, sums) },
+            Simd::Avx512 => return unsafe { self.dots_avx512(x, out) },
+            Simd::Avx2 => return unsafe { self.dots_avx2(x, out) },
             Simd::Portable => {}
         }
-        self.dot_portable(x.bits, x.group, xs, sums)
+        self.each(x, out, |row, xs, sums| row.dot_portable(x.bits, x.group, xs, sums))
     }
 
+    /// `dot` of every feature with every row of `x`: the loop the kernels are inlined into.
+    #[inline(always)]
+    fn each(&self, x: &FloatRows, out: &mut [f32], dot: impl Fn(&Row<'_>, &[f32], &[f32]) -> f32) {
+        let (k, m, groups, words) = (x.k, x.m(), x.k / x.group, x.k * x.bits / 32);
+        for (c, col) in out.chunks_exact_mut(m).enumerate() {
+            let row = Row {
+                w: &self.w[c * words..(c + 1) * words],
+                scales: &self.scales[c * groups..(c + 1) * groups],
+                biases: &self.biases[c * groups..(c + 1) * groups],
+            };
+            for (r, v) in col.iter_mut().enumerate() {
+                *v = dot(&row, &x.values[r * k..(r + 1) * k], &x.sums[r * groups..(r + 1) * groups]);
+            }
+        }
+    }
+
+    /// The AVX-512 kernel for the layout, the common groups' block counts fixed.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dots_avx512(&self, x: &FloatRows, out: &mut [f32]) {
+        let group = x.group;
+        match (x.bits, group / BLOCK) {
+            (4, 1) => self.each(x, out, |row, xs, _| row.dot_avx512_table::<1>(group, xs)),
+            (4, 2) => self.each(x, out, |row, xs, _| row.dot_avx512_table::<2>(group, xs)),
+            (4, 4) => self.each(x, out, |row, xs, _| row.dot_avx512_table::<4>(group, xs)),
+            (4, _) => self.each(x, out, |row, xs, _| row.dot_avx512_table::<0>(group, xs)),
+            (_, 1) => self.each(x, out, |row, xs, sums| row.dot_avx512_bytes::<1>(group, xs, sums)),
+            (_, 2) => self.each(x, out, |row, xs, sums| row.dot_avx512_bytes::<2>(group, xs, sums)),
+            (_, 4) => self.each(x, out, |row, xs, sums| row.dot_avx512_bytes::<4>(group, xs, sums)),
+            _ => self.each(x, out, |row, xs, sums| row.dot_avx512_bytes::<0>(group, xs, sums)),
+        }
+    }
+
+    /// The AVX2 kernel for the layout, the common groups' block counts fixed.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots_avx2(&self, x: &FloatRows, out: &mut [f32]) {
+        let group = x.group;
+        match (x.bits, group / BLOCK) {
+            (4, 1) => self.each(x, out, |row, xs, sums| row.dot_avx2::<4, 1>(group, xs, sums)),
+            (4, 2) => self.each(x, out, |row, xs, sums| row.dot_avx2::<4, 2>(group, xs, sums)),
+            (4, 4) => self.each(x, out, |row, xs, sums| row.dot_avx2::<4, 4>(group, xs, sums)),
+            (4, _) => self.each(x, out, |row, xs, sums| row.dot_avx2::<4, 0>(group, xs, sums)),
+            (_, 1) => self.each(x, out, |row, xs, sums| row.dot_avx2::<8, 1>(group, xs, sums)),
+            (_, 2) => self.each(x, out, |row, xs, sums| row.dot_avx2::<8, 2>(group, xs, sums)),
+            (_, 4) => self.each(x, out, |row, xs, sums| row.dot_avx2::<8, 4>(group, xs, sums)),
+            _ => self.each(x, out, |row, xs, sums| row.dot_avx2::<8, 0>(group, xs, sums)),
+        }
+    }
+}
+
+/// One output feature's packed weights with its scales and biases.
+struct Row<'a> {
+    w: &'a [u32],
+    scales: &'a [f32],
+    biases: &'a [f32],
+}
+
+impl Row<'_> {
     /// `Σ_g bias_g · xsum_g`.
     fn biases_term(&self, xsum: &[f32]) -> f32 {
         // Four partial sums: one made each addition wait for the one before.
@@ -163,25 +232,10 @@ impl Row<'_> {
         add(add(t0, t1), add(t2, t3))
     }
 
-    /// [`Self::dot_avx512_as`] for the layout, the common groups' block counts fixed.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn dot_avx512(&self, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        match (bits, group / BLOCK) {
-            (4, 1) => self.dot_avx512_table::<1>(group, x),
-            (4, 2) => self.dot_avx512_table::<2>(group, x),
-            (4, 4) => self.dot_avx512_table::<4>(group, x),
-            (4, _) => self.dot_avx512_table::<0>(group, x),
-            (_, 1) => self.dot_avx512_bytes::<1>(group, x, xsum),
-            (_, 2) => self.dot_avx512_bytes::<2>(group, x, xsum),
-            (_, 4) => self.dot_avx512_bytes::<4>(group, x, xsum),
-            _ => self.dot_avx512_bytes::<0>(group, x, xsum),
-        }
-    }
-
     /// Eight bits with AVX-512. `BLOCKS`: blocks a group, or 0 for any (`group / BLOCK`).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
+    #[inline]
     unsafe fn dot_avx512_bytes<const BLOCKS: usize>(&self, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
         use std::arch::x86_64::*;
         let (bytes, xp) = (self.w.as_ptr() as *const u8, x.as_ptr());
@@ -209,6 +263,7 @@ impl Row<'_> {
     /// bits), so that a block is a widening, a shift, two look-ups and two multiply-adds.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
+    #[inline]
     unsafe fn dot_avx512_table<const BLOCKS: usize>(&self, group: usize, x: &[f32]) -> f32 {
         use std::arch::x86_64::*;
         let (bytes, xp) = (self.w.as_ptr() as *const u8, x.as_ptr());
@@ -232,26 +287,11 @@ impl Row<'_> {
         _mm512_reduce_add_ps(_mm512_add_ps(a, b))
     }
 
-    /// [`Self::dot_avx2_as`] for the layout, the common groups' block counts fixed.
+    /// AVX2. `BLOCKS`: blocks a group, or 0 for any (`group / BLOCK`).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_avx2(&self, bits: usize, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        match (bits, group / BLOCK) {
-            (4, 1) => self.dot_avx2_as::<4, 1>(group, x, xsum),
-            (4, 2) => self.dot_avx2_as::<4, 2>(group, x, xsum),
-            (4, 4) => self.dot_avx2_as::<4, 4>(group, x, xsum),
-            (4, _) => self.dot_avx2_as::<4, 0>(group, x, xsum),
-            (_, 1) => self.dot_avx2_as::<8, 1>(group, x, xsum),
-            (_, 2) => self.dot_avx2_as::<8, 2>(group, x, xsum),
-            (_, 4) => self.dot_avx2_as::<8, 4>(group, x, xsum),
-            _ => self.dot_avx2_as::<8, 0>(group, x, xsum),
-        }
-    }
-
-    /// `BLOCKS`: blocks a group, or 0 for any (`group / BLOCK`).
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_avx2_as<const BITS: usize, const BLOCKS: usize>(&self, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
+    #[inline]
+    unsafe fn dot_avx2<const BITS: usize, const BLOCKS: usize>(&self, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
         use std::arch::x86_64::*;
         let (bytes, xp) = (self.w.as_ptr() as *const u8, x.as_ptr());
         let blocks_per_group = if BLOCKS > 0 { BLOCKS } else { group / BLOCK };

@@ -310,17 +310,13 @@ impl<'a> Packed<'a> {
         };
         let (groups, words) = (k / group, k * bits / 32);
         let (mut scale_buffer, mut bias_buffer) = (Vec::new(), Vec::new());
-        for (i, col) in out.chunks_mut(m).enumerate() {
-            let c = first + i;
-            let row = float::Row {
-                w: &self.words[c * words..(c + 1) * words],
-                scales: S::widened(&scales[c * groups..(c + 1) * groups], &mut scale_buffer),
-                biases: S::widened(&biases[c * groups..(c + 1) * groups], &mut bias_buffer),
-            };
-            for (r, v) in col.iter_mut().enumerate() {
-                *v = row.dot(rows, r);
-            }
-        }
+        let (from, to) = (first * groups, (first + columns) * groups);
+        let features = float::Columns {
+            w: &self.words[first * words..(first + columns) * words],
+            scales: S::widened(&scales[from..to], &mut scale_buffer),
+            biases: S::widened(&biases[from..to], &mut bias_buffer),
+        };
+        features.dots(rows, out);
     }
 }
 
