@@ -3,21 +3,26 @@
 //!
 //! A row's dot product is `Σ_g scale_g · Σ_{i∈g} q_i x_i + Σ_g bias_g · Σ_{i∈g} x_i`: the
 //! groups' integer-times-float sums are scaled into vector totals, the biases' part is a short
-//! dot product with each group's sum of `x`, computed once per row of `x` ([`FloatRows`]).
+//! dot product with each group's sum of `x`, computed once per row of `x` ([`FloatRows`]). With
+//! AVX-512 and 4 bits the kernel instead makes each group's 16 possible weights
+//! `scale · q + bias` once and looks every value up among them (`vpermps`), so it has no
+//! separate scale or bias step.
 //!
 //! With SIMD, a block of 32 four-bit values is one 16-byte load: every byte widened to a lane,
 //! the low nibbles are the block's values at even positions and the high nibbles those at odd
 //! positions, so [`FloatRows`] keeps `x` reordered per block (the even positions, then the odd
 //! ones) and the kernel multiplies without shuffling. AVX-512 takes a block in two multiply-adds
-//! of 16 lanes, AVX2 in four of 8; eight-bit values are widened in order.
+//! of 16 lanes, AVX2 in four of 8; eight-bit values are widened in order. [`Columns::dots`]
+//! chooses the kernel once for a run of output features and loops over them inside it.
 
 /// Input values per block of the SIMD kernels: a 4-bit block is 16 bytes.
 const BLOCK: usize = 32;
 
 /// How far ahead of the block being read the SIMD kernels ask for the packed weights (this row's
-/// later blocks, or the next rows'): measured on the 2-core development machine, decoding the
-/// default model went from ~82 to ~93 tokens a second with 1,024 bytes (512 and 2,048 alike),
-/// the weights being read from beyond the core's own cache.
+/// later blocks, or the next rows'): measured on the 2-core development machine (AVX-512),
+/// decoding the default model went from ~83 to ~96 tokens a second with 1,024 bytes (medians of
+/// four alternating runs; 512 and 2,048 alike), the weights being read from beyond the core's own
+/// cache.
 const PREFETCH: usize = 1024;
 
 /// Asks for the cache line `PREFETCH` bytes after `bytes[at]` when `at` starts a line (a prefetch
@@ -83,6 +88,8 @@ impl FloatRows {
     /// `x` for weights of `bits` in groups of `group`, read at `simd` (or plainly, where the group
     /// does not fill whole blocks).
     pub fn new(x: &[f32], k: usize, bits: usize, group: usize, simd: Simd) -> Self {
+        // The kernels read whole rows of whole groups: `values` must hold them all.
+        assert!(group > 0 && k.is_multiple_of(group) && x.len().is_multiple_of(k.max(1)));
         let simd = if group.is_multiple_of(BLOCK) { simd } else { Simd::Portable };
         let sums = x.chunks(group).map(|g| g.iter().sum()).collect();
         let values = if simd != Simd::Portable && bits == 4 {

@@ -10,9 +10,10 @@
 //! - up to [`CPU_QMM_MAX_ROWS`] rows (a decoding step) of bfloat16 or float16: the integer form
 //!   ([`int8`]), `x` rounded to 8 bits per block of 32 as llama.cpp rounds its activations,
 //!   integer dot products, about three times fewer instructions per value;
-//! - up to [`CPU_QMM_MAX_ROWS`] rows of float32: the float form ([`float`]), every weight
-//!   unpacked to a float, exact to float32 summation (the integer form moved the default model's
-//!   logits by up to 0.5 against transformers' and changed greedy tokens: float32 stays exact);
+//! - up to [`CPU_QMM_MAX_ROWS`] rows of float32: the float form ([`float`](mod@float)), every
+//!   weight unpacked to a float, exact to float32 summation (the integer form moved the default
+//!   model's logits by up to 0.5 against transformers' and changed greedy tokens: float32 stays
+//!   exact);
 //! - more rows (a prompt): the panel form ([`gemm`]), exact to float32 summation.
 //!
 //! Large products (the output head over the vocabulary) split their columns over the cores
@@ -327,7 +328,7 @@ struct Prepared {
 }
 
 enum Form {
-    /// Unpacked weights times `x` ([`float`]).
+    /// Unpacked weights times `x` ([`float`](mod@float)).
     Float(float::FloatRows),
     /// `x` quantised for integer products ([`int8`]).
     Integer(int8::QuantizedRows),
