@@ -14,11 +14,12 @@
 
 use super::cpu_fast::{dot_as as dot, madd, mlx_exp, store};
 use crate::nn::cpu_pool::for_each;
-use crate::nn::cpu_qmm::to_f32;
+use crate::nn::cpu_qmm::{to_f32, Scalar};
 use half::{bf16, f16};
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
 use rmlx::{Array, Dtype, Error, Result};
+use std::borrow::Cow;
 
 /// Attention of the last `L` of `valid` positions, queries `q` `[B, Hq, L, D]`, over the first
 /// `valid` positions of the cache buffers `keys`, `values` `[B, Hkv, capacity, D]` (`Hq` a multiple
@@ -162,7 +163,7 @@ fn attend_parts<'k>(
 /// rows in order, divided by the sum of the exponentials.
 fn attend_rows(q: &[f32], kv: (&[f32], &[f32]), visible: &[usize], d: usize, scale: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if crate::nn::cpu_qmm::avx2_fma() {
         // SAFETY: the processor has AVX2 and FMA.
         return unsafe { attend_rows_fma(q, kv, visible, d, scale, out) };
     }
@@ -371,13 +372,11 @@ impl<'a> Rows<'a> {
     }
 
     /// The first `n` elements in float32: borrowed when they are, converted otherwise.
-    fn f32_rows(self, n: usize) -> std::borrow::Cow<'a, [f32]> {
-        use std::borrow::Cow;
+    fn f32_rows(self, n: usize) -> Cow<'a, [f32]> {
         match self {
-            Rows::F32(s) => Cow::Borrowed(&s[..n]),
-            // A bfloat16 is the upper half of its float32 (NaN included).
-            Rows::Bf16(s) => Cow::Owned(s[..n].iter().map(|v| f32::from_bits((v.to_bits() as u32) << 16)).collect()),
-            Rows::F16(s) => Cow::Owned(s[..n].iter().map(|v| v.to_f32()).collect()),
+            Rows::F32(s) => f32::widened(&s[..n]),
+            Rows::Bf16(s) => bf16::widened(&s[..n]),
+            Rows::F16(s) => f16::widened(&s[..n]),
         }
     }
 }

@@ -61,7 +61,7 @@ impl Simd {
     pub fn available(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+            let avx2 = super::avx2_fma();
             match self {
                 Simd::Portable => true,
                 Simd::Avx2 => avx2,

@@ -32,6 +32,7 @@ use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Error, Result};
+use std::borrow::Cow;
 
 /// The most rows of `x` multiplied row by row; more (a prompt) take the panel form ([`gemm`]), in
 /// float32 whatever the input dtype.
@@ -124,15 +125,13 @@ impl CustomPrimitive for CpuQmm {
     }
 }
 
-/// A scale or bias element.
+/// A float element of a tensor (a scale, a bias, an activation, a cached key).
 pub(crate) trait Scalar: Copy + Send + Sync {
     fn f(self) -> f32;
 
-    /// `values` as float32: where they are if they are float32, else widened into `buffer`.
-    fn widened<'a>(values: &'a [Self], buffer: &'a mut Vec<f32>) -> &'a [f32] {
-        buffer.clear();
-        buffer.extend(values.iter().map(|v| v.f()));
-        buffer
+    /// `values` as float32: borrowed if they are float32, widened otherwise.
+    fn widened(values: &[Self]) -> Cow<'_, [f32]> {
+        Cow::Owned(values.iter().map(|v| v.f()).collect())
     }
 }
 
@@ -142,8 +141,8 @@ impl Scalar for f32 {
         self
     }
 
-    fn widened<'a>(values: &'a [Self], _: &'a mut Vec<f32>) -> &'a [f32] {
-        values
+    fn widened(values: &[Self]) -> Cow<'_, [f32]> {
+        Cow::Borrowed(values)
     }
 }
 
@@ -162,11 +161,11 @@ impl Scalar for f16 {
     }
 
     /// With the processor's conversion instructions where it has them.
-    fn widened<'a>(values: &'a [Self], buffer: &'a mut Vec<f32>) -> &'a [f32] {
+    fn widened(values: &[Self]) -> Cow<'_, [f32]> {
         use half::slice::HalfFloatSliceExt;
-        buffer.resize(values.len(), 0.0);
-        values.convert_to_f32_slice(buffer);
-        buffer
+        let mut out = vec![0f32; values.len()];
+        values.convert_to_f32_slice(&mut out);
+        Cow::Owned(out)
     }
 }
 
@@ -174,8 +173,8 @@ impl Scalar for f16 {
 pub(crate) fn to_f32(t: &CpuTensor<'_>) -> Result<Vec<f32>> {
     Ok(match t.dtype() {
         Dtype::Float32 => t.as_slice::<f32>()?.to_vec(),
-        Dtype::Bfloat16 => t.as_slice::<bf16>()?.iter().map(|v| v.to_f32()).collect(),
-        Dtype::Float16 => t.as_slice::<f16>()?.iter().map(|v| v.to_f32()).collect(),
+        Dtype::Bfloat16 => bf16::widened(t.as_slice()?).into_owned(),
+        Dtype::Float16 => f16::widened(t.as_slice()?).into_owned(),
         d => return Err(Error::InvalidArgument(format!("input of dtype {d:?}"))),
     })
 }
@@ -310,12 +309,12 @@ impl<'a> Packed<'a> {
             }
         };
         let (groups, words) = (k / group, k * bits / 32);
-        let (mut scale_buffer, mut bias_buffer) = (Vec::new(), Vec::new());
         let (from, to) = (first * groups, (first + columns) * groups);
+        let (scales, biases) = (S::widened(&scales[from..to]), S::widened(&biases[from..to]));
         let features = float::Columns {
             w: &self.words[first * words..(first + columns) * words],
-            scales: S::widened(&scales[from..to], &mut scale_buffer),
-            biases: S::widened(&biases[from..to], &mut bias_buffer),
+            scales: &scales,
+            biases: &biases,
         };
         features.dots(rows, out);
     }
@@ -378,7 +377,7 @@ pub(crate) fn row_products(x: &[f32], integer: bool, matrices: &[&Packed<'_>]) -
 }
 
 /// Whether the processor has AVX2 and FMA (checked once per product, not per column).
-fn avx2_fma() -> bool {
+pub(crate) fn avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     return std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
     #[cfg(not(target_arch = "x86_64"))]
