@@ -6,7 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use rmlx::Dtype;
 use rmlx_lm::backend::{Backend, BackendChoice, LanguageModel};
-use rmlx_lm::nn::QuantizedMatvec;
+use rmlx_lm::nn::{QuantizedMatvec, StepCapture};
 use rmlx_lm::sample::SamplerConfig;
 use rmlx_lm::{LoadOptions, LoadedModel};
 use std::path::PathBuf;
@@ -39,6 +39,15 @@ pub struct ModelArgs {
     /// quantised weight) or `mlx` (MLX's products for all, nothing fused)
     #[arg(long, default_value = "large", value_parser = parse_matvec)]
     pub quantized_matvec: QuantizedMatvec,
+    /// Decoding one sequence on an NVIDIA GPU: `on` replays a step's layers as one launch of
+    /// rmlx's kernels captured from an earlier step (the same kernels, without building their
+    /// graph every step); `off` builds every step's graph
+    #[arg(long, default_value = "on", value_parser = parse_step_capture)]
+    pub step_capture: StepCapture,
+}
+
+fn parse_step_capture(s: &str) -> Result<StepCapture> {
+    Ok(s.parse()?)
 }
 
 fn parse_matvec(s: &str) -> Result<QuantizedMatvec> {
@@ -105,6 +114,7 @@ impl ModelArgs {
             ("--keep-quantized", self.keep_quantized),
             ("--dequantize", self.dequantize),
             ("--quantized-matvec", self.quantized_matvec != QuantizedMatvec::default()),
+            ("--step-capture", self.step_capture != StepCapture::default()),
         ];
         if let Some((flag, _)) = native_only.iter().find(|(_, set)| *set) {
             let by = match &choice {
@@ -128,6 +138,7 @@ impl ModelArgs {
             progress: true,
             allow_missing_tokenizer,
             quantized_matvec: self.quantized_matvec,
+            step_capture: self.step_capture,
         })
     }
 

@@ -227,31 +227,38 @@ void* device_address(const mx::array& a) {
   return static_cast<char*>(buffer->data) + a.offset();
 }
 
+// What a launch runs, shared by the primitive made once and its copies made per call.
+struct LaunchSpec {
+  std::string name;
+  std::vector<KernelNode> nodes;
+  std::vector<KernelArg> args;
+  std::vector<int> aliases;
+  std::vector<bool> owned;
+};
+
 // Kernel nodes of rmlx's own added to MLX's CUDA graph; inputs are made row-contiguous first.
 class CudaLaunch : public mx::Primitive {
  public:
-  CudaLaunch(mx::Stream stream, std::string name, std::vector<KernelNode> nodes, std::vector<KernelArg> args,
-             std::vector<int> aliases, std::vector<bool> owned)
-      : mx::Primitive(stream),
-        name_(std::move(name)),
-        nodes_(std::move(nodes)),
-        args_(std::move(args)),
-        aliases_(std::move(aliases)),
-        owned_(std::move(owned)) {}
+  CudaLaunch(mx::Stream stream, std::shared_ptr<const LaunchSpec> spec)
+      : mx::Primitive(stream), spec_(std::move(spec)) {}
 
   void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[" + name_ + "] runs only on MLX's CUDA backend");
+    throw std::runtime_error("[" + spec_->name + "] runs only on MLX's CUDA backend");
   }
 
   // The same launch whose kind-4 arguments are `values` (one call's).
   std::shared_ptr<CudaLaunch> with_call_values(std::vector<uint64_t> values) {
-    auto launch = std::make_shared<CudaLaunch>(stream(), name_, nodes_, args_, aliases_, owned_);
+    auto launch = std::make_shared<CudaLaunch>(stream(), spec_);
     launch->call_values_ = std::move(values);
     return launch;
   }
 
+  const LaunchSpec& spec() const { return *spec_; }
+  const std::vector<uint64_t>& call_values() const { return call_values_; }
+
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const Api& a = usable_api();
+    const LaunchSpec& spec = *spec_;
     Encoder& encoder = a.get_command_encoder(stream());
     std::vector<mx::array> copies;
     copies.reserve(inputs.size() + outputs.size());
@@ -266,12 +273,12 @@ class CudaLaunch : public mx::Primitive {
     }
     for (size_t j = 0; j < outputs.size(); ++j) {
       auto& out = outputs[j];
-      int alias = aliases_[j];
+      int alias = spec.aliases[j];
       if (alias < 0) {
         out.set_data(a.malloc_async(out.nbytes(), encoder));
       } else if (inputs.at(alias).dtype() != out.dtype() || inputs[alias].size() != out.size()) {
-        throw std::invalid_argument("[" + name_ + "] an output updated in place differs from its input");
-      } else if ((owned_[j] || inputs[alias].is_donatable()) && ins[alias] == &inputs[alias]) {
+        throw std::invalid_argument("[" + spec.name + "] an output updated in place differs from its input");
+      } else if ((spec.owned[j] || inputs[alias].is_donatable()) && ins[alias] == &inputs[alias]) {
         out.copy_shared_buffer(inputs[alias]);
       } else {
         // Someone else may still read the input, or it was copied to be row-contiguous: the
@@ -282,10 +289,10 @@ class CudaLaunch : public mx::Primitive {
     }
     for (auto* in : ins) a.set_input_array(&encoder, *in);
     for (auto& out : outputs) a.set_output_array(&encoder, out);
-    std::vector<uint64_t> values(args_.size());
-    std::vector<void*> params(args_.size());
-    for (size_t i = 0; i < args_.size(); ++i) {
-      const KernelArg& arg = args_[i];
+    std::vector<uint64_t> values(spec.args.size());
+    std::vector<void*> params(spec.args.size());
+    for (size_t i = 0; i < spec.args.size(); ++i) {
+      const KernelArg& arg = spec.args[i];
       switch (arg.kind) {
         case 0: values[i] = reinterpret_cast<uint64_t>(device_address(*ins.at(arg.index))); break;
         case 1: values[i] = reinterpret_cast<uint64_t>(device_address(outputs.at(arg.index))); break;
@@ -294,11 +301,16 @@ class CudaLaunch : public mx::Primitive {
       }
       params[i] = &values[i];
     }
-    for (size_t n = 0; n < nodes_.size(); ++n) {
-      const KernelNode& node = nodes_[n];
+    size_t last = spec.nodes.size() - 1;
+    for (size_t n = 0; n < spec.nodes.size(); ++n) {
+      const KernelNode& node = spec.nodes[n];
       // MLX's encoder orders a kernel node after the producers of the arrays declared since the
-      // previous node: each later node is ordered after the earlier ones through the outputs.
-      if (n > 0) {
+      // previous node, and records it as the producer of the outputs declared: a middle node
+      // declares the first output (ordering it after the node before), the last one every output
+      // (so that later readers of any output wait for the whole launch).
+      if (n > 0 && n < last) {
+        a.set_output_array(&encoder, outputs[0]);
+      } else if (n > 0) {
         for (auto& out : outputs) a.set_output_array(&encoder, out);
       }
       Dim3 grid{node.grid[0], node.grid[1], node.grid[2]};
@@ -312,14 +324,10 @@ class CudaLaunch : public mx::Primitive {
     }
   }
 
-  const char* name() const override { return name_.c_str(); }
+  const char* name() const override { return spec_->name.c_str(); }
 
  private:
-  std::string name_;
-  std::vector<KernelNode> nodes_;
-  std::vector<KernelArg> args_;
-  std::vector<int> aliases_;
-  std::vector<bool> owned_;
+  std::shared_ptr<const LaunchSpec> spec_;
   std::vector<uint64_t> call_values_;
 };
 
@@ -401,6 +409,7 @@ std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const
                                                rust::Slice<const KernelArg> args,
                                                rust::Slice<const LaunchOutput> outputs, StreamSpec s) {
   usable_api();
+  if (nodes.empty()) throw std::invalid_argument("a launch has no kernel nodes");
   for (auto& node : nodes) {
     if (node.function == 0) throw std::invalid_argument("a kernel node has no function");
     if (static_cast<size_t>(node.first_arg) + node.arg_count > args.size()) {
@@ -413,17 +422,17 @@ std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const
   }
   auto stream = mx::to_stream(detail::stream_of(s));
   auto launch = std::make_unique<PreparedLaunch>();
-  std::vector<int> aliases;
-  std::vector<bool> owned;
+  auto spec = std::make_shared<LaunchSpec>();
+  spec->name = std::string(name);
+  spec->nodes.assign(nodes.begin(), nodes.end());
+  spec->args.assign(args.begin(), args.end());
   for (auto& o : outputs) {
     launch->shapes.emplace_back(o.shape.begin(), o.shape.end());
     launch->dtypes.push_back(detail::dtype_of_code(o.dtype));
-    aliases.push_back(o.alias);
-    owned.push_back(o.owned);
+    spec->aliases.push_back(o.alias);
+    spec->owned.push_back(o.owned);
   }
-  launch->primitive = std::make_shared<CudaLaunch>(
-      stream, std::string(name), std::vector<KernelNode>(nodes.begin(), nodes.end()),
-      std::vector<KernelArg>(args.begin(), args.end()), std::move(aliases), std::move(owned));
+  launch->primitive = std::make_shared<CudaLaunch>(stream, std::move(spec));
   return launch;
 }
 
@@ -435,6 +444,40 @@ VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs, rust::S
     primitive = prototype.with_call_values(std::vector<uint64_t>(values.begin(), values.end()));
   }
   return std::make_unique<ArrayVec>(mx::array::make_arrays(launch.shapes, launch.dtypes, primitive, inputs));
+}
+
+GraphNode graph_node(const Array& a) {
+  GraphNode node;
+  node.kind = 0;
+  node.output = 0;
+  if (!a.has_primitive() || a.is_available()) return node;
+  const mx::Primitive& primitive = a.primitive();
+  node.name = rust::String(primitive.name());
+  auto outputs = a.outputs();
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    if (outputs[j].id() == a.id()) node.output = static_cast<int32_t>(j);
+  }
+  if (auto* launch = dynamic_cast<const CudaLaunch*>(&primitive)) {
+    const LaunchSpec& spec = launch->spec();
+    node.kind = 1;
+    for (auto& n : spec.nodes) node.nodes.push_back(n);
+    for (auto& arg : spec.args) node.args.push_back(arg);
+    for (int alias : spec.aliases) node.aliases.push_back(alias);
+    for (bool owned : spec.owned) node.owned.push_back(owned);
+    for (uint64_t v : launch->call_values()) node.values.push_back(v);
+  } else if (std::string(primitive.name()) == "Reshape") {
+    node.kind = 2;
+  } else {
+    node.kind = 3;
+  }
+  return node;
+}
+
+VecPtr node_inputs(const Array& a) { return std::make_unique<ArrayVec>(a.inputs()); }
+
+VecPtr node_outputs(const Array& a) {
+  if (!a.has_primitive()) return std::make_unique<ArrayVec>(ArrayVec{a});
+  return std::make_unique<ArrayVec>(a.outputs());
 }
 
 }  // namespace rmlx_shim

@@ -11,6 +11,7 @@ namespace rmlx_shim {
 struct KernelNode;
 struct KernelArg;
 struct LaunchOutput;
+struct GraphNode;
 
 // A launch primitive made once, and the outputs every call makes with it.
 struct PreparedLaunch {
@@ -29,5 +30,8 @@ std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const
                                                rust::Slice<const KernelArg> args,
                                                rust::Slice<const LaunchOutput> outputs, StreamSpec s);
 VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs, rust::Slice<const uint64_t> values);
+GraphNode graph_node(const Array& a);
+VecPtr node_inputs(const Array& a);
+VecPtr node_outputs(const Array& a);
 
 }  // namespace rmlx_shim

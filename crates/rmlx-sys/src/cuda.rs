@@ -43,8 +43,28 @@ pub mod cffi {
         owned: bool,
     }
 
+    /// What computes an array that is still to be evaluated, for reading a graph of launches back.
+    /// `kind`: 0 nothing (the array has data, or no operation), 1 a launch of `prepare_launch`
+    /// (its nodes, arguments, outputs' aliases and ownership, and the call's values follow), 2 a
+    /// reshape, 3 any other operation (`name`). `output`: the array's index among the operation's
+    /// outputs.
+    #[derive(Clone, Debug, Default)]
+    struct GraphNode {
+        kind: u8,
+        name: String,
+        output: i32,
+        nodes: Vec<KernelNode>,
+        args: Vec<KernelArg>,
+        aliases: Vec<i32>,
+        owned: Vec<bool>,
+        values: Vec<u64>,
+    }
+
     unsafe extern "C++" {
         include!("rmlx-sys/src/cuda.h");
+        #[namespace = "mlx::core"]
+        #[cxx_name = "array"]
+        type Array = crate::ffi::Array;
         type ArrayVec = crate::ffi::ArrayVec;
         type StreamSpec = crate::ffi::StreamSpec;
 
@@ -76,6 +96,12 @@ pub mod cffi {
         /// The prepared launch's outputs over `inputs` (lazy, as any op), its kind-4 arguments
         /// taken from `values` (a copy of the primitive for this call when there are any).
         fn call_launch(launch: &PreparedLaunch, inputs: &ArrayVec, values: &[u64]) -> Result<UniquePtr<ArrayVec>>;
+        /// What computes `a` (see [`GraphNode`]).
+        fn graph_node(a: &Array) -> GraphNode;
+        /// The inputs of the operation computing `a`.
+        fn node_inputs(a: &Array) -> UniquePtr<ArrayVec>;
+        /// The outputs of the operation computing `a`, `a` among them (`a` alone without one).
+        fn node_outputs(a: &Array) -> UniquePtr<ArrayVec>;
     }
 }
 

@@ -45,6 +45,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{LazyLock, Mutex};
 
+pub mod capture;
+
 /// Why kernels of rmlx's own cannot run in this process (`None`: they can): MLX's CPU or Metal
 /// backend, or a CUDA installation missing what they need.
 pub fn unavailable() -> Option<String> {
@@ -282,6 +284,25 @@ impl CudaLaunch {
         })
     }
 
+    /// A launch of nodes and arguments already in the bridge's form (a merged capture's).
+    fn from_parts(
+        name: &str,
+        nodes: Vec<cffi::KernelNode>,
+        args: Vec<cffi::KernelArg>,
+        outputs: Vec<cffi::LaunchOutput>,
+        inputs: usize,
+        values: usize,
+    ) -> Result<CudaLaunch> {
+        let stream = kernel_stream();
+        let inner = crate::lock::locked(|| cffi::prepare_launch(name, &nodes, &args, &outputs, stream))?;
+        Ok(CudaLaunch { inner, name: name.to_string(), inputs, values, stream, nodes, args, outputs })
+    }
+
+    /// The kernels a call runs.
+    pub fn kernels(&self) -> usize {
+        self.nodes.len()
+    }
+
     /// The launch's outputs over `inputs` (lazy, as any operation), on the stream
     /// [`crate::fast::CustomKernel::call`] would take now (made for another stream than its own,
     /// the primitive is made again for this call).
@@ -302,21 +323,7 @@ impl CudaLaunch {
                 values.len()
             )));
         }
-        let mut bits = Vec::with_capacity(values.len());
-        for value in values {
-            bits.push(match *value {
-                KernelArg::I32(v) => u64::from(v as u32),
-                KernelArg::U32(v) => u64::from(v),
-                KernelArg::F32(v) => u64::from(v.to_bits()),
-                KernelArg::I64(v) => v as u64,
-                other => {
-                    return Err(Error::InvalidArgument(format!(
-                        "launch `{}`: a call's value must be a scalar, not {other:?}",
-                        self.name
-                    )))
-                }
-            });
-        }
+        let bits: Vec<u64> = values.iter().map(|v| value_bits(&self.name, v)).collect::<Result<_>>()?;
         let v = array_vec(inputs);
         let stream = kernel_stream();
         let out = crate::lock::locked(|| match stream == self.stream {
@@ -328,6 +335,21 @@ impl CudaLaunch {
         })?;
         Ok(from_array_vec(&out))
     }
+}
+
+/// A call value's bits as the kernels read them (`I32`, `U32`, `F32` or `I64`).
+fn value_bits(launch: &str, value: &KernelArg) -> Result<u64> {
+    Ok(match *value {
+        KernelArg::I32(v) => u64::from(v as u32),
+        KernelArg::U32(v) => u64::from(v),
+        KernelArg::F32(v) => u64::from(v.to_bits()),
+        KernelArg::I64(v) => v as u64,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "launch `{launch}`: a call's value must be a scalar, not {other:?}"
+            )))
+        }
+    })
 }
 
 #[cfg(test)]

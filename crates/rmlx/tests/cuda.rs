@@ -146,3 +146,107 @@ fn in_place_outputs_keep_arrays_values_or_update_owned_buffers() {
     assert_eq!(updated[0].to_vec::<f32>().unwrap(), want);
     assert_eq!(buffer.to_vec::<f32>().unwrap(), want, "an owned buffer is updated where it is");
 }
+
+const CAPTURE_SOURCE: &str = r#"
+extern "C" __global__ void rmlx_test_mul(const float* a, const float* b, float* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] * b[i];
+}
+extern "C" __global__ void rmlx_test_accumulate(float* acc, const float* x, float s, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) acc[i] += s * x[i];
+}"#;
+
+/// A graph of four launches (an affine map, a reshape, a product with a constant made by an MLX
+/// operation, an in-place accumulation into a varying buffer with a per-call value, another affine
+/// map) captured from its lazy arrays and replayed over new inputs and values: the results and the
+/// accumulated buffer as computed here, call after call; an MLX operation on the varying path
+/// refuses the capture; varying arrays of another shape are an error.
+#[test]
+fn captured_launches_replay_over_new_inputs() {
+    if !on_cuda() {
+        eprintln!("skipped: MLX has no CUDA backend here");
+        return;
+    }
+    use rmlx::cuda::capture::capture;
+    let n = 256u32;
+    let function = |name| cuda::compile(name, CAPTURE_SOURCE, None).expect("compiles");
+    let grid = [n.div_ceil(64), 1, 1];
+    let shape = vec![n as i32];
+    let first = CudaLaunch::new(
+        "rmlx_test_first",
+        &[affine(KernelArg::Input(0), 0, 2.0, 1.0, n)],
+        &[(shape.clone(), Dtype::Float32)],
+    )
+    .unwrap();
+    let args = vec![KernelArg::Input(0), KernelArg::Input(1), KernelArg::Output(0), KernelArg::I32(n as i32)];
+    let mul = KernelNode { function: function("rmlx_test_mul"), grid, block: [64, 1, 1], shared_bytes: 0, args };
+    let mul = CudaLaunch::new("rmlx_test_mul", &[mul], &[(shape.clone(), Dtype::Float32)]).unwrap();
+    let args = vec![KernelArg::Output(0), KernelArg::Input(1), KernelArg::Value(0), KernelArg::I32(n as i32)];
+    let acc = KernelNode { function: function("rmlx_test_accumulate"), grid, block: [64, 1, 1], shared_bytes: 0, args };
+    let acc =
+        CudaLaunch::updating("rmlx_test_acc", &[acc], &[(shape.clone(), Dtype::Float32)], &[(0, 0)], InPlace::Owned)
+            .unwrap();
+    let last = CudaLaunch::new(
+        "rmlx_test_last",
+        &[affine(KernelArg::Input(0), 0, -1.0, 0.5, n)],
+        &[(shape.clone(), Dtype::Float32)],
+    )
+    .unwrap();
+
+    let w0: Vec<f32> = (0..n).map(|i| 1.0 + (i % 7) as f32 * 0.5).collect();
+    let w = (&Array::from_slice(&w0, &[n as i32]).unwrap() + 1.0f32).unwrap();
+    // The step: result = -(acc + s·(2x + 1)·w) + 0.5, acc updated in place.
+    let step = |x: &Array, a: &Array, s: f32| -> (Array, Array) {
+        let y =
+            first.call(&[x.clone()]).unwrap().remove(0).reshape(&[1, n as i32]).unwrap().reshape(&[n as i32]).unwrap();
+        let z = mul.call(&[y, w.clone()]).unwrap().remove(0);
+        let a = acc.call_with(&[a.clone(), z], &[KernelArg::F32(s)]).unwrap().remove(0);
+        (last.call(std::slice::from_ref(&a)).unwrap().remove(0), a)
+    };
+    let expect = |x: &[f32], a: &mut [f32], s: f32| -> Vec<f32> {
+        (0..n as usize)
+            .map(|i| {
+                a[i] += s * ((2.0 * x[i] + 1.0) * (w0[i] + 1.0));
+                -a[i] + 0.5
+            })
+            .collect()
+    };
+    let xs = |k: u32| -> Vec<f32> { (0..n).map(|i| (i as f32 - 100.0) * 0.125 + k as f32).collect() };
+    let mut host_acc = vec![0.0f32; n as usize];
+    let mut a = rmlx::ops::zeros(&[n as i32], Dtype::Float32).unwrap();
+    a.eval().unwrap();
+
+    // The first call builds the graph, is captured, then evaluated as it is.
+    let x = Array::from_slice(&xs(0), &shape).unwrap();
+    let (result, a_next) = step(&x, &a, 0.5);
+    let captured =
+        capture("rmlx_test_step", &result, &[&x, &a], &[KernelArg::F32(0.5)]).unwrap().expect("all launches");
+    assert_eq!(captured.kernels(), 4);
+    assert_eq!(result.to_vec::<f32>().unwrap(), expect(&xs(0), &mut host_acc, 0.5), "the graph as built");
+    a = a_next;
+    for k in 1..6u32 {
+        let s = 0.25 * k as f32;
+        let x = Array::from_slice(&xs(k), &shape).unwrap();
+        let out = captured.call(&[&x, &a], &[KernelArg::F32(s)]).unwrap();
+        assert_eq!(out.updated.len(), 1);
+        assert_eq!(out.updated[0].0, 1, "the accumulator is varying array 1");
+        a = out.updated[0].1.clone();
+        assert_eq!(out.result.to_vec::<f32>().unwrap(), expect(&xs(k), &mut host_acc, s), "replay {k}");
+        assert_eq!(a.to_vec::<f32>().unwrap(), host_acc, "replay {k}: the accumulator");
+    }
+    // Varying arrays of other shapes are refused.
+    let short = rmlx::ops::zeros(&[8], Dtype::Float32).unwrap();
+    match captured.call(&[&short, &a], &[KernelArg::F32(1.0)]) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("varying arrays differ"), "{m}"),
+        Err(e) => panic!("expected InvalidArgument, got {e:?}"),
+        Ok(_) => panic!("expected InvalidArgument, got a replay"),
+    }
+    // An MLX operation between the varying input and the result: nothing to capture.
+    let x = Array::from_slice(&xs(9), &shape).unwrap();
+    let y = first.call(&[x.exp().unwrap()]).unwrap().remove(0);
+    assert!(capture("rmlx_test_exp", &y, &[&x], &[]).unwrap().is_none());
+    // A call value that is not among the capture's values: nothing to capture.
+    let (result, _) = step(&x, &a, 3.0);
+    assert!(capture("rmlx_test_value", &result, &[&x, &a], &[KernelArg::F32(0.5)]).unwrap().is_none());
+}

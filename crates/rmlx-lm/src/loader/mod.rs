@@ -40,6 +40,9 @@ pub struct LoadOptions {
     /// Which product decoding takes for quantised weights on MLX's CUDA backend (default: rmlx's
     /// kernel for large weights).
     pub quantized_matvec: crate::nn::QuantizedMatvec,
+    /// Whether decoding steps on MLX's CUDA backend replay their layers as one captured launch
+    /// (default: where they can).
+    pub step_capture: crate::nn::StepCapture,
 }
 
 /// A model ready to generate with.
@@ -122,6 +125,7 @@ pub(super) fn finish(
     let mut b = Builder::new(weights, dtype, opts.dequantize == Some(true));
     b.dequantize_unserved = opts.dequantize.is_none() && on_cpu;
     b.quantized_matvec = opts.quantized_matvec;
+    b.step_capture = opts.step_capture;
     let model = models::build(&cfg, &mut b)?;
     let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
     crate::checkpoint::warn_unused(&unused_tensors, source);

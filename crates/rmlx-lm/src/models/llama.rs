@@ -9,7 +9,7 @@ use crate::cache::KvCache;
 use crate::config::Architecture;
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::{self, BlockParts};
-use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
+use crate::nn::{checkpointed, join, Builder, CapturedSteps, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
 use crate::weights::Weight;
 use crate::Result;
 use rmlx::quantization::Quantized;
@@ -148,6 +148,8 @@ pub struct Model {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
+    /// The decoding step's layers as one launch, on MLX's CUDA backend.
+    steps: CapturedSteps,
 }
 
 impl Model {
@@ -176,6 +178,7 @@ impl Model {
             layers,
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, false)?,
             lm_head: output_head(cfg, b)?,
+            steps: CapturedSteps::new(b.step_capture),
             cfg: cfg.clone(),
         })
     }
@@ -192,10 +195,14 @@ pub(crate) fn output_head(cfg: &ModelConfig, b: &mut Builder) -> Result<Option<L
 impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let (batch, length) = super::token_grid(ids)?;
-        let mut h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = checkpointed(layer, &h, cache, move |l, x, c| l.forward(x, batch, c))?;
-        }
+        let h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
+        let h = self.steps.layers(&h, caches, |h, caches| {
+            let mut h = h.clone();
+            for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+                h = checkpointed(layer, &h, cache, move |l, x, c| l.forward(x, batch, c))?;
+            }
+            Ok(h)
+        })?;
         Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 
@@ -244,4 +251,4 @@ impl Module for Block {
     }
 }
 
-super::decoder_module!(Model);
+super::decoder_module!(Model, steps);

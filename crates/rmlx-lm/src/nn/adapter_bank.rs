@@ -199,6 +199,11 @@ pub fn with_row_adapters<T>(bank: &AdapterBank, slots: &[usize], f: impl FnOnce(
     Ok(f())
 }
 
+/// Whether rows carry adapters for any layer now.
+pub(super) fn rows_have_adapters() -> bool {
+    ROWS.with(|r| r.borrow().is_some())
+}
+
 /// Whether rows carry adapters for layer `path` now.
 pub(super) fn has_row_adapters(path: &str) -> bool {
     ROWS.with(|r| r.borrow().as_ref().is_some_and(|rows| rows.stacks.contains_key(path)))

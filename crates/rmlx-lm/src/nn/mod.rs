@@ -13,6 +13,7 @@ pub(crate) mod cuda_attention;
 pub(crate) mod cuda_fast;
 pub(crate) mod cuda_qmv;
 mod cuda_qmv_ix;
+mod cuda_step;
 mod fused;
 mod gated;
 mod grad_checkpoint;
@@ -23,6 +24,7 @@ mod quantized_matvec;
 mod stacked;
 
 pub use adapter_bank::{with_row_adapters, AdapterBank};
+pub use cuda_step::{CapturedSteps, StepCapture};
 pub use gated::gated_activation;
 pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
 pub use head::Head;
@@ -398,6 +400,8 @@ pub struct Builder {
     pub dequantize_unserved: bool,
     /// Which product decoding takes for quantised weights on MLX's CUDA backend.
     pub quantized_matvec: QuantizedMatvec,
+    /// Whether decoding steps replay their layers as one captured launch on MLX's CUDA backend.
+    pub step_capture: StepCapture,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
     /// Parameters handed out so far (logical elements: quantised matrices count unpacked).
@@ -416,6 +420,7 @@ impl Builder {
             dequantize,
             dequantize_unserved: false,
             quantized_matvec: QuantizedMatvec::default(),
+            step_capture: StepCapture::default(),
             built: Vec::new(),
             parameters: 0,
             quantized_kept: 0,

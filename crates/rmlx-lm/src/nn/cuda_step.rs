@@ -1,0 +1,185 @@
+//! A decoding step's layers, captured once as one launch and replayed (MLX's CUDA backend).
+//!
+//! On MLX's CUDA backend a Llama or Qwen layer decodes in three launches of rmlx's kernels (the
+//! normed q/k/v product, the attention over the cache, the rest of the block), but each is a node
+//! of MLX's graph that the host builds and MLX evaluates at every step: a few microseconds each,
+//! which bound the small models. [`CapturedSteps::layers`] runs the layers as they are once, reads
+//! the graph they built back ([`rmlx::cuda::capture`]) and, while the caches keep their buffers,
+//! runs every later step's layers as that one launch over the step's hidden state and caches:
+//! the same kernels with the same arguments, so the same results bit for bit. Anything the capture
+//! cannot take (another backend, training, adapters on rows, a batch, a prompt, a cache that is not
+//! a plain one or must grow, an operation that is not one of rmlx's launches) runs the layers as
+//! they are.
+
+use super::cuda_fast::on_cuda;
+use crate::cache::KvCache;
+use crate::Result;
+use rmlx::cuda::capture::{capture, Captured};
+use rmlx::cuda::KernelArg;
+use rmlx::{Array, Dtype};
+use std::sync::{Arc, Mutex};
+
+/// Whether decoding steps replay their layers as one captured launch where they can (see the
+/// module docs): on by default; off builds every step's graph (for comparing the two).
+///
+/// ```
+/// use rmlx_lm::nn::StepCapture;
+/// assert_eq!("off".parse::<StepCapture>()?, StepCapture::Off);
+/// assert_eq!(StepCapture::default(), StepCapture::On);
+/// assert!(matches!("sometimes".parse::<StepCapture>(), Err(rmlx_lm::Error::InvalidParameter(_))));
+/// # Ok::<(), rmlx_lm::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StepCapture {
+    #[default]
+    On,
+    Off,
+}
+
+impl std::str::FromStr for StepCapture {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "on" => Ok(StepCapture::On),
+            "off" => Ok(StepCapture::Off),
+            other => Err(crate::Error::InvalidParameter(format!("step capture `{other}`: expected on or off"))),
+        }
+    }
+}
+
+/// What a capture is valid for: the hidden state's shape and dtype and every cache's buffers'.
+#[derive(Clone, PartialEq, Debug)]
+struct Key {
+    hidden: (Vec<i32>, Dtype),
+    caches: Vec<(Vec<i32>, Dtype, Vec<i32>)>,
+}
+
+enum State {
+    Empty,
+    Captured(Key, Captured),
+    /// The layers built a graph the capture does not take, for this key: run them as they are.
+    Refused(Key),
+}
+
+/// A model's captured decoding step (see the module docs). A clone starts empty (its layers may
+/// change apart from the original's); [`CapturedSteps::forget`] empties it when the layers change.
+pub struct CapturedSteps {
+    mode: StepCapture,
+    state: Arc<Mutex<State>>,
+}
+
+impl Clone for CapturedSteps {
+    fn clone(&self) -> Self {
+        CapturedSteps::new(self.mode)
+    }
+}
+
+impl CapturedSteps {
+    pub fn new(mode: StepCapture) -> Self {
+        CapturedSteps { mode, state: Arc::new(Mutex::new(State::Empty)) }
+    }
+
+    /// Drops the capture: the parameters it holds are no longer the layers'.
+    pub fn forget(&mut self) {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = State::Empty;
+    }
+
+    /// `run(h, caches)` (the layers over the rows `h`), or its captured replay where it serves.
+    pub fn layers(
+        &self,
+        h: &Array,
+        caches: &mut [KvCache],
+        run: impl FnOnce(&Array, &mut [KvCache]) -> Result<Array>,
+    ) -> Result<Array> {
+        let Some((key, offset)) = self.eligible(h, caches) else { return run(h, caches) };
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match &*state {
+            State::Captured(k, captured) if *k == key => return replay(captured, h, caches, offset),
+            State::Refused(k) if *k == key => return run(h, caches),
+            _ => {}
+        }
+        let varying = varying(h, caches);
+        let out = run(h, caches)?;
+        // Every cache must have taken one position through the attention kernel.
+        let advanced = caches.iter().all(|c| matches!(c, KvCache::Standard(s) if s.offset as i32 == offset + 1));
+        let captured = match advanced {
+            true => capture("rmlx_decode_step", &out, &varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?,
+            false => None,
+        };
+        match captured {
+            Some(c) => {
+                tracing::debug!(kernels = c.kernels(), scratch_bytes = c.scratch_bytes(), "decoding step captured");
+                *state = State::Captured(key, c);
+            }
+            None => {
+                tracing::debug!("decoding step not captured: its layers built other operations");
+                *state = State::Refused(key);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The key and position of a step the capture may take: one row on MLX's CUDA backend
+    /// outside training and row adapters, every cache a plain one with room for the position.
+    fn eligible(&self, h: &Array, caches: &[KvCache]) -> Option<(Key, i32)> {
+        let fits = self.mode == StepCapture::On
+            && h.ndim() == 2
+            && h.shape()[0] == 1
+            && !caches.is_empty()
+            && on_cuda()
+            && !super::training()
+            && !super::adapter_bank::rows_have_adapters()
+            && !h.is_tracer();
+        if !fits {
+            return None;
+        }
+        let mut offset = None;
+        let mut key = Key { hidden: (h.shape().to_vec(), h.dtype()), caches: Vec::with_capacity(caches.len()) };
+        for cache in caches {
+            let KvCache::Standard(c) = cache else { return None };
+            let (Some(k), Some(v), Some(done)) = (&c.keys, &c.values, &c.done) else { return None };
+            let room = c.offset < c.capacity() && *offset.get_or_insert(c.offset) == c.offset;
+            if !room || v.shape() != k.shape() || v.dtype() != k.dtype() {
+                return None;
+            }
+            key.caches.push((k.shape().to_vec(), k.dtype(), done.shape().to_vec()));
+        }
+        Some((key, i32::try_from(offset?).ok()?))
+    }
+}
+
+/// The step's varying arrays: the rows, then each cache's keys, values and chunk counts.
+fn varying(h: &Array, caches: &[KvCache]) -> Vec<Array> {
+    let mut v = vec![h.clone()];
+    for cache in caches {
+        if let KvCache::Standard(c) = cache {
+            v.extend([&c.keys, &c.values, &c.done].into_iter().flatten().cloned());
+        }
+    }
+    v
+}
+
+/// The captured layers over `h` and `caches` at `offset`; the caches take their updated buffers
+/// and advance.
+fn replay(captured: &Captured, h: &Array, caches: &mut [KvCache], offset: i32) -> Result<Array> {
+    let varying = varying(h, caches);
+    let out = captured.call(&varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?;
+    for (index, array) in out.updated {
+        // Varying array 1 + 3·layer + part.
+        let (layer, part) = ((index - 1) / 3, (index - 1) % 3);
+        if let Some(KvCache::Standard(c)) = caches.get_mut(layer) {
+            let slot = match part {
+                0 => &mut c.keys,
+                1 => &mut c.values,
+                _ => &mut c.done,
+            };
+            *slot = Some(array);
+        }
+    }
+    for cache in caches.iter_mut() {
+        if let KvCache::Standard(c) = cache {
+            c.offset += 1;
+        }
+    }
+    Ok(out.result)
+}
