@@ -52,6 +52,7 @@ struct Api {
   void (*set_output_array)(Encoder*, const mx::array&);
   void (*add_kernel_node_raw)(Encoder*, void*, Dim3, Dim3, Dim3, unsigned, void**);
   void (*add_completed_handler)(Encoder*, std::function<void()>);
+  void (*commit)(Encoder*);
   mx::allocator::Data (*malloc_async)(size_t, Encoder&);
   mx::array (*contiguous_copy_gpu)(const mx::array&, const mx::Stream&);
   // The CUDA driver.
@@ -150,6 +151,7 @@ Api load_api() {
           api.add_kernel_node_raw, missing);
   resolve(self, "_ZN3mlx4core2cu14CommandEncoder21add_completed_handlerESt8functionIFvvEE",
           api.add_completed_handler, missing);
+  resolve(self, "_ZN3mlx4core2cu14CommandEncoder6commitEv", api.commit, missing);
 
   // The hidden functions, from the symbol table of the library that defines the encoder.
   Dl_info info{};
@@ -234,6 +236,8 @@ struct LaunchSpec {
   std::vector<KernelArg> args;
   std::vector<int> aliases;
   std::vector<bool> owned;
+  // Launch MLX's graph so far, this launch's kernels last, before any later operation is added.
+  bool commit = false;
 };
 
 // Kernel nodes of rmlx's own added to MLX's CUDA graph; inputs are made row-contiguous first.
@@ -322,6 +326,7 @@ class CudaLaunch : public mx::Primitive {
       // The copies live until the graph that reads them has run.
       a.add_completed_handler(&encoder, [copies = std::move(copies)]() {});
     }
+    if (spec.commit) a.commit(&encoder);
   }
 
   const char* name() const override { return spec_->name.c_str(); }
@@ -407,7 +412,7 @@ uint64_t cuda_load_function(int32_t device, rust::Slice<const uint8_t> image, ru
 
 std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const KernelNode> nodes,
                                                rust::Slice<const KernelArg> args,
-                                               rust::Slice<const LaunchOutput> outputs, StreamSpec s) {
+                                               rust::Slice<const LaunchOutput> outputs, bool commit, StreamSpec s) {
   usable_api();
   if (nodes.empty()) throw std::invalid_argument("a launch has no kernel nodes");
   for (auto& node : nodes) {
@@ -426,6 +431,7 @@ std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const
   spec->name = std::string(name);
   spec->nodes.assign(nodes.begin(), nodes.end());
   spec->args.assign(args.begin(), args.end());
+  spec->commit = commit;
   for (auto& o : outputs) {
     launch->shapes.emplace_back(o.shape.begin(), o.shape.end());
     launch->dtypes.push_back(detail::dtype_of_code(o.dtype));
@@ -471,6 +477,14 @@ GraphNode graph_node(const Array& a) {
     node.kind = 3;
   }
   return node;
+}
+
+uint64_t cuda_device_address(const Array& a) {
+  usable_api();
+  if (a.status() == mx::array::Status::unscheduled || a.buffer().ptr() == nullptr) {
+    throw std::invalid_argument("the device address of an array not evaluated");
+  }
+  return reinterpret_cast<uint64_t>(device_address(a));
 }
 
 VecPtr node_inputs(const Array& a) { return std::make_unique<ArrayVec>(a.inputs()); }

@@ -28,9 +28,10 @@ rust::Vec<uint8_t> nvrtc_compile(rust::Str source, rust::Str name, int32_t arch)
 uint64_t cuda_load_function(int32_t device, rust::Slice<const uint8_t> image, rust::Str name);
 std::unique_ptr<PreparedLaunch> prepare_launch(rust::Str name, rust::Slice<const KernelNode> nodes,
                                                rust::Slice<const KernelArg> args,
-                                               rust::Slice<const LaunchOutput> outputs, StreamSpec s);
+                                               rust::Slice<const LaunchOutput> outputs, bool commit, StreamSpec s);
 VecPtr call_launch(const PreparedLaunch& launch, const ArrayVec& inputs, rust::Slice<const uint64_t> values);
 GraphNode graph_node(const Array& a);
+uint64_t cuda_device_address(const Array& a);
 VecPtr node_inputs(const Array& a);
 VecPtr node_outputs(const Array& a);
 

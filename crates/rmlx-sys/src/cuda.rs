@@ -85,17 +85,21 @@ pub mod cffi {
         /// Loads `image` into `device`'s primary context and returns its function `name` (loaded
         /// for the life of the process).
         fn cuda_load_function(device: i32, image: &[u8], name: &str) -> Result<u64>;
-        /// A primitive named `name` running `nodes` in order over row-contiguous inputs.
+        /// A primitive named `name` running `nodes` in order over row-contiguous inputs; with
+        /// `commit`, MLX's graph so far is launched right after its kernels are added.
         fn prepare_launch(
             name: &str,
             nodes: &[KernelNode],
             args: &[KernelArg],
             outputs: &[LaunchOutput],
+            commit: bool,
             s: StreamSpec,
         ) -> Result<UniquePtr<PreparedLaunch>>;
         /// The prepared launch's outputs over `inputs` (lazy, as any op), its kind-4 arguments
         /// taken from `values` (a copy of the primitive for this call when there are any).
         fn call_launch(launch: &PreparedLaunch, inputs: &ArrayVec, values: &[u64]) -> Result<UniquePtr<ArrayVec>>;
+        /// The device address of `a`'s data (evaluated, on MLX's CUDA backend).
+        fn cuda_device_address(a: &Array) -> Result<u64>;
         /// What computes `a` (see [`GraphNode`]).
         fn graph_node(a: &Array) -> GraphNode;
         /// The inputs of the operation computing `a`.

@@ -193,6 +193,8 @@ pub struct CudaLaunch {
     nodes: Vec<cffi::KernelNode>,
     args: Vec<cffi::KernelArg>,
     outputs: Vec<cffi::LaunchOutput>,
+    /// Whether MLX's graph is launched right after the kernels ([`CudaLaunch::committing`]).
+    commit: bool,
 }
 
 impl CudaLaunch {
@@ -271,7 +273,7 @@ impl CudaLaunch {
             inputs = inputs.max(input as usize + 1);
         }
         let stream = kernel_stream();
-        let inner = crate::lock::locked(|| cffi::prepare_launch(name, &ffi_nodes, &ffi_args, &outs, stream))?;
+        let inner = crate::lock::locked(|| cffi::prepare_launch(name, &ffi_nodes, &ffi_args, &outs, false, stream))?;
         Ok(CudaLaunch {
             inner,
             name: name.to_string(),
@@ -281,11 +283,13 @@ impl CudaLaunch {
             nodes: ffi_nodes,
             args: ffi_args,
             outputs: outs,
+            commit: false,
         })
     }
 
-    /// A launch of nodes and arguments already in the bridge's form (a merged capture's).
-    fn from_parts(
+    /// A launch of nodes and arguments already in the bridge's form (a merged capture's), which
+    /// launches MLX's graph right after its kernels.
+    fn committing(
         name: &str,
         nodes: Vec<cffi::KernelNode>,
         args: Vec<cffi::KernelArg>,
@@ -294,8 +298,8 @@ impl CudaLaunch {
         values: usize,
     ) -> Result<CudaLaunch> {
         let stream = kernel_stream();
-        let inner = crate::lock::locked(|| cffi::prepare_launch(name, &nodes, &args, &outputs, stream))?;
-        Ok(CudaLaunch { inner, name: name.to_string(), inputs, values, stream, nodes, args, outputs })
+        let inner = crate::lock::locked(|| cffi::prepare_launch(name, &nodes, &args, &outputs, true, stream))?;
+        Ok(CudaLaunch { inner, name: name.to_string(), inputs, values, stream, nodes, args, outputs, commit: true })
     }
 
     /// The kernels a call runs.
@@ -329,7 +333,8 @@ impl CudaLaunch {
         let out = crate::lock::locked(|| match stream == self.stream {
             true => cffi::call_launch(&self.inner, &v, &bits),
             false => {
-                let other = cffi::prepare_launch(&self.name, &self.nodes, &self.args, &self.outputs, stream)?;
+                let other =
+                    cffi::prepare_launch(&self.name, &self.nodes, &self.args, &self.outputs, self.commit, stream)?;
                 cffi::call_launch(&other, &v, &bits)
             }
         })?;

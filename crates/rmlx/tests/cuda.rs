@@ -160,7 +160,7 @@ extern "C" __global__ void rmlx_test_accumulate(float* acc, const float* x, floa
 /// A graph of four launches (an affine map, a reshape, a product with a constant made by an MLX
 /// operation, an in-place accumulation into a varying buffer with a per-call value, another affine
 /// map) captured from its lazy arrays and replayed over new inputs and values: the results and the
-/// accumulated buffer as computed here, call after call; an MLX operation on the varying path
+/// accumulated buffer (read through the handle it had) as computed here, call after call; an MLX operation on the varying path
 /// refuses the capture; varying arrays of another shape are an error.
 #[test]
 fn captured_launches_replay_over_new_inputs() {
@@ -168,7 +168,7 @@ fn captured_launches_replay_over_new_inputs() {
         eprintln!("skipped: MLX has no CUDA backend here");
         return;
     }
-    use rmlx::cuda::capture::capture;
+    use rmlx::cuda::capture::{capture, Capture};
     let n = 256u32;
     let function = |name| cuda::compile(name, CAPTURE_SOURCE, None).expect("compiles");
     let grid = [n.div_ceil(64), 1, 1];
@@ -220,19 +220,19 @@ fn captured_launches_replay_over_new_inputs() {
     // The first call builds the graph, is captured, then evaluated as it is.
     let x = Array::from_slice(&xs(0), &shape).unwrap();
     let (result, a_next) = step(&x, &a, 0.5);
-    let captured =
-        capture("rmlx_test_step", &result, &[&x, &a], &[KernelArg::F32(0.5)]).unwrap().expect("all launches");
+    let Capture::Captured(captured) = capture("rmlx_test_step", &result, &[&x, &a], &[KernelArg::F32(0.5)]).unwrap()
+    else {
+        panic!("all launches")
+    };
     assert_eq!(captured.kernels(), 4);
     assert_eq!(result.to_vec::<f32>().unwrap(), expect(&xs(0), &mut host_acc, 0.5), "the graph as built");
     a = a_next;
     for k in 1..6u32 {
         let s = 0.25 * k as f32;
         let x = Array::from_slice(&xs(k), &shape).unwrap();
-        let out = captured.call(&[&x, &a], &[KernelArg::F32(s)]).unwrap();
-        assert_eq!(out.updated.len(), 1);
-        assert_eq!(out.updated[0].0, 1, "the accumulator is varying array 1");
-        a = out.updated[0].1.clone();
-        assert_eq!(out.result.to_vec::<f32>().unwrap(), expect(&xs(k), &mut host_acc, s), "replay {k}");
+        let result = captured.call(&[&x, &a], &[KernelArg::F32(s)]).unwrap();
+        assert_eq!(result.to_vec::<f32>().unwrap(), expect(&xs(k), &mut host_acc, s), "replay {k}");
+        // Updated in its buffer: the same handle reads the sum.
         assert_eq!(a.to_vec::<f32>().unwrap(), host_acc, "replay {k}: the accumulator");
     }
     // Varying arrays of other shapes are refused.
@@ -245,8 +245,14 @@ fn captured_launches_replay_over_new_inputs() {
     // An MLX operation between the varying input and the result: nothing to capture.
     let x = Array::from_slice(&xs(9), &shape).unwrap();
     let y = first.call(&[x.exp().unwrap()]).unwrap().remove(0);
-    assert!(capture("rmlx_test_exp", &y, &[&x], &[]).unwrap().is_none());
+    match capture("rmlx_test_exp", &y, &[&x], &[]).unwrap() {
+        Capture::Refused(why) => assert_eq!(why, "a Exp operation reads a varying array"),
+        Capture::Captured(_) => panic!("an MLX operation was captured"),
+    }
     // A call value that is not among the capture's values: nothing to capture.
     let (result, _) = step(&x, &a, 3.0);
-    assert!(capture("rmlx_test_value", &result, &[&x, &a], &[KernelArg::F32(0.5)]).unwrap().is_none());
+    match capture("rmlx_test_value", &result, &[&x, &a], &[KernelArg::F32(0.5)]).unwrap() {
+        Capture::Refused(why) => assert_eq!(why, "rmlx_test_acc takes a call value not among the capture's"),
+        Capture::Captured(_) => panic!("a call value was captured"),
+    }
 }

@@ -14,7 +14,7 @@
 use super::cuda_fast::on_cuda;
 use crate::cache::KvCache;
 use crate::Result;
-use rmlx::cuda::capture::{capture, Captured};
+use rmlx::cuda::capture::{capture, Capture, Captured};
 use rmlx::cuda::KernelArg;
 use rmlx::{Array, Dtype};
 use std::sync::{Arc, Mutex};
@@ -47,11 +47,12 @@ impl std::str::FromStr for StepCapture {
     }
 }
 
-/// What a capture is valid for: the hidden state's shape and dtype and every cache's buffers'.
+/// What a capture is valid for: the hidden state's shape and dtype and every cache's capacity (the
+/// rest of the caches' shapes is the model's).
 #[derive(Clone, PartialEq, Debug)]
 struct Key {
     hidden: (Vec<i32>, Dtype),
-    caches: Vec<(Vec<i32>, Dtype, Vec<i32>)>,
+    capacities: Vec<usize>,
 }
 
 enum State {
@@ -104,15 +105,15 @@ impl CapturedSteps {
         let advanced = caches.iter().all(|c| matches!(c, KvCache::Standard(s) if s.offset as i32 == offset + 1));
         let captured = match advanced {
             true => capture("rmlx_decode_step", &out, &varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?,
-            false => None,
+            false => Capture::Refused("a cache did not take the position through the attention kernel".into()),
         };
         match captured {
-            Some(c) => {
+            Capture::Captured(c) => {
                 tracing::debug!(kernels = c.kernels(), scratch_bytes = c.scratch_bytes(), "decoding step captured");
                 *state = State::Captured(key, c);
             }
-            None => {
-                tracing::debug!("decoding step not captured: its layers built other operations");
+            Capture::Refused(why) => {
+                tracing::debug!("decoding step not captured: {why}");
                 *state = State::Refused(key);
             }
         }
@@ -134,15 +135,15 @@ impl CapturedSteps {
             return None;
         }
         let mut offset = None;
-        let mut key = Key { hidden: (h.shape().to_vec(), h.dtype()), caches: Vec::with_capacity(caches.len()) };
+        let mut key = Key { hidden: (h.shape().to_vec(), h.dtype()), capacities: Vec::with_capacity(caches.len()) };
         for cache in caches {
             let KvCache::Standard(c) = cache else { return None };
-            let (Some(k), Some(v), Some(done)) = (&c.keys, &c.values, &c.done) else { return None };
-            let room = c.offset < c.capacity() && *offset.get_or_insert(c.offset) == c.offset;
-            if !room || v.shape() != k.shape() || v.dtype() != k.dtype() {
+            let (Some(_), Some(_), Some(_)) = (&c.keys, &c.values, &c.done) else { return None };
+            let capacity = c.capacity();
+            if c.offset >= capacity || *offset.get_or_insert(c.offset) != c.offset {
                 return None;
             }
-            key.caches.push((k.shape().to_vec(), k.dtype(), done.shape().to_vec()));
+            key.capacities.push(capacity);
         }
         Some((key, i32::try_from(offset?).ok()?))
     }
@@ -159,27 +160,15 @@ fn varying(h: &Array, caches: &[KvCache]) -> Vec<Array> {
     v
 }
 
-/// The captured layers over `h` and `caches` at `offset`; the caches take their updated buffers
-/// and advance.
+/// The captured layers over `h` and `caches` at `offset` (the kernels write the caches' buffers in
+/// place); the caches advance.
 fn replay(captured: &Captured, h: &Array, caches: &mut [KvCache], offset: i32) -> Result<Array> {
     let varying = varying(h, caches);
     let out = captured.call(&varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?;
-    for (index, array) in out.updated {
-        // Varying array 1 + 3·layer + part.
-        let (layer, part) = ((index - 1) / 3, (index - 1) % 3);
-        if let Some(KvCache::Standard(c)) = caches.get_mut(layer) {
-            let slot = match part {
-                0 => &mut c.keys,
-                1 => &mut c.values,
-                _ => &mut c.done,
-            };
-            *slot = Some(array);
-        }
-    }
     for cache in caches.iter_mut() {
         if let KvCache::Standard(c) = cache {
             c.offset += 1;
         }
     }
-    Ok(out.result)
+    Ok(out)
 }

@@ -5,17 +5,24 @@
 //! array in between, at every call. [`capture`] reads back the lazy graph computing `result` from
 //! the arrays that change from call to call (`varying`) before it is evaluated, and merges its
 //! launches into one: every kernel in an order the graph allows, the arrays that depend on no
-//! varying one (weights) held as inputs, the launches' intermediate outputs in scratch buffers of
-//! the [`Captured`]'s own (one buffer serving several outputs once their last reader has run), and
-//! each varying array that a launch updates in place an output of the merged launch.
+//! varying one (weights) and the launches' intermediate outputs held by the [`Captured`] (the
+//! intermediates in scratch buffers of its own, one buffer serving several outputs once their last
+//! reader has run) and passed to the kernels by address, the varying arrays as its inputs.
 //! [`Captured::call`] then runs the same kernels, with the same arguments but for the new varying
-//! arrays and values, as one operation: the same results bit for bit, without the graph.
+//! arrays and values, as one operation whose only output is the result: the same results bit for
+//! bit, without the graph, at the host cost of one operation.
+//!
+//! A varying array that a launch updates in place ([`InPlace::Owned`](super::InPlace::Owned): a
+//! KV cache) stays an input, updated in its buffer, with no new array made for it: its handles
+//! see the update. MLX orders the replay after the work that made its inputs, and launches its
+//! graph right after the replay's kernels, so that operations added later run after them on the
+//! stream; operations already in that graph that read such an array are not waited for (the
+//! caller's to avoid: a decoding step's caches are read by nothing else in its evaluation).
 //!
 //! A reshape is read as its input's buffer. Any other operation that depends on a varying array,
-//! an in-place update of an array that is not varying (or not the caller's,
-//! [`InPlace::Owned`](super::InPlace::Owned)),
-//! or a call value that is not among the capture's `values` makes [`capture`] give `None`: the
-//! caller evaluates its graph as it is.
+//! an in-place update of an array that is not varying (or not the caller's),
+//! or a call value that is not among the capture's `values` makes [`capture`] refuse it (saying
+//! which): the caller evaluates its graph as it is.
 
 use super::{value_bits, CudaLaunch};
 use crate::array::arrays_of;
@@ -56,8 +63,8 @@ struct Walk {
     constants: Vec<Array>,
     scratch: Vec<Scratch>,
     calls: Vec<Call>,
-    /// Varying arrays updated in place.
-    updated: Vec<bool>,
+    /// Why the graph cannot be captured, once found.
+    refusal: String,
 }
 
 impl Walk {
@@ -80,12 +87,19 @@ impl Walk {
                 match (node.kind, slots.as_slice()) {
                     (_, s) if s.iter().all(|s| matches!(s, Slot::Constant(_))) => self.constant(a),
                     (2, &[inner]) => inner,
-                    _ => return None,
+                    _ => return self.refuse(format!("a {} operation reads a varying array", node.name)),
                 }
             }
         };
         self.seen.insert(id, slot);
         Some(slot)
+    }
+
+    fn refuse(&mut self, why: String) -> Option<Slot> {
+        if self.refusal.is_empty() {
+            self.refusal = why;
+        }
+        None
     }
 
     fn constant(&mut self, a: &Array) -> Slot {
@@ -114,11 +128,8 @@ impl Walk {
             let slot = match *node.aliases.get(j)? {
                 alias if alias >= 0 => match *slots.get(alias as usize)? {
                     // Only the caller's own arrays may be updated in place.
-                    Slot::Varying(v) if node.owned[j] => {
-                        self.updated[v] = true;
-                        Slot::Varying(v)
-                    }
-                    _ => return None,
+                    Slot::Varying(v) if node.owned[j] => Slot::Varying(v),
+                    _ => return self.refuse(format!("{} updates in place an array not the caller's", node.name)),
                 },
                 _ => {
                     self.scratch.push(Scratch { bytes: out.nbytes(), made: call, last_read: call });
@@ -138,57 +149,55 @@ impl Walk {
 /// arrays (see the module docs).
 pub struct Captured {
     launch: CudaLaunch,
-    /// The merged launch's inputs after the varying ones: constants, then scratch buffers.
-    fixed: Vec<Array>,
+    /// The constants and scratch buffers whose addresses the kernels take, kept alive.
+    _held: Vec<Array>,
     /// Shape and dtype of each varying array, which every call's must match.
     varying: Vec<(Vec<i32>, Dtype)>,
-    /// The varying arrays updated in place, in the order of the outputs after the result.
-    updated: Vec<usize>,
     kernels: usize,
     scratch_bytes: usize,
 }
 
-/// What a [`Captured::call`] gives: the result, and the new handle of each varying array it
-/// updates in place (its index among the varying arrays, the array).
-pub struct Replayed {
-    pub result: Array,
-    pub updated: Vec<(usize, Array)>,
+/// What [`capture`] made of a graph: its launches merged, or why they cannot be.
+pub enum Capture {
+    Captured(Captured),
+    /// Why not: the operation that is not a launch, say.
+    Refused(String),
 }
 
 /// Reads back the graph computing `result` from `varying` (see the module docs) and merges it into
-/// one launch named `name`, or `None` where it is not made of launches alone. Every call value of
+/// one launch named `name`, or says why it cannot (an operation that is not a launch). Every call value of
 /// its launches must be one of `values` (scalars, as [`CudaLaunch::call_with`] takes them); a
 /// replay's values take their places. The arrays that depend on no varying one are evaluated here;
 /// `result` is not.
-pub fn capture(
-    name: &str,
-    result: &Array,
-    varying: &[&Array],
-    values: &[super::KernelArg],
-) -> Result<Option<Captured>> {
+pub fn capture(name: &str, result: &Array, varying: &[&Array], values: &[super::KernelArg]) -> Result<Capture> {
     let value_bits: Vec<u64> = values.iter().map(|v| value_bits(name, v)).collect::<Result<_>>()?;
-    let mut walk = Walk {
-        varying: varying.iter().enumerate().map(|(i, a)| (a.id(), i)).collect(),
-        updated: vec![false; varying.len()],
-        ..Walk::default()
+    let mut walk = Walk { varying: varying.iter().enumerate().map(|(i, a)| (a.id(), i)).collect(), ..Walk::default() };
+    let result_slot = match walk.visit(result) {
+        Some(Slot::Scratch(s)) if walk.scratch[s].bytes == result.nbytes() => s,
+        Some(_) => return Ok(Capture::Refused("the result is not a launch's output".into())),
+        None => return Ok(Capture::Refused(walk.refusal)),
     };
-    let Some(Slot::Scratch(result_slot)) = walk.visit(result) else { return Ok(None) };
-    if walk.scratch[result_slot].bytes != result.nbytes() {
-        return Ok(None);
+    let (sizes, buffer_of) = allocate(&walk.scratch, result_slot);
+    // The constants and scratch buffers, evaluated, are held by the capture and their addresses
+    // written into the kernels' arguments.
+    let mut fixed = walk.constants;
+    let constants = fixed.len();
+    for &bytes in &sizes {
+        let len = i32::try_from(bytes)
+            .map_err(|_| Error::InvalidArgument(format!("capture `{name}`: a scratch buffer of {bytes} bytes")))?;
+        fixed.push(crate::ops::zeros(&[len.max(1)], Dtype::Uint8)?);
     }
-    let updated: Vec<usize> = (0..varying.len()).filter(|&v| walk.updated[v]).collect();
-    let (buffers, buffer_of) = allocate(&walk.scratch, result_slot);
+    crate::eval(&fixed)?;
+    let addresses: Vec<u64> = crate::lock::locked(|| {
+        fixed.iter().map(|a| cffi::cuda_device_address(a.raw())).collect::<std::result::Result<_, _>>()
+    })?;
 
-    let (nv, nc) = (varying.len(), walk.constants.len());
-    let arg_of = |slot: Slot| -> (u8, u32) {
+    let arg_of = |slot: Slot| -> (u8, u32, u64) {
         match slot {
-            Slot::Varying(v) => match updated.iter().position(|&u| u == v) {
-                Some(k) => (1, k as u32 + 1),
-                None => (0, v as u32),
-            },
-            Slot::Constant(c) => (0, (nv + c) as u32),
-            Slot::Scratch(s) if s == result_slot => (1, 0),
-            Slot::Scratch(s) => (0, (nv + nc + buffer_of[s]) as u32),
+            Slot::Varying(v) => (0, v as u32, 0),
+            Slot::Constant(c) => (3, 0, addresses[c]),
+            Slot::Scratch(s) if s == result_slot => (1, 0, 0),
+            Slot::Scratch(s) => (3, 0, addresses[constants + buffer_of[s]]),
         }
     };
     let (mut nodes, mut args) = (Vec::new(), Vec::new());
@@ -196,54 +205,35 @@ pub fn capture(
         for n in &call.node.nodes {
             let first_arg = args.len() as u32;
             for arg in &call.node.args[n.first_arg as usize..(n.first_arg + n.arg_count) as usize] {
-                let (kind, index) = match arg.kind {
+                let (kind, index, bits) = match arg.kind {
                     0 => arg_of(call.inputs[arg.index as usize]),
                     1 => arg_of(call.outputs[arg.index as usize]),
                     4 => {
                         let bits = call.node.values[arg.index as usize];
                         match value_bits.iter().position(|&b| b == bits) {
-                            Some(i) => (4, i as u32),
-                            None => return Ok(None),
+                            Some(i) => (4, i as u32, 0),
+                            None => {
+                                let why = format!("{} takes a call value not among the capture's", call.node.name);
+                                return Ok(Capture::Refused(why));
+                            }
                         }
                     }
-                    kind => (kind, 0),
+                    kind => (kind, 0, arg.bits),
                 };
-                args.push(cffi::KernelArg { kind, index, bits: arg.bits });
+                args.push(cffi::KernelArg { kind, index, bits });
             }
             nodes.push(cffi::KernelNode { first_arg, ..n.clone() });
         }
     }
-    let mut outputs = vec![cffi::LaunchOutput {
-        shape: result.shape().to_vec(),
-        dtype: result.dtype() as u8,
-        alias: -1,
-        owned: false,
-    }];
-    for &v in &updated {
-        outputs.push(cffi::LaunchOutput {
-            shape: varying[v].shape().to_vec(),
-            dtype: varying[v].dtype() as u8,
-            alias: v as i32,
-            owned: true,
-        });
-    }
-    let inputs = nv + nc + buffers.len();
-    let launch = CudaLaunch::from_parts(name, nodes, args, outputs, inputs, values.len())?;
-    let scratch_bytes = buffers.iter().sum();
-    let mut fixed = walk.constants;
-    for bytes in buffers {
-        let len = i32::try_from(bytes)
-            .map_err(|_| Error::InvalidArgument(format!("capture `{name}`: a scratch buffer of {bytes} bytes")))?;
-        fixed.push(crate::ops::zeros(&[len.max(1)], Dtype::Uint8)?);
-    }
-    crate::eval(&fixed)?;
-    Ok(Some(Captured {
+    let output =
+        cffi::LaunchOutput { shape: result.shape().to_vec(), dtype: result.dtype() as u8, alias: -1, owned: false };
+    let launch = CudaLaunch::committing(name, nodes, args, vec![output], varying.len(), values.len())?;
+    Ok(Capture::Captured(Captured {
         kernels: launch.kernels(),
         launch,
-        fixed,
+        _held: fixed,
         varying: varying.iter().map(|a| (a.shape().to_vec(), a.dtype())).collect(),
-        updated,
-        scratch_bytes,
+        scratch_bytes: sizes.iter().sum(),
     }))
 }
 
@@ -278,8 +268,9 @@ fn allocate(scratch: &[Scratch], result: usize) -> (Vec<usize>, Vec<usize>) {
 
 impl Captured {
     /// The captured kernels over new `varying` arrays (of the captured ones' shapes and dtypes) and
-    /// `values` (in [`capture`]'s order), as one operation.
-    pub fn call(&self, varying: &[&Array], values: &[super::KernelArg]) -> Result<Replayed> {
+    /// `values` (in [`capture`]'s order), as one operation: its result. The varying arrays that the
+    /// kernels update in place are updated in their buffers (see the module docs).
+    pub fn call(&self, varying: &[&Array], values: &[super::KernelArg]) -> Result<Array> {
         let fits = varying.len() == self.varying.len()
             && varying.iter().zip(&self.varying).all(|(a, (shape, dtype))| a.shape() == shape && a.dtype() == *dtype);
         if !fits {
@@ -288,10 +279,8 @@ impl Captured {
                 self.launch.name
             )));
         }
-        let inputs: Vec<Array> = varying.iter().map(|a| (*a).clone()).chain(self.fixed.iter().cloned()).collect();
-        let mut outputs = self.launch.call_with(&inputs, values)?.into_iter();
-        let result = outputs.next().expect("the result is the first output");
-        Ok(Replayed { result, updated: self.updated.iter().copied().zip(outputs).collect() })
+        let inputs: Vec<Array> = varying.iter().map(|a| (*a).clone()).collect();
+        Ok(self.launch.call_with(&inputs, values)?.remove(0))
     }
 
     /// The kernels a call runs.
