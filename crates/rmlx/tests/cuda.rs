@@ -198,8 +198,14 @@ fn captured_launches_replay_over_new_inputs() {
     let w = (&Array::from_slice(&w0, &[n as i32]).unwrap() + 1.0f32).unwrap();
     // The step: result = -(acc + s·(2x + 1)·w) + 0.5, acc updated in place.
     let step = |x: &Array, a: &Array, s: f32| -> (Array, Array) {
-        let y =
-            first.call(&[x.clone()]).unwrap().remove(0).reshape(&[1, n as i32]).unwrap().reshape(&[n as i32]).unwrap();
+        let y = first
+            .call(std::slice::from_ref(x))
+            .unwrap()
+            .remove(0)
+            .reshape(&[1, n as i32])
+            .unwrap()
+            .reshape(&[n as i32])
+            .unwrap();
         let z = mul.call(&[y, w.clone()]).unwrap().remove(0);
         let a = acc.call_with(&[a.clone(), z], &[KernelArg::F32(s)]).unwrap().remove(0);
         (last.call(std::slice::from_ref(&a)).unwrap().remove(0), a)
