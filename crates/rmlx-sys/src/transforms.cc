@@ -321,6 +321,21 @@ void set_compile_enabled(bool enabled) {
 
 bool array_is_tracer(const Array& a) { return a.is_tracer(); }
 
+// Whether `a` is (or will be, once computed) laid out row-major without gaps: computed so, an
+// output of a RustPrimitive (whose outputs are allocated so), or MLX's slice update of such an
+// array (which copies or takes over its input's layout).
+bool array_known_row_contiguous(const Array& a) {
+  mx::array x = a;
+  for (;;) {
+    if (x.status() != mx::array::Status::unscheduled) return x.flags().row_contiguous;
+    if (!x.has_primitive()) return false;
+    const mx::Primitive& p = x.primitive();
+    if (dynamic_cast<const RustPrimitive*>(&p) != nullptr) return true;
+    if (std::string(p.name()) != "SliceUpdate" || x.inputs().empty()) return false;
+    x = x.inputs()[0];
+  }
+}
+
 uint8_t gpu_backend() {
   if (mx::cu::is_available()) return 1;
   if (mx::metal::is_available()) return 2;

@@ -48,6 +48,7 @@ void compile_erase(size_t fun_id);
 void compile_clear_cache();
 void set_compile_enabled(bool enabled);
 bool array_is_tracer(const Array& a);
+bool array_known_row_contiguous(const Array& a);
 size_t eval_thread_token();
 void set_eval_caller(size_t token);
 

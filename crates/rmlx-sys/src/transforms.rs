@@ -152,6 +152,9 @@ pub mod tffi {
         fn set_compile_enabled(enabled: bool);
         /// Whether `a` is a tracer of a transform being traced (MLX cannot evaluate those).
         fn array_is_tracer(a: &Array) -> bool;
+        /// Whether `a` is, or once computed will be, row-major without gaps (computed so, made by
+        /// a custom primitive, or a slice update of such an array).
+        fn array_known_row_contiguous(a: &Array) -> bool;
         /// Identifies the calling thread (primitives' CPU failures are kept per evaluating thread).
         fn eval_thread_token() -> usize;
         /// Makes this thread's evaluations report primitives' failures to the thread whose token

@@ -11,6 +11,10 @@
 //! array made on the host (such small arrays live in CUDA managed memory, and a kernel reading one
 //! waits for its page); an output may update an input in place ([`CudaLaunch::updating`]).
 //!
+//! A graph whose operations are all such launches can be read back before it is evaluated and
+//! merged into one launch replayed over new inputs ([`capture`]): a decoding step's layers as one
+//! operation of MLX's graph.
+//!
 //! Available where MLX's CUDA backend is loaded ([`unavailable`] says why not elsewhere); the
 //! inputs are made row-contiguous before the kernels run, and the kernels have no gradient.
 //!

@@ -174,12 +174,21 @@ pub fn apply<P: CustomPrimitive>(op: P, inputs: &[Array]) -> Result<Vec<Array>> 
         (true, _) | (false, DeviceType::Cpu) => current(),
         (false, DeviceType::Gpu) => device_spec(Device::cpu()),
     };
-    // The CPU evaluation reads plain row-major buffers. Inputs computed so already (weights) are
-    // taken as they are: a `contiguous` node per input would be a scheduled task per call.
+    // The CPU evaluation reads plain row-major buffers. Inputs computed so already (weights), or
+    // to be made so (another custom primitive's outputs, a slice update of such a buffer: a KV
+    // cache written at a position) are taken as they are: a `contiguous` node per input would be
+    // a scheduled task per call.
     let contiguous = crate::device::with_stream_spec(stream, || {
         inputs
             .iter()
-            .map(|a| if a.is_computed_row_contiguous() { Ok(a.clone()) } else { crate::ops::contiguous(a) })
+            .map(|a| {
+                let known = crate::lock::locked(|| rmlx_sys::tffi::array_known_row_contiguous(a.raw()));
+                if known {
+                    Ok(a.clone())
+                } else {
+                    crate::ops::contiguous(a)
+                }
+            })
             .collect::<Result<Vec<_>>>()
     })?;
     let v = array_vec(&contiguous);

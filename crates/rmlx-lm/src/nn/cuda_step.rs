@@ -76,6 +76,7 @@ impl Clone for CapturedSteps {
 }
 
 impl CapturedSteps {
+    /// An empty capture that takes the first step it can when `mode` is [`StepCapture::On`].
     pub fn new(mode: StepCapture) -> Self {
         CapturedSteps { mode, state: Arc::new(Mutex::new(State::Empty)) }
     }
