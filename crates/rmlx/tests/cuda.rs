@@ -1,7 +1,8 @@
 //! Kernels of rmlx's own on MLX's CUDA backend (`rmlx::cuda`): where they are unavailable, the
 //! error; where MLX's CUDA backend is loaded, that they run as graph nodes over the arrays they are
 //! called on (contiguous or not, several kernels in one launch, call after call) and that NVRTC's
-//! and the driver's errors come back as `Err`.
+//! and the driver's errors come back as `Err`; a graph of launches captured and replayed as one,
+//! and (on every backend) the capture refusing graphs of other operations with the reason.
 
 use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode};
 use rmlx::fast::{self, GpuBackend};
@@ -260,5 +261,33 @@ fn captured_launches_replay_over_new_inputs() {
     match capture("rmlx_test_value", &result, &[&x, &a], &[KernelArg::F32(0.5)]).unwrap() {
         Capture::Refused(why) => assert_eq!(why, "rmlx_test_acc takes a call value not among the capture's"),
         Capture::Captured(_) => panic!("a call value was captured"),
+    }
+}
+
+/// Off MLX's CUDA backend too, the capture reads a graph back and says why it cannot take it: an
+/// MLX operation on the varying path, or a result that no launch makes.
+#[test]
+fn captures_refuse_graphs_that_are_not_launches() {
+    use rmlx::cuda::capture::{capture, Capture};
+    let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+    let y = (&x.exp().unwrap() + 1.0f32).unwrap().reshape(&[1, 2]).unwrap();
+    match capture("rmlx_test_mlx", &y, &[&x], &[]).unwrap() {
+        Capture::Refused(why) => assert_eq!(why, "a Exp operation reads a varying array"),
+        Capture::Captured(_) => panic!("MLX operations were captured"),
+    }
+    match capture("rmlx_test_varying", &x, &[&x], &[]).unwrap() {
+        Capture::Refused(why) => assert_eq!(why, "the result is not a launch's output"),
+        Capture::Captured(_) => panic!("a varying array was captured"),
+    }
+    // A result that depends on no varying array is a constant, not a launch's output.
+    let w = Array::from_slice(&[3.0f32], &[1]).unwrap();
+    match capture("rmlx_test_constant", &w.exp().unwrap(), &[&x], &[]).unwrap() {
+        Capture::Refused(why) => assert_eq!(why, "the result is not a launch's output"),
+        Capture::Captured(_) => panic!("a constant was captured"),
+    }
+    // The graph is left as it was (MLX's exponential may differ from Rust's in the last bit).
+    let got = y.to_vec::<f32>().unwrap();
+    for (g, want) in got.iter().zip([1.0f32.exp() + 1.0, 2.0f32.exp() + 1.0]) {
+        assert!((g - want).abs() <= 1e-5 * want, "{got:?}");
     }
 }
