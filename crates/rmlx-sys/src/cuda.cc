@@ -5,7 +5,9 @@
 // libmlx.so exports the command encoder's methods; its allocator's `cu::malloc_async` and
 // `contiguous_copy_gpu` are hidden, so they are found in the library's ELF symbol table (the same
 // addresses MLX's own code calls). If anything is missing, `cuda_unavailable` says what, and rmlx
-// composes MLX's operations instead.
+// composes MLX's operations instead. Kernels that start early (`overlap`) need MLX's exported
+// `add_graph_node` and the driver's graph functions with edge data (CUDA 12.3 and later) as well:
+// without them, `cuda_overlap_unavailable` says why, and launches order their kernels as before.
 #include "rmlx-sys/src/cuda.h"
 
 #include <dlfcn.h>
@@ -16,6 +18,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -41,6 +44,29 @@ struct CudaBufferHead {
   void* data;
 };
 
+// The CUDA driver's `CUDA_KERNEL_NODE_PARAMS` (its v2 layout, CUDA 12 and 13).
+struct KernelNodeParams {
+  void* func;
+  unsigned grid_x, grid_y, grid_z;
+  unsigned block_x, block_y, block_z;
+  unsigned shared_bytes;
+  void** params;
+  void** extra;
+  void* kernel;
+  void* context;
+};
+
+// The CUDA driver's `CUgraphEdgeData`: a programmatic edge lets its target start once every block of
+// its source has called `griddepcontrol.launch_dependents` (or ended).
+struct GraphEdgeData {
+  unsigned char from_port;
+  unsigned char to_port;
+  unsigned char type;
+  unsigned char reserved[5];
+};
+constexpr unsigned char kPortProgrammatic = 1;  // CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+constexpr unsigned char kDependencyProgrammatic = 1;  // CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+
 using CUresult = int;
 using Encoder = mx::cu::CommandEncoder;
 
@@ -53,6 +79,18 @@ struct Api {
   void (*add_kernel_node_raw)(Encoder*, void*, Dim3, Dim3, Dim3, unsigned, void**);
   void (*add_completed_handler)(Encoder*, std::function<void()>);
   void (*commit)(Encoder*);
+  // Optional, for kernels that start early (see `overlap_reason`): MLX's graph mode, a child
+  // graph added as one node, and the driver's graphs with edge data.
+  std::string no_overlap;
+  bool (*use_cuda_graphs)();
+  void (*add_graph_node)(Encoder*, void*, const std::string&, bool);
+  CUresult (*cuGraphCreate)(void**, unsigned);
+  CUresult (*cuGraphDestroy)(void*);
+  CUresult (*cuGraphAddKernelNode)(void**, void*, void* const*, size_t, const KernelNodeParams*);
+  CUresult (*cuGraphAddDependencies)(void*, void* const*, void* const*, const GraphEdgeData*, size_t);
+  CUresult (*cuGraphAddChildGraphNode)(void**, void*, void* const*, size_t, void*);
+  CUresult (*cuGraphInstantiateWithFlags)(void**, void*, unsigned long long);
+  CUresult (*cuGraphExecDestroy)(void*);
   mx::allocator::Data (*malloc_async)(size_t, Encoder&);
   mx::array (*contiguous_copy_gpu)(const mx::array&, const mx::Stream&);
   // The CUDA driver.
@@ -152,6 +190,10 @@ Api load_api() {
   resolve(self, "_ZN3mlx4core2cu14CommandEncoder21add_completed_handlerESt8functionIFvvEE",
           api.add_completed_handler, missing);
   resolve(self, "_ZN3mlx4core2cu14CommandEncoder6commitEv", api.commit, missing);
+  resolve(self,
+          "_ZN3mlx4core2cu14CommandEncoder14add_graph_nodeEP10CUgraph_stRKNSt7__cxx1112basic_stringIcSt11char_"
+          "traitsIcESaIcEEEb",
+          api.add_graph_node, api.no_overlap);
 
   // The hidden functions, from the symbol table of the library that defines the encoder.
   Dl_info info{};
@@ -163,7 +205,8 @@ Api load_api() {
   } else {
     const std::string malloc_name = "_ZN3mlx4core2cu12malloc_asyncEmRNS1_14CommandEncoderE";
     const std::string copy_name = "_ZN3mlx4core19contiguous_copy_gpuERKNS0_5arrayERKNS0_6StreamE";
-    auto found = local_symbols(map, {malloc_name, copy_name, encoder_symbol});
+    const std::string graphs_name = "_ZN3mlx4core2cu12_GLOBAL__N_115use_cuda_graphsEv";
+    auto found = local_symbols(map, {malloc_name, copy_name, graphs_name, encoder_symbol});
     // The table must agree with the dynamic linker on an exported symbol, or the addresses are wrong.
     if (found[encoder_symbol] != reinterpret_cast<void*>(api.get_command_encoder)) {
       if (missing.empty()) missing = std::string("the symbol table of ") + map->l_name + " is unreadable";
@@ -172,6 +215,8 @@ Api load_api() {
       api.contiguous_copy_gpu = reinterpret_cast<decltype(api.contiguous_copy_gpu)>(found[copy_name]);
       if (!api.malloc_async && missing.empty()) missing = "MLX's `cu::malloc_async` was not found";
       if (!api.contiguous_copy_gpu && missing.empty()) missing = "MLX's `contiguous_copy_gpu` was not found";
+      api.use_cuda_graphs = reinterpret_cast<decltype(api.use_cuda_graphs)>(found[graphs_name]);
+      if (!api.use_cuda_graphs && api.no_overlap.empty()) api.no_overlap = "MLX's `use_cuda_graphs` was not found";
     }
   }
 
@@ -186,6 +231,13 @@ Api load_api() {
   resolve(cuda, "cuModuleLoadData", api.cuModuleLoadData, missing);
   resolve(cuda, "cuModuleGetFunction", api.cuModuleGetFunction, missing);
   resolve(cuda, "cuGetErrorString", api.cuGetErrorString, missing);
+  resolve(cuda, "cuGraphCreate", api.cuGraphCreate, api.no_overlap);
+  resolve(cuda, "cuGraphDestroy", api.cuGraphDestroy, api.no_overlap);
+  resolve(cuda, "cuGraphAddKernelNode_v2", api.cuGraphAddKernelNode, api.no_overlap);
+  resolve(cuda, "cuGraphAddDependencies_v2", api.cuGraphAddDependencies, api.no_overlap);
+  resolve(cuda, "cuGraphAddChildGraphNode", api.cuGraphAddChildGraphNode, api.no_overlap);
+  resolve(cuda, "cuGraphInstantiateWithFlags", api.cuGraphInstantiateWithFlags, api.no_overlap);
+  resolve(cuda, "cuGraphExecDestroy", api.cuGraphExecDestroy, api.no_overlap);
 
   void* nvrtc = open_library({"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"});
   if (!nvrtc && missing.empty()) missing = "NVRTC (libnvrtc.so) could not be loaded";
@@ -227,6 +279,99 @@ void check_nvrtc(int r, const char* what) {
 void* device_address(const mx::array& a) {
   auto* buffer = static_cast<const CudaBufferHead*>(a.buffer().ptr());
   return static_cast<char*>(buffer->data) + a.offset();
+}
+
+// A graph of `nodes`, each after the one before: after a programmatic edge where the node is marked
+// `overlap` (it starts once every block of the node before has called `launch_dependents` or
+// ended, and waits for that node's end itself), after a plain one otherwise. The caller destroys it.
+void* chain_graph(const Api& a, const std::vector<KernelNode>& nodes, void** params) {
+  void* graph = nullptr;
+  check_cuda(a.cuGraphCreate(&graph, 0), "cuGraphCreate");
+  std::unique_ptr<void, void (*)(void*)> owner(graph, [](void* g) { api().cuGraphDestroy(g); });
+  void* previous = nullptr;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    const KernelNode& node = nodes[n];
+    KernelNodeParams p{};
+    p.func = reinterpret_cast<void*>(node.function);
+    p.grid_x = node.grid[0], p.grid_y = node.grid[1], p.grid_z = node.grid[2];
+    p.block_x = node.block[0], p.block_y = node.block[1], p.block_z = node.block[2];
+    p.shared_bytes = node.shared_bytes;
+    p.params = params + node.first_arg;
+    void* added = nullptr;
+    check_cuda(a.cuGraphAddKernelNode(&added, graph, nullptr, 0, &p), "cuGraphAddKernelNode");
+    if (n > 0) {
+      GraphEdgeData edge{};
+      if (node.overlap) {
+        edge.from_port = kPortProgrammatic;
+        edge.type = kDependencyProgrammatic;
+      }
+      check_cuda(a.cuGraphAddDependencies(graph, &previous, &added, &edge, 1), "cuGraphAddDependencies");
+    }
+    previous = added;
+  }
+  return owner.release();
+}
+
+// Whether this driver runs a graph with a programmatic edge as a child of another: two nodes of an
+// empty kernel (from PTX) so chained, made a child graph and instantiated. Empty if it does.
+std::string probe_child_chain(const Api& a, int device) {
+  static const char* kPtx =
+      ".version 7.8\n.target sm_90\n.address_size 64\n.visible .entry rmlx_probe()\n{\n  ret;\n}\n";
+  int dev = 0;
+  void* context = nullptr;
+  check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check_cuda(a.cuDevicePrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
+  check_cuda(a.cuCtxPushCurrent(context), "cuCtxPushCurrent");
+  std::string why;
+  void* parent = nullptr;
+  void* exec = nullptr;
+  try {
+    void* module = nullptr;
+    void* function = nullptr;
+    check_cuda(a.cuModuleLoadData(&module, kPtx), "cuModuleLoadData (probe)");
+    check_cuda(a.cuModuleGetFunction(&function, module, "rmlx_probe"), "cuModuleGetFunction (probe)");
+    KernelNode node{};
+    node.function = reinterpret_cast<uint64_t>(function);
+    node.grid = {1, 1, 1};
+    node.block = {32, 1, 1};
+    node.overlap = true;
+    std::vector<KernelNode> nodes{node, node};
+    void* child = chain_graph(a, nodes, nullptr);
+    std::unique_ptr<void, void (*)(void*)> owner(child, [](void* g) { api().cuGraphDestroy(g); });
+    check_cuda(a.cuGraphCreate(&parent, 0), "cuGraphCreate");
+    void* added = nullptr;
+    check_cuda(a.cuGraphAddChildGraphNode(&added, parent, nullptr, 0, child), "cuGraphAddChildGraphNode");
+    check_cuda(a.cuGraphInstantiateWithFlags(&exec, parent, 0), "cuGraphInstantiateWithFlags");
+  } catch (const std::exception& e) {
+    why = std::string("CUDA graphs refuse kernels chained by programmatic edges in a child graph: ") + e.what();
+  }
+  if (exec) a.cuGraphExecDestroy(exec);
+  if (parent) a.cuGraphDestroy(parent);
+  void* popped = nullptr;
+  a.cuCtxPopCurrent(&popped);
+  return why;
+}
+
+// Why kernels marked `overlap` cannot start early on CUDA device `device` (empty: they can).
+const std::string& overlap_reason(int device) {
+  static std::mutex lock;
+  static std::map<int, std::string> reasons;
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = reasons.find(device);
+  if (it != reasons.end()) return it->second;
+  const Api& a = api();
+  std::string why = !a.missing.empty() ? a.missing : a.no_overlap;
+  if (why.empty() && !a.use_cuda_graphs()) why = "MLX launches kernels without CUDA graphs (MLX_USE_CUDA_GRAPHS)";
+  if (why.empty()) {
+    int dev = 0, major = 0;
+    check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+    check_cuda(a.cuDeviceGetAttribute(&major, 75, dev), "cuDeviceGetAttribute");
+    if (major < 9) {
+      why = "programmatic dependent launch needs compute capability 9.0 (this GPU: " + std::to_string(major) + ".x)";
+    }
+  }
+  if (why.empty()) why = probe_child_chain(a, device);
+  return reasons.emplace(device, why).first->second;
 }
 
 // What a launch runs, shared by the primitive made once and its copies made per call.
@@ -305,28 +450,56 @@ class CudaLaunch : public mx::Primitive {
       }
       params[i] = &values[i];
     }
-    size_t last = spec.nodes.size() - 1;
-    for (size_t n = 0; n < spec.nodes.size(); ++n) {
-      const KernelNode& node = spec.nodes[n];
-      // MLX's encoder orders a kernel node after the producers of the arrays declared since the
-      // previous node, and records it as the producer of the outputs declared: a middle node
-      // declares the first output (ordering it after the node before), the last one every output
-      // (so that later readers of any output wait for the whole launch).
-      if (n > 0 && n < last) {
-        a.set_output_array(&encoder, outputs[0]);
-      } else if (n > 0) {
-        for (auto& out : outputs) a.set_output_array(&encoder, out);
-      }
-      Dim3 grid{node.grid[0], node.grid[1], node.grid[2]};
-      Dim3 block{node.block[0], node.block[1], node.block[2]};
-      a.add_kernel_node_raw(&encoder, reinterpret_cast<void*>(node.function), grid, block, Dim3{1, 1, 1},
-                            node.shared_bytes, params.data() + node.first_arg);
+    if (overlaps(spec) && overlap_reason(stream().device.index).empty()) {
+      add_chained_nodes(a, encoder, spec, params);
+    } else {
+      add_ordered_nodes(a, encoder, spec, params, outputs);
     }
     if (!copies.empty()) {
       // The copies live until the graph that reads them has run.
       a.add_completed_handler(&encoder, [copies = std::move(copies)]() {});
     }
     if (spec.commit) a.commit(&encoder);
+  }
+
+
+  // Whether any node after the first may start before the one before it ends.
+  static bool overlaps(const LaunchSpec& spec) {
+    for (size_t n = 1; n < spec.nodes.size(); ++n) {
+      if (spec.nodes[n].overlap) return true;
+    }
+    return false;
+  }
+
+  static Dim3 dim(const std::array<uint32_t, 3>& d) { return Dim3{d[0], d[1], d[2]}; }
+
+  // The nodes in order, each ordered after the one before by MLX's encoder: a middle node
+  // declares the first output (MLX orders a node after the producers of the arrays declared since
+  // the previous node and records it as the producer of the outputs declared), the last one every
+  // output (so that later readers of any output wait for the whole launch).
+  static void add_ordered_nodes(const Api& a, Encoder& encoder, const LaunchSpec& spec, std::vector<void*>& params,
+                                std::vector<mx::array>& outputs) {
+    size_t last = spec.nodes.size() - 1;
+    for (size_t n = 0; n < spec.nodes.size(); ++n) {
+      const KernelNode& node = spec.nodes[n];
+      if (n > 0 && n < last) {
+        a.set_output_array(&encoder, outputs[0]);
+      } else if (n > 0) {
+        for (auto& out : outputs) a.set_output_array(&encoder, out);
+      }
+      a.add_kernel_node_raw(&encoder, reinterpret_cast<void*>(node.function), dim(node.grid), dim(node.block),
+                            Dim3{1, 1, 1}, node.shared_bytes, params.data() + node.first_arg);
+    }
+  }
+
+  // The nodes as one child graph of rmlx's own (`chain_graph`), added to MLX's graph as one node
+  // after the producers of every input and output declared before, and recorded as their producer.
+  static void add_chained_nodes(const Api& a, Encoder& encoder, const LaunchSpec& spec, std::vector<void*>& params) {
+    void* graph = chain_graph(a, spec.nodes, params.data());
+    std::unique_ptr<void, void (*)(void*)> owner(graph, [](void* g) { api().cuGraphDestroy(g); });
+    // MLX keys its executable graphs by their nodes': one key a launch (its spec lives as long).
+    std::string key = "(rmlx" + std::to_string(reinterpret_cast<uintptr_t>(&spec)) + ")";
+    a.add_graph_node(&encoder, graph, key, true);
   }
 
   const char* name() const override { return spec_->name.c_str(); }
@@ -339,6 +512,8 @@ class CudaLaunch : public mx::Primitive {
 }  // namespace
 
 rust::String cuda_unavailable() { return rust::String(api().missing); }
+
+rust::String cuda_overlap_unavailable(int32_t device) { return rust::String(overlap_reason(device)); }
 
 int32_t cuda_compute_capability(int32_t device) {
   const Api& a = usable_api();

@@ -21,6 +21,7 @@ struct PreparedLaunch {
 };
 
 rust::String cuda_unavailable();
+rust::String cuda_overlap_unavailable(int32_t device);
 int32_t cuda_compute_capability(int32_t device);
 int32_t cuda_multiprocessors(int32_t device);
 int32_t nvrtc_version();

@@ -20,6 +20,9 @@ pub mod cffi {
         shared_bytes: u32,
         first_arg: u32,
         arg_count: u32,
+        /// May start before the node before it ends: the kernel waits for that node itself
+        /// (`griddepcontrol.wait`) before it reads what earlier nodes write or writes anything.
+        overlap: bool,
     }
 
     /// One kernel parameter. `kind`: 0 = pointer to input `index`, 1 = pointer to output `index`,
@@ -74,6 +77,10 @@ pub mod cffi {
         /// Empty when kernels of rmlx's own can run (MLX's CUDA backend is loaded and everything
         /// the shim needs from it, the CUDA driver and NVRTC was found); else why not.
         fn cuda_unavailable() -> String;
+        /// Empty when nodes marked `overlap` start early on CUDA device `device` (a launch's nodes
+        /// as a child graph of rmlx's own, chained by programmatic edges; checked once by
+        /// instantiating such a graph); else why not (they are then ordered as any other node).
+        fn cuda_overlap_unavailable(device: i32) -> String;
         /// `major * 10 + minor` of CUDA device `device`.
         fn cuda_compute_capability(device: i32) -> Result<i32>;
         /// The multiprocessors of CUDA device `device`.

@@ -11,6 +11,12 @@
 //! array made on the host (such small arrays live in CUDA managed memory, and a kernel reading one
 //! waits for its page); an output may update an input in place ([`CudaLaunch::updating`]).
 //!
+//! Kernels that follow the [`OVERLAP`] protocol ([`CudaFunction::overlapping`]) start while the
+//! kernel before them in a launch finishes (CUDA's programmatic dependent launch, on compute
+//! capability 9.0 and later): each waits for its predecessor itself, after work that reads only
+//! the launch's inputs (a product's first weights), so a chain of short kernels loses less to
+//! each one's start and end.
+//!
 //! A graph whose operations are all such launches can be read back before it is evaluated and
 //! merged into one launch replayed over new inputs ([`capture`]): a decoding step's layers as one
 //! operation of MLX's graph.
@@ -67,18 +73,66 @@ pub fn multiprocessors() -> Result<i32> {
     Ok(cffi::cuda_multiprocessors(crate::Device::gpu().index)?)
 }
 
+/// Why kernels marked [`CudaFunction::overlapping`] do not start early in this process (`None`:
+/// they do): kernels of rmlx's own unavailable, a GPU before compute capability 9.0, MLX without
+/// CUDA graphs, or a CUDA driver without graph edge data. They are then ordered as any other.
+pub fn overlap_unavailable() -> Option<String> {
+    if let Some(why) = unavailable() {
+        return Some(why);
+    }
+    let why = crate::lock::locked(|| cffi::cuda_overlap_unavailable(crate::Device::gpu().index));
+    (!why.is_empty()).then_some(why)
+}
+
+/// Device functions of the protocol that lets a kernel start before the kernel before it in a
+/// launch ends (prepend it to the source; both are no-ops before compute capability 9.0 and when
+/// the kernel was not started early):
+///
+/// - `rmlx_wait_previous()`: returns once the kernel before has ended and its writes are visible.
+///   Every block calls it before it reads anything a kernel of the launch may write (the launch's
+///   outputs, inputs it updates in place) and before it writes anything; before it, a block may
+///   read only arrays no kernel of the launch writes (weights, the launch's other inputs).
+/// - `rmlx_release_next()`: lets the kernel after start (once every block has called it or ended);
+///   call it after `rmlx_wait_previous()`.
+pub const OVERLAP: &str = r#"
+__device__ __forceinline__ void rmlx_wait_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void rmlx_release_next() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+"#;
+
 /// A loaded kernel function (for the life of the process) and the device it was loaded on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaFunction {
     handle: u64,
     device: i32,
     name: String,
+    overlap: bool,
 }
 
 impl CudaFunction {
     /// The function's name in its source.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The function, declared to follow the [`OVERLAP`] protocol: in a launch, a node running it
+    /// may start before the node before it ends (where [`overlap_unavailable`] is `None`). A
+    /// kernel that does not call `rmlx_wait_previous()` as the protocol says may read stale data.
+    pub fn overlapping(mut self) -> CudaFunction {
+        self.overlap = true;
+        self
+    }
+
+    /// Whether [`CudaFunction::overlapping`] declared it.
+    pub fn overlaps(&self) -> bool {
+        self.overlap
     }
 }
 
@@ -112,7 +166,7 @@ pub fn compile(name: &str, source: &str, cache: Option<&Path>) -> Result<CudaFun
         }
     };
     let handle = cffi::cuda_load_function(device, &image, name)?;
-    let f = CudaFunction { handle, device, name: name.to_string() };
+    let f = CudaFunction { handle, device, name: name.to_string(), overlap: false };
     LOADED.lock().unwrap_or_else(|e| e.into_inner()).insert(key, f.clone());
     Ok(f)
 }
@@ -234,6 +288,7 @@ impl CudaLaunch {
                 shared_bytes: node.shared_bytes,
                 first_arg: ffi_args.len() as u32,
                 arg_count: node.args.len() as u32,
+                overlap: node.function.overlap,
             });
             for arg in &node.args {
                 let (kind, index, bits) = match *arg {

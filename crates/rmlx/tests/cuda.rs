@@ -1,7 +1,8 @@
 //! Kernels of rmlx's own on MLX's CUDA backend (`rmlx::cuda`): where they are unavailable, the
 //! error; where MLX's CUDA backend is loaded, that they run as graph nodes over the arrays they are
 //! called on (contiguous or not, several kernels in one launch, call after call) and that NVRTC's
-//! and the driver's errors come back as `Err`; a graph of launches captured and replayed as one,
+//! and the driver's errors come back as `Err`; kernels that start before the kernel before them ends;
+//! a graph of launches captured and replayed as one,
 //! and (on every backend) the capture refusing graphs of other operations with the reason.
 
 use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode};
@@ -71,6 +72,77 @@ fn own_kernels_run_in_order_over_any_input_layout() {
     match launch.call(&[]) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("reads 1 inputs and 0 values, got 0 and 0"), "{m}"),
         other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+/// The kernel of the overlap test: `y[i] = x[n - 1 - i] + b`, each value read from another block
+/// than the one writing it, after a busy first stretch in the first block (so that later kernels,
+/// started early, would read old values if they did not wait).
+const OVERLAP_SOURCE: &str = r#"
+extern "C" __global__ void rmlx_test_reverse_add(const float* x, float* y, float b, int n) {
+    rmlx_wait_previous();
+    rmlx_release_next();
+    if (blockIdx.x == 0) {
+        volatile float spin = 0.0f;
+        for (int k = 0; k < 20000; ++k) spin = spin * 0.5f + 1.0f;
+    }
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[n - 1 - i] + b;
+}"#;
+
+/// Kernels that follow `cuda::OVERLAP` in one launch (2 and 9 nodes, an ordinary kernel among the
+/// 9): each output equals the values computed here, call after call; on a GPU of compute
+/// capability 9.0 or later the kernels do start early (`overlap_unavailable` is `None`).
+#[test]
+fn overlapping_kernels_read_what_the_kernel_before_wrote() {
+    if !on_cuda() {
+        assert!(cuda::overlap_unavailable().is_some(), "no CUDA backend: nothing starts early");
+        eprintln!("skipped: MLX has no CUDA backend here");
+        return;
+    }
+    match cuda::overlap_unavailable() {
+        None => {}
+        Some(why) => assert!(why.contains("compute capability"), "kernels do not start early: {why}"),
+    }
+    let source = format!("{}{OVERLAP_SOURCE}", cuda::OVERLAP);
+    let function = cuda::compile("rmlx_test_reverse_add", &source, None).expect("compiles").overlapping();
+    assert!(function.overlaps());
+    let n: u32 = 1 << 20;
+    let reverse_add = |input: KernelArg, output: u32, b: f32| {
+        let args = vec![input, KernelArg::Output(output), KernelArg::F32(b), KernelArg::I32(n as i32)];
+        KernelNode { function: function.clone(), grid: [n / 256, 1, 1], block: [256, 1, 1], shared_bytes: 0, args }
+    };
+    let values: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    let x = Array::from_slice(&values, &[n as i32]).unwrap();
+    for count in [2u32, 9] {
+        let nodes: Vec<KernelNode> = (0..count)
+            .map(|k| {
+                let input = if k == 0 { KernelArg::Input(0) } else { KernelArg::Output(k - 1) };
+                if k == 4 {
+                    affine(input, k, 1.0, 0.5, n)
+                } else {
+                    reverse_add(input, k, 1.0 + k as f32)
+                }
+            })
+            .collect();
+        let outputs: Vec<_> = (0..count).map(|_| (vec![n as i32], Dtype::Float32)).collect();
+        let launch = CudaLaunch::new("rmlx_test_overlap", &nodes, &outputs).unwrap();
+        let mut expected = Vec::new();
+        let mut current = values.clone();
+        for k in 0..count {
+            current = if k == 4 {
+                current.iter().map(|v| v + 0.5).collect()
+            } else {
+                current.iter().rev().map(|v| v + 1.0 + k as f32).collect()
+            };
+            expected.push(current.clone());
+        }
+        for call in 0..10 {
+            let out = launch.call(std::slice::from_ref(&x)).unwrap();
+            for (k, want) in expected.iter().enumerate() {
+                assert_eq!(&out[k].to_vec::<f32>().unwrap(), want, "{count} nodes, call {call}, node {k}");
+            }
+        }
     }
 }
 

@@ -15,7 +15,7 @@
 use super::cuda_fast::{cuda_type, kernel_cache, launch_once, on_cuda, HeadNorms, Launches, Rotation, CUDA_TYPES};
 use super::training;
 use crate::cache::{Offset, StandardCache};
-use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode};
+use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode, OVERLAP};
 use rmlx::{ops, Array, Dtype, Result};
 use std::sync::{Arc, LazyLock, Mutex};
 
@@ -498,14 +498,14 @@ pub fn standard_cache_attention(
 fn source(s: &Shape) -> String {
     let t = cuda_type(s.dtype);
     format!(
-        "{CUDA_TYPES}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
+        "{CUDA_TYPES}{OVERLAP}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
          constexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool PER_ROW = {};\nconstexpr bool STACKED = {};\nconstexpr bool NORM = {};\n\
          constexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n{ROTATED}\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) rmlx_decode_attention(const T* a0, \
          const T* a1, const T* a2, const float* divisors, T* keys, T* values, unsigned* done, const int* pos, \
          int position, T* out, float* partial, float* stats, int capacity, float scale, float eps, float rope_scale) \
-         {{\n{SOURCE}}}\n",
+         {{\nrmlx_wait_previous();\nrmlx_release_next();\n{SOURCE}}}\n",
         s.head_dim,
         s.heads,
         s.kv_heads,
@@ -528,7 +528,7 @@ fn launch_for(s: Shape) -> Result<Arc<CudaLaunch>> {
 
 /// The launch for `s` (its kernel compiled, or read from the cache).
 fn make_launch(s: &Shape) -> Result<CudaLaunch> {
-    let function = cuda::compile("rmlx_decode_attention", &source(s), Some(&kernel_cache()))?;
+    let function = cuda::compile("rmlx_decode_attention", &source(s), Some(&kernel_cache()))?.overlapping();
     use KernelArg::{Input, Output, Value, F32, I32};
     let chunk = s.chunk();
     let (batch, chunks) = (s.batch as u32, (s.capacity + chunk - 1) / chunk);

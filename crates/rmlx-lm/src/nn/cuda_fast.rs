@@ -7,7 +7,7 @@
 
 use super::training;
 use crate::cache::Offset;
-use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
+use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode, OVERLAP};
 use rmlx::fast::{gpu_backend, GpuBackend};
 use rmlx::{Array, DeviceType, Dtype, Result};
 use std::collections::HashMap;
@@ -169,10 +169,11 @@ struct KernelShape {
 fn source(s: &KernelShape) -> String {
     let t = cuda_type(s.dtype);
     format!(
-        "{CUDA_TYPES}typedef {t} T;\nconstexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
+        "{CUDA_TYPES}{OVERLAP}typedef {t} T;\nconstexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool NORM = {};\nconstexpr bool PER_ROW = {};\n\
          extern \"C\" __global__ void rmlx_qkv_heads(const T* y, const T* qw, const T* kw, const float* divisors, \
-         const int* pos, int position, T* q, T* k, T* v, float eps, float scale) {{\n{SOURCE}}}\n",
+         const int* pos, int position, T* q, T* k, T* v, float eps, float scale) {{\n\
+         rmlx_wait_previous();\nrmlx_release_next();\n{SOURCE}}}\n",
         s.head_dim, s.heads, s.kv_heads, s.norm, s.per_row
     )
 }
@@ -186,7 +187,7 @@ fn launch_for(s: KernelShape) -> Result<Arc<CudaLaunch>> {
 
 /// The launch for `s` (its kernel compiled, or read from the cache).
 fn make_launch(s: &KernelShape) -> Result<CudaLaunch> {
-    let function = cuda::compile("rmlx_qkv_heads", &source(s), Some(&kernel_cache()))?;
+    let function = cuda::compile("rmlx_qkv_heads", &source(s), Some(&kernel_cache()))?.overlapping();
     let threads = ((s.head_dim / 2 + 31) / 32 * 32) as u32;
     let mut args: Vec<KernelArg> = (0..5).map(KernelArg::Input).collect();
     args.push(KernelArg::Value(0));

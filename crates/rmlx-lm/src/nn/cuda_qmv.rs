@@ -29,7 +29,7 @@
 use super::cuda_fast::{cuda_type, kernel_cache, launch_once, on_cuda, Launches, CUDA_TYPES};
 use super::cuda_qmv_ix as ix;
 use super::training;
-use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode};
+use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode, OVERLAP};
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Result};
 use std::sync::{Arc, LazyLock, Mutex};
@@ -72,6 +72,10 @@ const SOURCE: &str = r#"
     const char* wsrc[2] = {reinterpret_cast<const char*>(w), reinterpret_cast<const char*>(w2)};
     const T* ssrc[2] = {reinterpret_cast<const T*>(scales), reinterpret_cast<const T*>(scales2)};
     const T* bsrc[2] = {reinterpret_cast<const T*>(biases), reinterpret_cast<const T*>(biases2)};
+    // Nothing is read before this (see `rmlx::cuda::OVERLAP`): asking the first step's weights
+    // into the L2 here made bf16 decoding 2-4 % slower (BENCHMARKS.md).
+    rmlx_wait_previous();
+    rmlx_release_next();
     float acc[M][RR];
     float sq[M];
 #pragma unroll
@@ -344,7 +348,7 @@ fn source(s: &Shape) -> String {
         Form::Float => (SOURCE, String::new(), "128".to_string()),
     };
     format!(
-        "{CUDA_TYPES}{HEADER}{FINISH}{ix_header}typedef {t} T;\n{constants}\
+        "{CUDA_TYPES}{OVERLAP}{HEADER}{FINISH}{ix_header}typedef {t} T;\n{constants}\
          extern \"C\" __global__ void __launch_bounds__({bounds}) rmlx_fused_matvec(const T* x, const unsigned* w, \
          const T* scales, const T* biases, const unsigned* w2, const T* scales2, const T* biases2, const T* nw, \
          const T* res, const T* bias, T* y, int rows) {{\n{body}}}\n"
@@ -389,7 +393,7 @@ fn kernel_node(
     next: &mut u32,
     output: u32,
 ) -> Result<KernelNode> {
-    let function = cuda::compile("rmlx_fused_matvec", &source(s), Some(&kernel_cache()))?;
+    let function = cuda::compile("rmlx_fused_matvec", &source(s), Some(&kernel_cache()))?.overlapping();
     let (blocks, threads) = match s.form {
         Form::Integer => (ix::grid(s.row_blocks(), ix::BLOCKS_PER_SM)?, WARPS * 32),
         Form::SplitInteger => (ix::grid(s.row_blocks(), ix::split_blocks_per_sm(s.split()))?, 32 * s.split()),

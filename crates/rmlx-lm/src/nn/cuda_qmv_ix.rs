@@ -156,6 +156,9 @@ pub(super) const SOURCE: &str = r#"
     };
     Stage cur, nxt;
     load(cur, blockIdx.x, 0);
+    // Only weights are read before this (see `rmlx::cuda::OVERLAP`).
+    rmlx_wait_previous();
+    rmlx_release_next();
     // x in shared memory, as the module docs describe, while the first step's weights arrive.
     constexpr int PIECES = K / 8;
     constexpr int THREADS = WARPS * 32;
@@ -418,6 +421,9 @@ pub(super) const SPLIT_SOURCE: &str = r#"
     };
 #pragma unroll
     for (int d = 0; d < DEPTH - 1; ++d) fetch(d, blockIdx.x + d * gridDim.x);
+    // Only weights, scales and biases are read before this (see `rmlx::cuda::OVERLAP`).
+    rmlx_wait_previous();
+    rmlx_release_next();
     // This lane's units of x as fixed point, while the first tiles arrive: a pass for the unit's
     // largest value, sum and squares, then one writing hi and lo eight values at a time.
     uint4 xv[M][SPW][U];
