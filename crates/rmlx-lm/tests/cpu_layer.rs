@@ -81,6 +81,25 @@ fn fused_step_computes_the_composed_step() {
     }
 }
 
+/// Across the cache's growth (every 256 positions), where the fused step writes its keys and
+/// values into a new buffer: 300 positions fed one at a time, the same logits as the composed step.
+#[test]
+fn fused_steps_write_the_cache_across_its_growth() {
+    rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
+    let name = "qwen3_q4";
+    let dir = fixture_with_tokenizer(name);
+    let prompt = ids(&reference(name)["prompt_ids"]);
+    let long: Vec<u32> = prompt.iter().copied().cycle().take(300).collect();
+    let fused = load(dir.path(), Dtype::Float32);
+    let mut composed = load(dir.path(), Dtype::Float32);
+    decline_fused(&mut composed, Dtype::Float32);
+    let (a, b) = (stepwise_logits(&fused, &long), stepwise_logits(&composed, &long));
+    assert_eq!(a.len(), 300);
+    for (position, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(x == y, "{name} position {position}: the fused step's logits differ");
+    }
+}
+
 /// Batches, prompts and adapters keep the composed graph: the fused step serves one sequence's
 /// decoding step only.
 #[test]

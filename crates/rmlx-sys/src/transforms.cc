@@ -9,6 +9,7 @@
 #include "mlx/compile_impl.h"
 #include "mlx/primitives.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 
@@ -112,10 +113,12 @@ CpuBuffer buffer_of(const mx::array& a) {
 // A primitive whose evaluation and transforms are implemented in Rust (rmlx's CustomPrimitive).
 class RustPrimitive : public mx::Primitive {
  public:
-  RustPrimitive(mx::Stream stream, rust::Box<OpBox> op)
+  RustPrimitive(mx::Stream stream, rust::Box<OpBox> op, std::vector<int> aliases = {}, bool owned = false)
       : mx::Primitive(stream),
         op_(std::make_shared<rust::Box<OpBox>>(std::move(op))),
-        name_(std::string(op_name(**op_))) {}
+        name_(std::string(op_name(**op_))),
+        aliases_(std::move(aliases)),
+        owned_(owned) {}
 
   void eval_cpu(const Arrays& inputs, Arrays& outputs) override {
     for (auto& in : inputs) {
@@ -123,15 +126,44 @@ class RustPrimitive : public mx::Primitive {
         throw std::runtime_error("[" + name_ + "] internal error: an input is not row-contiguous");
       }
     }
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    // Inputs taken over by an output reach the op empty; `copies` pairs an output with the input
+    // it starts as a copy of (where the input's own buffer may not be updated).
+    std::vector<bool> taken(inputs.size(), false);
+    std::vector<std::pair<size_t, size_t>> copies;
+    for (size_t j = 0; j < outputs.size(); ++j) {
+      auto& o = outputs[j];
+      int alias = j < aliases_.size() ? aliases_[j] : -1;
+      if (alias < 0) {
+        o.set_data(mx::allocator::malloc(o.nbytes()));
+        continue;
+      }
+      const mx::array& in = inputs.at(alias);
+      if (in.dtype() != o.dtype() || in.size() != o.size()) {
+        throw std::invalid_argument("[" + name_ + "] an output updated in place differs from its input");
+      }
+      taken[alias] = true;
+      if (owned_ || in.is_donatable()) {
+        o.copy_shared_buffer(in);
+      } else {
+        o.set_data(mx::allocator::malloc(o.nbytes()));
+        copies.emplace_back(j, static_cast<size_t>(alias));
+      }
+    }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& in : inputs) encoder.set_input_array(in);
     for (auto& o : outputs) encoder.set_output_array(o);
     // The task runs on MLX's CPU worker; the copies keep the buffers (and the Rust op) alive.
     // Failures are reported to the thread that asked for this evaluation.
-    encoder.dispatch([op = op_, ins = inputs, outs = outputs, token = eval_thread_token()]() {
+    encoder.dispatch([op = op_, ins = inputs, outs = outputs, taken, copies, token = eval_thread_token()]() {
+      for (auto [j, i] : copies) {
+        auto& out = const_cast<mx::array&>(outs[j]);
+        std::memcpy(out.data<char>(), ins[i].data<char>(), out.nbytes());
+      }
       rust::Vec<CpuBuffer> in_buffers, out_buffers;
-      for (auto& a : ins) in_buffers.push_back(buffer_of(a));
+      for (size_t i = 0; i < ins.size(); ++i) {
+        in_buffers.push_back(buffer_of(ins[i]));
+        if (taken[i]) in_buffers.back().nbytes = 0;
+      }
       for (auto& a : outs) out_buffers.push_back(buffer_of(a));
       op_eval_cpu(**op, rust::Slice<const CpuBuffer>(in_buffers.data(), in_buffers.size()),
                   rust::Slice<const CpuBuffer>(out_buffers.data(), out_buffers.size()), token);
@@ -193,6 +225,9 @@ class RustPrimitive : public mx::Primitive {
   std::shared_ptr<rust::Box<OpBox>> op_;
   std::string name_;
   std::vector<std::shared_ptr<mx::Primitive>> kernels_;
+  // Per output, the input whose buffer it takes over on the CPU (or -1), and whether always.
+  std::vector<int> aliases_;
+  bool owned_;
 };
 
 // MLX's transforms build some arrays of their own (cotangents of ones, zeros for missing tangents)
@@ -362,9 +397,16 @@ VecPtr call_prepared(const PreparedKernel& kernel, const ArrayVec& inputs) {
 }
 
 VecPtr custom_primitive(rust::Box<OpBox> op, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,
-                        StreamSpec s) {
+                        rust::Slice<const int32_t> in_place, bool owned, StreamSpec s) {
   auto stream = mx::to_stream(detail::stream_of(s));
-  auto primitive = std::make_shared<RustPrimitive>(stream, std::move(op));
+  std::vector<int> aliases(outputs.size(), -1);
+  for (size_t j = 0; j < in_place.size() && j < aliases.size(); ++j) {
+    if (in_place[j] >= static_cast<int32_t>(inputs.size())) {
+      throw std::invalid_argument("an output takes over a missing input");
+    }
+    aliases[j] = in_place[j];
+  }
+  auto primitive = std::make_shared<RustPrimitive>(stream, std::move(op), std::move(aliases), owned);
   return to_vec(mx::array::make_arrays(shapes_of(outputs), dtypes_of(outputs), primitive, inputs));
 }
 

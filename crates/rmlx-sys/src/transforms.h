@@ -59,7 +59,7 @@ std::unique_ptr<PreparedKernel> prepare_kernel(const KernelSpec& spec, const Arr
                                                rust::Slice<const ShapeDtype> outputs, StreamSpec s);
 VecPtr call_prepared(const PreparedKernel& kernel, const ArrayVec& inputs);
 VecPtr custom_primitive(rust::Box<OpBox> op, const ArrayVec& inputs, rust::Slice<const ShapeDtype> outputs,
-                        StreamSpec s);
+                        rust::Slice<const int32_t> in_place, bool owned, StreamSpec s);
 rust::String array_primitive_name(const Array& a);
 
 }  // namespace rmlx_shim

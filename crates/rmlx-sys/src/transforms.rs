@@ -176,10 +176,15 @@ pub mod tffi {
             s: StreamSpec,
         ) -> Result<UniquePtr<PreparedKernel>>;
         fn call_prepared(kernel: &PreparedKernel, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
+        /// A node of `op` over `inputs`; `in_place[j]` (where given, ≥ 0) is the input whose buffer
+        /// output `j` takes over on the CPU: always with `owned`, else where MLX may donate it (a
+        /// copy otherwise). Such an input reaches `op`'s evaluation empty.
         fn custom_primitive(
             op: Box<OpBox>,
             inputs: &ArrayVec,
             outputs: &[ShapeDtype],
+            in_place: &[i32],
+            owned: bool,
             s: StreamSpec,
         ) -> Result<UniquePtr<ArrayVec>>;
         fn array_primitive_name(a: &Array) -> String;

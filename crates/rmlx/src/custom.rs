@@ -46,6 +46,7 @@
 use crate::array::array_vec;
 use crate::array::arrays_of as arrays;
 use crate::callback::{self, axes_from_i32, returned, returned_mapped};
+pub use crate::cuda::InPlace;
 use crate::device::{current, current_device, device_spec};
 use crate::kernel::{CustomKernel, GpuBackend, KernelLaunch, TensorSpec};
 use crate::{Array, Device, DeviceType, Dtype, Element, Error, Result};
@@ -66,6 +67,14 @@ pub trait CustomPrimitive: Send + Sync + 'static {
     /// Computes the outputs on the CPU. Inputs are row-major and contiguous; outputs are
     /// uninitialised buffers of the shapes from `output_specs`.
     fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()>;
+
+    /// Outputs that update an input in place on the CPU, as `(output, input)` pairs (each output
+    /// of its input's shape and dtype), and when the input's own buffer is updated rather than a
+    /// copy ([`InPlace`]). In `eval_cpu` such an output starts as the input's contents and the
+    /// input reads as empty. None by default; a primitive with any runs on the CPU only.
+    fn in_place(&self) -> (Vec<(usize, usize)>, InPlace) {
+        (Vec::new(), InPlace::Unshared)
+    }
 
     /// A kernel (and its launch) computing the outputs on `backend`, or `None` to run on the CPU.
     fn gpu_kernel(
@@ -167,8 +176,32 @@ impl CpuTensorMut<'_> {
 pub fn apply<P: CustomPrimitive>(op: P, inputs: &[Array]) -> Result<Vec<Array>> {
     let in_specs: Vec<TensorSpec> = inputs.iter().map(TensorSpec::of).collect();
     let out_specs = op.output_specs(&in_specs)?;
+    let (updates, mode) = op.in_place();
+    let mut in_place = vec![-1i32; out_specs.len()];
+    for &(output, input) in &updates {
+        let (Some(out), Some(inp)) = (out_specs.get(output), in_specs.get(input)) else {
+            return Err(Error::InvalidArgument(format!(
+                "{}: output {output} updates input {input} of {} inputs and {} outputs",
+                op.name(),
+                in_specs.len(),
+                out_specs.len()
+            )));
+        };
+        if out.shape != inp.shape || out.dtype != inp.dtype {
+            return Err(Error::InvalidArgument(format!(
+                "{}: output {output} ({:?}, {:?}) updates input {input} of another shape or dtype ({:?}, {:?})",
+                op.name(),
+                out.shape,
+                out.dtype,
+                inp.shape,
+                inp.dtype
+            )));
+        }
+        in_place[output] = input as i32;
+    }
     let device = current_device();
     let on_gpu = device.kind == DeviceType::Gpu
+        && updates.is_empty()
         && crate::kernel::gpu_backend().is_some_and(|b| op.gpu_kernel(b, &in_specs, &out_specs).is_some());
     let stream = match (on_gpu, device.kind) {
         (true, _) | (false, DeviceType::Cpu) => current(),
@@ -194,7 +227,8 @@ pub fn apply<P: CustomPrimitive>(op: P, inputs: &[Array]) -> Result<Vec<Array>> 
     let v = array_vec(&contiguous);
     let specs: Vec<ShapeDtype> = out_specs.iter().map(TensorSpec::to_ffi).collect();
     let boxed = Box::new(OpBox(Box::new(Adapter(op))));
-    let out = callback::call(|| tffi::custom_primitive(boxed, &v, &specs, stream))?;
+    let owned = mode == InPlace::Owned;
+    let out = callback::call(|| tffi::custom_primitive(boxed, &v, &specs, &in_place, owned, stream))?;
     crate::array::from_array_vec(&out).into_iter().map(crate::mode::after_op).collect()
 }
 
@@ -233,7 +267,8 @@ impl<P: CustomPrimitive> PrimitiveCallbacks for Adapter<P> {
 
     fn eval_cpu(&self, inputs: &[CpuBuffer], outputs: &[CpuBuffer]) -> std::result::Result<(), String> {
         // SAFETY: the shim passes live, row-contiguous MLX buffers of `nbytes` bytes; the outputs are
-        // freshly allocated for this evaluation and not aliased by the inputs.
+        // allocated for this evaluation or take over an input, which then comes with no bytes: no
+        // input aliases an output.
         let ins: Vec<CpuTensor<'_>> = inputs
             .iter()
             .map(|b| CpuTensor {

@@ -965,3 +965,68 @@ fn cuda_kernel_runs_on_cuda() {
     run(3, 4, -2.0); // another N: another instantiation of the same kernel
     run(8, 5, 1.5); // the first instantiation again, from MLX's cache
 }
+
+/// Writes `value` (input 1, one float) at position `at` of the buffer (input 0), in place.
+struct WriteAt {
+    at: usize,
+    mode: rmlx::custom::InPlace,
+}
+
+impl CustomPrimitive for WriteAt {
+    fn name(&self) -> String {
+        "WriteAt".into()
+    }
+    fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
+        Ok(vec![inputs[0].clone()])
+    }
+    fn in_place(&self) -> (Vec<(usize, usize)>, rmlx::custom::InPlace) {
+        (vec![(0, 0)], self.mode)
+    }
+    fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
+        assert!(inputs[0].as_slice::<f32>()?.is_empty(), "an input taken over reads as empty");
+        let value = inputs[1].as_slice::<f32>()?[0];
+        outputs[0].as_mut_slice::<f32>()?[self.at] = value;
+        Ok(())
+    }
+}
+
+/// Outputs that update an input in place on the CPU: they start as the input's contents; with
+/// `Owned` the input's own buffer is written (an array still holding it sees the write), with
+/// `Unshared` a held input is copied first and keeps its values; a mismatched pair is an error.
+#[test]
+fn custom_outputs_update_their_inputs_in_place() {
+    use rmlx::custom::InPlace;
+    rmlx::with_device(Device::cpu(), || {
+        for mode in [InPlace::Unshared, InPlace::Owned] {
+            let buffer = arr(&[1.0, 2.0, 3.0, 4.0], &[4]);
+            buffer.eval().unwrap();
+            let first = &apply(WriteAt { at: 1, mode }, &[buffer.clone(), arr(&[20.0], &[1])]).unwrap()[0];
+            let second = &apply(WriteAt { at: 3, mode }, &[first.clone(), arr(&[40.0], &[1])]).unwrap()[0];
+            assert_eq!(vals(second), [1.0, 20.0, 3.0, 40.0], "{mode:?}: both writes, the rest kept");
+            let held = match mode {
+                InPlace::Owned => vec![1.0, 20.0, 3.0, 40.0],
+                InPlace::Unshared => vec![1.0, 2.0, 3.0, 4.0],
+            };
+            assert_eq!(vals(&buffer), held, "{mode:?}: the array still holding the first buffer");
+        }
+    });
+    struct Mismatched;
+    impl CustomPrimitive for Mismatched {
+        fn name(&self) -> String {
+            "Mismatched".into()
+        }
+        fn output_specs(&self, _inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
+            Ok(vec![TensorSpec::new(&[2], Dtype::Float32)])
+        }
+        fn in_place(&self) -> (Vec<(usize, usize)>, rmlx::custom::InPlace) {
+            (vec![(0, 0)], rmlx::custom::InPlace::Owned)
+        }
+        fn eval_cpu(&self, _inputs: &[CpuTensor<'_>], _outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
+            Ok(())
+        }
+    }
+    match apply(Mismatched, &[arr(&[1.0, 2.0, 3.0], &[3])]) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("another shape or dtype"), "{m}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}

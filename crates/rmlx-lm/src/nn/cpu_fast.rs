@@ -421,10 +421,26 @@ impl Angles {
 
 /// Writes `y` into `out`, rounded once to its dtype.
 pub(crate) fn store(out: &mut CpuTensorMut<'_>, y: &[f32]) -> Result<()> {
+    store_at(out, 0, y)
+}
+
+/// Writes `y` into `out` from element `start` on, in `out`'s dtype (`y` must fit).
+pub(crate) fn store_at(out: &mut CpuTensorMut<'_>, start: usize, y: &[f32]) -> Result<()> {
+    fn part<T>(all: &mut [T], start: usize, len: usize) -> Result<&mut [T]> {
+        let total = all.len();
+        all.get_mut(start..start + len)
+            .ok_or_else(|| Error::InvalidArgument(format!("{len} values from {start} in an output of {total}")))
+    }
     match out.dtype() {
-        Dtype::Float32 => out.as_mut_slice::<f32>()?.copy_from_slice(y),
-        Dtype::Bfloat16 => out.as_mut_slice::<bf16>()?.iter_mut().zip(y).for_each(|(o, v)| *o = bf16::from_f32(*v)),
-        Dtype::Float16 => out.as_mut_slice::<f16>()?.iter_mut().zip(y).for_each(|(o, v)| *o = f16::from_f32(*v)),
+        Dtype::Float32 => part(out.as_mut_slice::<f32>()?, start, y.len())?.copy_from_slice(y),
+        Dtype::Bfloat16 => part(out.as_mut_slice::<bf16>()?, start, y.len())?
+            .iter_mut()
+            .zip(y)
+            .for_each(|(o, v)| *o = bf16::from_f32(*v)),
+        Dtype::Float16 => part(out.as_mut_slice::<f16>()?, start, y.len())?
+            .iter_mut()
+            .zip(y)
+            .for_each(|(o, v)| *o = f16::from_f32(*v)),
         d => return Err(Error::InvalidArgument(format!("an output of dtype {d:?}"))),
     }
     Ok(())

@@ -5,13 +5,13 @@
 //! operations. MLX runs the operations of a stream one after another on one worker thread, and
 //! each costs a scheduling round trip and a graph node built on the calling thread: the 2-core
 //! development machine spent more of a step on those than on the products, which could not use
-//! the second core. Here a block's step is four operations (and the `contiguous` nodes
-//! `rmlx::custom::apply` puts before inputs not yet computed, which share their buffer):
+//! the second core. Here a block's step is two operations (and the `contiguous` nodes
+//! `rmlx::custom::apply` puts before inputs not known to be row-major):
 //!
 //! 1. the input norm, the stacked q/k/v product (and bias), per-head q/k
-//!    norms and the rotary embedding → the query, key and value heads of the new position;
-//! 2. and 3. the cache writes of the new key and value (MLX's in-place `slice_update`);
-//! 4. attention of the query over the cache, the output
+//!    norms and the rotary embedding → the query heads of the new position, and its key and value
+//!    written into the cache's buffers in place (outputs that take over those inputs);
+//! 2. attention of the query over the cache, the output
 //!    projection and residual, the post-attention norm, the gated SiLU feed-forward and residual.
 //!
 //! The products split their columns over threads. Every intermediate is rounded to the input's
@@ -22,11 +22,11 @@
 //! traced transforms, when no adapter changes a projection: otherwise the block is composed.
 
 use super::cpu_attention::{attend_heads, Rows};
-use super::cpu_fast::{rms_row, round, store, swiglu, Angles};
+use super::cpu_fast::{rms_row, round, store, store_at, swiglu, Angles};
 use super::cpu_qmm::{row_products, to_f32, Packed};
 use super::{GatedMlp, Linear, LinearWeight, RmsNorm};
 use crate::cache::StandardCache;
-use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
+use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive, InPlace};
 use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Error, Result};
@@ -136,12 +136,21 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         inputs.extend([q.weight().clone(), k.weight().clone()]);
     }
     inputs.push(attention.rope.0.clone());
-    let Ok([q, k, v]) = <[Array; 3]>::try_from(apply(op, &inputs)?) else {
-        unreachable!("`output_specs` gives three outputs")
+    // The new key and value are written into the cache's buffers in place (the caller owns them).
+    cache.reserve_for([1, kv_heads as i32, 1, d as i32], dtype)?;
+    let (keys, values) = (cache.keys.take().expect("reserved"), cache.values.take().expect("reserved"));
+    inputs.extend([keys.clone(), values.clone()]);
+    let [q, keys, values] = match apply(op, &inputs) {
+        Ok(outputs) => <[Array; 3]>::try_from(outputs).expect("`output_specs` gives three outputs"),
+        Err(e) => {
+            (cache.keys, cache.values) = (Some(keys), Some(values));
+            return Err(e.into());
+        }
     };
-    // 2, 3: the cache writes.
-    let (keys, values, valid) = cache.write(&k, &v)?;
-    // 4: attention, output projection, feed-forward.
+    (cache.keys, cache.values) = (Some(keys.clone()), Some(values.clone()));
+    cache.offset += 1;
+    let valid = cache.offset;
+    // 2: attention, output projection, feed-forward.
     let op = AttentionOutputMlp {
         valid,
         scale: attention.scale,
@@ -196,16 +205,39 @@ impl CustomPrimitive for AttentionInputs {
     fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
         let (heads, kv_heads, d) = self.heads;
         let x = &inputs[0];
-        let expected = 6 + self.bias as usize + 2 * self.head_eps.is_some() as usize;
-        if inputs.len() != expected || x.shape.len() != 2 || x.shape[0] != 1 {
+        let expected = 8 + self.bias as usize + 2 * self.head_eps.is_some() as usize;
+        let buffer_fits = |t: &TensorSpec| {
+            t.dtype == x.dtype
+                && t.shape.len() == 4
+                && t.shape[..2] == [1, kv_heads as i32]
+                && t.shape[2] as usize > self.position
+                && t.shape[3] == d as i32
+        };
+        if inputs.len() != expected
+            || x.shape.len() != 2
+            || x.shape[0] != 1
+            || !inputs[expected - 2..].iter().all(buffer_fits)
+        {
             return Err(Error::InvalidArgument(format!(
-                "fused attention inputs: {} inputs, x {:?}",
+                "fused attention inputs: {} inputs, x {:?}, cache buffers {:?} at position {}",
                 inputs.len(),
-                x.shape
+                x.shape,
+                inputs[inputs.len().saturating_sub(2)..].iter().map(|t| &t.shape).collect::<Vec<_>>(),
+                self.position
             )));
         }
-        let head = |n: usize| TensorSpec::new(&[1, n as i32, 1, d as i32], x.dtype);
-        Ok(vec![head(heads), head(kv_heads), head(kv_heads)])
+        let n = inputs.len();
+        Ok(vec![
+            TensorSpec::new(&[1, heads as i32, 1, d as i32], x.dtype),
+            inputs[n - 2].clone(),
+            inputs[n - 1].clone(),
+        ])
+    }
+
+    /// The keys' and values' buffers (the last two inputs), written at the position.
+    fn in_place(&self) -> (Vec<(usize, usize)>, InPlace) {
+        let n = 8 + self.bias as usize + 2 * self.head_eps.is_some() as usize;
+        (vec![(1, n - 2), (2, n - 1)], InPlace::Owned)
     }
 
     fn eval_cpu(&self, inputs: &[CpuTensor<'_>], outputs: &mut [CpuTensorMut<'_>]) -> Result<()> {
@@ -253,14 +285,18 @@ impl CustomPrimitive for AttentionInputs {
             }
             round(part, dtype);
         }
-        for (out, values) in outputs.iter_mut().zip([&*q, &*k, &*v]) {
-            store(out, values)?;
+        store(&mut outputs[0], q)?;
+        for (out, new) in outputs[1..].iter_mut().zip([&*k, &*v]) {
+            let capacity = out.shape()[2] as usize;
+            for (h, row) in new.chunks_exact(d).enumerate() {
+                store_at(out, (h * capacity + self.position) * d, row)?;
+            }
         }
         Ok(())
     }
 }
 
-/// Primitive 4 (see the module docs).
+/// Primitive 2 (see the module docs).
 struct AttentionOutputMlp {
     valid: usize,
     scale: f32,
