@@ -9,6 +9,7 @@ pub(crate) mod cpu_fast;
 pub(crate) mod cpu_layer;
 mod cpu_pool;
 pub(crate) mod cpu_qmm;
+mod cpu_rows;
 pub(crate) mod cuda_attention;
 pub(crate) mod cuda_fast;
 pub(crate) mod cuda_qmv;
@@ -307,8 +308,11 @@ fn dequantized_matmul(x: &Array, q: &Quantized) -> Result<Array> {
     Ok(f.call(std::slice::from_ref(x))?.remove(0))
 }
 
-/// Rows `ids` of a quantised matrix, dequantised to `dtype`.
+/// Rows `ids` of a quantised matrix, dequantised to `dtype` (one operation on the CPU).
 fn quantized_rows(q: &Quantized, ids: &Array, dtype: Dtype) -> Result<Array> {
+    if let Some(rows) = cpu_rows::cpu_quantized_rows(q, ids, dtype)? {
+        return Ok(rows);
+    }
     let rows = Quantized {
         weight: q.weight.take(ids, Some(0))?,
         scales: q.scales.take(ids, Some(0))?,
