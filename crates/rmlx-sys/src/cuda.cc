@@ -317,15 +317,17 @@ void* chain_graph(const Api& a, const std::vector<KernelNode>& nodes, void** par
 std::string probe_child_chain(const Api& a, int device) {
   static const char* kPtx =
       ".version 7.8\n.target sm_90\n.address_size 64\n.visible .entry rmlx_probe()\n{\n  ret;\n}\n";
-  int dev = 0;
-  void* context = nullptr;
-  check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
-  check_cuda(a.cuDevicePrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
-  check_cuda(a.cuCtxPushCurrent(context), "cuCtxPushCurrent");
   std::string why;
+  bool pushed = false;
   void* parent = nullptr;
   void* exec = nullptr;
   try {
+    int dev = 0;
+    void* context = nullptr;
+    check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+    check_cuda(a.cuDevicePrimaryCtxRetain(&context, dev), "cuDevicePrimaryCtxRetain");
+    check_cuda(a.cuCtxPushCurrent(context), "cuCtxPushCurrent");
+    pushed = true;
     void* module = nullptr;
     void* function = nullptr;
     check_cuda(a.cuModuleLoadData(&module, kPtx), "cuModuleLoadData (probe)");
@@ -348,7 +350,7 @@ std::string probe_child_chain(const Api& a, int device) {
   if (exec) a.cuGraphExecDestroy(exec);
   if (parent) a.cuGraphDestroy(parent);
   void* popped = nullptr;
-  a.cuCtxPopCurrent(&popped);
+  if (pushed) a.cuCtxPopCurrent(&popped);
   return why;
 }
 
@@ -363,11 +365,16 @@ const std::string& overlap_reason(int device) {
   std::string why = !a.missing.empty() ? a.missing : a.no_overlap;
   if (why.empty() && !a.use_cuda_graphs()) why = "MLX launches kernels without CUDA graphs (MLX_USE_CUDA_GRAPHS)";
   if (why.empty()) {
-    int dev = 0, major = 0;
-    check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
-    check_cuda(a.cuDeviceGetAttribute(&major, 75, dev), "cuDeviceGetAttribute");
-    if (major < 9) {
-      why = "programmatic dependent launch needs compute capability 9.0 (this GPU: " + std::to_string(major) + ".x)";
+    // Never throws: the bridge's `cuda_overlap_unavailable` returns the reason as a string.
+    try {
+      int dev = 0, major = 0;
+      check_cuda(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+      check_cuda(a.cuDeviceGetAttribute(&major, 75, dev), "cuDeviceGetAttribute");
+      if (major < 9) {
+        why = "programmatic dependent launch needs compute capability 9.0 (this GPU: " + std::to_string(major) + ".x)";
+      }
+    } catch (const std::exception& e) {
+      why = e.what();
     }
   }
   if (why.empty()) why = probe_child_chain(a, device);
@@ -461,7 +468,6 @@ class CudaLaunch : public mx::Primitive {
     }
     if (spec.commit) a.commit(&encoder);
   }
-
 
   // Whether any node after the first may start before the one before it ends.
   static bool overlaps(const LaunchSpec& spec) {
