@@ -197,6 +197,14 @@ struct AttentionInputs {
     rope_scale: f32,
 }
 
+impl AttentionInputs {
+    /// x, the norm's weight, the packed q/k/v (3), the bias, the head norms' weights (2), the
+    /// rotary divisors and the cache's two buffers.
+    fn input_count(&self) -> usize {
+        8 + self.bias as usize + 2 * self.head_eps.is_some() as usize
+    }
+}
+
 impl CustomPrimitive for AttentionInputs {
     fn name(&self) -> String {
         "CpuAttentionInputs".into()
@@ -205,7 +213,7 @@ impl CustomPrimitive for AttentionInputs {
     fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
         let (heads, kv_heads, d) = self.heads;
         let x = &inputs[0];
-        let expected = 8 + self.bias as usize + 2 * self.head_eps.is_some() as usize;
+        let expected = self.input_count();
         let buffer_fits = |t: &TensorSpec| {
             t.dtype == x.dtype
                 && t.shape.len() == 4
@@ -236,7 +244,7 @@ impl CustomPrimitive for AttentionInputs {
 
     /// The keys' and values' buffers (the last two inputs), written at the position.
     fn in_place(&self) -> (Vec<(usize, usize)>, InPlace) {
-        let n = 8 + self.bias as usize + 2 * self.head_eps.is_some() as usize;
+        let n = self.input_count();
         (vec![(1, n - 2), (2, n - 1)], InPlace::Owned)
     }
 
