@@ -266,9 +266,32 @@ impl StandardCache {
     }
 }
 
+/// Where a rotating cache keeps each position: a ring of `window` slots whose first `keep` hold
+/// the first positions for good (window 8, keep 2: positions 5, 7, 8, 13 and 14 in slots 5, 7,
+/// 2, 7 and 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ring {
+    pub window: usize,
+    pub keep: usize,
+}
+
+impl Ring {
+    /// The slot of position `p`: `p` itself below the window, then the slots after the kept ones
+    /// in turn (the same formula as the CUDA attention kernel's).
+    pub fn slot(&self, p: usize) -> usize {
+        if p < self.window {
+            p
+        } else {
+            self.keep + (p - self.keep) % (self.window - self.keep)
+        }
+    }
+}
+
 /// The bounded cache. Single-token updates write into a ring buffer of `max_size` positions (slots
-/// `keep..max_size` rotate); multi-token updates (prefill) put the buffer in temporal order, drop what
-/// falls out of the window and append, returning an explicit sliding-window mask.
+/// `keep..max_size` rotate), position `p` always in slot [`Ring::slot`]`(p)`, so that a kernel
+/// knows the slot from the position; multi-token updates (prefill) put the buffer in temporal
+/// order, drop what falls out of the window and append, returning an explicit sliding-window mask
+/// (the next single-token update puts the buffers back in ring order).
 pub struct RotatingCache {
     pub keys: Option<Array>,
     pub values: Option<Array>,
@@ -278,6 +301,8 @@ pub struct RotatingCache {
     pub max_size: usize,
     /// Leading positions never evicted.
     pub keep: usize,
+    /// The decoding attention kernel's count of finished chunks (see [`StandardCache::done`]).
+    pub done: Option<Array>,
     /// Next write slot.
     idx: usize,
 }
@@ -290,8 +315,79 @@ impl RotatingCache {
             offset: 0,
             max_size: max_size.max(1),
             keep: keep.min(max_size.saturating_sub(1)),
+            done: None,
             idx: 0,
         }
+    }
+
+    /// The ring the buffers form once they hold the window.
+    pub fn ring(&self) -> Ring {
+        Ring { window: self.max_size, keep: self.keep }
+    }
+
+    /// Positions the buffers hold before growing (at most the window, but after a prefill).
+    pub fn capacity(&self) -> usize {
+        self.buffer_len()
+    }
+
+    /// The slot the next single position goes to, where the buffers take it as they are (neither
+    /// grown nor put back in ring order after a prefill).
+    pub fn next_slot(&self) -> Option<usize> {
+        let cap = self.buffer_len();
+        let ready = self.keys.is_some() && cap <= self.max_size && (self.idx < cap || cap == self.max_size);
+        let at = if self.idx == self.max_size { self.keep } else { self.idx };
+        (ready && at == self.ring().slot(self.offset)).then_some(at)
+    }
+
+    /// Makes the buffers ready to take one position (`keys` and `values` rows as `[B, H, 1, D]`
+    /// would be): allocated or grown, or back to the window in ring order after a prefill left
+    /// more; returns its slot, [`Ring::slot`] of the offset.
+    pub fn prepare_write(&mut self, keys: Rows, values: Rows) -> Result<usize> {
+        let cap = self.buffer_len();
+        if cap > self.max_size {
+            // A prefill left more than the window in temporal order: back to `max_size`
+            // positions, the last ones rolled so that each sits in its ring slot.
+            let n = self.idx.min(cap);
+            let (keep, start) = (self.keep as i32, (n - (self.max_size - self.keep)) as i32);
+            let tail = (self.max_size - self.keep) as i32;
+            // The oldest position kept after the first `keep` (at least `keep`: the offset is
+            // past the window), and its place in the ring's tail.
+            let oldest = self.offset - (self.max_size - self.keep);
+            let shift = ((oldest - self.keep) % tail as usize) as i32;
+            let ring_order = |a: &Array| -> Result<Array> {
+                let kept = keep_and_tail(a, keep, start, n as i32)?;
+                if shift == 0 {
+                    return Ok(kept);
+                }
+                let parts = [
+                    positions(&kept, 0, keep)?,
+                    positions(&kept, keep + tail - shift, keep + tail)?,
+                    positions(&kept, keep, keep + tail - shift)?,
+                ];
+                Ok(ops::concatenate(&parts.iter().collect::<Vec<_>>(), 2)?)
+            };
+            self.keys = Some(ring_order(self.keys.as_ref().expect("cap > 0"))?);
+            self.values = Some(ring_order(self.values.as_ref().expect("cap > 0"))?);
+            self.idx = self.keep + shift as usize;
+        } else if self.idx >= cap && cap < self.max_size {
+            let extra = (STEP as usize).min(self.max_size - cap) as i32;
+            let used = self.idx as i32;
+            self.keys = Some(grow(self.keys.take(), keys, used, extra)?);
+            self.values = Some(grow(self.values.take(), values, used, extra)?);
+        }
+        if self.idx == self.max_size {
+            self.idx = self.keep;
+        }
+        Ok(self.idx)
+    }
+
+    /// Counts the position written at [`RotatingCache::next_slot`] (by a kernel).
+    pub fn advance(&mut self) {
+        if self.idx == self.max_size {
+            self.idx = self.keep;
+        }
+        self.idx += 1;
+        self.offset += 1;
     }
 
     fn buffer_len(&self) -> usize {
@@ -381,29 +477,10 @@ impl RotatingCache {
     }
 
     fn update_in_place(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
-        let cap = self.buffer_len();
-        if cap > self.max_size {
-            // A prefill left more than the window: back to `max_size` positions in temporal order.
-            let n = self.idx.min(cap);
-            let (keep, start) = (self.keep as i32, (n - (self.max_size - self.keep)) as i32);
-            let cut = |a: &Array| keep_and_tail(a, keep, start, n as i32);
-            self.keys = Some(cut(self.keys.as_ref().expect("cap > 0"))?);
-            self.values = Some(cut(self.values.as_ref().expect("cap > 0"))?);
-            self.idx = self.max_size;
-        } else if self.idx >= cap && cap < self.max_size {
-            let extra = (STEP as usize).min(self.max_size - cap) as i32;
-            let used = self.idx as i32;
-            self.keys = Some(grow(self.keys.take(), rows_of(k), used, extra)?);
-            self.values = Some(grow(self.values.take(), rows_of(v), used, extra)?);
-        }
-        if self.idx == self.max_size {
-            self.idx = self.keep;
-        }
-        let at = self.idx as i32;
+        let at = self.prepare_write(rows_of(k), rows_of(v))? as i32;
         let keys = write_at(&mut self.keys, k, at)?;
         let values = write_at(&mut self.values, v, at)?;
-        self.offset += 1;
-        self.idx += 1;
+        self.advance();
         let valid = self.offset.min(self.buffer_len()) as i32;
         if valid < self.buffer_len() as i32 {
             return Ok((positions(&keys, 0, valid)?, positions(&values, 0, valid)?, Mask::None));

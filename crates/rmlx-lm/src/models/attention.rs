@@ -3,7 +3,7 @@
 //! call and the output projection. What differs per architecture is an [`AttentionSpec`].
 
 use super::{cached_attention, merge_heads, split_heads, Rope};
-use crate::cache::{KvCache, Offset, StandardCache};
+use crate::cache::{KvCache, Offset};
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::AttentionParts;
 use crate::nn::cuda_attention::{self, StepHeads};
@@ -73,13 +73,6 @@ impl Attention {
         })
     }
 
-    /// Attends `norm(x)` for `x: [B·L, hidden]` (the rows of `batch` sequences of `L` positions)
-    /// over the cache extended with its keys and values; returns `[B·L, hidden]`.
-    pub fn forward_normed(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
-        let o = self.attend(x, norm, batch, cache)?;
-        self.o_proj.forward(&o)
-    }
-
     /// The attention's merged heads `[B·L, H·D]` for `norm(x)`, before the output projection
     /// ([`Attention::o_proj`]).
     pub fn attend(&self, x: &Array, norm: &RmsNorm, batch: i32, cache: &mut KvCache) -> Result<Array> {
@@ -89,8 +82,8 @@ impl Attention {
             Some(s) => s.forward_normed(&group, x, norm)?,
             None => None,
         };
-        if let (Some(y), KvCache::Standard(c)) = (&stacked, &mut *cache) {
-            if let Some(attention) = self.decode_attention(y, batch, &offset, c)? {
+        if let Some(y) = &stacked {
+            if let Some(attention) = self.decode_attention(y, batch, &offset, cache)? {
                 return merge_heads(&attention);
             }
         }
@@ -180,13 +173,7 @@ impl Attention {
 
     /// A decoding step's heads, cache write and attention (`[B, Hq, 1, D]`) from the stacked
     /// product `y` as one CUDA kernel, where it serves.
-    fn decode_attention(
-        &self,
-        y: &Array,
-        batch: i32,
-        offset: &Offset,
-        cache: &mut StandardCache,
-    ) -> Result<Option<Array>> {
+    fn decode_attention(&self, y: &Array, batch: i32, offset: &Offset, cache: &mut KvCache) -> Result<Option<Array>> {
         let Ok(norms) = self.head_norms() else { return Ok(None) };
         let Some(rotation) = self.rope.rotation(self.head_dim, offset) else { return Ok(None) };
         if y.shape().first() != Some(&batch) {
@@ -194,7 +181,7 @@ impl Attention {
         }
         let heads = (self.heads, self.kv_heads, self.head_dim);
         let step = StepHeads::Stacked { y, heads, norms, rotation: &rotation };
-        cuda_attention::standard_cache_attention(&step, cache, self.scale)
+        cuda_attention::kv_cache_attention(&step, cache, self.scale)
     }
 }
 

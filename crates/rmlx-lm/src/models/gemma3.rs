@@ -9,7 +9,7 @@ use super::spec::{ArchitectureSpec, GgufSpec, HeadCounts, MetadataNumber};
 use super::{softcap, Rope};
 use crate::cache::KvCache;
 use crate::config::{Architecture, ModelConfig};
-use crate::nn::{checkpointed, join, Builder, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
+use crate::nn::{checkpointed, join, Builder, CapturedSteps, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
 use crate::weights::Weight;
 use crate::{Error, Result};
 use rmlx::{Array, Dtype};
@@ -100,10 +100,11 @@ impl Block {
     }
 
     fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
-        let a = self.self_attn.forward_normed(x, &self.input_layernorm, batch, cache)?;
-        let h = (x + self.post_attention_layernorm.forward(&a)?)?;
+        let o = self.self_attn.attend(x, &self.input_layernorm, batch, cache)?;
+        let a = self.self_attn.o_proj().forward_fused(&o)?;
+        let h = self.post_attention_layernorm.forward_add(&a, x)?;
         let m = self.mlp.forward_normed(&h, &self.pre_feedforward_layernorm)?;
-        Ok((&h + self.post_feedforward_layernorm.forward(&m)?)?)
+        self.post_feedforward_layernorm.forward_add(&m, &h)
     }
 }
 
@@ -116,6 +117,8 @@ pub struct Model {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
+    /// The decoding step's layers as one launch, on MLX's CUDA backend.
+    steps: CapturedSteps,
 }
 
 impl Model {
@@ -138,6 +141,7 @@ impl Model {
             layers,
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, true)?,
             lm_head: output_head(cfg, b)?,
+            steps: CapturedSteps::new(b.step_capture),
             cfg: cfg.clone(),
         })
     }
@@ -146,10 +150,14 @@ impl Model {
 impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let (batch, length) = super::token_grid(ids)?;
-        let mut h = (self.embed_tokens.forward(&ids.reshape(&[batch * length])?)? * &self.embed_scale)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = checkpointed(layer, &h, cache, move |l, x, c| l.forward(x, batch, c))?;
-        }
+        let h = (self.embed_tokens.forward(&ids.reshape(&[batch * length])?)? * &self.embed_scale)?;
+        let h = self.steps.layers(&h, caches, |h, caches| {
+            let mut h = h.clone();
+            for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+                h = checkpointed(layer, &h, cache, move |l, x, c| l.forward(x, batch, c))?;
+            }
+            Ok(h)
+        })?;
         Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 
@@ -209,4 +217,4 @@ impl Module for Block {
     }
 }
 
-super::decoder_module!(Model);
+super::decoder_module!(Model, steps);

@@ -256,12 +256,10 @@ pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCa
             return Ok(crate::nn::cpu_fast::cache_attention(q, &keys, &values, valid, scale)?);
         }
     }
-    if let KvCache::Standard(c) = cache {
-        // On MLX's CUDA backend, one position: the cache write and the attention in one node.
-        let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
-        if let Some(attention) = crate::nn::cuda_attention::standard_cache_attention(&heads, c, scale)? {
-            return Ok(attention);
-        }
+    // On MLX's CUDA backend, one position: the cache write and the attention in one node.
+    let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
+    if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale)? {
+        return Ok(attention);
     }
     let (keys, values, mask) = cache.update(k, v)?;
     Ok(fast::scaled_dot_product_attention(q, &keys, &values, scale, mask.as_attention())?)

@@ -14,7 +14,7 @@
 
 use super::cuda_fast::{cuda_type, kernel_cache, launch_once, on_cuda, HeadNorms, Launches, Rotation, CUDA_TYPES};
 use super::training;
-use crate::cache::{Offset, StandardCache};
+use crate::cache::{KvCache, Offset, Ring, RotatingCache, StandardCache};
 use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode, OVERLAP};
 use rmlx::{ops, Array, Dtype, Result};
 use std::sync::{Arc, LazyLock, Mutex};
@@ -89,12 +89,21 @@ const SOURCE: &str = r#"
     const int lane = t & 31;
     const int warp = t >> 5;
     const int p = PER_ROW ? pos[b] : position;
+    // The slot written and the positions attended: position p and every one before it, or (a
+    // window) the ring of `capacity` slots, whose first KEEP are never overwritten.
+    int slot = p;
+    int valid = p + 1;
+    if constexpr (WINDOW > 0) {
+        slot = p < WINDOW ? p : KEEP + (p - KEEP) % (WINDOW - KEEP);
+        valid = min(p + 1, capacity);
+    }
     const int first = c * CHUNK;
-    if (first > p) {
+    if (first >= valid) {
         return;
     }
-    const int n = min(CHUNK, p + 1 - first);
-    const int fresh = p - first;  // the new position within the chunk, when below n
+    const int n = min(CHUNK, valid - first);
+    const int fresh = slot - first;  // the new position within the chunk, when in [0, n)
+    const bool holds = fresh >= 0 && fresh < n;
     const long long kv_row = static_cast<long long>(b) * HKV + hk;
     __shared__ Vec4 qh4[D / 4];
     __shared__ Vec4 knew4[D / 4];
@@ -116,7 +125,7 @@ const SOURCE: &str = r#"
             qh[i] = a0[(static_cast<long long>(b) * HQ + hq) * D + i];
         }
     }
-    if (fresh < n) {
+    if (holds) {
         if constexpr (STACKED) {
             rmlx_rotated(y + (HQ + hk) * D, a2, knew, red, divisors, angle, eps);
             for (int i = t; i < D; i += NT) {
@@ -130,10 +139,10 @@ const SOURCE: &str = r#"
         }
     }
     __syncthreads();
-    if (fresh < n && hq % (HQ / HKV) == 0) {
+    if (holds && hq % (HQ / HKV) == 0) {
         for (int i = t; i < D; i += NT) {
-            keys[(kv_row * capacity + p) * D + i] = knew[i];
-            values[(kv_row * capacity + p) * D + i] = vnew[i];
+            keys[(kv_row * capacity + slot) * D + i] = knew[i];
+            values[(kv_row * capacity + slot) * D + i] = vnew[i];
         }
     }
     const T* kbase = keys + (kv_row * capacity + first) * D;
@@ -246,7 +255,7 @@ const SOURCE: &str = r#"
         }
         partial[row * D + e] = total;
     }
-    const int chunks = (p + CHUNK) / CHUNK;
+    const int chunks = (valid + CHUNK - 1) / CHUNK;
     if (t == 0) {
         float sum = 0.0f;
 #pragma unroll
@@ -311,6 +320,9 @@ struct Shape {
     kv_heads: i32,
     head_dim: i32,
     capacity: i32,
+    /// The ring's window and kept slots (`window` 0: the buffers hold every position).
+    window: i32,
+    keep: i32,
     per_row: bool,
     /// The heads come from the stacked q/k/v product (normalised with `norm`, then rotated).
     stacked: bool,
@@ -372,7 +384,9 @@ impl StepHeads<'_> {
 /// Attends a decoding step's queries (one position a sequence, from `heads`) over the cache
 /// buffers `(keys, values)` (`[B, Hkv, capacity, D]`) after writing its keys and values into them
 /// at `position` (one for every sequence, or one each: `[B]` int32, each below `capacity`), scores
-/// scaled by `scale`. `done` (`[B·Hq]` uint32, zero) is the buffers' companion: the kernel counts
+/// scaled by `scale`. With a `ring` (one position for every sequence), the buffers are a
+/// rotating cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the
+/// query attends every slot written (at most `capacity`, which must not exceed the window). `done` (`[B·Hq]` uint32, zero) is the buffers' companion: the kernel counts
 /// finished chunks in it and leaves it zero. Returns `[attention ([B, Hq, 1, D]), keys', values',
 /// done']`.
 ///
@@ -385,6 +399,7 @@ pub fn cache_attention(
     heads: &StepHeads,
     (keys, values, done): (&Array, &Array, &Array),
     position: &Offset,
+    ring: Option<Ring>,
     scale: f32,
 ) -> Result<Option<[Array; 4]>> {
     let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
@@ -409,9 +424,16 @@ pub fn cache_attention(
         && values.dtype() == dtype
         && done.shape() == [batch * hq]
         && done.dtype() == Dtype::Uint32
-        && match position {
-            Offset::Uniform(p) => *p < cs[2] as usize,
-            Offset::PerRow(a) => a.dtype() == Dtype::Int32 && a.size() == batch as usize,
+        && match (position, ring) {
+            (Offset::Uniform(p), None) => *p < cs[2] as usize,
+            (Offset::Uniform(p), Some(r)) => {
+                *p <= i32::MAX as usize
+                    && r.window <= i32::MAX as usize
+                    && cs[2] as usize <= r.window
+                    && r.slot(*p) < cs[2] as usize
+            }
+            (Offset::PerRow(a), None) => a.dtype() == Dtype::Int32 && a.size() == batch as usize,
+            (Offset::PerRow(_), Some(_)) => false,
         };
     if !serves {
         return Ok(None);
@@ -429,6 +451,8 @@ pub fn cache_attention(
         kv_heads: hkv,
         head_dim: d,
         capacity: cs[2],
+        window: ring.map_or(0, |r| r.window as i32),
+        keep: ring.map_or(0, |r| r.keep as i32),
         per_row: matches!(position, Offset::PerRow(_)),
         stacked,
         norm,
@@ -481,7 +505,7 @@ pub fn standard_cache_attention(
     let (keys, values, done) = (cache.keys.take(), cache.values.take(), cache.done.take());
     let (keys, values, done) = (keys.expect("reserved"), values.expect("reserved"), done.expect("made"));
     let at = Offset::Uniform(cache.offset);
-    match cache_attention(heads, (&keys, &values, &done), &at, scale) {
+    match cache_attention(heads, (&keys, &values, &done), &at, None, scale) {
         Ok(Some([attention, keys, values, done])) => {
             (cache.keys, cache.values, cache.done) = (Some(keys), Some(values), Some(done));
             cache.offset += 1;
@@ -494,6 +518,53 @@ pub fn standard_cache_attention(
     }
 }
 
+/// [`cache_attention`] over a rotating cache: its buffers made ready to take the new position in
+/// its ring slot first ([`RotatingCache::prepare_write`]), updated in place, and its offset
+/// advanced. `None` (the cache as it was, but for buffers made ready) where the kernel does not
+/// serve.
+pub fn rotating_cache_attention(
+    heads: &StepHeads,
+    cache: &mut RotatingCache,
+    scale: f32,
+) -> crate::Result<Option<Array>> {
+    let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
+    if !on_cuda() {
+        return Ok(None);
+    }
+    let rows = ([batch, hkv, 1, d], dtype);
+    let slot = cache.prepare_write(rows, rows)?;
+    if slot != cache.ring().slot(cache.offset) {
+        return Ok(None);
+    }
+    if cache.done.as_ref().is_none_or(|a| a.shape() != [batch * hq]) {
+        cache.done = Some(ops::zeros(&[batch * hq], Dtype::Uint32)?);
+    }
+    let (keys, values, done) = (cache.keys.take(), cache.values.take(), cache.done.take());
+    let (keys, values, done) = (keys.expect("prepared"), values.expect("prepared"), done.expect("made"));
+    let at = Offset::Uniform(cache.offset);
+    match cache_attention(heads, (&keys, &values, &done), &at, Some(cache.ring()), scale) {
+        Ok(Some([attention, keys, values, done])) => {
+            (cache.keys, cache.values, cache.done) = (Some(keys), Some(values), Some(done));
+            cache.advance();
+            Ok(Some(attention))
+        }
+        other => {
+            (cache.keys, cache.values, cache.done) = (Some(keys), Some(values), Some(done));
+            Ok(other?.map(|[attention, ..]| attention))
+        }
+    }
+}
+
+/// [`standard_cache_attention`] or [`rotating_cache_attention`], as `cache` is; `None` for a
+/// batch's cache (or where the kernel does not serve).
+pub fn kv_cache_attention(heads: &StepHeads, cache: &mut KvCache, scale: f32) -> crate::Result<Option<Array>> {
+    match cache {
+        KvCache::Standard(c) => standard_cache_attention(heads, c, scale),
+        KvCache::Rotating(c) => rotating_cache_attention(heads, c, scale),
+        KvCache::Batch(_) => Ok(None),
+    }
+}
+
 /// The source of the kernel for `s`.
 fn source(s: &Shape) -> String {
     let t = cuda_type(s.dtype);
@@ -501,7 +572,7 @@ fn source(s: &Shape) -> String {
         "{CUDA_TYPES}{OVERLAP}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
          constexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool PER_ROW = {};\nconstexpr bool STACKED = {};\nconstexpr bool NORM = {};\n\
-         constexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n{ROTATED}\
+         constexpr int WINDOW = {};\nconstexpr int KEEP = {};\nconstexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n{ROTATED}\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) rmlx_decode_attention(const T* a0, \
          const T* a1, const T* a2, const float* divisors, T* keys, T* values, unsigned* done, const int* pos, \
          int position, T* out, float* partial, float* stats, int capacity, float scale, float eps, float rope_scale) \
@@ -512,6 +583,8 @@ fn source(s: &Shape) -> String {
         s.per_row,
         s.stacked,
         s.norm,
+        s.window,
+        s.keep,
         s.chunk(),
     )
 }

@@ -3,7 +3,9 @@
 //! A decoding step is bound by the host work MLX does per graph node (a few µs each), not by the
 //! GPU: every node saved is time saved. [`qkv_heads`] turns the stacked q/k/v product of one
 //! position per sequence into rotated query and key heads and value heads in one kernel, where the
-//! composed path takes a reshape, a split, two RMSNorms (Qwen 3, Gemma 3) and two RoPEs.
+//! composed path takes a reshape, a split, two RMSNorms (Qwen 3, Gemma 3) and two RoPEs;
+//! [`norm_add`] adds a normalised branch to the residual (Gemma's post-norms), which the composed
+//! path does in two nodes and a captured step cannot take from MLX.
 
 use super::training;
 use crate::cache::Offset;
@@ -198,6 +200,100 @@ fn make_launch(s: &KernelShape) -> Result<CudaLaunch> {
     let head = |n: i32| (vec![s.batch, n, 1, s.head_dim], s.dtype);
     let outputs = [head(s.heads), head(s.kv_heads), head(s.kv_heads)];
     CudaLaunch::new("rmlx_qkv_heads", &[node], &outputs)
+}
+
+/// One block per row: `out = res + norm(a)`, `norm(a) = (a · r) · w` with
+/// `r = 1 / √(mean(a²) + eps)`, rounded as MLX's RMSNorm (`a · r` to `T`, then the product with
+/// the weight) and MLX's addition (in float32, to `T`).
+const NORM_ADD_SOURCE: &str = r#"
+    constexpr int WARPS = NT / 32;
+    __shared__ float red[WARPS];
+    const int t = threadIdx.x;
+    const long long base = static_cast<long long>(blockIdx.x) * N;
+    rmlx_wait_previous();
+    rmlx_release_next();
+    float ss = 0.0f;
+    for (int i = t; i < N; i += NT) {
+        const float v = static_cast<float>(a[base + i]);
+        ss = fmaf(v, v, ss);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        ss += __shfl_xor_sync(0xffffffff, ss, o);
+    }
+    if ((t & 31) == 0) {
+        red[t >> 5] = ss;
+    }
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        total += red[w];
+    }
+    const float r = rsqrtf(total / N + eps);
+    for (int i = t; i < N; i += NT) {
+        const T normed = static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(a[base + i]) * r)) *
+                                        static_cast<float>(w[i]));
+        out[base + i] = static_cast<T>(static_cast<float>(res[base + i]) + static_cast<float>(normed));
+    }
+"#;
+
+/// Threads of a [`norm_add`] block.
+const NORM_ADD_THREADS: u32 = 256;
+
+/// `residual + rms_norm(a) · weight` over the last axis of `a` (a post-norm block's residual
+/// branch, Gemma's), for at most [`cuda_qmv::MAX_ROWS`](super::cuda_qmv::MAX_ROWS) rows, as one
+/// kernel: `None` where it does not serve (not MLX's CUDA backend, training or a transform, more
+/// rows, other dtypes or shapes): the caller composes it.
+pub fn norm_add(a: &Array, weight: &Array, eps: f32, residual: &Array) -> Result<Option<Array>> {
+    let dtype = a.dtype();
+    let dim = a.shape().last().copied().unwrap_or(0);
+    let rows: i32 = a.shape().iter().rev().skip(1).product();
+    let serves = on_cuda()
+        && !training()
+        && !a.is_tracer()
+        && !residual.is_tracer()
+        && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+        && dim > 0
+        && (1..=super::cuda_qmv::MAX_ROWS).contains(&rows)
+        && weight.shape() == [dim]
+        && weight.dtype() == dtype
+        && residual.shape() == a.shape()
+        && residual.dtype() == dtype;
+    if !serves {
+        return Ok(None);
+    }
+    let shape = NormShape { dtype, rows, dim, eps: eps.to_bits() };
+    static LAUNCHES: Launches<NormShape> = LazyLock::new(Mutex::default);
+    let launch = launch_once(&LAUNCHES, "rmlx_norm_add", &shape, || make_norm_add(&shape))?;
+    let flat = |x: &Array| x.reshape(&[rows, dim]);
+    let out = launch.call(&[flat(a)?, weight.clone(), flat(residual)?])?;
+    Ok(Some(out[0].reshape(a.shape())?))
+}
+
+/// What a [`norm_add`] instance is specialised for (the epsilon as float bits).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct NormShape {
+    dtype: Dtype,
+    rows: i32,
+    dim: i32,
+    eps: u32,
+}
+
+/// The launch of `rmlx_norm_add` over `[a, w, res]` for `s`.
+fn make_norm_add(s: &NormShape) -> Result<CudaLaunch> {
+    let source = format!(
+        "{CUDA_TYPES}{OVERLAP}typedef {} T;\nconstexpr int N = {};\nconstexpr int NT = {NORM_ADD_THREADS};\n\
+         extern \"C\" __global__ void __launch_bounds__({NORM_ADD_THREADS}) rmlx_norm_add(const T* a, const T* w, \
+         const T* res, T* out, float eps) {{\n{NORM_ADD_SOURCE}}}\n",
+        cuda_type(s.dtype),
+        s.dim
+    );
+    let function = cuda::compile("rmlx_norm_add", &source, Some(&kernel_cache()))?.overlapping();
+    use KernelArg::{Input, Output, F32};
+    let args = vec![Input(0), Input(1), Input(2), Output(0), F32(f32::from_bits(s.eps))];
+    let node =
+        KernelNode { function, grid: [s.rows as u32, 1, 1], block: [NORM_ADD_THREADS, 1, 1], shared_bytes: 0, args };
+    CudaLaunch::new("rmlx_norm_add", &[node], &[(vec![s.rows, s.dim], s.dtype)])
 }
 
 /// CUDA's 16-bit float types for kernels compiled without CUDA's headers (rmlx's own kernels are

@@ -7,9 +7,11 @@
 //! the graph they built back ([`rmlx::cuda::capture`]) and, while the caches keep their buffers,
 //! runs every later step's layers as that one launch over the step's hidden state and caches:
 //! the same kernels with the same arguments, so the same results bit for bit. Anything the capture
-//! cannot take (another backend, training, adapters on rows, a batch, a prompt, a cache that is not
-//! a plain one or must grow, an operation that is not one of rmlx's launches) runs the layers as
-//! they are.
+//! cannot take (another backend, training, adapters on rows, a batch, a prompt, a batch's cache, a
+//! cache that must grow or put a prefill's positions back in ring order, an operation that is not
+//! one of rmlx's launches) runs the layers as they are. A rotating cache's slot follows from the
+//! position (`cache::Ring`), which the attention kernel computes: its replay takes the same
+//! value, the position, as an unbounded cache's.
 
 use super::cuda_fast::on_cuda;
 use crate::cache::KvCache;
@@ -103,7 +105,11 @@ impl CapturedSteps {
         let varying = varying(h, caches);
         let out = run(h, caches)?;
         // Every cache must have taken one position through the attention kernel.
-        let advanced = caches.iter().all(|c| matches!(c, KvCache::Standard(s) if s.offset as i32 == offset + 1));
+        let advanced = caches.iter().all(|c| match c {
+            KvCache::Standard(s) => s.offset as i32 == offset + 1,
+            KvCache::Rotating(r) => r.offset as i32 == offset + 1,
+            KvCache::Batch(_) => false,
+        });
         let captured = match advanced {
             true => capture("rmlx_decode_step", &out, &varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?,
             false => Capture::Refused("a cache did not take the position through the attention kernel".into()),
@@ -122,7 +128,8 @@ impl CapturedSteps {
     }
 
     /// The key and position of a step the capture may take: one row on MLX's CUDA backend
-    /// outside training and row adapters, every cache a plain one with room for the position.
+    /// outside training and row adapters, every cache an unbounded one with room for the
+    /// position or a rotating one ready to take it in its ring slot, all at one position.
     fn eligible(&self, h: &Array, caches: &[KvCache]) -> Option<(Key, i32)> {
         let fits = self.mode == StepCapture::On
             && h.ndim() == 2
@@ -138,10 +145,19 @@ impl CapturedSteps {
         let mut offset = None;
         let mut key = Key { hidden: (h.shape().to_vec(), h.dtype()), capacities: Vec::with_capacity(caches.len()) };
         for cache in caches {
-            let KvCache::Standard(c) = cache else { return None };
-            let (Some(_), Some(_), Some(_)) = (&c.keys, &c.values, &c.done) else { return None };
-            let capacity = c.capacity();
-            if c.offset >= capacity || *offset.get_or_insert(c.offset) != c.offset {
+            // The buffers must take the position as they are (no growth, a ring in its order).
+            let (position, capacity) = match cache {
+                KvCache::Standard(c) => {
+                    let (Some(_), Some(_), Some(_)) = (&c.keys, &c.values, &c.done) else { return None };
+                    (c.offset < c.capacity()).then_some((c.offset, c.capacity()))?
+                }
+                KvCache::Rotating(c) => {
+                    let (Some(_), Some(_), Some(_)) = (&c.keys, &c.values, &c.done) else { return None };
+                    c.next_slot().map(|_| (c.offset, c.capacity()))?
+                }
+                KvCache::Batch(_) => return None,
+            };
+            if *offset.get_or_insert(position) != position {
                 return None;
             }
             key.capacities.push(capacity);
@@ -154,9 +170,12 @@ impl CapturedSteps {
 fn varying(h: &Array, caches: &[KvCache]) -> Vec<Array> {
     let mut v = vec![h.clone()];
     for cache in caches {
-        if let KvCache::Standard(c) = cache {
-            v.extend([&c.keys, &c.values, &c.done].into_iter().flatten().cloned());
-        }
+        let buffers = match cache {
+            KvCache::Standard(c) => [&c.keys, &c.values, &c.done],
+            KvCache::Rotating(c) => [&c.keys, &c.values, &c.done],
+            KvCache::Batch(_) => continue,
+        };
+        v.extend(buffers.into_iter().flatten().cloned());
     }
     v
 }
@@ -167,8 +186,10 @@ fn replay(captured: &Captured, h: &Array, caches: &mut [KvCache], offset: i32) -
     let varying = varying(h, caches);
     let out = captured.call(&varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?;
     for cache in caches.iter_mut() {
-        if let KvCache::Standard(c) = cache {
-            c.offset += 1;
+        match cache {
+            KvCache::Standard(c) => c.offset += 1,
+            KvCache::Rotating(c) => c.advance(),
+            KvCache::Batch(_) => {}
         }
     }
     Ok(out)

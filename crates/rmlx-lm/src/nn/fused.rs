@@ -4,8 +4,10 @@
 //! gated activation. A decoding step is bound by the host work MLX does per graph node; each
 //! fusion takes one to three nodes out of every layer. Every method composes the same operations
 //! where the kernel does not serve (another backend, training, adapters, more than a few rows,
-//! `QuantizedMatvec::Mlx`), so a model calls them unconditionally.
+//! `QuantizedMatvec::Mlx`), so a model calls them unconditionally. A post-norm's branch
+//! joining the residual ([`RmsNorm::forward_add`]) is one kernel of its own (`cuda_fast::norm_add`).
 
+use super::cuda_fast;
 use super::cuda_qmv::{self, Fused, Matrix};
 use super::{adapter_bank, gated_activation, GatedMlp, Linear, LinearWeight, QuantizedMatvec, RmsNorm, Stacked};
 use crate::Result;
@@ -35,6 +37,18 @@ impl Linear {
         Ok((residual + self.forward(x)?)?)
     }
 
+    /// `self(x)`: through the fused kernel where it serves (a decoding step's product, one
+    /// launch a captured step can take), else as [`Linear::forward`].
+    pub fn forward_fused(&self, x: &Array) -> Result<Array> {
+        if let Some(weight) = self.fusable() {
+            let f = Fused { bias: self.bias.as_ref(), ..Fused::product(weight) };
+            if let Some(y) = cuda_qmv::fused_matvec(x, &f)? {
+                return Ok(y);
+            }
+        }
+        self.forward(x)
+    }
+
     /// The weight the fused kernel may read for this layer: none with an adapter, under
     /// [`QuantizedMatvec::Mlx`], or off the GPU.
     fn fusable(&self) -> Option<Matrix<'_>> {
@@ -49,6 +63,16 @@ impl Linear {
     }
 }
 
+impl RmsNorm {
+    /// `residual + self(x)` (a post-norm branch joining the residual stream).
+    pub fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array> {
+        if let Some(y) = cuda_fast::norm_add(x, self.weight(), self.eps(), residual)? {
+            return Ok(y);
+        }
+        Ok((residual + self.forward(x)?)?)
+    }
+}
+
 impl Stacked {
     /// [`Stacked::forward`] of `norm(x)`.
     pub fn forward_normed(&self, group: &[&Linear], x: &Array, norm: &RmsNorm) -> Result<Option<Array>> {
@@ -59,7 +83,7 @@ impl Stacked {
 impl GatedMlp {
     /// `self(norm(x))`.
     pub fn forward_normed(&self, x: &Array, norm: &RmsNorm) -> Result<Array> {
-        self.down.forward(&self.activation_normed(x, norm)?)
+        self.down.forward_fused(&self.activation_normed(x, norm)?)
     }
 
     /// `x + self(norm(x))`: a pre-norm block's feed-forward half (one node of MLX's graph where

@@ -8,9 +8,8 @@
 //! kernel from the stacked q/k/v product match the heads kernel followed by the attention, bit for
 //! bit, over hundreds of steps of one cache. Where MLX has no CUDA backend the launch must decline.
 
-use crate::cache::Offset;
-use crate::cache::StandardCache;
-use crate::nn::cuda_attention::{cache_attention, standard_cache_attention, StepHeads};
+use crate::cache::{KvCache, Offset, StandardCache};
+use crate::nn::cuda_attention::{cache_attention, rotating_cache_attention, standard_cache_attention, StepHeads};
 use crate::nn::cuda_fast::{qkv_heads, HeadNorms, Rotation};
 use rmlx::fast::{self, AttentionMask, GpuBackend};
 use rmlx::{ops, random, Array, Device, Dtype};
@@ -66,7 +65,7 @@ fn cache_attention_matches_the_composed_step() {
             }
             let done = ops::zeros(&[b * hq], Dtype::Uint32).unwrap();
             let heads = StepHeads::Ready { q: &q, k: &k, v: &v };
-            let got = cache_attention(&heads, (&keys, &values, &done), &pos, scale).unwrap();
+            let got = cache_attention(&heads, (&keys, &values, &done), &pos, None, scale).unwrap();
             let Some([attention, new_keys, new_values, new_done]) = got else {
                 assert!(!cuda, "{what}: declined on MLX's CUDA backend");
                 continue;
@@ -104,7 +103,7 @@ fn cache_attention_matches_the_composed_step() {
         let (q, k) = (normal(&[1, 2, 1, 32], 1), normal(&[1, 2, 1, 32], 2));
         let (flat, done) = (normal(&[2, 64], 3), ops::zeros(&[2], Dtype::Uint32).unwrap());
         let heads = StepHeads::Ready { q: &q, k: &k, v: &k };
-        assert!(cache_attention(&heads, (&flat, &flat, &done), &Offset::Uniform(0), 1.0).unwrap().is_none());
+        assert!(cache_attention(&heads, (&flat, &flat, &done), &Offset::Uniform(0), None, 1.0).unwrap().is_none());
     });
 }
 
@@ -165,5 +164,74 @@ fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
             }
         }
         assert_eq!(steps, if cuda { 4 * 3 * 2 * 17 } else { 0 });
+    });
+}
+
+/// (window, kept slots, heads, kv heads, head size, prompt lengths, dtype)
+type RingCase = (usize, usize, i32, i32, i32, &'static [i32], Dtype);
+
+/// A rotating cache's steps through the kernel (the slot computed from the position) against the
+/// same cache updated as MLX composes it and MLX's attention over what it returns: prompts longer
+/// and shorter than the window between runs of single positions, kept slots or none, the buffers
+/// equal bit for bit and the attention within the dtype's tolerance.
+#[test]
+fn ring_cache_attention_matches_the_composed_step() {
+    let cuda = fast::gpu_backend() == Some(GpuBackend::Cuda);
+    let device = if cuda { Device::gpu() } else { Device::cpu() };
+    let cases: &[RingCase] = &[
+        (8, 0, 4, 1, 32, &[3, 12], Dtype::Float32),
+        (40, 4, 8, 2, 64, &[50, 5], Dtype::Bfloat16),
+        (512, 0, 8, 1, 256, &[300, 400], Dtype::Bfloat16),
+        (300, 4, 16, 8, 128, &[1, 700], Dtype::Float16),
+    ];
+    rmlx::with_device(device, || {
+        let mut checked = 0;
+        for (i, &(window, keep, hq, hkv, d, prompts, dtype)) in cases.iter().enumerate() {
+            let (mut fused, mut composed) = (KvCache::rotating(window, keep), KvCache::rotating(window, keep));
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut seed = 5000 * i as u64;
+            for &prompt in prompts {
+                let mut rows = |len: i32, h: i32| {
+                    seed += 1;
+                    normal(&[1, h, len, d], seed).astype(dtype).unwrap()
+                };
+                let (k, v) = (rows(prompt, hkv), rows(prompt, hkv));
+                for cache in [&mut fused, &mut composed] {
+                    cache.update(&k, &v).unwrap();
+                }
+                for step in 0..(window as i32 + 40) {
+                    let (q, k, v) = (rows(1, hq), rows(1, hkv), rows(1, hkv));
+                    let what = format!("case {i}, after a prompt of {prompt}, step {step}");
+                    let KvCache::Rotating(r) = &mut fused else { unreachable!() };
+                    let got = rotating_cache_attention(&StepHeads::Ready { q: &q, k: &k, v: &v }, r, scale).unwrap();
+                    let Some(got) = got else {
+                        assert!(!cuda, "{what}: declined on MLX's CUDA backend");
+                        return;
+                    };
+                    let (keys, values, mask) = composed.update(&k, &v).unwrap();
+                    let want =
+                        fast::scaled_dot_product_attention(&q, &keys, &values, scale, mask.as_attention()).unwrap();
+                    let tolerance = match dtype {
+                        Dtype::Float32 => 1e-5,
+                        Dtype::Bfloat16 => 2e-2,
+                        _ => 4e-3,
+                    };
+                    let diff = max_abs_diff(&got, &want);
+                    assert!(diff <= tolerance, "{what}: attention differs by {diff}");
+                    let (KvCache::Rotating(a), KvCache::Rotating(b)) = (&fused, &composed) else { unreachable!() };
+                    assert_eq!((a.offset, a.next_slot()), (b.offset, b.next_slot()), "{what}");
+                    if step % 17 == 0 || step as usize >= window {
+                        for (x, y) in [(&a.keys, &b.keys), (&a.values, &b.values)] {
+                            let (x, y) = (x.as_ref().unwrap(), y.as_ref().unwrap());
+                            assert_eq!(x.to_vec_f32().unwrap(), y.to_vec_f32().unwrap(), "{what}: buffers");
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+            let KvCache::Rotating(r) = &fused else { unreachable!() };
+            assert!(r.done.as_ref().unwrap().to_vec_f32().unwrap().iter().all(|&c| c == 0.0), "case {i}: counts");
+        }
+        assert!(!cuda || checked > 1000, "{checked} steps checked");
     });
 }

@@ -3,7 +3,7 @@
 //! within float32 rounding, the half types within a rounding or two; with and without q/k norms,
 //! head sizes 16, 64, 128, 160 and 256 (a block of whole warps, some threads idle), grouped heads, one position for all sequences or one per sequence,
 //! explicit divisors and a position scale. Where MLX has no CUDA backend (the CPU CI) the kernel must
-//! decline, and the composed path runs.
+//! decline, and the composed path runs. Also the post-norm's residual kernel (`norm_add`).
 
 use crate::cache::Offset;
 use crate::nn::cuda_fast::{qkv_heads, HeadNorms, Rotation};
@@ -112,4 +112,51 @@ fn stacked_heads_match_mlx_on_cuda_and_decline_elsewhere() {
         let rotation = Rotation { divisors: &div, scale: 1.0, offset: &offset };
         assert!(qkv_heads(&y, 2, (1, 1, 64), None, &rotation).unwrap().is_none(), "two positions per sequence");
     })
+}
+
+/// `residual + rms_norm(a) · w` in one kernel (`nn::cuda_fast::norm_add`, Gemma's post-norms)
+/// against MLX's `fast::rms_norm` and addition: float32 within float32 rounding, the half types
+/// within a rounding of the sum; widths below, at and above a block's threads, one row and
+/// several. Off MLX's CUDA backend it declines.
+#[test]
+fn norm_add_matches_mlx_on_cuda_and_declines_elsewhere() {
+    let cuda = fast::gpu_backend() == Some(GpuBackend::Cuda);
+    let device = if cuda { rmlx::Device::gpu() } else { rmlx::default_device() };
+    rmlx::with_device(device, || {
+        let mut checked = 0;
+        for (rows, dim) in [(1, 64), (1, 1152), (3, 2560), (8, 100), (1, 5376)] {
+            for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+                let normal = |shape: &[i32], mean: f32, seed: u64| {
+                    random::normal(shape, Dtype::Float32, mean, 1.0, Some(&random::key(seed).unwrap()))
+                        .unwrap()
+                        .astype(dtype)
+                        .unwrap()
+                };
+                let (a, res, w) = (normal(&[rows, dim], 0.0, 1), normal(&[rows, dim], 0.0, 2), normal(&[dim], 1.0, 3));
+                let got = crate::nn::cuda_fast::norm_add(&a, &w, 1e-6, &res).unwrap();
+                let Some(got) = got else {
+                    assert!(!cuda, "declined on MLX's CUDA backend");
+                    return;
+                };
+                assert!(cuda, "served without MLX's CUDA backend");
+                let want = (&res + fast::rms_norm(&a, Some(&w), 1e-6).unwrap()).unwrap();
+                assert_eq!((got.shape(), got.dtype()), (want.shape(), dtype));
+                // Relative to the value (plus one): a rounding of the norm's output and one of the sum.
+                let tolerance = match dtype {
+                    Dtype::Float32 => 1e-5,
+                    Dtype::Bfloat16 => 2.0 / 128.0,
+                    _ => 2.0 / 1024.0,
+                };
+                let f32s = |x: &Array| x.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                let diff = f32s(&got)
+                    .iter()
+                    .zip(f32s(&want))
+                    .map(|(g, w)| (g - w).abs() / (w.abs() + 1.0))
+                    .fold(0.0, f32::max);
+                assert!(diff <= tolerance, "{rows}×{dim} {dtype:?}: differs by {diff} of the value");
+                checked += 1;
+            }
+        }
+        assert_eq!(checked, 15);
+    });
 }

@@ -1,7 +1,7 @@
 //! A decoding step's layers replayed as one captured launch (`nn::cuda_step`) against the same
-//! steps built as they are: on MLX's CUDA backend, the fixture models of the Llama family (dense
-//! and 4-bit, float32 and bfloat16, heads of 32) decode 300 positions past their prompt, across
-//! the caches' growth, with every position's hidden states (the layers' output) equal bit for bit
+//! steps built as they are: on MLX's CUDA backend, the fixture models of the Llama family and
+//! Gemma 3 (dense and 4-bit, float32 and bfloat16, heads of 32) decode 300 positions past their
+//! prompt, across the caches' growth and the sliding windows' wrapping, with every position's hidden states (the layers' output) equal bit for bit
 //! and the replay's graph holding no launch of a layer. Off MLX's CUDA backend (the CPU CI) the
 //! capture never serves, and the steps are the layers' own.
 
@@ -26,9 +26,16 @@ fn replayed_steps_equal_the_built_ones_bit_for_bit() {
     rmlx::with_device(Device::gpu(), || {
         // Heads of 16 (llama_gqa, qwen2) are below the attention kernel's 32: their steps are the
         // layers' own graphs, which the capture does not take.
-        for (name, captured) in
-            [("llama_mqa_untied", true), ("qwen3", true), ("qwen3_q4", true), ("llama_gqa", false), ("qwen2", false)]
-        {
+        // Gemma 3's sliding layers (a window of 8) take their rotating caches' ring slots.
+        let fixtures = [
+            ("llama_mqa_untied", true),
+            ("qwen3", true),
+            ("qwen3_q4", true),
+            ("gemma3_text", true),
+            ("llama_gqa", false),
+            ("qwen2", false),
+        ];
+        for (name, captured) in fixtures {
             let dir = fixture_with_tokenizer(name);
             let prompt = ids(&reference(name)["prompt_ids"]);
             for dtype in [Dtype::Float32, Dtype::Bfloat16] {

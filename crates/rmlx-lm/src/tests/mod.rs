@@ -18,4 +18,5 @@ mod fuzz_files;
 mod gguf;
 mod gguf_model;
 mod hostile_files;
+mod rotating_cache;
 mod stacked;
