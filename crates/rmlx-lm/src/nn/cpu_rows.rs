@@ -8,7 +8,7 @@
 //! asked dtype, as those operations do) as one operation.
 
 use super::cpu_fast::{round, store};
-use super::cpu_qmm::to_f32;
+use super::cpu_qmm::Scalars;
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
@@ -73,7 +73,8 @@ impl CustomPrimitive for QuantizedRows {
             _ => inputs[0].as_slice::<u32>()?.iter().map(|&i| i64::from(i)).collect(),
         };
         let packed = inputs[1].as_slice::<u32>()?;
-        let (scales, biases) = (to_f32(&inputs[2])?, to_f32(&inputs[3])?);
+        // Only the rows looked up are widened (a vocabulary's scales are megabytes).
+        let (scales, biases) = (Scalars::of(&inputs[2])?, Scalars::of(&inputs[3])?);
         let scale_dtype = inputs[2].dtype();
         let (rows, words) = (inputs[1].shape()[0] as usize, inputs[1].shape()[1] as usize);
         let per_word = 32 / self.bits;
@@ -89,12 +90,14 @@ impl CustomPrimitive for QuantizedRows {
             for (i, v) in row_out.iter_mut().enumerate() {
                 *v = ((words[i / per_word] >> (self.bits * (i % per_word))) & mask) as f32;
             }
+            let of_row = row * groups..(row + 1) * groups;
+            let (row_scales, row_biases) = (scales.widened(of_row.clone()), biases.widened(of_row));
             // `q · scale`, then `+ bias`, each rounded to the scales' dtype (MLX's two operations).
             for (g, part) in row_out.chunks_exact_mut(self.group).enumerate() {
-                let s = scales[row * groups + g];
+                let s = row_scales[g];
                 part.iter_mut().for_each(|v| *v *= s);
                 round(part, scale_dtype);
-                let b = biases[row * groups + g];
+                let b = row_biases[g];
                 part.iter_mut().for_each(|v| *v += b);
                 round(part, scale_dtype);
             }

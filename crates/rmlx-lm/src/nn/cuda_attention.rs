@@ -499,23 +499,12 @@ pub fn standard_cache_attention(
         return Ok(None);
     }
     cache.reserve_for([batch, hkv, 1, d], dtype)?;
-    if cache.done.as_ref().is_none_or(|a| a.shape() != [batch * hq]) {
-        cache.done = Some(ops::zeros(&[batch * hq], Dtype::Uint32)?);
+    let buffers = [&mut cache.keys, &mut cache.values, &mut cache.done];
+    let attention = attend_buffers(heads, buffers, batch * hq, cache.offset, None, scale)?;
+    if attention.is_some() {
+        cache.offset += 1;
     }
-    let (keys, values, done) = (cache.keys.take(), cache.values.take(), cache.done.take());
-    let (keys, values, done) = (keys.expect("reserved"), values.expect("reserved"), done.expect("made"));
-    let at = Offset::Uniform(cache.offset);
-    match cache_attention(heads, (&keys, &values, &done), &at, None, scale) {
-        Ok(Some([attention, keys, values, done])) => {
-            (cache.keys, cache.values, cache.done) = (Some(keys), Some(values), Some(done));
-            cache.offset += 1;
-            Ok(Some(attention))
-        }
-        other => {
-            (cache.keys, cache.values, cache.done) = (Some(keys), Some(values), Some(done));
-            Ok(other?.map(|[attention, ..]| attention))
-        }
-    }
+    Ok(attention)
 }
 
 /// [`cache_attention`] over a rotating cache: its buffers made ready to take the new position in
@@ -536,20 +525,38 @@ pub fn rotating_cache_attention(
     if slot != cache.ring().slot(cache.offset) {
         return Ok(None);
     }
-    if cache.done.as_ref().is_none_or(|a| a.shape() != [batch * hq]) {
-        cache.done = Some(ops::zeros(&[batch * hq], Dtype::Uint32)?);
+    let ring = Some(cache.ring());
+    let buffers = [&mut cache.keys, &mut cache.values, &mut cache.done];
+    let attention = attend_buffers(heads, buffers, batch * hq, cache.offset, ring, scale)?;
+    if attention.is_some() {
+        cache.advance();
     }
-    let (keys, values, done) = (cache.keys.take(), cache.values.take(), cache.done.take());
-    let (keys, values, done) = (keys.expect("prepared"), values.expect("prepared"), done.expect("made"));
-    let at = Offset::Uniform(cache.offset);
-    match cache_attention(heads, (&keys, &values, &done), &at, Some(cache.ring()), scale) {
-        Ok(Some([attention, keys, values, done])) => {
-            (cache.keys, cache.values, cache.done) = (Some(keys), Some(values), Some(done));
-            cache.advance();
+    Ok(attention)
+}
+
+/// [`cache_attention`] at `position` over a cache's buffers `[keys, values, done]` (the chunk
+/// counts made for `counts` query heads first), lent to the kernel and given back: updated in
+/// place where it served, as they were where it did not.
+fn attend_buffers(
+    heads: &StepHeads,
+    [keys, values, done]: [&mut Option<Array>; 3],
+    counts: i32,
+    position: usize,
+    ring: Option<Ring>,
+    scale: f32,
+) -> crate::Result<Option<Array>> {
+    if done.as_ref().is_none_or(|a| a.shape() != [counts]) {
+        *done = Some(ops::zeros(&[counts], Dtype::Uint32)?);
+    }
+    let lent = [keys.take(), values.take(), done.take()];
+    let [k, v, c] = lent.map(|a| a.expect("allocated by the caller"));
+    match cache_attention(heads, (&k, &v, &c), &Offset::Uniform(position), ring, scale) {
+        Ok(Some([attention, k, v, c])) => {
+            (*keys, *values, *done) = (Some(k), Some(v), Some(c));
             Ok(Some(attention))
         }
         other => {
-            (cache.keys, cache.values, cache.done) = (Some(keys), Some(values), Some(done));
+            (*keys, *values, *done) = (Some(k), Some(v), Some(c));
             Ok(other?.map(|[attention, ..]| attention))
         }
     }

@@ -214,20 +214,30 @@ pub(crate) struct Packed<'a> {
 }
 
 /// Scales or biases in their dtype.
-enum Scalars<'a> {
+pub(crate) enum Scalars<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     F16(&'a [f16]),
 }
 
 impl<'a> Scalars<'a> {
-    fn of(t: &'a CpuTensor<'_>) -> Result<Self> {
+    /// The tensor's values (float32, bfloat16 or float16), borrowed.
+    pub(crate) fn of(t: &'a CpuTensor<'_>) -> Result<Self> {
         Ok(match t.dtype() {
             Dtype::Float32 => Scalars::F32(t.as_slice()?),
             Dtype::Bfloat16 => Scalars::Bf16(t.as_slice()?),
             Dtype::Float16 => Scalars::F16(t.as_slice()?),
             d => return Err(Error::InvalidArgument(format!("quantisation scales of dtype {d:?}"))),
         })
+    }
+
+    /// Values `range` as float32 (borrowed when they are float32).
+    pub(crate) fn widened(&self, range: std::ops::Range<usize>) -> Cow<'a, [f32]> {
+        match self {
+            Scalars::F32(v) => Cow::Borrowed(&v[range]),
+            Scalars::Bf16(v) => Scalar::widened(&v[range]).into_owned().into(),
+            Scalars::F16(v) => Scalar::widened(&v[range]).into_owned().into(),
+        }
     }
 }
 
