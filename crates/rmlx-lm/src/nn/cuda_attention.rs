@@ -386,9 +386,9 @@ impl StepHeads<'_> {
 /// at `position` (one for every sequence, or one each: `[B]` int32, each below `capacity`), scores
 /// scaled by `scale`. With a `ring` (one position for every sequence), the buffers are a
 /// rotating cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the
-/// query attends every slot written (at most `capacity`, which must not exceed the window). `done` (`[B·Hq]` uint32, zero) is the buffers' companion: the kernel counts
-/// finished chunks in it and leaves it zero. Returns `[attention ([B, Hq, 1, D]), keys', values',
-/// done']`.
+/// query attends every slot written (at most `capacity`, which must not exceed the window).
+/// `done` (`[B·Hq]` uint32, zero) is the buffers' companion: the kernel counts finished chunks in
+/// it and leaves it zero. Returns `[attention ([B, Hq, 1, D]), keys', values', done']`.
 ///
 /// The buffers are the caller's alone ([`InPlace::Owned`]): `keys'`, `values'` and `done'` are
 /// the same buffers, updated in place even while work queued earlier still reads them, and any
@@ -427,7 +427,8 @@ pub fn cache_attention(
         && match (position, ring) {
             (Offset::Uniform(p), None) => *p < cs[2] as usize,
             (Offset::Uniform(p), Some(r)) => {
-                *p <= i32::MAX as usize
+                *p < i32::MAX as usize
+                    && r.keep < r.window
                     && r.window <= i32::MAX as usize
                     && cs[2] as usize <= r.window
                     && r.slot(*p) < cs[2] as usize

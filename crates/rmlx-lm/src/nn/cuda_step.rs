@@ -1,17 +1,18 @@
 //! A decoding step's layers, captured once as one launch and replayed (MLX's CUDA backend).
 //!
 //! On MLX's CUDA backend a Llama or Qwen layer decodes in three launches of rmlx's kernels (the
-//! normed q/k/v product, the attention over the cache, the rest of the block), but each is a node
-//! of MLX's graph that the host builds and MLX evaluates at every step: a few microseconds each,
-//! which bound the small models. [`CapturedSteps::layers`] runs the layers as they are once, reads
-//! the graph they built back ([`rmlx::cuda::capture`]) and, while the caches keep their buffers,
-//! runs every later step's layers as that one launch over the step's hidden state and caches:
-//! the same kernels with the same arguments, so the same results bit for bit. Anything the capture
-//! cannot take (another backend, training, adapters on rows, a batch, a prompt, a batch's cache, a
-//! cache that must grow or put a prefill's positions back in ring order, an operation that is not
-//! one of rmlx's launches) runs the layers as they are. A rotating cache's slot follows from the
-//! position (`cache::Ring`), which the attention kernel computes: its replay takes the same
-//! value, the position, as an unbounded cache's.
+//! normed q/k/v product, the attention over the cache, the rest of the block; a Gemma 3 layer in
+//! seven, its post-norms among them), but each is a node of MLX's graph that the host builds and
+//! MLX evaluates at every step: a few microseconds each, which bound the small models.
+//! [`CapturedSteps::layers`] runs the layers as they are once, reads the graph they built back
+//! ([`rmlx::cuda::capture`]) and, while the caches keep their buffers, runs every later step's
+//! layers as that one launch over the step's hidden state and caches: the same kernels with the
+//! same arguments, so the same results bit for bit. Anything the capture cannot take (another
+//! backend, training, adapters on rows, a batch, a prompt, a batch's cache, a cache that must grow
+//! or put a prefill's positions back in ring order, an operation that is not one of rmlx's
+//! launches) runs the layers as they are. A rotating cache's slot follows from the position
+//! (`cache::Ring`), which the attention kernel computes: its replay takes the same value, the
+//! position, as an unbounded cache's.
 
 use super::cuda_fast::on_cuda;
 use crate::cache::KvCache;
