@@ -12,14 +12,12 @@
 //! row at a time with a dot product's one chain of additions, a 2,048-token prompt of the default
 //! model ran at 120–137 tokens/s against 180–209 now (BENCHMARKS.md).
 
-use super::cpu_fast::{dot_as as dot, madd, mlx_exp, store};
+use super::cpu_fast::{dot_as as dot, madd, mlx_exp, store, Floats};
 use crate::nn::cpu_pool::for_each;
-use crate::nn::cpu_qmm::{to_f32, Scalar};
-use half::{bf16, f16};
+use crate::nn::cpu_qmm::to_f32;
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
-use rmlx::{Array, Dtype, Error, Result};
-use std::borrow::Cow;
+use rmlx::{Array, Error, Result};
 
 /// Attention of the last `L` of `valid` positions, queries `q` `[B, Hq, L, D]`, over the first
 /// `valid` positions of the cache buffers `keys`, `values` `[B, Hkv, capacity, D]` (`Hq` a multiple
@@ -70,11 +68,11 @@ impl CustomPrimitive for CacheAttentionCpu {
         let (b, hq, len, d) = (qs[0] as usize, qs[1] as usize, qs[2] as usize, qs[3] as usize);
         let (hkv, capacity) = (ks[1] as usize, ks[2] as usize);
         let q = to_f32(&inputs[0])?;
-        let (keys, values) = (Rows::of(&inputs[1])?, Rows::of(&inputs[2])?);
+        let (keys, values) = (Floats::of(&inputs[1])?, Floats::of(&inputs[2])?);
         // Every key/value head's valid rows in float32 (borrowed when they are).
         let n = self.valid * d;
         let heads: Vec<_> = (0..b * hkv)
-            .map(|h| (keys.at(h * capacity * d).f32_rows(n), values.at(h * capacity * d).f32_rows(n)))
+            .map(|h| (keys.at(h * capacity * d).widened(0..n), values.at(h * capacity * d).widened(0..n)))
             .collect();
         let mut y = vec![0f32; q.len()];
         let (group, first_visible) = (hq / hkv, self.valid - len + 1);
@@ -100,14 +98,14 @@ impl CustomPrimitive for CacheAttentionCpu {
 /// `i / (Hq / heads)`), over the threads; the result into `out` (`[Hq, D]`).
 pub(crate) fn attend_heads(
     q: &[f32],
-    heads: &[(Rows<'_>, Rows<'_>)],
+    heads: &[(Floats<'_>, Floats<'_>)],
     valid: usize,
     d: usize,
     scale: f32,
     out: &mut [f32],
 ) {
     let group = (q.len() / d) / heads.len().max(1);
-    let rows: Vec<_> = heads.iter().map(|(k, v)| (k.f32_rows(valid * d), v.f32_rows(valid * d))).collect();
+    let rows: Vec<_> = heads.iter().map(|(k, v)| (k.widened(0..valid * d), v.widened(0..valid * d))).collect();
     let kv = |r: usize| {
         let (k, v) = &rows[r / group];
         (&k[..], &v[..])
@@ -342,43 +340,6 @@ fn weighted_sum<const D: usize, const FMA: bool>(p: &[f32], values: &[f32], out:
         }
     }
     out.copy_from_slice(&sum);
-}
-
-/// One key/value head's cached rows: `[capacity, D]` from a position's row on.
-#[derive(Clone, Copy)]
-pub(crate) enum Rows<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [bf16]),
-    F16(&'a [f16]),
-}
-
-impl<'a> Rows<'a> {
-    pub fn of(t: &'a CpuTensor<'_>) -> Result<Rows<'a>> {
-        Ok(match t.dtype() {
-            Dtype::Float32 => Rows::F32(t.as_slice::<f32>()?),
-            Dtype::Bfloat16 => Rows::Bf16(t.as_slice::<bf16>()?),
-            Dtype::Float16 => Rows::F16(t.as_slice::<f16>()?),
-            d => return Err(Error::InvalidArgument(format!("a tensor of dtype {d:?}"))),
-        })
-    }
-
-    /// The rows from element `at` on.
-    pub fn at(self, at: usize) -> Rows<'a> {
-        match self {
-            Rows::F32(s) => Rows::F32(&s[at..]),
-            Rows::Bf16(s) => Rows::Bf16(&s[at..]),
-            Rows::F16(s) => Rows::F16(&s[at..]),
-        }
-    }
-
-    /// The first `n` elements in float32: borrowed when they are, converted otherwise.
-    fn f32_rows(self, n: usize) -> Cow<'a, [f32]> {
-        match self {
-            Rows::F32(s) => f32::widened(&s[..n]),
-            Rows::Bf16(s) => bf16::widened(&s[..n]),
-            Rows::F16(s) => f16::widened(&s[..n]),
-        }
-    }
 }
 
 /// The multi-row kernels in AVX2 and FMA instructions, lane for lane the arithmetic of

@@ -12,12 +12,52 @@
 //! where MLX's operations (differentiable) stay in use. On the GPU, MLX's own kernels run.
 
 pub use super::cpu_attention::cache_attention;
-use crate::nn::cpu_qmm::to_f32;
+use crate::nn::cpu_qmm::{to_f32, Scalar};
 use crate::nn::training;
 use half::{bf16, f16};
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
 use rmlx::{Array, DeviceType, Dtype, Error, Result};
+use std::borrow::Cow;
+
+/// A CPU tensor's values in their float type, borrowed: what rmlx's CPU primitives read of
+/// caches, scales and biases without converting all of them.
+#[derive(Clone, Copy)]
+pub(crate) enum Floats<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl<'a> Floats<'a> {
+    /// The values of `t` (float32, bfloat16 or float16).
+    pub(crate) fn of(t: &'a CpuTensor<'_>) -> Result<Self> {
+        Ok(match t.dtype() {
+            Dtype::Float32 => Floats::F32(t.as_slice()?),
+            Dtype::Bfloat16 => Floats::Bf16(t.as_slice()?),
+            Dtype::Float16 => Floats::F16(t.as_slice()?),
+            d => return Err(Error::InvalidArgument(format!("a tensor of dtype {d:?}"))),
+        })
+    }
+
+    /// The values from element `at` on.
+    pub(crate) fn at(self, at: usize) -> Self {
+        match self {
+            Floats::F32(s) => Floats::F32(&s[at..]),
+            Floats::Bf16(s) => Floats::Bf16(&s[at..]),
+            Floats::F16(s) => Floats::F16(&s[at..]),
+        }
+    }
+
+    /// Values `range` in float32: borrowed when they are, converted otherwise.
+    pub(crate) fn widened(self, range: std::ops::Range<usize>) -> Cow<'a, [f32]> {
+        match self {
+            Floats::F32(s) => Cow::Borrowed(&s[range]),
+            Floats::Bf16(s) => Cow::Owned(bf16::widened(&s[range]).into_owned()),
+            Floats::F16(s) => Cow::Owned(f16::widened(&s[range]).into_owned()),
+        }
+    }
+}
 
 /// Whether the primitives serve `x` here: on the CPU, outside training and transforms, for a
 /// float32, bfloat16 or float16 `x`.

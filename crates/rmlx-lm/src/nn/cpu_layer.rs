@@ -21,8 +21,8 @@
 //! It serves one sequence and one position (a decoding step of `generate`), outside training and
 //! traced transforms, when no adapter changes a projection: otherwise the block is composed.
 
-use super::cpu_attention::{attend_heads, Rows};
-use super::cpu_fast::{rms_row, round, store, store_at, swiglu, Angles};
+use super::cpu_attention::attend_heads;
+use super::cpu_fast::{rms_row, round, store, store_at, swiglu, Angles, Floats};
 use super::cpu_qmm::{row_products, to_f32, Packed};
 use super::{GatedMlp, Linear, LinearWeight, RmsNorm};
 use crate::cache::StandardCache;
@@ -353,7 +353,7 @@ impl CustomPrimitive for AttentionOutputMlp {
         let x = to_f32(&inputs[0])?;
         let q = to_f32(&inputs[1])?;
         let (kv_heads, capacity) = (inputs[2].shape()[1] as usize, inputs[2].shape()[2] as usize);
-        let (keys, values) = (Rows::of(&inputs[2])?, Rows::of(&inputs[3])?);
+        let (keys, values) = (Floats::of(&inputs[2])?, Floats::of(&inputs[3])?);
         let cache: Vec<_> = (0..kv_heads).map(|h| (keys.at(h * capacity * d), values.at(h * capacity * d))).collect();
         let mut attended = vec![0f32; q.len()];
         attend_heads(&q, &cache, self.valid, d, self.scale, &mut attended);

@@ -7,8 +7,7 @@
 //! the same values (the product and the sum each rounded to the scales' dtype, then cast to the
 //! asked dtype, as those operations do) as one operation.
 
-use super::cpu_fast::{round, store};
-use super::cpu_qmm::Scalars;
+use super::cpu_fast::{round, store, Floats};
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
@@ -74,7 +73,7 @@ impl CustomPrimitive for QuantizedRows {
         };
         let packed = inputs[1].as_slice::<u32>()?;
         // Only the rows looked up are widened (a vocabulary's scales are megabytes).
-        let (scales, biases) = (Scalars::of(&inputs[2])?, Scalars::of(&inputs[3])?);
+        let (scales, biases) = (Floats::of(&inputs[2])?, Floats::of(&inputs[3])?);
         let scale_dtype = inputs[2].dtype();
         let (rows, words) = (inputs[1].shape()[0] as usize, inputs[1].shape()[1] as usize);
         let per_word = 32 / self.bits;

@@ -13,7 +13,7 @@
 //! The values are exactly the float32 dequantisation `scale · q + bias`; the sums run in float32
 //! along the input features, in another order than a BLAS product's.
 
-use super::{Packed, Scalar, Scalars};
+use super::{Floats, Packed, Scalar};
 
 /// Rows per register tile and per packed block of the input: two AVX registers.
 const ROWS: usize = 16;
@@ -80,12 +80,12 @@ impl Packed<'_> {
                 continue;
             }
             match (&self.scales, &self.biases, self.bits) {
-                (Scalars::F32(s), Scalars::F32(b), 4) => self.unpack_row::<_, 4, 8>(s, b, first + j, row),
-                (Scalars::F32(s), Scalars::F32(b), _) => self.unpack_row::<_, 8, 4>(s, b, first + j, row),
-                (Scalars::Bf16(s), Scalars::Bf16(b), 4) => self.unpack_row::<_, 4, 8>(s, b, first + j, row),
-                (Scalars::Bf16(s), Scalars::Bf16(b), _) => self.unpack_row::<_, 8, 4>(s, b, first + j, row),
-                (Scalars::F16(s), Scalars::F16(b), 4) => self.unpack_row::<_, 4, 8>(s, b, first + j, row),
-                (Scalars::F16(s), Scalars::F16(b), _) => self.unpack_row::<_, 8, 4>(s, b, first + j, row),
+                (Floats::F32(s), Floats::F32(b), 4) => self.unpack_row::<_, 4, 8>(s, b, first + j, row),
+                (Floats::F32(s), Floats::F32(b), _) => self.unpack_row::<_, 8, 4>(s, b, first + j, row),
+                (Floats::Bf16(s), Floats::Bf16(b), 4) => self.unpack_row::<_, 4, 8>(s, b, first + j, row),
+                (Floats::Bf16(s), Floats::Bf16(b), _) => self.unpack_row::<_, 8, 4>(s, b, first + j, row),
+                (Floats::F16(s), Floats::F16(b), 4) => self.unpack_row::<_, 4, 8>(s, b, first + j, row),
+                (Floats::F16(s), Floats::F16(b), _) => self.unpack_row::<_, 8, 4>(s, b, first + j, row),
                 _ => unreachable!("`Packed::of` checks that scales and biases share a dtype"),
             }
         }

@@ -27,6 +27,7 @@ pub(crate) mod float;
 mod gemm;
 mod int8;
 
+use super::cpu_fast::Floats;
 use half::{bf16, f16};
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive};
 use rmlx::fast::TensorSpec;
@@ -204,41 +205,13 @@ const ROW_COLUMNS_PER_TASK: usize = 128;
 /// (MLX's affine layout) with a scale and a bias per group of `group` values of a row.
 pub(crate) struct Packed<'a> {
     words: &'a [u32],
-    scales: Scalars<'a>,
-    biases: Scalars<'a>,
+    scales: Floats<'a>,
+    biases: Floats<'a>,
     bits: usize,
     group: usize,
     /// Rows (output features) and values per row (input features).
     pub n: usize,
     pub k: usize,
-}
-
-/// Scales or biases in their dtype.
-pub(crate) enum Scalars<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [bf16]),
-    F16(&'a [f16]),
-}
-
-impl<'a> Scalars<'a> {
-    /// The tensor's values (float32, bfloat16 or float16), borrowed.
-    pub(crate) fn of(t: &'a CpuTensor<'_>) -> Result<Self> {
-        Ok(match t.dtype() {
-            Dtype::Float32 => Scalars::F32(t.as_slice()?),
-            Dtype::Bfloat16 => Scalars::Bf16(t.as_slice()?),
-            Dtype::Float16 => Scalars::F16(t.as_slice()?),
-            d => return Err(Error::InvalidArgument(format!("quantisation scales of dtype {d:?}"))),
-        })
-    }
-
-    /// Values `range` as float32 (borrowed when they are float32).
-    pub(crate) fn widened(&self, range: std::ops::Range<usize>) -> Cow<'a, [f32]> {
-        match self {
-            Scalars::F32(v) => Cow::Borrowed(&v[range]),
-            Scalars::Bf16(v) => Scalar::widened(&v[range]).into_owned().into(),
-            Scalars::F16(v) => Scalar::widened(&v[range]).into_owned().into(),
-        }
-    }
 }
 
 impl<'a> Packed<'a> {
@@ -257,11 +230,11 @@ impl<'a> Packed<'a> {
             _ => (0, 0),
         };
         let groups = n * k / group.max(1);
-        let (scales, biases) = (Scalars::of(scales)?, Scalars::of(biases)?);
-        let fits = |s: &Scalars<'_>| match s {
-            Scalars::F32(v) => v.len() == groups,
-            Scalars::Bf16(v) => v.len() == groups,
-            Scalars::F16(v) => v.len() == groups,
+        let (scales, biases) = (Floats::of(scales)?, Floats::of(biases)?);
+        let fits = |s: &Floats<'_>| match s {
+            Floats::F32(v) => v.len() == groups,
+            Floats::Bf16(v) => v.len() == groups,
+            Floats::F16(v) => v.len() == groups,
         };
         let alike = std::mem::discriminant(&scales) == std::mem::discriminant(&biases);
         if shape.len() != 2 || group == 0 || k % group != 0 || !fits(&scales) || !fits(&biases) || !alike {
@@ -291,9 +264,9 @@ impl<'a> Packed<'a> {
     /// Output features `first..` (as many as `out` holds, `[columns, m]`) for every row of `x`.
     fn columns(&self, x: &Prepared, first: usize, out: &mut [f32]) {
         match (&self.scales, &self.biases) {
-            (Scalars::F32(s), Scalars::F32(b)) => self.columns_of(x, s, b, first, out),
-            (Scalars::Bf16(s), Scalars::Bf16(b)) => self.columns_of(x, s, b, first, out),
-            (Scalars::F16(s), Scalars::F16(b)) => self.columns_of(x, s, b, first, out),
+            (Floats::F32(s), Floats::F32(b)) => self.columns_of(x, s, b, first, out),
+            (Floats::Bf16(s), Floats::Bf16(b)) => self.columns_of(x, s, b, first, out),
+            (Floats::F16(s), Floats::F16(b)) => self.columns_of(x, s, b, first, out),
             _ => unreachable!("`Packed::of` checks that scales and biases share a dtype"),
         }
     }
