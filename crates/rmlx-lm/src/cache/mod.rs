@@ -325,15 +325,10 @@ impl RotatingCache {
         Ring { window: self.max_size, keep: self.keep }
     }
 
-    /// Positions the buffers hold before growing (at most the window, but after a prefill).
-    pub fn capacity(&self) -> usize {
-        self.buffer_len()
-    }
-
     /// The slot the next single position goes to, where the buffers take it as they are (neither
     /// grown nor put back in ring order after a prefill).
     pub fn next_slot(&self) -> Option<usize> {
-        let cap = self.buffer_len();
+        let cap = self.capacity();
         let ready = self.keys.is_some() && cap <= self.max_size && (self.idx < cap || cap == self.max_size);
         let at = if self.idx == self.max_size { self.keep } else { self.idx };
         (ready && at == self.ring().slot(self.offset)).then_some(at)
@@ -343,7 +338,7 @@ impl RotatingCache {
     /// would be): allocated or grown, or back to the window in ring order after a prefill left
     /// more; returns its slot, [`Ring::slot`] of the offset.
     pub fn prepare_write(&mut self, keys: Rows, values: Rows) -> Result<usize> {
-        let cap = self.buffer_len();
+        let cap = self.capacity();
         if cap > self.max_size {
             // A prefill left more than the window in temporal order: back to `max_size`
             // positions, the last ones rolled so that each sits in its ring slot.
@@ -390,13 +385,14 @@ impl RotatingCache {
         self.offset += 1;
     }
 
-    fn buffer_len(&self) -> usize {
+    /// Positions the buffers hold before growing (at most the window, but after a prefill).
+    pub fn capacity(&self) -> usize {
         self.keys.as_ref().map_or(0, |k| dim(k, 2) as usize)
     }
 
     /// The valid entries in temporal order, and the absolute position of each.
     fn temporal(&self, buf: &Array) -> Result<Array> {
-        let valid = self.offset.min(self.buffer_len());
+        let valid = self.offset.min(self.capacity());
         if self.idx == valid {
             return positions(buf, 0, valid as i32);
         }
@@ -481,8 +477,8 @@ impl RotatingCache {
         let keys = write_at(&mut self.keys, k, at)?;
         let values = write_at(&mut self.values, v, at)?;
         self.advance();
-        let valid = self.offset.min(self.buffer_len()) as i32;
-        if valid < self.buffer_len() as i32 {
+        let valid = self.offset.min(self.capacity()) as i32;
+        if valid < self.capacity() as i32 {
             return Ok((positions(&keys, 0, valid)?, positions(&values, 0, valid)?, Mask::None));
         }
         Ok((keys, values, Mask::None))

@@ -9,7 +9,7 @@ use crate::cache::KvCache;
 use crate::config::Architecture;
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::{self, BlockParts};
-use crate::nn::{checkpointed, join, Builder, CapturedSteps, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
+use crate::nn::{join, Builder, CapturedSteps, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
 use crate::weights::Weight;
 use crate::Result;
 use rmlx::quantization::Quantized;
@@ -196,13 +196,7 @@ impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let (batch, length) = super::token_grid(ids)?;
         let h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
-        let h = self.steps.layers(&h, caches, |h, caches| {
-            let mut h = h.clone();
-            for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-                h = checkpointed(layer, &h, cache, move |l, x, c| l.forward(x, batch, c))?;
-            }
-            Ok(h)
-        })?;
+        let h = super::decoder_layers(&self.steps, &self.layers, &h, caches, batch, Block::forward)?;
         Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 

@@ -236,6 +236,26 @@ pub(crate) fn merge_heads(x: &Array) -> Result<Array> {
     Ok(x.transpose_axes(&[0, 2, 1, 3])?.reshape(&rows)?)
 }
 
+/// The decoder blocks in turn over the rows `h` (of `batch` sequences), each checkpointed where
+/// training asks for it, as one captured launch where `steps` serves a decoding step
+/// ([`crate::nn::CapturedSteps::layers`]).
+pub(crate) fn decoder_layers<B: crate::nn::Module + Clone + 'static>(
+    steps: &crate::nn::CapturedSteps,
+    blocks: &[B],
+    h: &Array,
+    caches: &mut [KvCache],
+    batch: i32,
+    forward: fn(&B, &Array, i32, &mut KvCache) -> Result<Array>,
+) -> Result<Array> {
+    steps.layers(h, caches, |h, caches| {
+        let mut h = h.clone();
+        for (block, cache) in blocks.iter().zip(caches.iter_mut()) {
+            h = crate::nn::checkpointed(block, &h, cache, move |b, x, c| forward(b, x, batch, c))?;
+        }
+        Ok(h)
+    })
+}
+
 /// `(B, L)` of token ids `[B, L]`. The blocks work on the rows `[B·L, hidden]` of all sequences,
 /// so that every product is a plain 2-D one (a 3-D input costs two more graph nodes per product,
 /// to flatten and unflatten it), and the hidden states become `[B, L, hidden]` after the last block.
