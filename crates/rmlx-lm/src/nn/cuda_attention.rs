@@ -12,7 +12,9 @@
 //! block holding the new position makes the new key and value itself and one block per KV head
 //! writes them into the cache, so nothing waits for the write.
 
-use super::cuda_fast::{cuda_type, kernel_cache, launch_once, on_cuda, HeadNorms, Launches, Rotation, CUDA_TYPES};
+use super::cuda_fast::{
+    cuda_type, kernel_cache, launch_once, on_cuda, HeadNorms, Launches, Rotation, CUDA_TYPES, HEAD_MATH,
+};
 use super::training;
 use crate::cache::{KvCache, Offset, Ring, RotatingCache, StandardCache};
 use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode, OVERLAP};
@@ -23,47 +25,31 @@ use std::sync::{Arc, LazyLock, Mutex};
 /// shared memory, grow with the cache: 8,192 positions, 32 KB, at this size).
 pub const MAX_CAPACITY: usize = 1 << 20;
 
-/// Threads of a block.
+/// Threads of a block (also the most chunks a head has: the merge gives each a thread).
 const THREADS: u32 = 128;
 
-/// Head `row` normalised (with `NORM`: weight `w`, epsilon `eps`) and rotated by `angle` over the
-/// divisors into `dst`, as `cuda_fast::qkv_heads` makes a head: thread i < D/2 of the block takes
-/// the pair (i, i + D/2). Every thread of the block calls it (it synchronises).
-const ROTATED: &str = r#"
-__device__ __forceinline__ void rmlx_rotated(const T* row, const T* w, T* dst, float* red, const float* divisors,
-                                             float angle, float eps) {
-    constexpr int HALF = D / 2;
-    const int t = threadIdx.x;
-    const bool active = t < HALF;
-    float x0 = active ? static_cast<float>(row[t]) : 0.0f;
-    float x1 = active ? static_cast<float>(row[t + HALF]) : 0.0f;
-    if constexpr (NORM) {
-        float ss = x0 * x0 + x1 * x1;
-        for (int o = 16; o > 0; o >>= 1) {
-            ss += __shfl_xor_sync(0xffffffff, ss, o);
-        }
-        if ((t & 31) == 0) {
-            red[t >> 5] = ss;
-        }
-        __syncthreads();
-        float total = 0.0f;
-        for (int i = 0; i < (HALF + 31) / 32; ++i) {
-            total += red[i];
-        }
-        __syncthreads();
-        const float r = rsqrtf(total / D + eps);
-        x0 = static_cast<float>(static_cast<T>(x0 * r)) * (active ? static_cast<float>(w[t]) : 0.0f);
-        x1 = static_cast<float>(static_cast<T>(x1 * r)) * (active ? static_cast<float>(w[t + HALF]) : 0.0f);
-        x0 = static_cast<float>(static_cast<T>(x0));
-        x1 = static_cast<float>(static_cast<T>(x1));
-    }
-    if (active) {
-        const float theta = angle * (1.0f / divisors[t]);
-        const float c = cosf(theta);
-        const float s = sinf(theta);
-        dst[t] = static_cast<T>(x0 * c - x1 * s);
-        dst[t + HALF] = static_cast<T>(x0 * s + x1 * c);
-    }
+/// The most shared memory a block's copy of its chunk's keys and values may take (a larger
+/// chunk is read from the cache's buffers where it is used).
+const STAGE_BYTES: u32 = 32 * 1024;
+
+/// Asynchronous 16-byte copies into shared memory (compute capability 8.0 on; `RMLX_STAGES`
+/// says whether the kernel stages its chunk with them).
+const STAGING: &str = r#"
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define RMLX_STAGES 1
+#else
+#define RMLX_STAGES 0
+#endif
+__device__ __forceinline__ void rmlx_stage16(void* dst, const void* src) {
+#if RMLX_STAGES
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void rmlx_staged() {
+#if RMLX_STAGES
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
 }
 "#;
 
@@ -74,13 +60,23 @@ __device__ __forceinline__ void rmlx_rotated(const T* row, const T* w, T* dst, f
 /// (same operations, same roundings). The first query head of each KV head writes the new
 /// position into the cache. The last block of a head to finish (`done` counts them, and wraps
 /// to zero) merges the chunks.
+///
+/// Everything that does not depend on the kernel before is done before waiting for it (see
+/// `rmlx::cuda::OVERLAP`): the chunk's keys and values are copied into shared memory (no kernel
+/// of a launch writes a cache's earlier positions; the new position's row is taken from the
+/// step's heads, never from the buffers), and the rotation's sines, cosines and the norms'
+/// weights are read.
 const SOURCE: &str = r#"
     constexpr int PER = D / 32;
     constexpr int WARPS = NT / 32;
+    constexpr int HALF = D / 2;
     // The weighted values: TPR threads a row, four elements each; RG row groups take every
-    // RG-th position.
+    // RG-th position (and in the merge every RG-th chunk).
     constexpr int TPR = D / 4;
     constexpr int RG = NT / TPR;
+    // A row's 16-byte pieces, and whether a chunk's keys and values fit shared memory.
+    constexpr int PIECES = D * static_cast<int>(sizeof(T)) / 16;
+    constexpr bool STAGE = RMLX_STAGES && (D * sizeof(T)) % 16 == 0 && 2 * CHUNK * D * sizeof(T) <= STAGE_BYTES;
     const int hq = blockIdx.x;
     const int b = blockIdx.y;
     const int c = blockIdx.z;
@@ -88,6 +84,12 @@ const SOURCE: &str = r#"
     const int t = threadIdx.x;
     const int lane = t & 31;
     const int warp = t >> 5;
+    const bool active = t < HALF;
+    if constexpr (PER_ROW) {
+        // The positions are an input the kernel before may have made.
+        rmlx_wait_previous();
+        rmlx_release_next();
+    }
     const int p = PER_ROW ? pos[b] : position;
     // The slot written and the positions attended: position p and every one before it, or (a
     // window) the ring of `capacity` slots, whose first KEEP are never overwritten.
@@ -108,35 +110,109 @@ const SOURCE: &str = r#"
     __shared__ Vec4 qh4[D / 4];
     __shared__ Vec4 knew4[D / 4];
     __shared__ Vec4 vnew4[D / 4];
-    __shared__ float red[WARPS];
+    __shared__ float red[2][WARPS];
     __shared__ float score[CHUNK];
     __shared__ float part[WARPS];
     __shared__ float sacc[RG][D];
+    __shared__ float chunk_weight[NT];
     __shared__ bool last;
+    __shared__ uint4 kstage[STAGE ? CHUNK * PIECES : 1];
+    __shared__ uint4 vstage[STAGE ? CHUNK * PIECES : 1];
     T* qh = reinterpret_cast<T*>(qh4);
     T* knew = reinterpret_cast<T*>(knew4);
     T* vnew = reinterpret_cast<T*>(vnew4);
-    const float angle = rope_scale * static_cast<float>(p);
-    const T* y = a0 + static_cast<long long>(b) * (HQ + 2 * HKV) * D;
+    const T* kbase = keys + (kv_row * capacity + first) * D;
+    const T* vbase = values + (kv_row * capacity + first) * D;
+    const bool staged = STAGE && (reinterpret_cast<size_t>(keys) | reinterpret_cast<size_t>(values)) % 16 == 0;
+    if (staged) {
+        for (int i = t; i < n * PIECES; i += NT) {
+            rmlx_stage16(kstage + i, reinterpret_cast<const uint4*>(kbase) + i);
+            rmlx_stage16(vstage + i, reinterpret_cast<const uint4*>(vbase) + i);
+        }
+    }
+    // The rotation at position p, and the norms' weights (0 past the pairs: those threads only
+    // take part in the sums of squares).
+    float cr = 1.0f, sr = 0.0f, wq0 = 0.0f, wq1 = 0.0f, wk0 = 0.0f, wk1 = 0.0f;
     if constexpr (STACKED) {
-        rmlx_rotated(y + hq * D, a1, qh, red, divisors, angle, eps);
+        if (active) {
+            const float theta = (rope_scale * static_cast<float>(p)) * (1.0f / divisors[t]);
+            cr = cosf(theta);
+            sr = sinf(theta);
+            if constexpr (NORM) {
+                wq0 = static_cast<float>(a1[t]);
+                wq1 = static_cast<float>(a1[t + HALF]);
+                wk0 = static_cast<float>(a2[t]);
+                wk1 = static_cast<float>(a2[t + HALF]);
+            }
+        }
+    }
+    if constexpr (!PER_ROW) {
+        rmlx_wait_previous();
+        rmlx_release_next();
+    }
+    if constexpr (STACKED) {
+        // Query (and new key) head: RMS-normalised (the product rounded to T before the weight,
+        // as MLX's kernel does), then rotated over the pairs (i, i + D/2).
+        const T* y = a0 + static_cast<long long>(b) * (HQ + 2 * HKV) * D;
+        const T* qrow = y + hq * D;
+        const T* krow = y + (HQ + hk) * D;
+        float q0 = active ? static_cast<float>(qrow[t]) : 0.0f;
+        float q1 = active ? static_cast<float>(qrow[t + HALF]) : 0.0f;
+        float k0 = holds && active ? static_cast<float>(krow[t]) : 0.0f;
+        float k1 = holds && active ? static_cast<float>(krow[t + HALF]) : 0.0f;
+        if (holds) {
+            for (int i = t; i < D; i += NT) {
+                vnew[i] = y[(HQ + HKV + hk) * D + i];
+            }
+        }
+        if constexpr (NORM) {
+            float ssq = rmlx_pair_squares(q0, q1);
+            float ssk = rmlx_pair_squares(k0, k1);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
+                ssk += __shfl_xor_sync(0xffffffffu, ssk, o);
+            }
+            if (lane == 0) {
+                red[0][warp] = ssq;
+                red[1][warp] = ssk;
+            }
+            __syncthreads();
+            float tq = 0.0f, tk = 0.0f;
+            for (int i = 0; i < (HALF + 31) / 32; ++i) {
+                tq += red[0][i];
+                tk += red[1][i];
+            }
+            const float rq = rsqrtf(tq / D + eps);
+            const float rk = rsqrtf(tk / D + eps);
+            q0 = rmlx_normed<T>(q0, rq, wq0);
+            q1 = rmlx_normed<T>(q1, rq, wq1);
+            k0 = rmlx_normed<T>(k0, rk, wk0);
+            k1 = rmlx_normed<T>(k1, rk, wk1);
+        }
+        if (active) {
+            qh[t] = static_cast<T>(rmlx_rotated_first(q0, q1, cr, sr));
+            qh[t + HALF] = static_cast<T>(rmlx_rotated_second(q0, q1, cr, sr));
+            if (holds) {
+                knew[t] = static_cast<T>(rmlx_rotated_first(k0, k1, cr, sr));
+                knew[t + HALF] = static_cast<T>(rmlx_rotated_second(k0, k1, cr, sr));
+            }
+        }
     } else {
         for (int i = t; i < D; i += NT) {
             qh[i] = a0[(static_cast<long long>(b) * HQ + hq) * D + i];
         }
-    }
-    if (holds) {
-        if constexpr (STACKED) {
-            rmlx_rotated(y + (HQ + hk) * D, a2, knew, red, divisors, angle, eps);
-            for (int i = t; i < D; i += NT) {
-                vnew[i] = y[(HQ + HKV + hk) * D + i];
-            }
-        } else {
+        if (holds) {
             for (int i = t; i < D; i += NT) {
                 knew[i] = a1[kv_row * D + i];
                 vnew[i] = a2[kv_row * D + i];
             }
         }
+    }
+    if (staged) {
+        rmlx_staged();
+        kbase = reinterpret_cast<const T*>(kstage);
+        vbase = reinterpret_cast<const T*>(vstage);
     }
     __syncthreads();
     if (holds && hq % (HQ / HKV) == 0) {
@@ -145,8 +221,6 @@ const SOURCE: &str = r#"
             values[(kv_row * capacity + slot) * D + i] = vnew[i];
         }
     }
-    const T* kbase = keys + (kv_row * capacity + first) * D;
-    const T* vbase = values + (kv_row * capacity + first) * D;
     float qv[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -277,35 +351,77 @@ const SOURCE: &str = r#"
         return;
     }
     __threadfence();
+    // Every chunk's weight against the head's maximum (a thread a chunk: there are at most 128
+    // chunks, NT), and the sum of exponentials, summed in a fixed order (the same bits whichever
+    // block is last).
+    const float cm = t < chunks ? __ldcg(stats + (head_rows + t) * 2) : __int_as_float(0xff800000);
+    const float cl = t < chunks ? __ldcg(stats + (head_rows + t) * 2 + 1) : 0.0f;
+    float top = cm;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+    }
+    if (lane == 0) {
+        part[warp] = top;
+    }
+    __syncthreads();
+    top = part[0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) {
+        top = fmaxf(top, part[w]);
+    }
+    const float weight = t < chunks ? expf(cm - top) : 0.0f;
+    chunk_weight[t] = weight;
+    float total = weight * cl;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        total += __shfl_xor_sync(0xffffffffu, total, o);
+    }
+    __syncthreads();
+    if (lane == 0) {
+        part[warp] = total;
+    }
+    __syncthreads();
+    total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        total += part[w];
+    }
+    // The weighted values: row group r takes chunks r, r + RG, …, BATCH of them loaded before any
+    // is used; then the groups in order.
+    if (r < RG) {
+        float o4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c0 = r; c0 < chunks; c0 += RG * BATCH) {
+            float cx[BATCH][4];
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int k = c0 + u * RG;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    cx[u][i] = k < chunks ? __ldcg(partial + (head_rows + k) * D + e0 + i) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                const int k = c0 + u * RG;
+                const float w = k < chunks ? chunk_weight[k] : 0.0f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    o4[i] = fmaf(cx[u][i], w, o4[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            sacc[r][e0 + i] = o4[i];
+        }
+    }
+    __syncthreads();
     for (int e = t; e < D; e += NT) {
-        // One pass with a running maximum; BATCH chunks loaded before any is used.
-        float top = __int_as_float(0xff800000);
-        float total = 0.0f;
         float o = 0.0f;
-        for (int c0 = 0; c0 < chunks; c0 += BATCH) {
-            float cm[BATCH], cl[BATCH], cx[BATCH];
 #pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
-                const bool in = c0 + u < chunks;
-                cm[u] = in ? __ldcg(stats + (head_rows + c0 + u) * 2) : __int_as_float(0xff800000);
-                cl[u] = in ? __ldcg(stats + (head_rows + c0 + u) * 2 + 1) : 0.0f;
-                cx[u] = in ? __ldcg(partial + (head_rows + c0 + u) * D + e) : 0.0f;
-            }
-            float next = top;
-#pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
-                next = fmaxf(next, cm[u]);
-            }
-            const float rescale = expf(top - next);
-            total *= rescale;
-            o *= rescale;
-#pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
-                const float w = c0 + u < chunks ? expf(cm[u] - next) : 0.0f;
-                total = fmaf(cl[u], w, total);
-                o = fmaf(cx[u], w, o);
-            }
-            top = next;
+        for (int i = 0; i < RG; ++i) {
+            o += sacc[i][e];
         }
         out[(static_cast<long long>(b) * HQ + hq) * D + e] = static_cast<T>(o / total);
     }
@@ -577,14 +693,15 @@ pub fn kv_cache_attention(heads: &StepHeads, cache: &mut KvCache, scale: f32) ->
 fn source(s: &Shape) -> String {
     let t = cuda_type(s.dtype);
     format!(
-        "{CUDA_TYPES}{OVERLAP}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
+        "{CUDA_TYPES}{OVERLAP}{HEAD_MATH}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
          constexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool PER_ROW = {};\nconstexpr bool STACKED = {};\nconstexpr bool NORM = {};\n\
-         constexpr int WINDOW = {};\nconstexpr int KEEP = {};\nconstexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n{ROTATED}\
+         constexpr int WINDOW = {};\nconstexpr int KEEP = {};\nconstexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n\
+         constexpr int STAGE_BYTES = {STAGE_BYTES};\n{STAGING}\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) rmlx_decode_attention(const T* a0, \
          const T* a1, const T* a2, const float* divisors, T* keys, T* values, unsigned* done, const int* pos, \
          int position, T* out, float* partial, float* stats, int capacity, float scale, float eps, float rope_scale) \
-         {{\nrmlx_wait_previous();\nrmlx_release_next();\n{SOURCE}}}\n",
+         {{\n{SOURCE}}}\n",
         s.head_dim,
         s.heads,
         s.kv_heads,

@@ -40,7 +40,7 @@ const SOURCE: &str = r#"
     float x1 = active ? static_cast<float>(row[t + HALF]) : 0.0f;
     if constexpr (NORM) {
         __shared__ float partial[32];
-        float ss = x0 * x0 + x1 * x1;
+        float ss = rmlx_pair_squares(x0, x1);
         for (int o = 16; o > 0; o >>= 1) {
             ss += __shfl_xor_sync(0xffffffff, ss, o);
         }
@@ -57,10 +57,8 @@ const SOURCE: &str = r#"
         }
         const float r = rsqrtf(total / D + eps);
         const T* w = h < HQ ? qw : kw;
-        x0 = static_cast<float>(static_cast<T>(x0 * r)) * static_cast<float>(w[t]);
-        x1 = static_cast<float>(static_cast<T>(x1 * r)) * static_cast<float>(w[t + HALF]);
-        x0 = static_cast<float>(static_cast<T>(x0));
-        x1 = static_cast<float>(static_cast<T>(x1));
+        x0 = rmlx_normed<T>(x0, r, static_cast<float>(w[t]));
+        x1 = rmlx_normed<T>(x1, r, static_cast<float>(w[t + HALF]));
     }
     if (!active) {
         return;
@@ -70,8 +68,33 @@ const SOURCE: &str = r#"
     const float s = sinf(theta);
     T* out = h < HQ ? q + (static_cast<long long>(b) * HQ + h) * D
                     : k + (static_cast<long long>(b) * HKV + (h - HQ)) * D;
-    out[t] = static_cast<T>(x0 * c - x1 * s);
-    out[t + HALF] = static_cast<T>(x0 * s + x1 * c);
+    out[t] = static_cast<T>(rmlx_rotated_first(x0, x1, c, s));
+    out[t + HALF] = static_cast<T>(rmlx_rotated_second(x0, x1, c, s));
+"#;
+
+/// The arithmetic of a head's norm and rotation, shared by [`qkv_heads`] and the attention kernel
+/// that makes its heads itself (`cuda_attention`), so that both give the same bits: every
+/// product and sum written out (`__fmul_rn`, `__fmaf_rn`), which the compiler may not contract
+/// differently in the two kernels.
+/// - `rmlx_pair_squares(x0, x1)`: `x0² + x1²` (a thread's share of the sum of squares);
+/// - `rmlx_normed<T>(x, r, w)`: `x · r` rounded to `T`, times the weight, rounded to `T` (MLX's
+///   RMSNorm order);
+/// - `rmlx_rotated_first/second(x0, x1, c, s)`: the pair `(x0, x1)` rotated by the angle whose
+///   cosine and sine are `c, s`: `x0·c − x1·s` and `x0·s + x1·c`.
+pub(super) const HEAD_MATH: &str = r#"
+__device__ __forceinline__ float rmlx_pair_squares(float x0, float x1) {
+    return __fmaf_rn(x0, x0, __fmul_rn(x1, x1));
+}
+template <typename T>
+__device__ __forceinline__ float rmlx_normed(float x, float r, float w) {
+    return static_cast<float>(static_cast<T>(__fmul_rn(static_cast<float>(static_cast<T>(__fmul_rn(x, r))), w)));
+}
+__device__ __forceinline__ float rmlx_rotated_first(float x0, float x1, float c, float s) {
+    return __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+}
+__device__ __forceinline__ float rmlx_rotated_second(float x0, float x1, float c, float s) {
+    return __fmaf_rn(x0, s, __fmul_rn(x1, c));
+}
 "#;
 
 /// The per-head RMSNorm of queries and keys: their weights (`[D]`, of the activations' dtype) and
@@ -171,7 +194,7 @@ struct KernelShape {
 fn source(s: &KernelShape) -> String {
     let t = cuda_type(s.dtype);
     format!(
-        "{CUDA_TYPES}{OVERLAP}typedef {t} T;\nconstexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
+        "{CUDA_TYPES}{OVERLAP}{HEAD_MATH}typedef {t} T;\nconstexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool NORM = {};\nconstexpr bool PER_ROW = {};\n\
          extern \"C\" __global__ void rmlx_qkv_heads(const T* y, const T* qw, const T* kw, const float* divisors, \
          const int* pos, int position, T* q, T* k, T* v, float eps, float scale) {{\n\
