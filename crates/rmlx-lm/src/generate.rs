@@ -301,6 +301,12 @@ impl<'m> Generation<'m> {
         let len = h.shape()[1];
         let logits = self.lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?;
         let logits = logits.reshape(&[1, -1])?;
+        if self.sampler.config().takes_argmax_of_logits() && !self.lm.vocab.pads() {
+            // One launch on MLX's CUDA backend for the ten operations below.
+            if let Some([token, logprob, finite]) = crate::nn::cuda_sample::greedy(&logits)? {
+                return Ok(Step { token, logprob, finite });
+            }
+        }
         let finite = rmlx::ops::isfinite(&logits)?.all(rmlx::Axes::All, false)?;
         let logits = self.lm.vocab.mask_logits(&logits)?;
         let (token, logprobs) = self.sampler.sample(&logits, &self.history)?;

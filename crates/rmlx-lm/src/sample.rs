@@ -131,6 +131,12 @@ impl SamplerConfig {
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
+
+    /// Whether a token is the argmax of the logits as the model gives them: greedy, with no
+    /// logit bias and no penalty changing them first.
+    pub fn takes_argmax_of_logits(&self) -> bool {
+        self.is_greedy() && self.logit_bias.is_empty() && !self.penalizes_generated() && self.repetition_penalty == 1.0
+    }
 }
 
 fn invalid(msg: String) -> Error {

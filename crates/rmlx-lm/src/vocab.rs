@@ -78,6 +78,11 @@ impl VocabBounds {
         }
     }
 
+    /// Whether some rows are padding (ids the tokenizer does not have, masked from sampling).
+    pub fn pads(&self) -> bool {
+        self.padding_mask.is_some()
+    }
+
     /// `logits` (`[..., rows]`) with padding ids set to `-inf` (unchanged when there are none).
     pub fn mask_logits(&self, logits: &Array) -> Result<Array> {
         match &self.padding_mask {
