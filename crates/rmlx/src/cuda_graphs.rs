@@ -2,10 +2,12 @@
 //!
 //! MLX keeps every buffer an operation reads alive until the graph holding the operation has run,
 //! so the size of a graph bounds how long a prompt's intermediate activations outlive their last
-//! use. MLX's default on an H100 is 100 operations a graph; with 30, the peak memory of a
-//! 512-token prompt on qwen3-0.6b falls from 1.45 to 1.31 GB and on llama3.2-1b from 2.94 to 2.69
-//! GB (below mlx-lm's 1.39 and 2.79 on the same GPU), with decoding as fast within the noise of
-//! the machine (BENCHMARKS.md, "Smaller CUDA graphs"). rmlx therefore sets MLX's
+//! use. MLX's default on an H100 is 100 operations a graph. rmlx takes 12: on an H200, a 1,024-token
+//! prompt's peak memory falls from 1.139 to 0.755 GB on qwen3-0.6b 4-bit, from 1.78–1.85 to 1.365
+//! GB on llama3.2-1b 4-bit and from 6.72 to 5.62 GB on qwen3-8b 4-bit against 30 operations a
+//! graph, with prefill within 1–2 % and decoding unchanged (a decoding step's layers replay as one
+//! operation); at 512 tokens the two small 4-bit models peak at 0.546 and 1.03 GB, under mlx-lm's
+//! 0.636 and 1.171 (BENCHMARKS.md, "Smaller CUDA graphs"). rmlx therefore sets MLX's
 //! `MLX_MAX_OPS_PER_BUFFER` to [`CUDA_GRAPH_OPS`] before its first call into MLX, on MLX's CUDA
 //! build only, unless the variable is already set (a value of the user's stays in force) or the
 //! program called [`keep_mlx_cuda_graph_ops`] first.
@@ -22,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 
 /// The operations a CUDA graph holds that rmlx chooses when the user has not.
-pub const CUDA_GRAPH_OPS: usize = 30;
+pub const CUDA_GRAPH_OPS: usize = 12;
 
 /// MLX's variable for the operations a CUDA graph (a Metal command buffer) holds.
 const VARIABLE: &str = "MLX_MAX_OPS_PER_BUFFER";
@@ -79,8 +81,8 @@ mod tests {
 
     #[test]
     fn a_users_value_stays() {
-        assert_eq!(chosen(None), Some("30".to_string()));
-        assert_eq!(chosen(Some("")), Some("30".to_string()));
+        assert_eq!(chosen(None), Some("12".to_string()));
+        assert_eq!(chosen(Some("")), Some("12".to_string()));
         assert_eq!(chosen(Some("100")), None);
         assert_eq!(chosen(Some(" 7 ")), None);
     }
