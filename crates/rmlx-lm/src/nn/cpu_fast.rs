@@ -49,12 +49,21 @@ impl<'a> Floats<'a> {
         }
     }
 
+    /// How many values there are.
+    pub(crate) fn len(self) -> usize {
+        match self {
+            Floats::F32(s) => s.len(),
+            Floats::Bf16(s) => s.len(),
+            Floats::F16(s) => s.len(),
+        }
+    }
+
     /// Values `range` in float32: borrowed when they are, converted otherwise.
     pub(crate) fn widened(self, range: std::ops::Range<usize>) -> Cow<'a, [f32]> {
         match self {
-            Floats::F32(s) => Cow::Borrowed(&s[range]),
-            Floats::Bf16(s) => Cow::Owned(bf16::widened(&s[range]).into_owned()),
-            Floats::F16(s) => Cow::Owned(f16::widened(&s[range]).into_owned()),
+            Floats::F32(s) => f32::widened(&s[range]),
+            Floats::Bf16(s) => bf16::widened(&s[range]),
+            Floats::F16(s) => f16::widened(&s[range]),
         }
     }
 }

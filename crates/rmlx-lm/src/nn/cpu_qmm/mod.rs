@@ -231,13 +231,14 @@ impl<'a> Packed<'a> {
         };
         let groups = n * k / group.max(1);
         let (scales, biases) = (Floats::of(scales)?, Floats::of(biases)?);
-        let fits = |s: &Floats<'_>| match s {
-            Floats::F32(v) => v.len() == groups,
-            Floats::Bf16(v) => v.len() == groups,
-            Floats::F16(v) => v.len() == groups,
-        };
         let alike = std::mem::discriminant(&scales) == std::mem::discriminant(&biases);
-        if shape.len() != 2 || group == 0 || k % group != 0 || !fits(&scales) || !fits(&biases) || !alike {
+        if shape.len() != 2
+            || group == 0
+            || k % group != 0
+            || scales.len() != groups
+            || biases.len() != groups
+            || !alike
+        {
             return Err(Error::InvalidArgument(format!(
                 "packed weights {shape:?} ({bits} bits, groups of {group}) do not match their scales or biases"
             )));
