@@ -125,13 +125,18 @@ fn engine_logprobs(lm: &LoadedModel, prompts: &[&[u32]], opts: &GenerateOptions)
 }
 
 #[test]
-fn the_longest_sequence_of_a_batch_decodes_bit_for_bit_as_alone() {
+fn the_longest_sequence_of_a_batch_decodes_as_alone() {
     let (_d, lm) = load("llama_gqa");
     let prompts = prompts(&ids(&reference("llama_gqa")["prompt_ids"]));
     let greedy = options(12, SamplerConfig::default());
-    // The 24-token prompt with the 7- and 3-token ones: only the shorter rows are padded.
+    // The 24-token prompt with the 7- and 3-token ones: only the shorter rows are padded. The
+    // longest row's values are the same up to the matrix products' rounding: bit for bit on the
+    // Intel Xeons this was written on, up to 2e-6 apart on an AMD EPYC, where OpenBLAS picks
+    // other kernels for a product of one row and one of three.
     let batched = engine_logprobs(&lm, &[&prompts[0], &prompts[1], &prompts[3]], &greedy);
-    assert_eq!(batched[0], engine_logprobs(&lm, &[&prompts[0]], &greedy)[0]);
+    let alone = engine_logprobs(&lm, &[&prompts[0]], &greedy).remove(0);
+    assert_eq!(alone.len(), 12);
+    assert!(batched[0].iter().zip(&alone).all(|(a, b)| (a - b).abs() <= 1e-5), "{:?} against {alone:?}", batched[0]);
     // A padded row attends over its cache in another order: the same up to rounding.
     let short = engine_logprobs(&lm, &[&prompts[1]], &greedy).remove(0);
     assert_eq!(short.len(), 12);

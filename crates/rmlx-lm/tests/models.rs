@@ -170,3 +170,30 @@ fn head_dim_inferred_from_q_proj_when_absent() {
     let d = max_abs_diff(&prompt_logits(&lm, &prompt), &floats(&r["logits"]));
     assert!(d <= tol, "max |Δlogit| {d} > {tol}");
 }
+
+/// Parameters are declared once per module (`nn::module_fields!`): for every fixture family,
+/// the three walks see the same names. Every parameter `visit` lists is reached by `visit_mut`
+/// under the same name in the same order; every linear layer `visit_linears` hands out is one
+/// whose weight `visit` lists, and there is one per projection: 7 a block (q, k, v, o, gate, up,
+/// down), plus `lm_head` when the head is untied.
+#[test]
+fn the_three_parameter_walks_agree_on_every_family() {
+    use rmlx_lm::nn::{ModuleExt, Role};
+    for name in ["llama_gqa", "llama_gqa_q4", "llama_mqa_untied", "mistral_window", "qwen2", "qwen3_q4", "gemma3_text"]
+    {
+        let dir = fixture_with_tokenizer(name);
+        let mut lm = load(dir.path(), Dtype::Float32);
+        let visited = lm.model.roles("");
+        let mut mutated = Vec::new();
+        lm.model.visit_mut("", &mut |n, _| mutated.push(n.to_string()));
+        assert_eq!(visited.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), mutated, "{name}");
+        let weights: Vec<&String> = visited.iter().filter(|(_, r)| *r == Role::Weight).map(|(n, _)| n).collect();
+        let mut linears = Vec::new();
+        lm.model.visit_linears("", &mut |p, _| linears.push(format!("{p}.weight")));
+        assert_eq!(linears.iter().collect::<Vec<_>>(), weights, "{name}: linear layers and weights");
+        let blocks = lm.model.config().num_hidden_layers;
+        let untied = visited.iter().any(|(n, _)| n == "lm_head.weight");
+        assert_eq!(linears.len(), 7 * blocks + usize::from(untied), "{name}: {linears:?}");
+        assert!(visited.iter().any(|(n, r)| n == "model.embed_tokens.weight" && *r == Role::Embedding), "{name}");
+    }
+}

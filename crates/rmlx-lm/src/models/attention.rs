@@ -8,7 +8,7 @@ use crate::config::ModelConfig;
 use crate::nn::cpu_layer::AttentionParts;
 use crate::nn::cuda_attention::{self, StepHeads};
 use crate::nn::cuda_fast::{self, HeadNorms};
-use crate::nn::{join, Builder, Linear, Module, RmsNorm, Role, Stacked};
+use crate::nn::{Builder, Linear, RmsNorm, Stacked};
 use crate::Result;
 use rmlx::{ops, Array};
 
@@ -185,37 +185,4 @@ impl Attention {
     }
 }
 
-impl Module for Attention {
-    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
-        self.q_proj.visit(&join(p, "q_proj"), f);
-        self.k_proj.visit(&join(p, "k_proj"), f);
-        self.v_proj.visit(&join(p, "v_proj"), f);
-        self.o_proj.visit(&join(p, "o_proj"), f);
-        if let Some(n) = &self.q_norm {
-            n.visit(&join(p, "q_norm"), f);
-        }
-        if let Some(n) = &self.k_norm {
-            n.visit(&join(p, "k_norm"), f);
-        }
-    }
-
-    fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Array)) {
-        self.q_proj.visit_mut(&join(p, "q_proj"), f);
-        self.k_proj.visit_mut(&join(p, "k_proj"), f);
-        self.v_proj.visit_mut(&join(p, "v_proj"), f);
-        self.o_proj.visit_mut(&join(p, "o_proj"), f);
-        if let Some(n) = &mut self.q_norm {
-            n.visit_mut(&join(p, "q_norm"), f);
-        }
-        if let Some(n) = &mut self.k_norm {
-            n.visit_mut(&join(p, "k_norm"), f);
-        }
-    }
-
-    fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
-        self.q_proj.visit_linears(&join(p, "q_proj"), f);
-        self.k_proj.visit_linears(&join(p, "k_proj"), f);
-        self.v_proj.visit_linears(&join(p, "v_proj"), f);
-        self.o_proj.visit_linears(&join(p, "o_proj"), f);
-    }
-}
+crate::nn::module_fields!(Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm });

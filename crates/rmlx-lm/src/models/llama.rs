@@ -9,7 +9,7 @@ use crate::cache::KvCache;
 use crate::config::Architecture;
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::{self, BlockParts};
-use crate::nn::{join, Builder, CapturedSteps, Embedding, GatedMlp, Head, Linear, Module, RmsNorm, Role};
+use crate::nn::{Builder, CapturedSteps, Embedding, GatedMlp, Head, Linear, RmsNorm};
 use crate::weights::Weight;
 use crate::Result;
 use rmlx::quantization::Quantized;
@@ -224,25 +224,6 @@ impl super::Model for Model {
     }
 }
 
-impl Module for Block {
-    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
-        self.input_layernorm.visit(&join(p, "input_layernorm"), f);
-        self.self_attn.visit(&join(p, "self_attn"), f);
-        self.post_attention_layernorm.visit(&join(p, "post_attention_layernorm"), f);
-        self.mlp.visit(&join(p, "mlp"), f);
-    }
+crate::nn::module_fields!(Block { input_layernorm, self_attn, post_attention_layernorm, mlp });
 
-    fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Array)) {
-        self.input_layernorm.visit_mut(&join(p, "input_layernorm"), f);
-        self.self_attn.visit_mut(&join(p, "self_attn"), f);
-        self.post_attention_layernorm.visit_mut(&join(p, "post_attention_layernorm"), f);
-        self.mlp.visit_mut(&join(p, "mlp"), f);
-    }
-
-    fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
-        self.self_attn.visit_linears(&join(p, "self_attn"), f);
-        self.mlp.visit_linears(&join(p, "mlp"), f);
-    }
-}
-
-super::decoder_module!(Model, steps);
+super::decoder_module!(Model);

@@ -59,50 +59,21 @@ pub trait Model: Module + Send {
 }
 
 /// [`Module`] for a decoder model with the fields `embed_tokens`, `layers` (blocks that are
-/// modules), `norm` and `lm_head: Option<Linear>`, under the checkpoint's names (`model.*`,
-/// `lm_head.*`). The output head is a linear layer (adapters may go there); the embedding is not.
-/// The calling module has `nn::Module` in scope (it implements it for its blocks). With a second
-/// argument, the model's field of that name (its [`crate::nn::CapturedSteps`]) forgets its capture
-/// whenever parameters or linear layers may change.
+/// modules), `norm`, `lm_head: Option<Linear>` and `steps` (its [`crate::nn::CapturedSteps`]),
+/// under the checkpoint's names (`model.*`, `lm_head.*`): the output head is a linear layer
+/// (adapters may go there), the embedding is not. The captured step is forgotten whenever
+/// parameters or linear layers may change.
 macro_rules! decoder_module {
-    ($model:ty) => {
-        $crate::models::decoder_module!($model, |_m: &mut $model| {});
-    };
-    ($model:ty, $steps:ident) => {
-        $crate::models::decoder_module!($model, |m: &mut $model| m.$steps.forget());
-    };
-    ($model:ty, $changed:expr) => {
-        impl $crate::nn::Module for $model {
-            fn visit(&self, p: &str, f: &mut dyn FnMut(&str, $crate::nn::Role, &rmlx::Array)) {
-                use $crate::nn::{join, visit_list};
-                self.embed_tokens.visit(&join(p, "model.embed_tokens"), f);
-                visit_list(&self.layers, &join(p, $crate::models::BLOCKS), f);
-                self.norm.visit(&join(p, "model.norm"), f);
-                if let Some(head) = &self.lm_head {
-                    head.visit(&join(p, "lm_head"), f);
-                }
-            }
-
-            fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut rmlx::Array)) {
-                use $crate::nn::{join, visit_list_mut};
-                ($changed)(self);
-                self.embed_tokens.visit_mut(&join(p, "model.embed_tokens"), f);
-                visit_list_mut(&mut self.layers, &join(p, $crate::models::BLOCKS), f);
-                self.norm.visit_mut(&join(p, "model.norm"), f);
-                if let Some(head) = &mut self.lm_head {
-                    head.visit_mut(&join(p, "lm_head"), f);
-                }
-            }
-
-            fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut $crate::nn::Linear)) {
-                use $crate::nn::{join, visit_list_linears};
-                ($changed)(self);
-                visit_list_linears(&mut self.layers, &join(p, $crate::models::BLOCKS), f);
-                if let Some(head) = &mut self.lm_head {
-                    head.visit_linears(&join(p, "lm_head"), f);
-                }
-            }
-        }
+    ($model:ident) => {
+        $crate::nn::module_fields!(
+            $model {
+                embed_tokens: "model.embed_tokens",
+                layers: $crate::models::BLOCKS,
+                norm: "model.norm",
+                lm_head,
+            },
+            on_change: |m: &mut $model| m.steps.forget(),
+        );
     };
 }
 pub(crate) use decoder_module;

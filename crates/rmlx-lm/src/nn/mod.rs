@@ -31,8 +31,8 @@ pub use gated::gated_activation;
 pub use grad_checkpoint::{checkpointed, grad_checkpointing, with_grad_checkpoint};
 pub use head::Head;
 pub use lora::{training, with_dropout_key, with_training, Lora};
+pub(crate) use module::module_fields;
 pub use module::{join, Module, ModuleExt, Role};
-pub(crate) use module::{visit_list, visit_list_linears, visit_list_mut};
 pub use quantized_matvec::QuantizedMatvec;
 pub use stacked::Stacked;
 
@@ -581,22 +581,4 @@ impl GatedMlp {
     }
 }
 
-impl Module for GatedMlp {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
-        self.gate.visit(&join(prefix, "gate_proj"), f);
-        self.up.visit(&join(prefix, "up_proj"), f);
-        self.down.visit(&join(prefix, "down_proj"), f);
-    }
-
-    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
-        self.gate.visit_mut(&join(prefix, "gate_proj"), f);
-        self.up.visit_mut(&join(prefix, "up_proj"), f);
-        self.down.visit_mut(&join(prefix, "down_proj"), f);
-    }
-
-    fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
-        self.gate.visit_linears(&join(prefix, "gate_proj"), f);
-        self.up.visit_linears(&join(prefix, "up_proj"), f);
-        self.down.visit_linears(&join(prefix, "down_proj"), f);
-    }
-}
+module_fields!(GatedMlp { gate: "gate_proj", up: "up_proj", down: "down_proj" });

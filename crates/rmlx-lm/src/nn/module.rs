@@ -135,23 +135,131 @@ pub trait ModuleExt: Module {
 
 impl<M: Module + ?Sized> ModuleExt for M {}
 
-/// Visits a list of modules as `prefix.0`, `prefix.1`, ...
-pub(crate) fn visit_list<M: Module>(items: &[M], prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
-    for (i, m) in items.iter().enumerate() {
-        m.visit(&join(prefix, &i.to_string()), f);
+/// A list of modules, visited as `prefix.0`, `prefix.1`, … (a model's blocks).
+impl<M: Module> Module for Vec<M> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
+        for (i, m) in self.iter().enumerate() {
+            m.visit(&join(prefix, &i.to_string()), f);
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        for (i, m) in self.iter_mut().enumerate() {
+            m.visit_mut(&join(prefix, &i.to_string()), f);
+        }
+    }
+
+    fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
+        for (i, m) in self.iter_mut().enumerate() {
+            m.visit_linears(&join(prefix, &i.to_string()), f);
+        }
     }
 }
 
-/// [`visit_list`], mutably.
-pub(crate) fn visit_list_mut<M: Module>(items: &mut [M], prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
-    for (i, m) in items.iter_mut().enumerate() {
-        m.visit_mut(&join(prefix, &i.to_string()), f);
+/// A module a checkpoint may leave out (Qwen 3's q/k norms, an untied output head): visited when
+/// present.
+impl<M: Module> Module for Option<M> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
+        if let Some(m) = self {
+            m.visit(prefix, f);
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        if let Some(m) = self {
+            m.visit_mut(prefix, f);
+        }
+    }
+
+    fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
+        if let Some(m) = self {
+            m.visit_linears(prefix, f);
+        }
     }
 }
 
-/// [`Module::visit_linears`] over a list.
-pub(crate) fn visit_list_linears<M: Module>(items: &mut [M], prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
-    for (i, m) in items.iter_mut().enumerate() {
-        m.visit_linears(&join(prefix, &i.to_string()), f);
+/// Implements [`Module`] for a struct from one list of its fields that hold parameters, each under
+/// the name its tensors have in checkpoints (the field's own name unless one is given):
+/// [`Module::visit`], [`Module::visit_mut`] and [`Module::visit_linears`] all walk that list, so
+/// the names the three see cannot drift apart. A field is a module, an `Option` of one (visited
+/// when present) or a `Vec` of them (`name.0`, `name.1`, …). With `on_change`, the closure runs on
+/// the struct before each walk that may change it (a model forgetting its captured step).
+///
+/// ```ignore
+/// module_fields!(GatedMlp { gate: "gate_proj", up: "up_proj", down: "down_proj" });
+/// module_fields!(Model { embed_tokens: "model.embed_tokens", layers: BLOCKS, norm: "model.norm", lm_head },
+///                on_change: |m: &mut Model| m.steps.forget());
+/// ```
+macro_rules! module_fields {
+    ($ty:ty { $($field:ident $(: $name:expr)?),* $(,)? } $(, on_change: $changed:expr)? $(,)?) => {
+        impl $crate::nn::Module for $ty {
+            fn visit(&self, p: &str, f: &mut dyn FnMut(&str, $crate::nn::Role, &rmlx::Array)) {
+                $($crate::nn::Module::visit(
+                    &self.$field, &$crate::nn::join(p, $crate::nn::module_fields!(@name $field $($name)?)), f);)*
+            }
+
+            fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut rmlx::Array)) {
+                $(($changed)(&mut *self);)?
+                $($crate::nn::Module::visit_mut(
+                    &mut self.$field, &$crate::nn::join(p, $crate::nn::module_fields!(@name $field $($name)?)), f);)*
+            }
+
+            fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut $crate::nn::Linear)) {
+                $(($changed)(&mut *self);)?
+                $($crate::nn::Module::visit_linears(
+                    &mut self.$field, &$crate::nn::join(p, $crate::nn::module_fields!(@name $field $($name)?)), f);)*
+            }
+        }
+    };
+    (@name $field:ident $name:expr) => {
+        $name
+    };
+    (@name $field:ident) => {
+        stringify!($field)
+    };
+}
+pub(crate) use module_fields;
+
+#[cfg(test)]
+mod tests {
+    use super::{Module, ModuleExt};
+    use crate::nn::RmsNorm;
+    use rmlx::Array;
+
+    struct Toy {
+        norms: Vec<RmsNorm>,
+        extra: Option<RmsNorm>,
+        missing: Option<RmsNorm>,
+        last: RmsNorm,
+        changed: usize,
+    }
+
+    module_fields!(Toy { norms: "model.norms", extra, missing, last: "final" }, on_change: |t: &mut Toy| t.changed += 1);
+
+    fn norm(v: f32) -> RmsNorm {
+        RmsNorm::new(Array::from_slice(&[v, v], &[2]).unwrap(), 1e-6)
+    }
+
+    #[test]
+    fn module_fields_walks_lists_options_and_renamed_fields_alike() {
+        let mut toy = Toy {
+            norms: vec![norm(1.0), norm(2.0)],
+            extra: Some(norm(3.0)),
+            missing: None,
+            last: norm(4.0),
+            changed: 0,
+        };
+        let want = ["p.model.norms.0.weight", "p.model.norms.1.weight", "p.extra.weight", "p.final.weight"];
+        assert_eq!(toy.parameter_names("p"), want);
+        let mut mutated = Vec::new();
+        toy.visit_mut("p", &mut |n, a| {
+            mutated.push(n.to_string());
+            *a = Array::from_slice(&[9.0f32, 9.0], &[2]).unwrap();
+        });
+        assert_eq!(mutated, want);
+        assert_eq!(toy.parameters("")[2].1.to_vec::<f32>().unwrap(), [9.0, 9.0]);
+        let mut linears = 0;
+        toy.visit_linears("p", &mut |_, _| linears += 1);
+        assert_eq!((linears, toy.changed), (0, 2), "norms hold no linear; both mutable walks ran on_change");
     }
 }

@@ -416,9 +416,9 @@ const FINITE_RUN: usize = 64 << 20;
 
 /// One boolean array: whether every element of `arrays` is finite (`None` for no arrays). The
 /// arrays are flattened and joined by dtype into runs of at most `run` elements (one array larger
-/// than that is a run of its own), each
-/// checked by one reduction: a LoRA step's 224 factors (qwen3-0.6b, 16 blocks) take one join and
-/// one reduction instead of eight kernels each, which a GPU's host encodes one by one.
+/// than that is a run of its own), each checked by one reduction: a LoRA step's 224 factors
+/// (qwen3-0.6b, 16 blocks) take one join and one reduction instead of eight kernels each, which a
+/// GPU's host encodes one by one.
 fn all_finite<'a>(arrays: impl IntoIterator<Item = &'a Array>, run: usize) -> Result<Option<Array>> {
     let mut by_dtype: Vec<(rmlx::Dtype, Vec<Vec<Array>>)> = Vec::new();
     for a in arrays {
