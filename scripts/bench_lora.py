@@ -88,12 +88,18 @@ def peer(a):
     print(json.dumps(reports))
 
 
+def lora_command(binary, model, data, iters, num_layers, adapters):
+    """`rmlx lora` with the settings mlx-lm is run with here: batch 4, max length 512, Adam at 1e-5,
+    a report every 10 iterations as JSON lines, no validation beyond the first, no checkpoints."""
+    return [binary, "lora", "--model", str(model), "--train", "--data", str(data), "--iters", str(iters),
+            "--batch-size", "4", "--num-layers", str(num_layers), "--max-seq-length", "512", "--steps-per-report", "10",
+            "--steps-per-eval", str(10**6), "--val-batches", "1", "--save-every", str(10**6),
+            "--adapter-path", adapters, "--learning-rate", "1e-5", "--json"]
+
+
 def run_rmlx(a, model, data, checkpoint, uncompiled=False, binary=None):
     with tempfile.TemporaryDirectory() as adapters:
-        cmd = [binary or a.rmlx, "lora", "--model", str(model), "--train", "--data", str(data), "--iters", str(a.iters),
-               "--batch-size", "4", "--num-layers", str(a.num_layers), "--max-seq-length", "512", "--steps-per-report", "10",
-               "--steps-per-eval", str(10**6), "--val-batches", "1", "--save-every", str(10**6),
-               "--adapter-path", adapters, "--learning-rate", "1e-5", "--json"]
+        cmd = lora_command(binary or a.rmlx, model, data, a.iters, a.num_layers, adapters)
         if checkpoint:
             cmd.append("--grad-checkpoint")
         if uncompiled:

@@ -4,7 +4,10 @@
 # mx.async_eval (MLX encoding every node), "launch+wait" until the result is there; medians of
 # 10 repetitions after 3 warm-up ones, per node.
 # Usage (on the GPU machine, with MLX's CUDA build importable): python3 scripts/custom_kernel_cost.py
-import time, mlx.core as mx
+import mlx.core as mx
+
+from chain_timing import time_chain
+
 N = 300
 x = mx.ones((1, 4096), dtype=mx.bfloat16)
 extra = [mx.full((16,), float(i), dtype=mx.bfloat16) for i in range(9)]
@@ -31,18 +34,5 @@ variants = {
     "compiled custom, 1 input": mx.compile(lambda y: call(k1, [y], t1)),
 }
 for label, f in variants.items():
-    build, launch, total = [], [], []
-    for rep in range(13):
-        t0 = time.perf_counter()
-        y = x
-        for _ in range(N):
-            y = f(y)
-        t1_ = time.perf_counter()
-        mx.async_eval(y)
-        t2 = time.perf_counter()
-        mx.eval(y)
-        t3 = time.perf_counter()
-        if rep >= 3:
-            build.append(t1_ - t0); launch.append(t2 - t1_); total.append(t3 - t1_)
-    med = lambda v: sorted(v)[len(v) // 2] / N * 1e6
-    print(f"{label:28s} build {med(build):5.2f} µs/node, launch {med(launch):5.2f}, launch+wait {med(total):5.2f}", flush=True)
+    t = time_chain(f, x, N, reps=13, warm=3)
+    print(f"{label:28s} build {t['build']:5.2f} µs/node, launch {t['launch']:5.2f}, launch+wait {t['total']:5.2f}", flush=True)

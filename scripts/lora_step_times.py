@@ -4,18 +4,19 @@ iterations (its kernels compiled into the caches, every batch shape of the data 
 --rounds interleaved runs of --iters iterations with RMLX_LOG=debug, whose per-iteration lines
 ("iteration K: build B ms, encode E ms, wait W ms") give the medians over iterations > --skip.
 One JSON line a binary and round. Medians of the step's parts, unlike bench_lora.py's 10-step
-windows, are not moved by one first-seen batch shape.
+windows, are not moved by one first-seen batch shape. Each run is bench_lora.py's command
+(`lora_command`: the settings used beside mlx-lm).
 Usage: lora_step_times.py --model DIR --data DIR BIN [BIN ...] [--iters 24] [--warm 12] [--rounds 2]"""
 import argparse, json, os, re, statistics, subprocess, sys, tempfile
+
+from bench_lora import lora_command
 
 LINE = re.compile(r"iteration (\d+): build ([\d.]+) ms, encode ([\d.]+) ms, wait ([\d.]+) ms")
 
 
 def run(binary, a, iters, debug):
     with tempfile.TemporaryDirectory() as adapters:
-        cmd = [binary, "lora", "--model", a.model, "--train", "--data", a.data, "--iters", str(iters),
-               "--batch-size", "4", "--num-layers", "16", "--max-seq-length", "512", "--steps-per-eval", str(10**6),
-               "--val-batches", "1", "--save-every", str(10**6), "--adapter-path", adapters]
+        cmd = lora_command(binary, a.model, a.data, iters, 16, adapters)
         env = dict(os.environ, RMLX_LOG="debug") if debug else None
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
         if out.returncode != 0:

@@ -3,7 +3,12 @@ the device (`mx.async_eval`, which encodes every operation on the host) and wait
 apart. One JSON line a kind: microseconds a chain step to build and to encode (the matmul rows
 include the `sum * 0 +` that keeps the chain going; subtract the baseline row). Run on the GPU
 machine with MLX's CUDA build: python3 scripts/mlx_op_cost.py"""
-import time, json, mlx.core as mx
+import json
+
+import mlx.core as mx
+
+from chain_timing import time_chain
+
 N = 1000
 x = mx.random.normal((1664, 1024)).astype(mx.bfloat16)
 w = (mx.random.normal((1024, 1024)) * 0.03).astype(mx.bfloat16)
@@ -20,15 +25,7 @@ kinds = {
     "reshape view + add": lambda y: y.reshape(-1).reshape(1664, 1024) + 1,
 }
 for name, f in kinds.items():
-    for rep in range(3):
-        t0 = time.perf_counter()
-        y = x
-        for _ in range(N):
-            y = f(y)
-        t1 = time.perf_counter()
-        mx.async_eval(y)
-        t2 = time.perf_counter()
-        mx.eval(y)
-        t3 = time.perf_counter()
-    print(json.dumps({"kind": name, "build_us": round((t1 - t0) / N * 1e6, 2), "encode_us_per_chain_step": round((t2 - t1) / N * 1e6, 2),
-                      "wait_ms": round((t3 - t2) * 1e3, 2)}), flush=True)
+    # Two warm-up chains, then one timed.
+    t = time_chain(f, x, N, reps=3, warm=2)
+    print(json.dumps({"kind": name, "build_us": round(t["build"], 2), "encode_us_per_chain_step": round(t["launch"], 2),
+                      "wait_ms": round(t["wait"] * N / 1e3, 2)}), flush=True)
