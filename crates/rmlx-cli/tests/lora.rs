@@ -646,6 +646,43 @@ fn grad_checkpoint_trains_as_without_it() {
     let _ = std::fs::remove_dir_all(&w);
 }
 
+/// Every training step hands MLX the same operations in the same order (`RMLX_LOG=trace` logs each
+/// step's `rmlx::graph_signature`): MLX's CUDA backend reuses a step's CUDA graphs only then, and
+/// instantiated new ones for most of every step while the finiteness check took the updated
+/// parameters in a hash map's order. The data's texts all have one length, so every batch has one
+/// shape; the first step differs (the factors' compute copies are made before it), and with
+/// gradient accumulation the accumulating and the applying steps differ from each other.
+#[test]
+fn every_training_step_evaluates_the_same_operations_in_the_same_order() {
+    let w = workspace("signature");
+    let (model, data) = (w.join("model"), w.join("data"));
+    let signatures = |accumulate: &str| -> Vec<String> {
+        let dir = w.join(format!("adapters-{accumulate}"));
+        let out = Command::new(RMLX)
+            .args(["lora", "--model", s(&model), "--train", "--data", s(&data), "--adapter-path", s(&dir)])
+            .args(["--iters", "7", "--batch-size", "4", "--steps-per-eval", "100", "--val-batches", "1"])
+            .args(["--num-layers", "-1", "--grad-accumulation-steps", accumulate])
+            .env("RMLX_LOG", "trace")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        let found: Vec<String> =
+            err.lines().filter_map(|l| Some(l.split_once("graph signature ")?.1.trim().to_string())).collect();
+        assert_eq!(found.len(), 7, "one signature a step: {err}");
+        found
+    };
+    let every = signatures("1");
+    assert!(every[1..].iter().all(|g| *g == every[1]), "steps 2-7 differ: {every:?}");
+    // Steps 1, 3, 5 accumulate (3 and 5 add to a sum), 2, 4, 6 apply the update, 7 is the last.
+    let accumulating = signatures("2");
+    assert_eq!(accumulating[2], accumulating[4], "{accumulating:?}");
+    assert_eq!(accumulating[3], accumulating[5], "{accumulating:?}");
+    assert_ne!(accumulating[2], accumulating[3], "{accumulating:?}");
+    let _ = std::fs::remove_dir_all(&w);
+}
+
 /// `rmlx fuse` runs for real (bare, and with mlx_lm.fuse's `--dequantize`), and the fused folder
 /// generates what the base model with the adapters generates.
 #[test]

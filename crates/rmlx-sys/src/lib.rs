@@ -196,6 +196,8 @@ pub mod ffi {
         fn array_wait(a: &Array) -> Result<bool>;
         fn array_to_string(a: &Array) -> Result<String>;
         fn graph_census(outputs: &ArrayVec) -> Result<String>;
+        /// A hash of the pending graph's operations in evaluation order (see shim.cc).
+        fn graph_signature(outputs: &ArrayVec) -> Result<u64>;
         fn array_eval(a: &Array) -> Result<()>;
         /// The dtype `a` and `b` promote to in a binary op.
         fn result_type(a: &Array, b: &Array) -> u8;

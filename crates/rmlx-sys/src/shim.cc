@@ -639,6 +639,71 @@ rust::String graph_census(const ArrayVec& outputs) {
   for (auto& [name, n] : counts) out += name + " " + std::to_string(n) + "\n";
   return rust::String(out);
 }
+// A hash of the graph still to run to produce `outputs`: each operation in depth-first order from
+// the outputs (inputs in their order), hashed with its primitive's name, its outputs' shapes and
+// dtypes and where its inputs come from (an earlier operation by its number, or an evaluated array
+// by its number, shape and dtype). MLX's evaluation orders the operations from nothing but this
+// structure (the outputs in order, each operation's inputs in order), and its CUDA backend caches
+// each CUDA graph it builds under a key of the operations in that order: evaluations with the same
+// signature reuse the same CUDA graphs, where the same operations in another order make new ones.
+uint64_t graph_signature(const ArrayVec& outputs) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; i++) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  auto mix_str = [&](const std::string& s) {
+    for (unsigned char c : s) mix(c);
+    mix(0xff);
+  };
+  auto mix_layout = [&](const mx::array& a) {
+    for (auto d : a.shape()) mix(static_cast<uint64_t>(d));
+    mix(static_cast<uint64_t>(a.dtype().val()) | (uint64_t(a.ndim()) << 16));
+  };
+  // Number of each operation (by its sibling group) and each evaluated array, in first-visit order.
+  std::unordered_map<std::uintptr_t, uint64_t> numbers;
+  auto group_of = [](const mx::array& a) {
+    std::uintptr_t id = a.id();
+    for (auto& s : a.siblings()) id = std::min(id, s.id());
+    return id;
+  };
+  std::vector<std::pair<mx::array, size_t>> stack;
+  auto reference = [&](const mx::array& a) {
+    bool pending = a.has_primitive() && !a.is_available();
+    std::uintptr_t key = pending ? group_of(a) : a.id();
+    auto it = numbers.find(key);
+    if (it != numbers.end()) {
+      mix(it->second);
+      mix(a.has_primitive() ? static_cast<uint64_t>(a.sibling_position()) : 0);
+      return false;
+    }
+    uint64_t n = numbers.size();
+    numbers.emplace(key, n);
+    mix(n);
+    if (!pending) {
+      mix_layout(a);
+      return false;
+    }
+    return true;
+  };
+  for (auto& o : outputs) {
+    if (reference(o)) stack.emplace_back(o, 0);
+    while (!stack.empty()) {
+      auto& [a, next] = stack.back();
+      if (next < a.inputs().size()) {
+        const mx::array in = a.inputs()[next++];
+        if (reference(in)) stack.emplace_back(in, 0);
+        continue;
+      }
+      mix_str(a.primitive().name());
+      for (auto& out : a.outputs()) mix_layout(out);
+      stack.pop_back();
+    }
+  }
+  return h;
+}
 VecPtr depends(const ArrayVec& inputs, const ArrayVec& dependencies) { return wrap_vec(mx::depends(inputs, dependencies)); }
 VecPtr split_indices(const Array& a, rust::Slice<const int32_t> indices, int32_t axis, StreamSpec s) {
   return wrap_vec(mx::split(a, shape_of(indices), axis, sod(s)));

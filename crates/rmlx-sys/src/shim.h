@@ -67,6 +67,7 @@ bool array_copy_ready(const Array& a, rust::Slice<uint8_t> out);
 bool array_wait(const Array& a);
 rust::String array_to_string(const Array& a);
 rust::String graph_census(const ArrayVec& outputs);
+uint64_t graph_signature(const ArrayVec& outputs);
 void array_eval(const Array& a);
 uint8_t result_type(const Array& a, const Array& b);
 

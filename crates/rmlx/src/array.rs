@@ -293,6 +293,29 @@ pub fn graph_census<'a>(
         .collect())
 }
 
+/// A hash of the operations still to run to produce `arrays`, in the order an evaluation of them
+/// will run them: each operation's kind, its outputs' shapes and dtypes and where its inputs come
+/// from. MLX's CUDA backend keeps the CUDA graphs it builds under a key of the operations in that
+/// order, so a step whose signature repeats reuses them, where the same operations in another order
+/// (arrays handed over in a hash map's order, say) instantiate new ones.
+///
+/// ```
+/// use rmlx::Array;
+/// let (a, b) = (Array::from_slice(&[1.0f32], &[1])?, Array::from_slice(&[2.0f32], &[1])?);
+/// // The same operations on other values of the same shapes: the same signature.
+/// let exp_then_sin = |x: &Array, y: &Array| rmlx::ops::concatenate(&[&x.exp()?, &y.sin()?], 0);
+/// let one = rmlx::graph_signature([&exp_then_sin(&a, &b)?])?;
+/// assert_eq!(one, rmlx::graph_signature([&exp_then_sin(&b, &a)?])?);
+/// // The same operations in another order: another signature.
+/// let sin_then_exp = rmlx::ops::concatenate(&[&b.sin()?, &a.exp()?], 0)?;
+/// assert_ne!(one, rmlx::graph_signature([&sin_then_exp])?);
+/// # Ok::<(), rmlx::Error>(())
+/// ```
+pub fn graph_signature<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<u64> {
+    let v = array_vec(arrays);
+    Ok(crate::lock::locked(|| ffi::graph_signature(&v))?)
+}
+
 /// Schedules the computation of `arrays` and returns at once; reading them later waits as needed.
 /// Lets the host build the next graph while the device computes this one.
 pub fn async_eval<'a>(arrays: impl IntoIterator<Item = &'a Array>) -> Result<()> {

@@ -63,7 +63,7 @@ pub mod quantization;
 pub mod random;
 pub mod transforms;
 
-pub use array::{async_eval, eval, graph_census, Array};
+pub use array::{async_eval, eval, graph_census, graph_signature, Array};
 pub use blas::{blas_threads, set_blas_threads};
 pub use cuda_graphs::{cuda_graph_ops, keep_mlx_cuda_graph_ops, CUDA_GRAPH_OPS};
 pub use device::{
