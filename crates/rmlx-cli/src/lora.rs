@@ -214,8 +214,8 @@ fn all_or(v: i64, what: &str) -> Result<Option<usize>> {
 /// an H100 against 7.9 GB with graphs of at most 200 MB (BENCHMARKS.md). So `rmlx lora` sets
 /// `MLX_MAX_MB_PER_BUFFER=200` unless it is set already (`=1000` restores MLX's default). MLX reads
 /// it once, when it first uses the GPU: `main` calls this before anything runs. The number of
-/// operations a graph holds stays MLX's (training was measured with it), where inference sets 30
-/// ([`rmlx::cuda_graph_ops`]).
+/// operations a graph holds stays MLX's (training was measured with it), where inference sets
+/// [`rmlx::CUDA_GRAPH_OPS`] ([`rmlx::cuda_graph_ops`]).
 pub fn limit_gpu_graphs() {
     const VAR: &str = "MLX_MAX_MB_PER_BUFFER";
     if std::env::var_os(VAR).is_none() {
