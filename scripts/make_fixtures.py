@@ -277,6 +277,43 @@ FAMILIES = [
         "Mistral-7B-v0.1's config); untied; float32",
     },
     {
+        "name": "phi3",
+        "base_seed": 8000,
+        "dtype": "float32",
+        "layout": "single",
+        # transformers 4.x writes the Hub layout (rope_theta, rope_scaling) itself
+        "legacy_config": False,
+        "norm_style": "one_plus_noise",
+        "config": dict(
+            model_type="phi3",
+            vocab_size=288,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            partial_rotary_factor=0.5,
+            max_position_embeddings=1024,
+            original_max_position_embeddings=256,
+            rope_theta=10000.0,
+            # short == long: transformers takes the short factors for a short prompt, rmlx (as
+            # mlx-lm) the long ones; equal lists check the factors and the attention factor
+            # sqrt(1 + ln(1024/256) / ln(256)) both apply
+            rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [1.0, 1.5, 2.5, 4.0]},
+            sliding_window=8,
+            tie_word_embeddings=False,
+            initializer_range=0.15,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        "quantised": {"name": "phi3_q4", "dtype": "float32", "legacy_config": False},
+        "covers": "phi3; fused qkv_proj and gate_up_proj; partial_rotary_factor 0.5 (8 of 16 features "
+        "turn); longrope factors [1, 1.5, 2.5, 4] with attention factor from max 1024 / original 256; "
+        "sliding_window 8 < 24-token prompt on every layer; untied; float32",
+    },
+    {
         "name": "qwen2_window",
         "base_seed": 4500,
         "dtype": "float32",

@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
-"""Tiny random-weight ``phi3`` checkpoint for the mlx-lm backend tests.
+"""Tiny random-weight checkpoints made with mlx-lm's own model classes, with mlx-lm's greedy ids.
 
-The native backend does not implement ``phi3`` (fused ``qkv_proj`` and ``gate_up_proj``, partial
-rotary embedding), so this model can only run through the mlx-lm bridge
-(``crates/rmlx-lm/src/backend/mlx_lm/bridge.py``). Run it with mlx-lm's Python, e.g.:
+``--arch starcoder2`` (``starcoder2_mlx_lm``): an architecture the native backend does not
+implement, so it runs only through the mlx-lm bridge (``crates/rmlx-lm/src/backend/mlx_lm/bridge.py``)
+in the backend tests. ``--arch phi3`` (``phi3_mlx_lm``: fused ``qkv_proj`` and ``gate_up_proj``,
+partial rotary embedding): the native Phi-3 checked against mlx-lm's greedy ids. Run it with mlx-lm's
+Python, e.g.:
 
     python3 -m pip install --target ~/.cache/rmlx/mlx-lm-0.32.2 \\
         "mlx[cpu]==0.32.4" "mlx-lm==0.32.2"
-    PYTHONPATH=~/.cache/rmlx/mlx-lm-0.32.2 python3 scripts/make_mlx_lm_fixture.py \\
-        --out crates/rmlx-lm/tests/fixtures/models/phi3_mlx_lm
+    PYTHONPATH=~/.cache/rmlx/mlx-lm-0.32.2 python3 scripts/make_mlx_lm_fixture.py --arch starcoder2 \\
+        --out crates/rmlx-lm/tests/fixtures/models/starcoder2_mlx_lm
 
 It writes ``config.json`` and ``model.safetensors`` (float32, about 200 KB) and nothing else: the
 tests add a word-level tokenizer (``t0`` .. ``t511``) to a temporary copy.
 
-The parameter names and shapes come from mlx-lm's own ``phi3.Model``; the values from numpy's
+The parameter names and shapes come from mlx-lm's own ``Model`` of the architecture; the values from numpy's
 PCG64 generator, so the output is the same on every machine. Among seeds ``--seed``,
 ``--seed + 1``, ... the first one is kept whose greedy continuation of ``t1 t2 t3`` (float32, 16
 tokens) has a top1 - top2 logit margin of at least ``--min-margin`` (0.1) at every step, never
@@ -34,12 +36,12 @@ import numpy as np
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_lm.models import phi3
+from mlx_lm.models import phi3, starcoder2
 
 VOCAB = 512
 EOS_ID = 2
 
-CONFIG = {
+PHI3 = {
     "architectures": ["Phi3ForCausalLM"],
     "model_type": "phi3",
     "hidden_size": 32,
@@ -62,13 +64,33 @@ CONFIG = {
     "torch_dtype": "float32",
 }
 
+STARCODER2 = {
+    "architectures": ["Starcoder2ForCausalLM"],
+    "model_type": "starcoder2",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "norm_epsilon": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_ID,
+    "torch_dtype": "float32",
+}
+
+ARCHS = {"phi3": (phi3, PHI3), "starcoder2": (starcoder2, STARCODER2)}
+
 PROBE_PROMPT = [1, 2, 3]  # "t1 t2 t3" with the tests' word-level tokenizer
 PROBE_STEPS = 16
 
 
-def random_weights(seed):
-    """Weights for every parameter of mlx-lm's phi3.Model, drawn with numpy."""
-    model = phi3.Model(phi3.ModelArgs.from_dict(CONFIG))
+def random_weights(arch, seed):
+    """Weights for every parameter of mlx-lm's Model of `arch`, drawn with numpy."""
+    module, config = ARCHS[arch]
+    model = module.Model(module.ModelArgs.from_dict(config))
     rng = np.random.default_rng(seed)
     weights = {}
     for name, p in sorted(tree_flatten(model.parameters())):
@@ -98,13 +120,14 @@ def greedy_probe(model):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="starcoder2")
     ap.add_argument("--out", required=True, help="output folder (created or overwritten)")
     ap.add_argument("--seed", type=int, default=0, help="first seed tried (default 0)")
     ap.add_argument("--min-margin", type=float, default=0.1)
     args = ap.parse_args()
 
     for seed in range(args.seed, args.seed + 1000):
-        model, weights = random_weights(seed)
+        model, weights = random_weights(args.arch, seed)
         greedy, margin = greedy_probe(model)
         if margin >= args.min_margin and EOS_ID not in greedy and len(set(greedy)) >= 12:
             break
@@ -116,7 +139,7 @@ def main():
         if os.path.exists(os.path.join(args.out, stale)):
             os.remove(os.path.join(args.out, stale))
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=2)
+        json.dump(ARCHS[args.arch][1], f, indent=2)
         f.write("\n")
     mx.save_safetensors(
         os.path.join(args.out, "model.safetensors"), weights, metadata={"format": "mlx"}
@@ -126,7 +149,7 @@ def main():
     # reproduces the probe.
     from mlx_lm import load
 
-    tmp = tempfile.mkdtemp(prefix="phi3_fixture_check_")
+    tmp = tempfile.mkdtemp(prefix=f"{args.arch}_fixture_check_")
     try:
         for f in ("config.json", "model.safetensors"):
             shutil.copy(os.path.join(args.out, f), tmp)
@@ -139,6 +162,9 @@ def main():
         }
         with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
             json.dump(tokenizer, f)
+        # Without it transformers picks the model type's own class (GPT-2's for starcoder2).
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
         loaded, tok = load(tmp)
         assert tok.encode("t1 t2 t3") == PROBE_PROMPT, tok.encode("t1 t2 t3")
         again, _ = greedy_probe(loaded)

@@ -51,10 +51,10 @@ fn generate_native_and_auto_agree_and_name_the_backend() {
     assert!(err.contains("unknown backend `bogus`") && err.contains("mlx-lm"), "{err}");
 }
 
-/// A phi3 fixture (an architecture rmlx does not implement) with a word-level tokenizer.
-fn phi3_folder() -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rmlx-lm/tests/fixtures/models/phi3_mlx_lm");
-    let dir = temp("phi3");
+/// A starcoder2 fixture (an architecture rmlx does not implement) with a word-level tokenizer.
+fn starcoder2_folder() -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rmlx-lm/tests/fixtures/models/starcoder2_mlx_lm");
+    let dir = temp("starcoder2");
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
@@ -80,16 +80,16 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
     assert_eq!(listed["mlx_lm"]["available"], true, "{listed}");
     assert_eq!(listed["mlx_lm"]["version"], "0.32.2");
 
-    let model = phi3_folder();
+    let model = starcoder2_folder();
     let m = model.to_str().unwrap();
     let checked = json_of(&rmlx(&["backends", "--model", m, "--json"]));
     assert_eq!(checked["backends"][0]["supports_model"], false);
-    assert!(checked["backends"][0]["why_not"].as_str().unwrap().contains("phi3"));
+    assert!(checked["backends"][0]["why_not"].as_str().unwrap().contains("starcoder2"));
     assert_eq!(checked["backends"][1]["supports_model"], true);
 
     let v = json_of(&rmlx(&["generate", "--model", m, "-p", "t1 t2 t3", "--raw", "-m", "8", "--json"]));
     assert_eq!(v["backend"], "mlx-lm");
-    assert_eq!(v["token_ids"], serde_json::json!([381, 446, 277, 94, 168, 511, 488, 381]));
+    assert_eq!(v["token_ids"], serde_json::json!([58, 161, 458, 353, 74, 94, 300, 92]));
     assert_eq!(v["finish_reason"], "length");
     // A conversation through the bridge: the template gives the prompt "t1 t2 t3 ".
     let mut chat = Command::new(RMLX)
@@ -104,7 +104,7 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
     let out = chat.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let reply = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(reply.split_whitespace().collect::<Vec<_>>(), ["t381", "t446", "t277", "t94"], "{reply}");
+    assert_eq!(reply.split_whitespace().collect::<Vec<_>>(), ["t58", "t161", "t458", "t353"], "{reply}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("(mlx-lm)"));
 
     // rmlx batch through mlx-lm: lines grouped by their settings, in input order; --classify.
@@ -127,19 +127,19 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
     let lines: Vec<Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let texts: Vec<&str> = lines.iter().map(|l| l["text"].as_str().unwrap().trim()).collect();
-    assert_eq!(texts, ["t381 t446 t277 t94", "t381 t446 t277 t94", "t381 t446"]);
+    assert_eq!(texts, ["t58 t161 t458 t353", "t58 t161 t458 t353", "t58 t161"]);
     assert_eq!(lines[2]["id"], "c");
     assert_eq!(lines[0]["finish_reason"], "length");
     let out = rmlx(&["batch", "--model", m, "--prompts", p, "--classify", "--top", "2"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let first: Value = serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap()).unwrap();
-    assert_eq!(first["top"][0]["id"], 381);
-    assert_eq!(first["top"][0]["token"], "t381");
+    assert_eq!(first["top"][0]["id"], 58);
+    assert_eq!(first["top"][0]["token"], "t58");
     assert_eq!(first["top"].as_array().unwrap().len(), 2);
 
     let out = rmlx(&["generate", "--model", m, "-p", "t1", "--raw", "--backend", "native"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported architecture `phi3`"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported architecture `starcoder2`"));
 
     // rmlx serve through mlx-lm: the same HTTP API, one request at a time (said in /v1/models);
     // what only the native engine does is refused per request, adapters at start.
@@ -156,7 +156,7 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(
         v["choices"][0]["text"].as_str().unwrap().split_whitespace().collect::<Vec<_>>(),
-        ["t381", "t446", "t277", "t94", "t168", "t511", "t488", "t381"]
+        ["t58", "t161", "t458", "t353", "t74", "t94", "t300", "t92"]
     );
     assert_eq!(
         (v["choices"][0]["finish_reason"].as_str(), v["usage"]["completion_tokens"].as_u64()),
@@ -173,7 +173,7 @@ fn backends_installs_mlx_lm_and_generate_falls_back_to_it() {
             serde_json::from_str::<Value>(d).ok()?["choices"][0]["delta"]["content"].as_str().map(str::to_string)
         })
         .collect();
-    assert_eq!(pieces.split_whitespace().collect::<Vec<_>>(), ["t381", "t446", "t277", "t94"], "{events}");
+    assert_eq!(pieces.split_whitespace().collect::<Vec<_>>(), ["t58", "t161", "t458", "t353"], "{events}");
     assert!(events.trim_end().ends_with("data: [DONE]"), "{events}");
     let format = serde_json::json!({"prompt": "t1", "max_tokens": 2, "response_format": {"type": "json_object"}});
     let (status, v) = server.post("/v1/completions", &format);

@@ -20,6 +20,9 @@ pub enum Architecture {
     Qwen3,
     /// Gemma 3 (text): sliding/global layers, `(1 + w)` norms, GELU-tanh.
     Gemma3,
+    /// Phi-3 / Phi-3.5 / Phi-4-mini: fused q/k/v and gate/up projections, partial rotary
+    /// embedding, LongRoPE.
+    Phi3,
 }
 
 /// `rope_scaling`, the variants rmlx implements.
@@ -29,6 +32,11 @@ pub enum RopeScaling {
     Linear { factor: f32 },
     /// Llama 3.1's frequency-dependent scaling.
     Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: f32 },
+    /// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini; `su` in older configs): each frequency's divisor
+    /// multiplied by its `long_factor`, the rotated features by `attention_factor`. As mlx-lm and
+    /// llama.cpp's long contexts do, the long factors serve every position; transformers takes the
+    /// `short_factor`s while a sequence fits `original_max_position_embeddings`.
+    LongRope { long_factor: Vec<f32>, attention_factor: f32 },
 }
 
 /// Everything the model files need, in one place.
@@ -90,6 +98,12 @@ pub struct ModelConfig {
     /// GGUF `rope_freqs`: per-frequency factors multiplying the RoPE divisors (Llama 3.1 in GGUF).
     #[serde(default)]
     pub rope_freq_factors: Option<Vec<f32>>,
+    /// The fraction of each head the rotary embedding turns (Phi-3 family; 1 when absent).
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f32>,
+    /// The context the model was trained with before LongRoPE extended it (Phi-3 family).
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
 }
 
 fn default_eps() -> f32 {
@@ -211,6 +225,14 @@ impl ModelConfig {
         if hd % 2 != 0 {
             return Err(Error::Config(format!("`head_dim` ({hd}) must be even: RoPE rotates pairs of dimensions")));
         }
+        let rotary = self.rotary_dims();
+        if rotary <= 0 || rotary % 2 != 0 || rotary > hd || self.partial_rotary_factor.is_some_and(|f| f > 1.0) {
+            return Err(Error::Config(format!(
+                "`partial_rotary_factor` ({:?}) must turn an even number of a head's {hd} features, at least 2 \
+                 (it gives {rotary})",
+                self.partial_rotary_factor
+            )));
+        }
         self.rope_scaling()?;
         Ok(())
     }
@@ -224,6 +246,15 @@ impl ModelConfig {
     /// loader replaces a missing `head_dim` with the one q_proj's shape implies.)
     pub fn head_dim(&self) -> i32 {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The features of each head the rotary embedding turns: `head_dim · partial_rotary_factor`
+    /// rounded down (as transformers), all of them without a factor.
+    pub fn rotary_dims(&self) -> i32 {
+        match self.partial_rotary_factor {
+            Some(f) => (self.head_dim() as f64 * f as f64) as i32,
+            None => self.head_dim(),
+        }
     }
 
     /// Whether the output head is the embedding (per-family default when unspecified).
@@ -259,17 +290,59 @@ impl ModelConfig {
                     original_max_position_embeddings: num("original_max_position_embeddings")?,
                 }))
             }
-            other => {
-                Err(Error::Config(format!("rope_scaling type `{other}` is not supported (supported: linear, llama3)")))
-            }
+            "longrope" | "su" => self.longrope(s),
+            other => Err(Error::Config(format!(
+                "rope_scaling type `{other}` is not supported (supported: linear, llama3, longrope)"
+            ))),
         }
+    }
+
+    /// LongRoPE from its `rope_scaling` block: one positive `long_factor` per rotated pair; the
+    /// attention factor given, else `√(1 + ln(s) / ln(original))` for the extension
+    /// `s = max_position_embeddings / original_max_position_embeddings` (1 without one), as
+    /// transformers computes it.
+    fn longrope(&self, s: &serde_json::Map<String, Value>) -> Result<Option<RopeScaling>> {
+        let pairs = (self.rotary_dims() / 2) as usize;
+        let factors = |key: &str| -> Result<Vec<f32>> {
+            let list = s.get(key).and_then(Value::as_array);
+            let values: Option<Vec<f32>> =
+                list.and_then(|l| l.iter().map(|v| v.as_f64().filter(|f| *f > 0.0).map(|f| f as f32)).collect());
+            match values {
+                Some(v) if v.len() == pairs => Ok(v),
+                _ => Err(Error::Config(format!(
+                    "rope_scaling (longrope): `{key}` must list {pairs} positive numbers (one per rotated pair of \
+                     features)"
+                ))),
+            }
+        };
+        factors("short_factor")?;
+        let long_factor = factors("long_factor")?;
+        let original = s
+            .get("original_max_position_embeddings")
+            .and_then(Value::as_u64)
+            .map(|n| n as usize)
+            .or(self.original_max_position_embeddings);
+        let attention_factor = match s.get("attention_factor").and_then(Value::as_f64) {
+            Some(f) if f > 0.0 => f as f32,
+            Some(f) => {
+                return Err(Error::Config(format!("rope_scaling (longrope): `attention_factor` {f} must be positive")))
+            }
+            None => match (original, self.max_position_embeddings) {
+                (Some(orig), Some(max)) if orig > 1 && max > orig => {
+                    let scale = max as f64 / orig as f64;
+                    (1.0 + scale.ln() / (orig as f64).ln()).sqrt() as f32
+                }
+                _ => 1.0,
+            },
+        };
+        Ok(Some(RopeScaling::LongRope { long_factor, attention_factor }))
     }
 
     /// The sliding window of layer `i` (a query sees itself and the `window - 1` positions before
     /// it), or `None` when the layer attends to the whole past. Which layers slide follows each
     /// family's transformers class:
     /// - Gemma 3: [`ModelConfig::is_sliding`];
-    /// - Mistral: every layer, unless `layer_types` names the sliding ones;
+    /// - Mistral and Phi-3: every layer, unless `layer_types` names the sliding ones;
     /// - Qwen 2/3: none unless `use_sliding_window`, then those `layer_types` names, else the
     ///   layers from `max_window_layers` (default 28) on;
     /// - Llama: those `layer_types` names (as mlx-lm's llama; transformers' has no window). A window
@@ -279,7 +352,7 @@ impl ModelConfig {
         let listed = |i: usize| self.layer_types.as_ref().map(|t| t.get(i).is_some_and(|t| t == "sliding_attention"));
         let sliding = match self.model_type.as_str() {
             "gemma3" | "gemma3_text" => self.is_sliding(i),
-            "mistral" => listed(i).unwrap_or(true),
+            "mistral" | "phi3" => listed(i).unwrap_or(true),
             "qwen2" | "qwen3" => {
                 self.use_sliding_window == Some(true) && listed(i).unwrap_or(i >= self.max_window_layers.unwrap_or(28))
             }

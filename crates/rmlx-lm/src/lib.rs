@@ -71,7 +71,7 @@ mod tests;
 pub use backend::{load, LanguageModel, Prompt};
 pub use cache::KvCache;
 pub use cache_dir::persist_mlx_kernels;
-pub use config::ModelConfig;
+pub use config::{ModelConfig, RopeScaling};
 pub use error::{Error, Result};
 pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
 pub use loader::{LoadOptions, LoadedModel};

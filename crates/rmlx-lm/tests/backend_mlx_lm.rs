@@ -127,12 +127,12 @@ fn same_greedy_tokens_classification_and_batch_as_native() {
     bridge.close().unwrap();
 }
 
-/// phi3 is an architecture the native backend lacks: `auto` runs it through mlx-lm.
+/// starcoder2 is an architecture the native backend lacks: `auto` runs it through mlx-lm.
 #[test]
 fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
-    let dir = TempDir::new("phi3");
+    let dir = TempDir::new("starcoder2");
     for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture_dir("phi3_mlx_lm").join(f), dir.path().join(f)).unwrap();
+        std::fs::copy(fixture_dir("starcoder2_mlx_lm").join(f), dir.path().join(f)).unwrap();
     }
     std::fs::write(dir.path().join("tokenizer.json"), word_tokenizer(512)).unwrap();
     // A template that refuses system messages.
@@ -145,16 +145,16 @@ fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
         Err(Error::UnsupportedArchitecture { .. })
     ));
     let mut lm = load(dir.path(), "auto");
-    assert_eq!((lm.info().backend.as_str(), lm.info().architecture.as_str()), ("mlx-lm", "phi3"));
+    assert_eq!((lm.info().backend.as_str(), lm.info().architecture.as_str()), ("mlx-lm", "starcoder2"));
     // mlx-lm's own greedy tokens (scripts/make_mlx_lm_fixture.py chose the seed for wide margins).
     let got = greedy(lm.as_mut(), &Prompt::from("t1 t2 t3"), 8);
-    assert_eq!(got, [381, 446, 277, 94, 168, 511, 488, 381]);
+    assert_eq!(got, [58, 161, 458, 353, 74, 94, 300, 92]);
 
     // A stop string ends the text before it, and the bridge stops generating.
     let opts = GenerateOptions { max_tokens: 8, stop_strings: vec![" t94".into()], ..GenerateOptions::default() };
     let mut stream = lm.generate(&Prompt::from("t1 t2 t3"), &opts).unwrap();
     let text: String = stream.by_ref().map(|t| t.unwrap().text).collect();
-    assert_eq!(text.split_whitespace().collect::<Vec<_>>(), ["t381", "t446", "t277"]);
+    assert_eq!(text.split_whitespace().collect::<Vec<_>>(), ["t58", "t161", "t458", "t353", "t74"]);
     assert_eq!(stream.finish_reason(), Some(FinishReason::StopString));
     drop(stream);
 
@@ -163,12 +163,12 @@ fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
     let mut stream = lm.generate(&Prompt::from("t1 t2 t3"), &long).unwrap();
     let cancel = stream.cancel_handle();
     let first: Vec<u32> = stream.by_ref().take(3).map(|t| t.unwrap().id).collect();
-    assert_eq!(first, [381, 446, 277]);
+    assert_eq!(first, [58, 161, 458]);
     cancel.cancel();
     assert!(stream.next().is_none());
     assert_eq!(stream.finish_reason(), Some(FinishReason::Cancelled));
     drop(stream);
-    assert_eq!(greedy(lm.as_mut(), &Prompt::from("t1 t2 t3"), 2), [381, 446]);
+    assert_eq!(greedy(lm.as_mut(), &Prompt::from("t1 t2 t3"), 2), [58, 161]);
 
     // A chat template that fails: the bridge's error, as an Err.
     let err = match lm.chat(&[rmlx_lm::chat::Message::system("t5")], &opts) {
@@ -181,9 +181,9 @@ fn auto_falls_back_to_mlx_lm_for_an_architecture_native_lacks() {
 #[test]
 fn a_killed_bridge_is_reported_and_restarted() {
     mlx_lm_installed();
-    let dir = TempDir::new("phi3-kill");
+    let dir = TempDir::new("starcoder2-kill");
     for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture_dir("phi3_mlx_lm").join(f), dir.path().join(f)).unwrap();
+        std::fs::copy(fixture_dir("starcoder2_mlx_lm").join(f), dir.path().join(f)).unwrap();
     }
     std::fs::write(dir.path().join("tokenizer.json"), word_tokenizer(512)).unwrap();
     with_tokenizer_config(&dir);
@@ -201,7 +201,7 @@ fn a_killed_bridge_is_reported_and_restarted() {
         "{err}"
     );
     let again: Vec<u32> = lm.generate(&Prompt::from("t1 t2 t3"), &opts).unwrap().map(|t| t.unwrap().id).collect();
-    assert_eq!(again, [381, 446]);
+    assert_eq!(again, [58, 161]);
     assert_ne!(lm.pid(), Some(pid));
 }
 

@@ -77,3 +77,41 @@ fn fields_a_family_does_not_implement_are_refused_by_name() {
         config(model_type, extra.clone()).unwrap_or_else(|e| panic!("{model_type} {extra}: {e}"));
     }
 }
+
+/// Phi-3: a window on every layer where the config sets one, half (or any even part) of each head
+/// rotated, and LongRoPE's lists checked against the rotated pairs, with transformers' attention
+/// factor.
+#[test]
+fn phi3_windows_partial_rotation_and_longrope() {
+    let phi3 = |extra| config("phi3", extra);
+    assert_eq!(windows(&phi3(json!({"sliding_window": 2047})).unwrap()), vec![Some(2047); 4]);
+    assert_eq!(windows(&phi3(json!({})).unwrap()), vec![None; 4]);
+    // head_dim 16: a factor of 0.75 turns 12 features, 0.3 would turn 4.8 -> 4, 0.1 only 1.
+    assert_eq!(phi3(json!({"partial_rotary_factor": 0.75})).unwrap().rotary_dims(), 12);
+    assert_eq!(phi3(json!({"partial_rotary_factor": 0.3})).unwrap().rotary_dims(), 4);
+    for bad in [json!(0.1), json!(1.5)] {
+        match phi3(json!({ "partial_rotary_factor": bad })) {
+            Err(Error::Config(m)) => assert!(m.contains("partial_rotary_factor"), "{m}"),
+            other => panic!("{bad}: {:?}", other.map(|c| c.rotary_dims())),
+        }
+    }
+    let longrope = |long: Value| {
+        json!({"partial_rotary_factor": 0.5, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+               "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.0, 1.0, 1.0], "long_factor": long}})
+    };
+    let cfg = phi3(longrope(json!([1.0, 2.0, 3.0, 4.0]))).unwrap();
+    match cfg.rope_scaling().unwrap() {
+        Some(rmlx_lm::RopeScaling::LongRope { long_factor, attention_factor }) => {
+            assert_eq!(long_factor, [1.0, 2.0, 3.0, 4.0]);
+            // √(1 + ln 32 / ln 4096) = √(1 + 5/12)
+            assert!((attention_factor - (17.0f32 / 12.0).sqrt()).abs() < 1e-6, "{attention_factor}");
+        }
+        other => panic!("{other:?}"),
+    }
+    for (long, why) in [(json!([1.0, 2.0, 3.0]), "4 positive numbers"), (json!([1.0, 2.0, 0.0, 4.0]), "positive")] {
+        match phi3(longrope(long.clone())) {
+            Err(Error::Config(m)) => assert!(m.contains("long_factor") && m.contains(why), "{m}"),
+            other => panic!("{long}: {:?}", other.map(|c| c.rotary_dims())),
+        }
+    }
+}

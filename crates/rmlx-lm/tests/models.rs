@@ -143,6 +143,30 @@ fn gemma3_multimodal_checkpoint_language_model_prefix() {
     check("gemma3_multimodal_prefix");
 }
 
+/// Phi-3: fused `qkv_proj` / `gate_up_proj` split at load, half of each head turned by the rotary
+/// embedding, LongRoPE's factors and attention factor, a window on every layer.
+#[test]
+fn phi3_fused_projections_partial_rotary_longrope_window() {
+    check("phi3");
+}
+
+/// Phi-3's fused projections quantised: the split keeps whole rows of packed weights, scales and biases.
+#[test]
+fn phi3_mlx_quantized_fused_projections() {
+    check("phi3_q4");
+}
+
+/// The same architecture beside mlx-lm: `phi3_mlx_lm` (random weights drawn for mlx-lm's own
+/// `phi3.Model` by `scripts/make_mlx_lm_fixture.py`, partial rotary factor 0.5, no scaling) greedily
+/// continues `t1 t2 t3` as mlx-lm does, every top-1/top-2 margin at least 0.23 in mlx-lm.
+#[test]
+fn phi3_greedy_ids_equal_mlx_lm_on_its_own_checkpoint() {
+    let dir = fixture_with_tokenizer("phi3_mlx_lm");
+    let lm = load(dir.path(), Dtype::Float32);
+    let mlx_lm = [381, 446, 277, 94, 168, 511, 488, 381, 420, 228, 258, 499, 293, 86, 276, 182];
+    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
+}
+
 #[test]
 fn llama_mlx_quantized_with_overrides() {
     check("llama_gqa_q4");
@@ -179,8 +203,16 @@ fn head_dim_inferred_from_q_proj_when_absent() {
 #[test]
 fn the_three_parameter_walks_agree_on_every_family() {
     use rmlx_lm::nn::{ModuleExt, Role};
-    for name in ["llama_gqa", "llama_gqa_q4", "llama_mqa_untied", "mistral_window", "qwen2", "qwen3_q4", "gemma3_text"]
-    {
+    for name in [
+        "llama_gqa",
+        "llama_gqa_q4",
+        "llama_mqa_untied",
+        "mistral_window",
+        "qwen2",
+        "qwen3_q4",
+        "gemma3_text",
+        "phi3_q4",
+    ] {
         let dir = fixture_with_tokenizer(name);
         let mut lm = load(dir.path(), Dtype::Float32);
         let visited = lm.model.roles("");

@@ -173,15 +173,16 @@ impl ChatTemplate {
     }
 
     /// A built-in template for checkpoints that ship none: `"llama3"`, `"qwen"` and `"chatml"`
-    /// (ChatML), `"gemma"`.
+    /// (ChatML), `"gemma"`, `"phi3"`.
     pub fn fallback(family: &str, bos: Option<&str>, eos: Option<&str>) -> Result<ChatTemplate> {
         let source = match family {
             "llama3" | "llama" => FALLBACK_LLAMA3,
             "qwen" | "qwen2" | "qwen3" | "chatml" | "smollm" => FALLBACK_CHATML,
             "gemma" | "gemma3" => FALLBACK_GEMMA,
+            "phi3" => FALLBACK_PHI3,
             _ => {
                 return Err(Error::Template(format!(
-                    "no built-in chat template for `{family}` (built in: llama3, qwen, chatml, gemma)"
+                    "no built-in chat template for `{family}` (built in: llama3, qwen, chatml, gemma, phi3)"
                 )))
             }
         };
@@ -294,6 +295,12 @@ const FALLBACK_LLAMA3: &str = "{%- for message in messages %}\
 {{- content }}\
 {%- endfor %}\
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}";
+
+// Phi-3's turns: `<|role|>` on its own line, the content, `<|end|>`.
+const FALLBACK_PHI3: &str = "{%- for message in messages %}\
+{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}\
+{%- endfor %}\
+{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}";
 
 const FALLBACK_GEMMA: &str = "{{- bos_token or '' }}\
 {%- if messages and messages[0]['role'] == 'system' %}\

@@ -53,6 +53,8 @@ const FIELDS: &[(&str, Kind)] = &[
     ("dtype", Kind::Str),
     ("layer_types", Kind::StrList),
     ("rope_freq_factors", Kind::PositiveList),
+    ("partial_rotary_factor", Kind::Positive),
+    ("original_max_position_embeddings", Kind::Int(1, MAX_I32)),
     ("eos_token_id", Kind::Ids),
     ("bos_token_id", Kind::Ids),
 ];

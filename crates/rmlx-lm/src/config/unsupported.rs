@@ -22,7 +22,7 @@ fn null(v: &Value) -> bool {
 /// `(field, neutral value, the model types that implement other values)`.
 const FIELDS: &[(&str, Neutral, &[&str])] = &[
     ("mlp_bias", null_or_false, &[]),
-    ("partial_rotary_factor", null_or_one, &[]),
+    ("partial_rotary_factor", null_or_one, &["phi3"]),
     ("attn_logit_softcapping", null, &[]),
     ("final_logit_softcapping", null, &["gemma3", "gemma3_text"]),
     ("use_bidirectional_attention", null_or_false, &[]),

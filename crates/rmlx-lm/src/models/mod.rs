@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod gemma3;
 pub mod llama;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod spec;
@@ -111,7 +112,8 @@ pub(crate) fn layer_caches(cfg: &ModelConfig, context_limit: Option<usize>) -> V
         .collect()
 }
 
-/// Rotary position embedding over the whole head (non-interleaved halves, as in HF checkpoints).
+/// Rotary position embedding over the first `dims` features of each head (all of them but in the
+/// Phi-3 family), in non-interleaved halves as in HF checkpoints.
 #[derive(Clone)]
 pub struct Rope {
     dims: i32,
@@ -123,15 +125,34 @@ pub struct Rope {
     explicit: bool,
     /// Position multiplier (linear scaling: `1 / factor`).
     scale: f32,
+    /// LongRoPE's multiplier of the rotated features: with it, `[D]` multipliers (`dims` of them
+    /// the factor, the rest 1).
+    features: Option<Array>,
 }
 
 impl Rope {
     /// RoPE with base `theta` and optional scaling.
     pub fn new(dims: i32, theta: f32, scaling: Option<&RopeScaling>) -> Result<Self> {
         let divisors = crate::nn::cpu_fast::base_divisors(theta, dims)?;
-        let mut rope = Rope { dims, base: theta, divisors, explicit: false, scale: 1.0 };
+        let mut rope = Rope { dims, base: theta, divisors, explicit: false, scale: 1.0, features: None };
         match scaling {
             Some(RopeScaling::Linear { factor }) => rope.scale = 1.0 / factor,
+            Some(RopeScaling::LongRope { long_factor, attention_factor }) => {
+                let plain = crate::nn::cpu_fast::base_divisors(theta, dims)?.to_vec::<f32>()?;
+                if long_factor.len() != plain.len() {
+                    return Err(crate::Error::Config(format!(
+                        "rope_scaling (longrope): {} long factors for {} rotated pairs",
+                        long_factor.len(),
+                        plain.len()
+                    )));
+                }
+                let d: Vec<f32> = plain.iter().zip(long_factor).map(|(d, f)| d * f).collect();
+                rope.divisors = Array::from_slice(&d, &[d.len() as i32])?;
+                rope.explicit = true;
+                if *attention_factor != 1.0 {
+                    rope.features = Some(Array::from_slice(&[*attention_factor], &[1])?);
+                }
+            }
             Some(s @ RopeScaling::Llama3 { .. }) => {
                 let d = llama3_rope_divisors(dims, theta, s);
                 rope.divisors = Array::from_slice(&d, &[d.len() as i32])?;
@@ -142,9 +163,10 @@ impl Rope {
         Ok(rope)
     }
 
-    /// The model's global RoPE: `rope_theta` with `rope_scaling`, or GGUF frequency factors.
+    /// The model's global RoPE over [`ModelConfig::rotary_dims`]: `rope_theta` with
+    /// `rope_scaling`, or GGUF frequency factors.
     pub fn global(cfg: &ModelConfig) -> Result<Self> {
-        let d = cfg.head_dim();
+        let d = cfg.rotary_dims();
         let Some(factors) = &cfg.rope_freq_factors else {
             return Rope::new(d, cfg.rope_theta, cfg.rope_scaling()?.as_ref());
         };
@@ -155,12 +177,20 @@ impl Rope {
             })
             .collect();
         let divisors = Array::from_slice(&divisors, &[d / 2])?;
-        Ok(Rope { dims: d, base: cfg.rope_theta, divisors, explicit: true, scale: 1.0 })
+        Ok(Rope { dims: d, base: cfg.rope_theta, divisors, explicit: true, scale: 1.0, features: None })
     }
 
     /// Rotates `x: [B, H, L, D]` at positions `offset..offset + L` (per row of `B` for
     /// [`Offset::PerRow`]).
     pub fn apply(&self, x: &Array, offset: &Offset) -> Result<Array> {
+        let scaled;
+        let x = match &self.features {
+            Some(factor) => {
+                scaled = self.scale_rotated(x, factor)?;
+                &scaled
+            }
+            None => x,
+        };
         if crate::nn::cpu_fast::applies(x) && x.ndim() == 4 {
             let positions = offset.positions()?;
             return Ok(crate::nn::cpu_fast::rope(x, self.dims, &self.divisors, self.scale, &positions)?);
@@ -174,6 +204,18 @@ impl Rope {
 }
 
 impl Rope {
+    /// `x` with its first `dims` features of each head multiplied by `factor` (`[1]`).
+    fn scale_rotated(&self, x: &Array, factor: &Array) -> Result<Array> {
+        let d = *x.shape().last().unwrap_or(&0);
+        let factor = factor.astype(x.dtype())?;
+        if d == self.dims {
+            return Ok((x * &factor)?);
+        }
+        let ones = rmlx::ops::ones(&[d - self.dims], x.dtype())?;
+        let features = rmlx::ops::concatenate(&[&factor.broadcast_to(&[self.dims])?, &ones], 0)?;
+        Ok((x * &features)?)
+    }
+
     /// This embedding at `positions` as the CUDA heads kernel takes it, when it rotates whole heads
     /// of `head_dim` (the kernel rotates nothing less).
     pub(crate) fn rotation<'a>(&'a self, head_dim: i32, offset: &'a Offset) -> Option<Rotation<'a>> {
@@ -183,7 +225,7 @@ impl Rope {
 
     /// The divisors and position multiplier, when the rotation covers all `head_dim` features.
     pub(crate) fn whole_head(&self, head_dim: i32) -> Option<(&Array, f32)> {
-        (self.dims == head_dim).then_some((&self.divisors, self.scale))
+        (self.dims == head_dim && self.features.is_none()).then_some((&self.divisors, self.scale))
     }
 }
 

@@ -66,7 +66,7 @@ pub fn no_config(_: MetadataNumber, _: &mut Map<String, Value>) {}
 /// Every architecture the native backend implements. Order matters for
 /// [`ArchitectureSpec::signature_tensor`]: the first match wins.
 pub static ARCHITECTURES: &[&ArchitectureSpec] =
-    &[&super::llama::SPEC, &super::qwen3::SPEC, &super::qwen2::SPEC, &super::gemma3::SPEC];
+    &[&super::llama::SPEC, &super::qwen3::SPEC, &super::qwen2::SPEC, &super::gemma3::SPEC, &super::phi3::SPEC];
 
 /// Parses a `config.json` as the native backend reads it: its `model_type` (else the one its
 /// `architectures` class name implies; a config with neither stays empty and the loader decides
@@ -155,6 +155,7 @@ mod tests {
         assert_eq!(for_model_type("mistral").unwrap().name, "llama");
         assert_eq!(for_hf_class("Qwen3ForCausalLM").unwrap().1, "qwen3");
         assert_eq!(for_gguf("gemma3").unwrap().name, "gemma3");
-        assert!(for_model_type("phi3").is_none());
+        assert_eq!(for_hf_class("Phi3ForCausalLM").unwrap().1, "phi3");
+        assert!(for_model_type("starcoder2").is_none());
     }
 }

@@ -467,6 +467,49 @@ impl Builder {
         v
     }
 
+    /// Splits the checkpoint's fused projection `fused` (`fused.weight`, dense or quantised, and
+    /// `fused.bias` when present) by rows into `parts` (`(prefix, rows)` in order), which the model
+    /// then takes as separate layers: Phi-3's `qkv_proj` becomes `q_proj`, `k_proj` and `v_proj`.
+    /// A fused weight whose rows are not the parts' sum is a [`Error::ShapeMismatch`].
+    pub fn split_rows(&mut self, fused: &str, parts: &[(String, i32)]) -> Result<()> {
+        let total: i32 = parts.iter().map(|(_, rows)| rows).sum();
+        let mut cuts: Vec<i32> =
+            parts.iter().scan(0, |at, (_, rows)| Some(std::mem::replace(at, *at + rows))).collect();
+        cuts.remove(0);
+        let split = |a: &Array| rmlx::ops::split_at(a, &cuts, 0);
+        for suffix in ["weight", "bias"] {
+            let name = format!("{fused}.{suffix}");
+            let Some(w) = self.weights.take_opt(&name) else { continue };
+            let shape = w.shape();
+            if shape.first() != Some(&total) {
+                let mut expected = shape.clone();
+                if let Some(rows) = expected.first_mut() {
+                    *rows = total;
+                }
+                return Err(Error::ShapeMismatch { name, expected, found: shape });
+            }
+            let pieces: Vec<Weight> = match w {
+                Weight::Dense(a) => split(&a)?.into_iter().map(Weight::Dense).collect(),
+                Weight::Quantized(q) => {
+                    let biases = match &q.biases {
+                        Some(b) => split(b)?.into_iter().map(Some).collect(),
+                        None => vec![None; parts.len()],
+                    };
+                    let pieces = split(&q.weight)?.into_iter().zip(split(&q.scales)?).zip(biases);
+                    pieces
+                        .map(|((weight, scales), biases)| {
+                            Weight::Quantized(Quantized { weight, scales, biases, ..q.clone() })
+                        })
+                        .collect()
+                }
+            };
+            for ((prefix, _), piece) in parts.iter().zip(pieces) {
+                self.weights.insert(format!("{prefix}.{suffix}"), piece);
+            }
+        }
+        Ok(())
+    }
+
     /// Takes a tensor, checking its (logical) shape.
     fn take_shaped(&mut self, name: &str, shape: &[i32]) -> Result<Weight> {
         let w = self.weights.take(name)?;
