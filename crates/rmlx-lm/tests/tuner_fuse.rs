@@ -79,7 +79,7 @@ fn fused_dora_gives_mlx_lm_logits() {
 #[test]
 fn quantised_base_is_written_dequantised_and_gemma_norms_round_trip() {
     let ids = [1, 5, 9, 3];
-    for name in ["llama_gqa_q4", "gemma3_text"] {
+    for name in ["llama_gqa_q4", "gemma3_text", "phi3_q4"] {
         let src = fixture_with_tokenizer(name);
         let mut lm = rmlx_lm::loader::load(
             src.path(),
@@ -95,5 +95,15 @@ fn quantised_base_is_written_dequantised_and_gemma_norms_round_trip() {
         assert!(cfg.get("quantization").is_none(), "{name}: the quantization block is gone");
         let d = max_diff(&logits(&load(out.path()), &ids), &before);
         assert!(d < 1e-4, "{name}: fused (no adapter) against the original: {d}");
+        // Written under the checkpoint's own names: Phi-3's fused projections, no split ones.
+        let written = rmlx::io::load_safetensors(out.path().join("model.safetensors")).unwrap().arrays;
+        let original = rmlx::io::load_safetensors(src.path().join("model.safetensors")).unwrap().arrays;
+        let base = |n: &str| n.trim_end_matches(".weight").to_string();
+        let mut names: Vec<String> = written.keys().map(|n| base(n)).collect();
+        let mut expected: Vec<String> =
+            original.keys().filter(|n| !n.ends_with(".scales") && !n.ends_with(".biases")).map(|n| base(n)).collect();
+        names.sort();
+        expected.sort();
+        assert_eq!(names, expected, "{name}");
     }
 }

@@ -9,15 +9,46 @@ use super::spec::ArchitectureSpec;
 use crate::config::{Architecture, ModelConfig};
 use crate::nn::Builder;
 use crate::Result;
+use rmlx::Array;
+use std::collections::BTreeMap;
+
+/// The fused projections of a layer and the ones each is split into, in row order.
+const FUSED: [(&str, &[&str]); 2] = [
+    ("self_attn.qkv_proj", &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+    ("mlp.gate_up_proj", &["mlp.gate_proj", "mlp.up_proj"]),
+];
 
 /// Splits layer `i`'s fused projections into the ones [`llama::Model`] declares.
 fn split_fused(cfg: &ModelConfig, b: &mut Builder, i: usize) -> Result<()> {
-    let (heads, kv, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
-    let p = format!("model.layers.{i}");
-    let attention = [("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)];
-    b.split_rows(&format!("{p}.self_attn.qkv_proj"), &attention.map(|(n, r)| (format!("{p}.self_attn.{n}"), r)))?;
-    let mlp = [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)];
-    b.split_rows(&format!("{p}.mlp.gate_up_proj"), &mlp.map(|(n, r)| (format!("{p}.mlp.{n}"), r)))
+    let (heads, kv, d, m) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.intermediate_size);
+    let [(qkv, attention), (gate_up, mlp)] = FUSED;
+    let rows = [vec![heads * d, kv * d, kv * d], vec![m, m]];
+    for ((fused, parts), rows) in [(qkv, attention), (gate_up, mlp)].into_iter().zip(rows) {
+        let parts: Vec<(String, i32)> =
+            parts.iter().zip(rows).map(|(p, r)| (format!("model.layers.{i}.{p}"), r)).collect();
+        b.split_rows(&format!("model.layers.{i}.{fused}"), &parts)?;
+    }
+    Ok(())
+}
+
+/// The inverse of the split, for writing a checkpoint (`rmlx fuse`): each layer's dense q/k/v and
+/// gate/up weights (and biases) in `tensors` joined again by rows under the fused names, as
+/// transformers and mlx-lm read Phi-3.
+pub fn join_fused(tensors: &mut BTreeMap<String, Array>, layers: usize) -> Result<()> {
+    for i in 0..layers {
+        for (fused, parts) in FUSED {
+            for suffix in ["weight", "bias"] {
+                let names: Vec<String> = parts.iter().map(|p| format!("model.layers.{i}.{p}.{suffix}")).collect();
+                if !names.iter().all(|n| tensors.contains_key(n)) {
+                    continue;
+                }
+                let pieces: Vec<Array> = names.iter().map(|n| tensors.remove(n).expect("checked")).collect();
+                let joined = rmlx::ops::concatenate(&pieces.iter().collect::<Vec<_>>(), 0)?;
+                tensors.insert(format!("model.layers.{i}.{fused}.{suffix}"), joined);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Builds a Phi-3 model from `model.*` / `lm_head.*` tensors (fused or already split).

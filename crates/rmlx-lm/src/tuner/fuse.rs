@@ -4,7 +4,8 @@
 //! transformers load.
 //!
 //! A quantised base is written dequantised (the `quantization` entries leave the config), in the
-//! model's compute dtype. Gemma's norms go back to the checkpoint's `w` (rmlx keeps `1 + w`).
+//! model's compute dtype. Gemma's norms go back to the checkpoint's `w` (rmlx keeps `1 + w`), and
+//! Phi-3's projections are joined again under its fused names.
 
 use crate::config::Architecture;
 use crate::nn::Role;
@@ -92,6 +93,10 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
         };
         out.insert(name, dequantize(&q, Some(scales.dtype()))?);
         quantized = true;
+    }
+    // Phi-3's checkpoints keep q/k/v and gate/up fused; rmlx splits them at load.
+    if crate::models::spec::of(lm.model.config())?.architecture == Architecture::Phi3 {
+        crate::models::phi3::join_fused(&mut out, lm.model.config().num_hidden_layers)?;
     }
     Ok((out, adapted.len(), quantized))
 }
