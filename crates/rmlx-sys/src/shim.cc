@@ -673,15 +673,18 @@ uint64_t graph_signature(const ArrayVec& outputs) {
   auto reference = [&](const mx::array& a) {
     bool pending = a.has_primitive() && !a.is_available();
     std::uintptr_t key = pending ? group_of(a) : a.id();
+    // Which output of its operation the input is.
+    uint64_t position = pending ? static_cast<uint64_t>(a.sibling_position()) : 0;
     auto it = numbers.find(key);
     if (it != numbers.end()) {
       mix(it->second);
-      mix(a.has_primitive() ? static_cast<uint64_t>(a.sibling_position()) : 0);
+      mix(position);
       return false;
     }
     uint64_t n = numbers.size();
     numbers.emplace(key, n);
     mix(n);
+    mix(position);
     if (!pending) {
       mix_layout(a);
       return false;

@@ -125,8 +125,8 @@ pub struct Rope {
     explicit: bool,
     /// Position multiplier (linear scaling: `1 / factor`).
     scale: f32,
-    /// LongRoPE's multiplier of the rotated features: with it, `[D]` multipliers (`dims` of them
-    /// the factor, the rest 1).
+    /// LongRoPE's attention factor (`[1]`), multiplying the `dims` rotated features of each head
+    /// before they turn.
     features: Option<Array>,
 }
 
@@ -138,7 +138,7 @@ impl Rope {
         match scaling {
             Some(RopeScaling::Linear { factor }) => rope.scale = 1.0 / factor,
             Some(RopeScaling::LongRope { long_factor, attention_factor }) => {
-                let plain = crate::nn::cpu_fast::base_divisors(theta, dims)?.to_vec::<f32>()?;
+                let plain = rope.divisors.to_vec::<f32>()?;
                 if long_factor.len() != plain.len() {
                     return Err(crate::Error::Config(format!(
                         "rope_scaling (longrope): {} long factors for {} rotated pairs",

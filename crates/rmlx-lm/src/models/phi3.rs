@@ -21,9 +21,8 @@ const FUSED: [(&str, &[&str]); 2] = [
 /// Splits layer `i`'s fused projections into the ones [`llama::Model`] declares.
 fn split_fused(cfg: &ModelConfig, b: &mut Builder, i: usize) -> Result<()> {
     let (heads, kv, d, m) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.intermediate_size);
-    let [(qkv, attention), (gate_up, mlp)] = FUSED;
     let rows = [vec![heads * d, kv * d, kv * d], vec![m, m]];
-    for ((fused, parts), rows) in [(qkv, attention), (gate_up, mlp)].into_iter().zip(rows) {
+    for ((fused, parts), rows) in FUSED.into_iter().zip(rows) {
         let parts: Vec<(String, i32)> =
             parts.iter().zip(rows).map(|(p, r)| (format!("model.layers.{i}.{p}"), r)).collect();
         b.split_rows(&format!("model.layers.{i}.{fused}"), &parts)?;
