@@ -402,6 +402,47 @@ FAMILIES = [
         "config in transformers-5 layout (rope_parameters, dtype)",
     },
     {
+        "name": "gemma2",
+        "base_seed": 9000,
+        "dtype": "float32",
+        "layout": "single",
+        # transformers 4.x writes the Hub layout itself
+        "legacy_config": False,
+        # Gemma 2's Hub configs have no layer_types: transformers alternates, layer 0 sliding
+        "drop_layer_types": True,
+        "norm_style": "gemma",
+        "logit_scale": 8.0,
+        "config": dict(
+            model_type="gemma2",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            # small caps, so that random weights reach them: the scores are capped at 5, the
+            # logits at 10 (Gemma 2's own are 50 and 30)
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            initializer_range=0.05,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=2,
+        ),
+        "covers": "gemma2; attention soft-capping 5 and final logit soft-capping 10 (both reached); "
+        "sliding_window 8 < 24-token prompt on layers 0 and 2 (transformers' default alternation, no "
+        "layer_types in config.json); query_pre_attn_scalar 24 != head_dim 16; no q/k norms; (1+w) "
+        "norms; tied; float32",
+    },
+    {
         "name": "gemma3_text",
         "base_seed": 6000,
         "dtype": "float32",
@@ -1398,18 +1439,24 @@ def write_readme() -> None:
         "",
     ]
     lines += mlx_lm_lines()
-    # scripts/make_mlx_lm_fixture.py makes this one; its description lives here so the README keeps it
+    # scripts/make_mlx_lm_fixture.py makes these; their description lives here so the README keeps it
     lines += [
         "",
-        '## `phi3_mlx_lm` (not from `make_fixtures.py`)',
+        '## `phi3_mlx_lm` and `starcoder2_mlx_lm` (not from `make_fixtures.py`)',
         '',
-        'A `phi3` checkpoint (fused `qkv_proj` / `gate_up_proj`, partial rotary factor 0.5; hidden 32, 4',
-        "query / 2 KV heads, 2 layers, vocabulary 512, untied, float32, 207 KB) for the mlx-lm backend's",
-        'tests: an architecture rmlx does not implement, so it runs only through the mlx-lm bridge. Made by',
-        '`scripts/make_mlx_lm_fixture.py` with mlx-lm 0.32.2 (deterministic; seed 3 is the first whose greedy',
+        "Checkpoints whose weights are drawn for mlx-lm's own model classes by",
+        '`scripts/make_mlx_lm_fixture.py` with mlx-lm 0.32.2 (deterministic: the first seed whose greedy',
         'continuation of `t1 t2 t3` keeps a top-1/top-2 margin of at least 0.1 for 16 tokens, without EOS).',
-        "There is no `reference.json`: the tests compare with mlx-lm's own greedy ids,",
-        '`[381, 446, 277, 94, 168, 511, 488, 381]` for `t1 t2 t3`.',
+        "There is no `reference.json`: the tests compare with mlx-lm's own greedy ids. Both: hidden 32,",
+        '4 query / 2 KV heads, 2 layers, vocabulary 512, untied, float32.',
+        '',
+        '- `phi3_mlx_lm` (`--arch phi3 --seed 3`, 207 KB): fused `qkv_proj` / `gate_up_proj`, partial rotary',
+        '  factor 0.5. rmlx implements Phi-3 natively; `tests/models.rs` checks its greedy ids against',
+        "  mlx-lm's, `[381, 446, 277, 94, 168, 511, 488, 381, 420, 228, 258, 499, 293, 86, 276, 182]`",
+        '  (margins at least 0.234).',
+        '- `starcoder2_mlx_lm` (`--arch starcoder2`, seed 59, 195 KB): an architecture rmlx does not',
+        "  implement, so it runs only through the mlx-lm bridge (the backend tests). mlx-lm's greedy ids:",
+        '  `[58, 161, 458, 353, 74, 94, 300, 92, ...]` (margins at least 0.142).',
         "",
     ]
     (MODELS_DIR / "README.md").write_text("\n".join(lines))

@@ -23,6 +23,9 @@ pub enum Architecture {
     /// Phi-3 / Phi-3.5 / Phi-4-mini: fused q/k/v and gate/up projections, partial rotary
     /// embedding, LongRoPE.
     Phi3,
+    /// Gemma 2: Gemma 3's blocks without q/k norms, with attention and final logit soft-capping,
+    /// sliding and global layers alternating.
+    Gemma2,
 }
 
 /// `rope_scaling`, the variants rmlx implements.
@@ -84,6 +87,9 @@ pub struct ModelConfig {
     pub query_pre_attn_scalar: Option<f32>,
     #[serde(default)]
     pub final_logit_softcapping: Option<f32>,
+    /// Gemma 2: the attention scores become `cap · tanh(s / cap)` before the softmax.
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f32>,
     #[serde(default)]
     pub eos_token_id: Option<Value>,
     #[serde(default)]
@@ -119,6 +125,11 @@ const GEMMA3_DEFAULTS: &str = r#"{"vocab_size": 262208, "hidden_size": 2304, "in
  "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
  "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
  "tie_word_embeddings": true, "max_position_embeddings": 131072}"#;
+
+/// Gemma 2 defaults (transformers' `Gemma2Config`), for the fields real checkpoints omit.
+const GEMMA2_DEFAULTS: &str = r#"{"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+ "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
+ "rope_theta": 10000.0, "tie_word_embeddings": true}"#;
 
 impl ModelConfig {
     /// Parses a `config.json` text. A `gemma3` (multimodal) config contributes its `text_config`.
@@ -164,6 +175,15 @@ impl ModelConfig {
                 if top.get(key).is_some_and(Value::is_null) {
                     top.remove(key);
                 }
+            }
+        }
+        if model_type == "gemma2" {
+            // transformers' Gemma2Config, for the fields a config leaves out (an explicit `null`
+            // cap means no capping there).
+            let defaults: serde_json::Map<String, Value> =
+                serde_json::from_str(GEMMA2_DEFAULTS).expect("valid defaults");
+            for (k, v) in defaults {
+                top.entry(k).or_insert(v);
             }
         }
         if model_type == "mistral" && !top.contains_key("sliding_window") {
@@ -343,6 +363,7 @@ impl ModelConfig {
     /// family's transformers class:
     /// - Gemma 3: [`ModelConfig::is_sliding`];
     /// - Mistral and Phi-3: every layer, unless `layer_types` names the sliding ones;
+    /// - Gemma 2: those `layer_types` names, else every other layer from the first;
     /// - Qwen 2/3: none unless `use_sliding_window`, then those `layer_types` names, else the
     ///   layers from `max_window_layers` (default 28) on;
     /// - Llama: those `layer_types` names (as mlx-lm's llama; transformers' has no window). A window
@@ -353,6 +374,7 @@ impl ModelConfig {
         let sliding = match self.model_type.as_str() {
             "gemma3" | "gemma3_text" => self.is_sliding(i),
             "mistral" | "phi3" => listed(i).unwrap_or(true),
+            "gemma2" => listed(i).unwrap_or(i.is_multiple_of(2)),
             "qwen2" | "qwen3" => {
                 self.use_sliding_window == Some(true) && listed(i).unwrap_or(i >= self.max_window_layers.unwrap_or(28))
             }

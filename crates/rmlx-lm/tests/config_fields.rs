@@ -26,6 +26,10 @@ fn which_layers_slide() {
     assert_eq!(windows(&config("mistral", json!({})).unwrap()), vec![Some(4096); 4]);
     assert_eq!(windows(&config("mistral", json!({"sliding_window": null})).unwrap()), vec![None; 4]);
     assert_eq!(windows(&config("mistral", json!({"sliding_window": 8})).unwrap()), vec![Some(8); 4]);
+    // Gemma 2: every other layer from the first (transformers' default), else as layer_types says;
+    // transformers' window of 4096 when the key is absent.
+    assert_eq!(windows(&config("gemma2", json!({"sliding_window": 8})).unwrap()), [Some(8), None, Some(8), None]);
+    assert_eq!(windows(&config("gemma2", json!({})).unwrap()), [Some(4096), None, Some(4096), None]);
     // Qwen 2/3: only with use_sliding_window, from max_window_layers (default 28) on.
     let qwen = |extra| windows(&config("qwen2", extra).unwrap());
     assert_eq!(qwen(json!({"sliding_window": 8})), vec![None; 4]);
@@ -72,6 +76,7 @@ fn fields_a_family_does_not_implement_are_refused_by_name() {
         ("llama", json!({"mlp_bias": false, "partial_rotary_factor": 1.0, "hidden_act": "silu"})),
         ("qwen3", json!({"attn_logit_softcapping": null, "final_logit_softcapping": null})),
         ("gemma3_text", json!({"hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0})),
+        ("gemma2", json!({"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})),
     ];
     for (model_type, extra) in accepted {
         config(model_type, extra.clone()).unwrap_or_else(|e| panic!("{model_type} {extra}: {e}"));

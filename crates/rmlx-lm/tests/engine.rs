@@ -170,7 +170,7 @@ fn seeded_sampling_is_the_same_alone_or_in_a_batch() {
 
 #[test]
 fn sliding_window_layers_in_a_batch() {
-    for name in ["gemma3_text", "mistral_window"] {
+    for name in ["gemma3_text", "mistral_window", "gemma2", "phi3"] {
         sliding_window_layers_in_a_batch_of(name);
     }
 }

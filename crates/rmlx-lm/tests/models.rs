@@ -133,6 +133,13 @@ fn gemma3_sliding_window_shorter_than_prompt() {
     check("gemma3_text");
 }
 
+/// Gemma 2: attention scores capped at 5 and logits at 10 (both reached by the fixture's weights),
+/// layers 0 and 2 sliding by transformers' default alternation, no q/k norms.
+#[test]
+fn gemma2_softcapped_attention_and_logits_alternating_windows() {
+    check("gemma2");
+}
+
 #[test]
 fn gemma3_sliding_window_pattern() {
     check("gemma3_text_pattern");
@@ -212,6 +219,7 @@ fn the_three_parameter_walks_agree_on_every_family() {
         "qwen3_q4",
         "gemma3_text",
         "phi3_q4",
+        "gemma2",
     ] {
         let dir = fixture_with_tokenizer(name);
         let mut lm = load(dir.path(), Dtype::Float32);

@@ -79,7 +79,7 @@ fn fused_dora_gives_mlx_lm_logits() {
 #[test]
 fn quantised_base_is_written_dequantised_and_gemma_norms_round_trip() {
     let ids = [1, 5, 9, 3];
-    for name in ["llama_gqa_q4", "gemma3_text", "phi3_q4"] {
+    for name in ["llama_gqa_q4", "gemma3_text", "phi3_q4", "gemma2"] {
         let src = fixture_with_tokenizer(name);
         let mut lm = rmlx_lm::loader::load(
             src.path(),

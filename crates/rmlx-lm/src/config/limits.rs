@@ -46,6 +46,7 @@ const FIELDS: &[(&str, Kind)] = &[
     ("rope_local_base_freq", Kind::AtLeastOne),
     ("query_pre_attn_scalar", Kind::Positive),
     ("final_logit_softcapping", Kind::Positive),
+    ("attn_logit_softcapping", Kind::Positive),
     ("tie_word_embeddings", Kind::Bool),
     ("attention_bias", Kind::Bool),
     ("model_type", Kind::Str),

@@ -23,8 +23,8 @@ fn null(v: &Value) -> bool {
 const FIELDS: &[(&str, Neutral, &[&str])] = &[
     ("mlp_bias", null_or_false, &[]),
     ("partial_rotary_factor", null_or_one, &["phi3"]),
-    ("attn_logit_softcapping", null, &[]),
-    ("final_logit_softcapping", null, &["gemma3", "gemma3_text"]),
+    ("attn_logit_softcapping", null, &["gemma2"]),
+    ("final_logit_softcapping", null, &["gemma3", "gemma3_text", "gemma2"]),
     ("use_bidirectional_attention", null_or_false, &[]),
 ];
 
@@ -32,7 +32,9 @@ const FIELDS: &[(&str, Neutral, &[&str])] = &[
 fn activation(model_type: &str) -> (&'static [&'static str], &'static [&'static str]) {
     match model_type {
         // transformers' Gemma 3 reads `hidden_activation`; GELU's tanh approximation either way.
-        "gemma3" | "gemma3_text" => (&["hidden_activation", "hidden_act"], &["gelu_pytorch_tanh", "gelu_new"]),
+        "gemma3" | "gemma3_text" | "gemma2" => {
+            (&["hidden_activation", "hidden_act"], &["gelu_pytorch_tanh", "gelu_new"])
+        }
         _ => (&["hidden_act"], &["silu", "swish"]),
     }
 }

@@ -1,4 +1,4 @@
-//! Grouped-query self-attention as all four architectures use it: q/k/v projections (optionally
+//! Grouped-query self-attention as every architecture uses it: q/k/v projections (optionally
 //! biased), optional RMSNorm on every query and key head, rotary embeddings, the cached attention
 //! call and the output projection. What differs per architecture is an [`AttentionSpec`].
 
@@ -23,6 +23,8 @@ pub struct AttentionSpec {
     pub scale: f32,
     /// The rotary embedding of this layer.
     pub rope: Rope,
+    /// Gemma 2's soft-capping of the attention scores (`cap · tanh(s / cap)`).
+    pub logit_softcap: Option<f32>,
 }
 
 /// Multi-head attention with `kv_heads` key/value heads shared by groups of query heads.
@@ -41,6 +43,7 @@ pub struct Attention {
     head_dim: i32,
     scale: f32,
     rope: Rope,
+    logit_softcap: Option<f32>,
 }
 
 impl Attention {
@@ -70,6 +73,7 @@ impl Attention {
             head_dim: d,
             scale: spec.scale,
             rope: spec.rope,
+            logit_softcap: spec.logit_softcap,
         })
     }
 
@@ -82,13 +86,13 @@ impl Attention {
             Some(s) => s.forward_normed(&group, x, norm)?,
             None => None,
         };
-        if let Some(y) = &stacked {
+        if let (Some(y), None) = (&stacked, self.logit_softcap) {
             if let Some(attention) = self.decode_attention(y, batch, &offset, cache)? {
                 return merge_heads(&attention);
             }
         }
         let [q, k, v] = self.heads(stacked, x, norm, batch, &offset)?;
-        merge_heads(&cached_attention(&q, &k, &v, cache, self.scale)?)
+        merge_heads(&cached_attention(&q, &k, &v, cache, self.scale, self.logit_softcap)?)
     }
 
     /// The output projection, which a block may fuse with what follows
@@ -135,6 +139,9 @@ impl Attention {
     /// What the fused CPU decoding step reads of this layer (see [`crate::nn::cpu_layer`]): q, k
     /// and v stacked and packed, the output projection packed, none of them adapted.
     pub(crate) fn packed_parts(&self) -> Option<AttentionParts<'_>> {
+        if self.logit_softcap.is_some() {
+            return None;
+        }
         let qkv = self.qkv.as_ref()?.intact(&[&self.q_proj, &self.k_proj, &self.v_proj])?.packed()?;
         let head_norms = match (&self.q_norm, &self.k_norm) {
             (Some(q), Some(k)) => Some((q, k)),

@@ -68,6 +68,7 @@ fn attention_spec(cfg: &ModelConfig, sliding: bool) -> Result<AttentionSpec> {
         qk_norm: Some(true),
         scale: cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim() as f32).powf(-0.5),
         rope,
+        logit_softcap: None,
     })
 }
 
@@ -83,7 +84,7 @@ pub struct Block {
 }
 
 impl Block {
-    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, sliding: bool) -> Result<Self> {
+    fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, attention: AttentionSpec) -> Result<Self> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let mut norm = |name: &str| b.rms_norm(&format!("{p}.{name}"), h, eps, true);
         let (input_layernorm, post_attention_layernorm) = (norm("input_layernorm")?, norm("post_attention_layernorm")?);
@@ -91,7 +92,7 @@ impl Block {
             (norm("pre_feedforward_layernorm")?, norm("post_feedforward_layernorm")?);
         Ok(Self {
             input_layernorm,
-            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"), attention_spec(cfg, sliding)?)?,
+            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"), attention)?,
             post_attention_layernorm,
             pre_feedforward_layernorm,
             mlp: GatedMlp::load(b, &format!("{p}.mlp"), h, cfg.intermediate_size, true)?,
@@ -130,8 +131,18 @@ impl Model {
         if (0..cfg.num_hidden_layers).any(|i| cfg.is_sliding(i)) && cfg.sliding_window.is_none() {
             return Err(Error::Config("gemma3 has sliding layers but no `sliding_window`".into()));
         }
+        Self::load_with(cfg, b, |cfg, i| attention_spec(cfg, cfg.is_sliding(i)))
+    }
+
+    /// Builds the model with layer `i`'s attention as `spec(cfg, i)` describes it (the Gemma
+    /// variants: Gemma 2's has no q/k norms, one RoPE and capped scores).
+    pub fn load_with(
+        cfg: &ModelConfig,
+        b: &mut Builder,
+        spec: fn(&ModelConfig, usize) -> Result<AttentionSpec>,
+    ) -> Result<Self> {
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), cfg.is_sliding(i)))
+            .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), spec(cfg, i)?))
             .collect::<Result<_>>()?;
         // transformers rounds the scale to the weights' dtype before multiplying.
         let embed_scale = Array::scalar_as((cfg.hidden_size as f64).sqrt(), b.dtype)?;

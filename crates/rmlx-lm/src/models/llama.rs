@@ -23,6 +23,7 @@ pub fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
         qk_norm: None,
         scale: (cfg.head_dim() as f32).powf(-0.5),
         rope: Rope::global(cfg)?,
+        logit_softcap: None,
     })
 }
 

@@ -2,6 +2,7 @@
 //! and the cached attention call.
 
 pub mod attention;
+pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
 pub mod phi3;
@@ -280,8 +281,19 @@ pub(crate) fn token_grid(ids: &Array) -> Result<(i32, i32)> {
 }
 
 /// Writes `k, v` (`[B, Hkv, L, D]`, already rotated) into `cache` and attends `q` over everything
-/// visible: `[B, Hq, L, D]`.
-pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCache, scale: f32) -> Result<Array> {
+/// visible: `[B, Hq, L, D]`; with `softcap`, the scores soft-capped first (Gemma 2).
+pub(crate) fn cached_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    cache: &mut KvCache,
+    scale: f32,
+    softcap: Option<f32>,
+) -> Result<Array> {
+    if let Some(cap) = softcap {
+        let (keys, values, mask) = cache.update(k, v)?;
+        return softcapped_attention(q, &keys, &values, scale, cap, &mask);
+    }
     if let KvCache::Standard(c) = cache {
         // On the CPU: causal attention over the cache's buffers in one primitive.
         if q.ndim() == 4 && q.shape()[2] > 0 && crate::nn::cpu_fast::applies(q) {
@@ -296,6 +308,50 @@ pub(crate) fn cached_attention(q: &Array, k: &Array, v: &Array, cache: &mut KvCa
     }
     let (keys, values, mask) = cache.update(k, v)?;
     Ok(fast::scaled_dot_product_attention(q, &keys, &values, scale, mask.as_attention())?)
+}
+
+/// `softmax(cap · tanh(q kᵀ · scale / cap), visible) v` for `q: [B, Hq, L, D]` and `keys, values:
+/// [B, Hkv, K, D]`, as transformers' eager Gemma 2 attention computes it (scores, cap and softmax in
+/// float32): MLX's fused attention has no cap, so the scores are made explicitly, each group of
+/// query heads against its key/value head.
+pub(crate) fn softcapped_attention(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    cap: f32,
+    mask: &crate::cache::Mask,
+) -> Result<Array> {
+    use crate::cache::Mask;
+    let (&[b, hq, l, d], &[_, hkv, k, _]) = (q.shape(), keys.shape()) else {
+        return Err(crate::Error::InvalidParameter(format!(
+            "attention takes [B, H, L, D] heads, not {:?} and {:?}",
+            q.shape(),
+            keys.shape()
+        )));
+    };
+    let q = q.astype(Dtype::Float32)?.reshape(&[b, hkv, hq / hkv, l, d])?;
+    let keys = keys.astype(Dtype::Float32)?.expand_dims(2)?;
+    let scores = (q.matmul(&keys.swapaxes(-1, -2)?)? * scale)?;
+    let scores = ((scores / cap)?.tanh()? * cap)?;
+    let visible = match mask {
+        Mask::None => None,
+        Mask::Causal => {
+            let key = rmlx::ops::arange(0.0, k as f64, 1.0, Dtype::Int32)?.reshape(&[1, k])?;
+            let last = rmlx::ops::arange((k - l) as f64, k as f64, 1.0, Dtype::Int32)?.reshape(&[l, 1])?;
+            Some(key.less_equal(&last)?)
+        }
+        // `[L, K]`, or `[B, 1, L, K]` from a batch cache: one more axis for the query groups.
+        Mask::Array(m) if m.ndim() == 4 => Some(m.expand_dims(2)?),
+        Mask::Array(m) => Some(m.clone()),
+    };
+    let scores = match visible {
+        Some(v) => rmlx::ops::r#where(&v, &scores, &Array::scalar(f32::NEG_INFINITY))?,
+        None => scores,
+    };
+    let weights = rmlx::ops::softmax(&scores, -1, true)?.astype(values.dtype())?;
+    let out = weights.matmul(&values.expand_dims(2)?)?;
+    Ok(out.reshape(&[b, hq, l, d])?)
 }
 
 /// `cap · tanh(x / cap)`, computed in float32.

@@ -65,8 +65,14 @@ pub fn no_config(_: MetadataNumber, _: &mut Map<String, Value>) {}
 
 /// Every architecture the native backend implements. Order matters for
 /// [`ArchitectureSpec::signature_tensor`]: the first match wins.
-pub static ARCHITECTURES: &[&ArchitectureSpec] =
-    &[&super::llama::SPEC, &super::qwen3::SPEC, &super::qwen2::SPEC, &super::gemma3::SPEC, &super::phi3::SPEC];
+pub static ARCHITECTURES: &[&ArchitectureSpec] = &[
+    &super::llama::SPEC,
+    &super::qwen3::SPEC,
+    &super::qwen2::SPEC,
+    &super::gemma3::SPEC,
+    &super::gemma2::SPEC,
+    &super::phi3::SPEC,
+];
 
 /// Parses a `config.json` as the native backend reads it: its `model_type` (else the one its
 /// `architectures` class name implies; a config with neither stays empty and the loader decides

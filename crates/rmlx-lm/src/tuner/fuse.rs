@@ -55,7 +55,8 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
     if let Some(e) = failure {
         return Err(e);
     }
-    let gemma = crate::models::spec::of(lm.model.config())?.architecture == Architecture::Gemma3;
+    let gemma =
+        matches!(crate::models::spec::of(lm.model.config())?.architecture, Architecture::Gemma3 | Architecture::Gemma2);
     let mut params = Vec::new();
     lm.model.visit("", &mut |name, role, a| params.push((name.to_string(), role, a.clone())));
     let mut out = BTreeMap::new();
