@@ -437,6 +437,7 @@ FAMILIES = [
             eos_token_id=1,
             bos_token_id=2,
         ),
+        "quantised": {"name": "gemma2_q4", "dtype": "float32", "legacy_config": False, "drop_layer_types": True},
         "covers": "gemma2; attention soft-capping 5 and final logit soft-capping 10 (both reached); "
         "sliding_window 8 < 24-token prompt on layers 0 and 2 (transformers' default alternation, no "
         "layer_types in config.json); query_pre_attn_scalar 24 != head_dim 16; no q/k norms; (1+w) "

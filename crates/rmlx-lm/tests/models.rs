@@ -140,6 +140,12 @@ fn gemma2_softcapped_attention_and_logits_alternating_windows() {
     check("gemma2");
 }
 
+/// Gemma 2 quantised (MLX affine 4-bit, the embedding and one down projection 8-bit).
+#[test]
+fn gemma2_mlx_quantized() {
+    check("gemma2_q4");
+}
+
 #[test]
 fn gemma3_sliding_window_pattern() {
     check("gemma3_text_pattern");
