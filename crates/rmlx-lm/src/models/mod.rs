@@ -126,13 +126,14 @@ pub struct Rope {
     explicit: bool,
     /// Position multiplier (linear scaling: `1 / factor`).
     scale: f32,
-    /// LongRoPE's attention factor (`[1]`), multiplying the `dims` rotated features of each head
-    /// before they turn.
+    /// LongRoPE's attention factor multiplying the `dims` rotated features of each head before
+    /// they turn: `[1]` when they are the whole head, else `[head_dim]` (the factor, then ones).
     features: Option<Array>,
 }
 
 impl Rope {
-    /// RoPE with base `theta` and optional scaling.
+    /// RoPE with base `theta` and optional scaling (LongRoPE's attention factor over whole heads;
+    /// [`Rope::global`] builds it for part of a head too).
     pub fn new(dims: i32, theta: f32, scaling: Option<&RopeScaling>) -> Result<Self> {
         let divisors = crate::nn::cpu_fast::base_divisors(theta, dims)?;
         let mut rope = Rope { dims, base: theta, divisors, explicit: false, scale: 1.0, features: None };
@@ -169,7 +170,12 @@ impl Rope {
     pub fn global(cfg: &ModelConfig) -> Result<Self> {
         let d = cfg.rotary_dims();
         let Some(factors) = &cfg.rope_freq_factors else {
-            return Rope::new(d, cfg.rope_theta, cfg.rope_scaling()?.as_ref());
+            let mut rope = Rope::new(d, cfg.rope_theta, cfg.rope_scaling()?.as_ref())?;
+            if let (Some(factor), true) = (&rope.features, d < cfg.head_dim()) {
+                let ones = rmlx::ops::ones(&[cfg.head_dim() - d], Dtype::Float32)?;
+                rope.features = Some(rmlx::ops::concatenate(&[&factor.broadcast_to(&[d])?, &ones], 0)?);
+            }
+            return Ok(rope);
         };
         let divisors: Vec<f32> = (0..d / 2)
             .map(|i| {
@@ -186,8 +192,15 @@ impl Rope {
     pub fn apply(&self, x: &Array, offset: &Offset) -> Result<Array> {
         let scaled;
         let x = match &self.features {
-            Some(factor) => {
-                scaled = self.scale_rotated(x, factor)?;
+            Some(features) => {
+                let head = x.shape().last().copied().unwrap_or(0);
+                if features.size() == 1 && head != self.dims {
+                    return Err(crate::Error::InvalidParameter(format!(
+                        "LongRoPE over {} of a head's {head} features: build it with Rope::global",
+                        self.dims
+                    )));
+                }
+                scaled = (x * &features.astype(x.dtype())?)?;
                 &scaled
             }
             None => x,
@@ -205,18 +218,6 @@ impl Rope {
 }
 
 impl Rope {
-    /// `x` with its first `dims` features of each head multiplied by `factor` (`[1]`).
-    fn scale_rotated(&self, x: &Array, factor: &Array) -> Result<Array> {
-        let d = *x.shape().last().unwrap_or(&0);
-        let factor = factor.astype(x.dtype())?;
-        if d == self.dims {
-            return Ok((x * &factor)?);
-        }
-        let ones = rmlx::ops::ones(&[d - self.dims], x.dtype())?;
-        let features = rmlx::ops::concatenate(&[&factor.broadcast_to(&[self.dims])?, &ones], 0)?;
-        Ok((x * &features)?)
-    }
-
     /// This embedding at `positions` as the CUDA heads kernel takes it, when it rotates whole heads
     /// of `head_dim` (the kernel rotates nothing less).
     pub(crate) fn rotation<'a>(&'a self, head_dim: i32, offset: &'a Offset) -> Option<Rotation<'a>> {
@@ -333,7 +334,7 @@ pub(crate) fn softcapped_attention(
     let q = q.astype(Dtype::Float32)?.reshape(&[b, hkv, hq / hkv, l, d])?;
     let keys = keys.astype(Dtype::Float32)?.expand_dims(2)?;
     let scores = (q.matmul(&keys.swapaxes(-1, -2)?)? * scale)?;
-    let scores = ((scores / cap)?.tanh()? * cap)?;
+    let scores = softcap(&scores, cap)?;
     let visible = match mask {
         Mask::None => None,
         Mask::Causal => {

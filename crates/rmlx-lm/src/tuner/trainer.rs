@@ -339,8 +339,7 @@ pub fn train(
             // Every array handed to the evaluation comes in this order, never a hash map's: the
             // step's operations then run in the same order every iteration, which MLX's CUDA
             // backend needs to reuse the step's CUDA graphs instead of instantiating new ones.
-            let mut names: Vec<&String> = new.keys().collect();
-            names.sort_by_key(|n| (block_of(n), n.as_str()));
+            let names = in_block_order(&new);
             // Whether every updated parameter is finite: one boolean, evaluated with the step.
             let finite = all_finite(names.iter().map(|n| &new[*n]), FINITE_RUN)?;
             to_eval.extend(finite.clone());
@@ -361,9 +360,7 @@ pub fn train(
             }
         } else {
             // In the parameters' order, as above: the same operations in the same order each time.
-            let mut names: Vec<&String> = grads.keys().collect();
-            names.sort_by_key(|n| (block_of(n), n.as_str()));
-            to_eval.extend(names.into_iter().map(|n| grads[n].clone()));
+            to_eval.extend(in_block_order(&grads).into_iter().map(|n| grads[n].clone()));
             timed_eval(&to_eval, built, it)?;
             finite_step(&step.loss, None, it)?;
             accumulated = Some(grads);
@@ -543,9 +540,13 @@ fn lora_compute_dtype(model: &dyn Model, trainable: &[String]) -> Option<rmlx::D
     (activations != factor).then_some(activations)
 }
 
-/// The block index in a parameter's name (`model.layers.3.…` → 3); names outside blocks last.
-fn block_of(name: &str) -> usize {
-    crate::models::block_path(name).map_or(usize::MAX, |(i, _)| i)
+/// The names of `params` from the first block to the last (by the block index in a name,
+/// `model.layers.3.…` → 3; names outside blocks last), then by name.
+fn in_block_order(params: &HashMap<String, Array>) -> Vec<&String> {
+    let block_of = |name: &str| crate::models::block_path(name).map_or(usize::MAX, |(i, _)| i);
+    let mut names: Vec<&String> = params.keys().collect();
+    names.sort_by_key(|n| (block_of(n), n.as_str()));
+    names
 }
 
 #[cfg(test)]
