@@ -106,25 +106,46 @@ impl Lora {
 
     /// `scale · (dropout(x) A) B`, in `x`'s dtype.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let dropped;
-        let x = if self.dropout > 0.0 && training() {
-            let draw = random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, next_dropout_key()?.as_ref())?;
-            let keep = ops::greater_equal(&draw, &Array::scalar(self.dropout))?.astype(x.dtype())?;
-            dropped = (x * (keep * (1.0 / (1.0 - self.dropout)))?)?;
-            &dropped
-        } else {
-            x
-        };
-        // In the activations' dtype (the float32 factors cast down, as PEFT under autocast and
-        // QLoRA compute): promoting `x` instead would keep a float32 copy of every adapted input
-        // for the backward pass (1.4 GB at llama3.2-1b's 16 blocks, batch 4 × 416).
-        let (a, b) = (self.a.astype(x.dtype())?, self.b.astype(x.dtype())?);
+        let x = self.dropped(x)?;
+        let (a, b) = self.factors(x.dtype())?;
         // As one matrix of rows: MLX would flatten and unflatten around each product otherwise.
         let rows = x.reshape(&[-1, self.a.shape()[0]])?;
         let mut shape = x.shape().to_vec();
         *shape.last_mut().expect("an input has a last axis") = self.b.shape()[1];
         let z = rows.matmul(&a)?.matmul(&b)?.reshape(&shape)?;
         Ok((z * self.scale)?.astype(x.dtype())?)
+    }
+
+    /// `y + scale · (dropout(x) A) B`, `y` the base layer's output for `x`. In training on MLX's
+    /// CUDA backend the branch and its gradient are rmlx's kernels (`cuda_lora`: two operations
+    /// of MLX's graph instead of six products and their element-wise work); elsewhere, and for
+    /// what they do not take, [`Lora::forward`] added to `y`.
+    pub fn add_to(&self, y: &Array, x: &Array) -> Result<Array> {
+        if training() && y.dtype() == x.dtype() {
+            let dropped = self.dropped(x)?;
+            let (a, b) = self.factors(x.dtype())?;
+            if let Some(sum) = super::cuda_lora::lora_add(y, &dropped, &a, &b, self.scale)? {
+                return Ok(sum);
+            }
+        }
+        Ok((y + self.forward(x)?)?)
+    }
+
+    /// `x` with this adapter's dropout applied in training (the same draw whichever path uses it).
+    fn dropped(&self, x: &Array) -> Result<Array> {
+        if self.dropout > 0.0 && training() {
+            let draw = random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, next_dropout_key()?.as_ref())?;
+            let keep = ops::greater_equal(&draw, &Array::scalar(self.dropout))?.astype(x.dtype())?;
+            return Ok((x * (keep * (1.0 / (1.0 - self.dropout)))?)?);
+        }
+        Ok(x.clone())
+    }
+
+    /// The factors in the activations' dtype (the float32 factors cast down, as PEFT under
+    /// autocast and QLoRA compute): promoting `x` instead would keep a float32 copy of every
+    /// adapted input for the backward pass (1.4 GB at llama3.2-1b's 16 blocks, batch 4 × 416).
+    fn factors(&self, dtype: Dtype) -> Result<(Array, Array)> {
+        Ok((self.a.astype(dtype)?, self.b.astype(dtype)?))
     }
 
     /// The change to the base weight, `scale · (A B)ᵀ`, `[out, in]` (what fusing adds).

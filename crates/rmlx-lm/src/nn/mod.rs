@@ -12,6 +12,7 @@ pub(crate) mod cpu_qmm;
 mod cpu_rows;
 pub(crate) mod cuda_attention;
 pub(crate) mod cuda_fast;
+pub(crate) mod cuda_lora;
 pub(crate) mod cuda_qmv;
 mod cuda_qmv_ix;
 pub(crate) mod cuda_sample;
@@ -78,7 +79,7 @@ impl Linear {
             y = (&y + z)?;
         }
         if let Some(lora) = &self.lora {
-            y = (&y + lora.forward(x)?)?;
+            y = lora.add_to(&y, x)?;
             if let Some(m) = &lora.magnitude {
                 // DoRA: every output row rescaled to the learned magnitude over the norm of the
                 // adapted weight (a constant for the gradient, as in mlx-lm).
