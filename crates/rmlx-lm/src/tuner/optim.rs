@@ -174,9 +174,9 @@ pub struct Optimizer {
     step: u64,
     /// `m`/`v` (Adam), `momentum` (SGD with momentum) or Adafactor's moments per parameter name.
     state: HashMap<String, Slots>,
-    /// Adam's update of all parameters as one compiled function (one fused kernel a parameter),
-    /// when compiling; one per set of copies it also writes ([`Optimizer::update_with_copies`]).
-    fused_adam: Option<HashMap<AdamTogether, Compiled>>,
+    /// Adam's update of one parameter as one compiled (fused) function, when compiling; one per
+    /// dtype of the compute copy it also writes ([`Optimizer::update_with_copies`]).
+    fused_adam: Option<HashMap<Option<Dtype>, Compiled>>,
 }
 
 impl Optimizer {
@@ -233,11 +233,6 @@ impl Optimizer {
         let lr = self.schedule.at(self.step);
         self.step += 1;
         let step = self.step;
-        if self.fused_adam.is_some() {
-            if let Some(updated) = self.adam_together(params, grads, lr, step, copy)? {
-                return Ok(updated);
-            }
-        }
         let mut out = HashMap::with_capacity(grads.len());
         let mut copies = HashMap::new();
         for (name, g) in grads {
@@ -306,66 +301,26 @@ impl Optimizer {
         bias_correction: bool,
         copy: Option<Dtype>,
     ) -> Result<(Array, Option<Array>)> {
+        let (b1, b2) = betas;
         let [m0, v0] = self.slots(name, ["m", "v"], p)?;
-        // The step's numbers as 0-d arrays in the parameter's dtype (no promotion of a bfloat16
-        // parameter).
-        let (c1, c2) = adam_step_factors(lr, step, betas, bias_correction);
+        // The step's numbers as 0-d arrays in the parameter's dtype (for the compiled update: no
+        // new trace per step, and no promotion of a bfloat16 parameter).
+        let (c1, c2) = if bias_correction {
+            (lr / (1.0 - b1.powi(step as i32)), 1.0 / (1.0 - b2.powi(step as i32)).sqrt())
+        } else {
+            (lr, 1.0)
+        };
         let scalar = |v: f32| Array::scalar_as(v as f64, p.dtype());
         let inputs = [p.clone(), g.clone(), m0, v0, scalar(c1)?, scalar(c2)?];
-        let mut out = adam_update(&inputs, betas, eps, copy)?;
+        let mut out = match &mut self.fused_adam {
+            Some(fused) => fused.entry(copy).or_insert_with(|| fused_adam(betas, eps, copy)).call(&inputs)?,
+            None => adam_update(&inputs, betas, eps, copy)?,
+        };
         let copied = if copy.is_some() { out.pop() } else { None };
         let [new, m, v]: [Array; 3] =
             out.try_into().map_err(|_| Error::InvalidParameter("Adam: three outputs".into()))?;
         self.state.insert(name.to_string(), [("m", m), ("v", v)].into());
         Ok((new, copied))
-    }
-
-    /// Compiled Adam/AdamW's update of every parameter as one call of one compiled function (the
-    /// parameters in name order), `None` for the other optimisers. Each parameter is still one
-    /// fused kernel, but the step builds one call instead of one per parameter, and the step's
-    /// numbers are two float32 scalars (three with weight decay) instead of two per parameter:
-    /// a LoRA step of 224 factors spends its host time on what it hands the GPU, not on this.
-    fn adam_together(
-        &mut self,
-        params: &HashMap<String, Array>,
-        grads: &HashMap<String, Array>,
-        lr: f32,
-        step: u64,
-        copy: Option<Dtype>,
-    ) -> Result<Option<(HashMap<String, Array>, HashMap<String, Array>)>> {
-        let (betas, eps, bias_correction, decay) = match self.kind {
-            OptimizerKind::Adam { betas, eps, bias_correction } => (betas, eps, bias_correction, None),
-            OptimizerKind::AdamW { betas, eps, weight_decay, bias_correction } => {
-                (betas, eps, bias_correction, Some(1.0 - lr * weight_decay))
-            }
-            _ => return Ok(None),
-        };
-        let mut names: Vec<&String> = grads.keys().collect();
-        names.sort();
-        let (c1, c2) = adam_step_factors(lr, step, betas, bias_correction);
-        let mut inputs = vec![Array::scalar(c1), Array::scalar(c2), Array::scalar(decay.unwrap_or(1.0))];
-        let mut copied = Vec::with_capacity(names.len());
-        for name in &names {
-            let p = params
-                .get(*name)
-                .ok_or_else(|| Error::InvalidParameter(format!("a gradient for `{name}`, which is no parameter")))?;
-            let [m0, v0] = self.slots(name, ["m", "v"], p)?;
-            inputs.extend([p.clone(), grads[*name].clone(), m0, v0]);
-            copied.push(copy.filter(|&d| d != p.dtype()));
-        }
-        let key = AdamTogether { copied: copied.clone(), decay: decay.is_some() };
-        let fused = self.fused_adam.as_mut().expect("only called when compiling");
-        let f = fused.entry(key).or_insert_with(|| adam_all(betas, eps, copied.clone(), decay.is_some()));
-        let mut outs = f.call(&inputs)?.into_iter();
-        let (mut new, mut copies) = (HashMap::with_capacity(names.len()), HashMap::with_capacity(names.len()));
-        for (name, copy) in names.into_iter().zip(copied) {
-            let mut next = || outs.next().ok_or_else(|| Error::InvalidParameter("Adam: too few outputs".into()));
-            let (p, m, v) = (next()?, next()?, next()?);
-            copies.insert(name.clone(), if copy.is_some() { next()? } else { p.clone() });
-            self.state.insert(name.clone(), [("m", m), ("v", v)].into());
-            new.insert(name.clone(), p);
-        }
-        Ok(Some((new, copies)))
     }
 
     /// The state arrays `keys` of `name`, zeros like `p` the first time.
@@ -439,7 +394,7 @@ impl Optimizer {
 
 /// `(p, g, m, v, c1, c2) → (p − (m'·c1) / (√v'·c2 + eps), m', v')` with `m' = β₁m + (1−β₁)g` and
 /// `v' = β₂v + (1−β₂)g²`: Adam's update of one parameter (`c1 = lr`, `c2 = 1` without bias
-/// correction), run op by op or compiled for all parameters at once by [`adam_all`]. `g` is first cast to `p`'s dtype; with
+/// correction), run op by op or compiled by [`fused_adam`]. `g` is first cast to `p`'s dtype; with
 /// `copy`, the new value cast to it is a fourth output.
 fn adam_update(x: &[Array], (b1, b2): (f32, f32), eps: f32, copy: Option<Dtype>) -> rmlx::Result<Vec<Array>> {
     let (p, m0, v0, c1, c2) = (&x[0], &x[2], &x[3], &x[4], &x[5]);
@@ -451,40 +406,12 @@ fn adam_update(x: &[Array], (b1, b2): (f32, f32), eps: f32, copy: Option<Dtype>)
     Ok([new, m, v].into_iter().chain(copied).collect())
 }
 
-/// Adam's step multipliers `(c1, c2)` of [`adam_update`]: `lr / (1 − β₁ᵗ)` and `1 / √(1 − β₂ᵗ)`
-/// with bias correction, `(lr, 1)` without.
-fn adam_step_factors(lr: f32, step: u64, (b1, b2): (f32, f32), bias_correction: bool) -> (f32, f32) {
-    if bias_correction {
-        (lr / (1.0 - b1.powi(step as i32)), 1.0 / (1.0 - b2.powi(step as i32)).sqrt())
-    } else {
-        (lr, 1.0)
-    }
-}
-
-/// What one compiled update of all parameters is made for: the dtype of each parameter's copy
-/// (`None`: none, in name order) and whether the parameters decay first (AdamW).
-#[derive(Clone, PartialEq, Eq, Hash)]
-struct AdamTogether {
-    copied: Vec<Option<Dtype>>,
-    decay: bool,
-}
-
-/// Over `[c1, c2, decay, (p, g, m, v) for each parameter]` (the scalars float32): for each
-/// parameter [`adam_update`] of `p · decay` (AdamW) or `p` (Adam), the scalars in the parameter's
-/// dtype, as in the update of one parameter; outputs `(p', m', v'[, copy])` for each. Traced with
-/// shapes: a shapeless trace broadcasts its scalars at run time, and MLX then splits an update
-/// into three kernels (`g(1−β₁)`, `g²(1−β₂)` and the rest) instead of one.
-fn adam_all(betas: (f32, f32), eps: f32, copied: Vec<Option<Dtype>>, decay: bool) -> Compiled {
-    let update = move |x: &[Array]| -> rmlx::Result<Vec<Array>> {
-        let mut out = Vec::with_capacity(4 * copied.len());
-        for (group, copy) in x[3..].chunks(4).zip(&copied) {
-            let dtype = group[0].dtype();
-            let p = if decay { (&group[0] * &x[2].astype(dtype)?)? } else { group[0].clone() };
-            let inputs =
-                [p, group[1].clone(), group[2].clone(), group[3].clone(), x[0].astype(dtype)?, x[1].astype(dtype)?];
-            out.extend(adam_update(&inputs, betas, eps, *copy)?);
-        }
-        Ok(out)
-    };
-    compile_with(update, CompileOptions { shapeless: false, name: Some("adam update of all parameters".into()) })
+/// [`adam_update`] compiled, traced once per parameter shape: one fused kernel per parameter. (A
+/// shapeless trace broadcasts its scalars at run time, and MLX then splits the update into three
+/// kernels: `g(1−β₁)`, `g²(1−β₂)` and the rest.)
+fn fused_adam(betas: (f32, f32), eps: f32, copy: Option<Dtype>) -> Compiled {
+    compile_with(
+        move |x: &[Array]| adam_update(x, betas, eps, copy),
+        CompileOptions { shapeless: false, name: Some("adam update".into()) },
+    )
 }
