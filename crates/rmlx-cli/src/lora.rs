@@ -57,6 +57,11 @@ pub struct Args {
     /// on the CPU never).
     #[arg(long)]
     no_compile: bool,
+    /// On a CUDA GPU, run each LoRA branch and its gradient as rmlx's own kernels (one operation
+    /// forward and one backward instead of six cuBLAS products and their element-wise work).
+    /// Off by default until measured faster in normal runs (BENCHMARKS.md).
+    #[arg(long)]
+    lora_kernels: bool,
     /// Validation batches per evaluation (-1: the whole set).
     #[arg(long, default_value_t = 25)]
     val_batches: i64,
@@ -318,6 +323,7 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
                 // mlx-lm compiles its step; compiling on the CPU needs a C++ compiler at run time.
                 compile: !a.no_compile && rmlx::default_device().kind == rmlx::DeviceType::Gpu,
                 compute_copies: true,
+                lora_kernels: a.lora_kernels,
                 batch_size: a.batch_size,
                 val_batches,
                 steps_per_report: a.steps_per_report,

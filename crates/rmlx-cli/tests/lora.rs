@@ -578,7 +578,7 @@ fn ctrl_c_saves_the_adapters_and_stops() {
 /// losses differ (a checkpointed block draws its masks from a key of its own): the setting from the
 /// file reaches the training loop.
 #[test]
-fn grad_checkpoint_trains_as_without_it() {
+fn grad_checkpoint_and_lora_kernels_train_as_without_them() {
     let w = workspace("checkpoint");
     let (model, data) = (w.join("model"), w.join("data"));
     let run = |name: &str, extra: &[&str]| -> (Vec<f64>, Value) {
@@ -631,6 +631,9 @@ fn grad_checkpoint_trains_as_without_it() {
     for (a, b) in plain.iter().zip(&checkpointed) {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "train losses {plain:?} without checkpointing, {checkpointed:?} with");
     }
+    // `--lora-kernels` asks for rmlx's CUDA kernels, which decline on the CPU: the same run.
+    let (kernels, _) = run("kernels", &["--lora-kernels"]);
+    assert_eq!(plain, kernels, "train losses without and with --lora-kernels on the CPU");
     let yaml = |checkpoint: bool| {
         let path = w.join(format!("{checkpoint}.yaml"));
         std::fs::write(&path, format!("grad_checkpoint: {checkpoint}\nlora_parameters:\n  dropout: 0.25\n")).unwrap();

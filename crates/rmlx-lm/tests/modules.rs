@@ -153,7 +153,16 @@ fn lora_adapters_by_path_match_the_formula_and_fuse() {
         let a = rmlx::random::normal(&[i, 4], Dtype::Float32, 0.0, 0.5, Some(&rmlx::random::key(1).unwrap())).unwrap();
         let b = rmlx::random::normal(&[4, o], Dtype::Float32, 0.0, 0.5, Some(&rmlx::random::key(2).unwrap())).unwrap();
         let w = linear.fused_weight().unwrap(); // B is still zero: the base weight
-        linear.set_lora(Some(Lora { a: a.clone(), b: b.clone(), scale: 2.0, dropout: 0.0, magnitude: None })).unwrap();
+        linear
+            .set_lora(Some(Lora {
+                a: a.clone(),
+                b: b.clone(),
+                scale: 2.0,
+                dropout: 0.0,
+                magnitude: None,
+                kernels: false,
+            }))
+            .unwrap();
         let x = rmlx::random::normal(&[3, i], Dtype::Float32, 0.0, 1.0, Some(&rmlx::random::key(4).unwrap())).unwrap();
         let (xv, wv, av, bv) = (vals(&x), vals(&w), vals(&a), vals(&b));
         let (i, o) = (i as usize, o as usize);
@@ -191,8 +200,8 @@ fn lora_dropout_only_in_training_and_unbiased() {
     let a = rmlx::random::normal(&[64, 4], Dtype::Float32, 0.0, 0.3, Some(&key(1))).unwrap();
     let b = rmlx::random::normal(&[4, 8], Dtype::Float32, 0.0, 0.3, Some(&key(2))).unwrap();
     let x = rmlx::random::normal(&[2, 64], Dtype::Float32, 0.0, 1.0, Some(&key(3))).unwrap();
-    let plain = Lora { a: a.clone(), b: b.clone(), scale: 2.0, dropout: 0.0, magnitude: None };
-    let dropped = Lora { a, b, scale: 2.0, dropout: 0.5, magnitude: None };
+    let plain = Lora { a: a.clone(), b: b.clone(), scale: 2.0, dropout: 0.0, magnitude: None, kernels: false };
+    let dropped = Lora { a, b, scale: 2.0, dropout: 0.5, magnitude: None, kernels: false };
     let want = vals(&plain.forward(&x).unwrap());
     assert_eq!(vals(&dropped.forward(&x).unwrap()), want, "no dropout outside training");
     rmlx::random::seed(11);

@@ -54,6 +54,7 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
         grad_checkpoint: false,
         compile: false,
         compute_copies: true,
+        lora_kernels: false,
         seed: 3,
         adapter_dir: Some(out.path().to_path_buf()),
         resume: None,

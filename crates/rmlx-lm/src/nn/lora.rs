@@ -83,6 +83,10 @@ pub struct Lora {
     /// DoRA's learned magnitude per output row, `[out]` float32 (`<linear>.m`); `None`: plain LoRA.
     /// With it, the layer's output rows are rescaled to `m / ‖W + ΔW‖` (before the bias).
     pub magnitude: Option<Array>,
+    /// In training on MLX's CUDA backend, run the branch and its gradient as rmlx's own kernels
+    /// (`cuda_lora`) instead of composing them (`rmlx lora --lora-kernels`; off by default until
+    /// measured faster in normal runs: see BENCHMARKS.md).
+    pub kernels: bool,
 }
 
 impl Lora {
@@ -96,6 +100,7 @@ impl Lora {
             scale,
             dropout: 0.0,
             magnitude: None,
+            kernels: false,
         })
     }
 
@@ -116,12 +121,13 @@ impl Lora {
         Ok((z * self.scale)?.astype(x.dtype())?)
     }
 
-    /// `y + scale · (dropout(x) A) B`, `y` the base layer's output for `x`. In training on MLX's
-    /// CUDA backend the branch and its gradient are rmlx's kernels (`cuda_lora`: two operations
-    /// of MLX's graph instead of six products and their element-wise work); elsewhere, and for
-    /// what they do not take, [`Lora::forward`] added to `y`.
+    /// `y + scale · (dropout(x) A) B`, `y` the base layer's output for `x`. With
+    /// [`Lora::kernels`], in training on MLX's CUDA backend, the branch and its gradient are
+    /// rmlx's kernels (`cuda_lora`: two operations of MLX's graph instead of six products and
+    /// their element-wise work); otherwise, and for what they do not take, [`Lora::forward`]
+    /// added to `y`.
     pub fn add_to(&self, y: &Array, x: &Array) -> Result<Array> {
-        if training() && y.dtype() == x.dtype() {
+        if self.kernels && training() && y.dtype() == x.dtype() {
             let dropped = self.dropped(x)?;
             let (a, b) = self.factors(x.dtype())?;
             if let Some(sum) = super::cuda_lora::lora_add(y, &dropped, &a, &b, self.scale)? {

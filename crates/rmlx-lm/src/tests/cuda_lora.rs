@@ -120,8 +120,9 @@ fn the_branch_and_its_gradient_match_the_composed_one_on_cuda_and_decline_elsewh
     });
 }
 
-/// A training layer's branch (`Lora::add_to`) takes the kernels on CUDA and gives the composed
-/// branch's values and factor gradients (float32 factors cast to the bfloat16 activations, as in
+/// A training layer's branch (`Lora::add_to`) with `kernels` takes the kernels on CUDA (and
+/// without, or outside training, the composed branch) and gives the composed branch's values and
+/// factor gradients (float32 factors cast to the bfloat16 activations, as in
 /// training).
 #[test]
 fn a_training_layer_takes_the_kernels_with_the_composed_values() {
@@ -131,6 +132,7 @@ fn a_training_layer_takes_the_kernels_with_the_composed_values() {
     rmlx::with_device(Device::gpu(), || {
         let key = |j: u64| random::key(900 + j).unwrap();
         let mut lora = Lora::init(192, 320, 8, 2.0, Dtype::Float32, Some(&key(0))).unwrap();
+        lora.kernels = true;
         lora.b = random::normal(&[8, 320], Dtype::Float32, 0.0, 0.2, Some(&key(1))).unwrap();
         let x = random::normal(&[3, 50, 192], Dtype::Bfloat16, 0.0, 1.0, Some(&key(2))).unwrap();
         let y = random::normal(&[3, 50, 320], Dtype::Bfloat16, 0.0, 1.0, Some(&key(3))).unwrap();
@@ -152,6 +154,9 @@ fn a_training_layer_takes_the_kernels_with_the_composed_values() {
         };
         assert!(census(true).contains_key("rmlx_lora_forward"), "{:?}", census(true));
         assert!(!census(false).contains_key("rmlx_lora_forward"));
+        let off = Lora { kernels: false, ..lora.clone() };
+        let out = loss(&off, true)(&[lora.a.clone(), lora.b.clone()]).unwrap();
+        assert!(!rmlx::graph_census(&out).unwrap().contains_key("rmlx_lora_forward"), "kernels off");
         let grads = |train: bool| {
             transforms::value_and_grad(loss(&lora, train), &[0, 1])(&[lora.a.clone(), lora.b.clone()]).unwrap()
         };

@@ -104,7 +104,7 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
                 .and_then(|a| Ok((a, b.transpose()?.astype(dtype)?)))
                 .and_then(|(a, b)| {
                     let magnitude = m.as_ref().map(|m| m.astype(Dtype::Float32)).transpose()?;
-                    Ok(Lora { a, b, scale, dropout: 0.0, magnitude })
+                    Ok(Lora { a, b, scale, dropout: 0.0, magnitude, kernels: false })
                 }),
             _ => {
                 failure =

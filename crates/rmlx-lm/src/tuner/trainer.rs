@@ -42,6 +42,9 @@ pub struct TrainConfig {
     /// written by the optimizer's update, instead of casting the float32 factors and their
     /// gradients inside the step. The same values, two fewer operations per factor.
     pub compute_copies: bool,
+    /// Sets every adapter's [`Lora::kernels`](crate::nn::Lora::kernels) for the run: the LoRA
+    /// branches as rmlx's own CUDA kernels where they serve.
+    pub lora_kernels: bool,
     pub seed: u64,
     /// Where adapters are saved (`None`: not saved).
     pub adapter_dir: Option<PathBuf>,
@@ -125,6 +128,7 @@ impl Default for TrainConfig {
             grad_checkpoint: false,
             compile: false,
             compute_copies: true,
+            lora_kernels: false,
             seed: 0,
             adapter_dir: None,
             resume: None,
@@ -258,6 +262,7 @@ pub fn train(
         order.set_rng_state(st.rng);
         queue = st.queue.clone();
     }
+    set_lora_kernels(model, cfg.lora_kernels)?;
     let compiled = if cfg.compile { Some(CompiledLossAndGrad::new(model, trainable)?) } else { None };
     // The compiled step reads the LoRA factors from copies in the activations' dtype, which the
     // optimizer writes from its fused update: no cast of each factor, nor of its gradient, inside
@@ -411,6 +416,19 @@ pub fn train(
     let state = TrainState { iteration: it, trained_tokens, optimizer_step, optimizer, rng: order.rng_state(), queue };
     save(model, it, &state, false, report)?;
     Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val, interrupted: false })
+}
+
+/// Sets [`Lora::kernels`](crate::nn::Lora::kernels) on every adapter of `model`.
+fn set_lora_kernels(model: &mut dyn Model, on: bool) -> Result<()> {
+    let mut failure = None;
+    model.visit_linears("", &mut |_, linear| {
+        if let Some(lora) = linear.lora().filter(|l| l.kernels != on).cloned() {
+            if let Err(e) = linear.set_lora(Some(crate::nn::Lora { kernels: on, ..lora })) {
+                failure.get_or_insert(e);
+            }
+        }
+    });
+    failure.map_or(Ok(()), Err)
 }
 
 /// Elements checked by one reduction of [`all_finite`] (256 MiB of float32): the parameters are
