@@ -26,6 +26,8 @@ pub enum Architecture {
     /// Gemma 2: Gemma 3's blocks without q/k norms, with attention and final logit soft-capping,
     /// sliding and global layers alternating.
     Gemma2,
+    /// Qwen 3 MoE and Mixtral: Llama-style attention, feed-forward by routed experts.
+    Moe,
 }
 
 /// `rope_scaling`, the variants rmlx implements.
@@ -110,6 +112,10 @@ pub struct ModelConfig {
     /// The context the model was trained with before LongRoPE extended it (Phi-3 family).
     #[serde(default)]
     pub original_max_position_embeddings: Option<usize>,
+    /// The whole configuration as read (after the normalisations above): a family's own fields
+    /// (experts, routing) are parsed from it by the family's file.
+    #[serde(skip)]
+    pub raw: serde_json::Map<String, Value>,
 }
 
 fn default_eps() -> f32 {
@@ -193,8 +199,9 @@ impl ModelConfig {
         limits::check_fields(&top)?;
         unsupported::check(&model_type, &top)?;
         top.insert("model_type".into(), Value::String(model_type));
-        let cfg: ModelConfig =
-            serde_json::from_value(Value::Object(top)).map_err(|e| Error::Config(format!("config.json: {e}")))?;
+        let mut cfg: ModelConfig = serde_json::from_value(Value::Object(top.clone()))
+            .map_err(|e| Error::Config(format!("config.json: {e}")))?;
+        cfg.raw = top;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -362,9 +369,9 @@ impl ModelConfig {
     /// it), or `None` when the layer attends to the whole past. Which layers slide follows each
     /// family's transformers class:
     /// - Gemma 3: [`ModelConfig::is_sliding`];
-    /// - Mistral and Phi-3: every layer, unless `layer_types` names the sliding ones;
+    /// - Mistral, Mixtral and Phi-3: every layer, unless `layer_types` names the sliding ones;
     /// - Gemma 2: those `layer_types` names, else every other layer from the first;
-    /// - Qwen 2/3: none unless `use_sliding_window`, then those `layer_types` names, else the
+    /// - Qwen 2/3 (and Qwen 3 MoE): none unless `use_sliding_window`, then those `layer_types` names, else the
     ///   layers from `max_window_layers` (default 28) on;
     /// - Llama: those `layer_types` names (as mlx-lm's llama; transformers' has no window). A window
     ///   without `layer_types` is ignored by both, and by rmlx, with a warning at load.
@@ -373,9 +380,9 @@ impl ModelConfig {
         let listed = |i: usize| self.layer_types.as_ref().map(|t| t.get(i).is_some_and(|t| t == "sliding_attention"));
         let sliding = match self.model_type.as_str() {
             "gemma3" | "gemma3_text" => self.is_sliding(i),
-            "mistral" | "phi3" => listed(i).unwrap_or(true),
+            "mistral" | "phi3" | "mixtral" => listed(i).unwrap_or(true),
             "gemma2" => listed(i).unwrap_or(i.is_multiple_of(2)),
-            "qwen2" | "qwen3" => {
+            "qwen2" | "qwen3" | "qwen3_moe" => {
                 self.use_sliding_window == Some(true) && listed(i).unwrap_or(i >= self.max_window_layers.unwrap_or(28))
             }
             _ => listed(i).unwrap_or(false),

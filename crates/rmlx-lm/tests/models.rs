@@ -146,6 +146,19 @@ fn gemma2_mlx_quantized() {
     check("gemma2_q4");
 }
 
+/// Qwen 3 MoE: 8 experts, 4 a token, renormalised; the prompt's token-expert pairs take the sorted
+/// gathered products and each decoding step's the unsorted ones; layer 1 dense between routed ones.
+#[test]
+fn qwen3_moe_routed_experts_and_a_dense_layer() {
+    check("qwen3_moe");
+}
+
+/// Mixtral: 6 experts (`w1`/`w3`/`w2`), 3 a token, softmax over the chosen scores.
+#[test]
+fn mixtral_routed_experts() {
+    check("mixtral");
+}
+
 #[test]
 fn gemma3_sliding_window_pattern() {
     check("gemma3_text_pattern");

@@ -276,6 +276,14 @@ pub mod ffi {
 
         // ---- linear algebra ---------------------------------------------------------------------
         fn addmm(c: &Array, a: &Array, b: &Array, alpha: f32, beta: f32, s: StreamSpec) -> Result<UniquePtr<Array>>;
+        unsafe fn gather_mm(
+            a: &Array,
+            b: &Array,
+            lhs_indices: *const Array,
+            rhs_indices: *const Array,
+            sorted_indices: bool,
+            s: StreamSpec,
+        ) -> Result<UniquePtr<Array>>;
         fn einsum(subscripts: &str, operands: &ArrayVec, s: StreamSpec) -> Result<UniquePtr<Array>>;
         fn tensordot(a: &Array, b: &Array, axes_a: &[i32], axes_b: &[i32], s: StreamSpec) -> Result<UniquePtr<Array>>;
 

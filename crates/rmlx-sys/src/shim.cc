@@ -588,6 +588,10 @@ ArrayPtr scan(ScanOp op, const Array& a_, int32_t axis, bool all_axes, bool reve
 ArrayPtr addmm(const Array& c, const Array& a, const Array& b, float alpha, float beta, StreamSpec s) {
   return wrap(mx::addmm(c, a, b, alpha, beta, sod(s)));
 }
+ArrayPtr gather_mm(const Array& a, const Array& b, const Array* lhs_indices, const Array* rhs_indices,
+                   bool sorted_indices, StreamSpec s) {
+  return wrap(mx::gather_mm(a, b, opt(lhs_indices), opt(rhs_indices), sorted_indices, sod(s)));
+}
 ArrayPtr einsum(rust::Str subscripts, const ArrayVec& operands, StreamSpec s) {
   return wrap(mx::einsum(str(subscripts), operands, sod(s)));
 }

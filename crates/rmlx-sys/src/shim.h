@@ -105,6 +105,7 @@ ArrayPtr softmax(const Array& a, rust::Slice<const int32_t> axes, bool all_axes,
 ArrayPtr scan(ScanOp op, const Array& a, int32_t axis, bool all_axes, bool reverse, bool inclusive, StreamSpec s);
 
 ArrayPtr addmm(const Array& c, const Array& a, const Array& b, float alpha, float beta, StreamSpec s);
+ArrayPtr gather_mm(const Array& a, const Array& b, const Array* lhs_indices, const Array* rhs_indices, bool sorted_indices, StreamSpec s);
 ArrayPtr einsum(rust::Str subscripts, const ArrayVec& operands, StreamSpec s);
 ArrayPtr tensordot(const Array& a, const Array& b, rust::Slice<const int32_t> axes_a, rust::Slice<const int32_t> axes_b, StreamSpec s);
 

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod gemma2;
 pub mod gemma3;
 pub mod llama;
+pub mod moe;
 pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;

@@ -67,6 +67,9 @@ pub fn no_config(_: MetadataNumber, _: &mut Map<String, Value>) {}
 /// [`ArchitectureSpec::signature_tensor`]: the first match wins.
 pub static ARCHITECTURES: &[&ArchitectureSpec] = &[
     &super::llama::SPEC,
+    // Before Qwen 3, whose signature tensor (q/k norms) Qwen 3 MoE has too.
+    &super::moe::QWEN3_MOE_SPEC,
+    &super::moe::MIXTRAL_SPEC,
     &super::qwen3::SPEC,
     &super::qwen2::SPEC,
     &super::gemma3::SPEC,

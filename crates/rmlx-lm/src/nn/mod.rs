@@ -25,6 +25,7 @@ mod lora;
 mod module;
 mod quantized_matvec;
 mod stacked;
+mod switch;
 
 pub use adapter_bank::{with_row_adapters, AdapterBank};
 pub use cuda_step::{CapturedSteps, StepCapture};
@@ -36,6 +37,7 @@ pub(crate) use module::module_fields;
 pub use module::{join, Module, ModuleExt, Role};
 pub use quantized_matvec::QuantizedMatvec;
 pub use stacked::Stacked;
+pub use switch::{ExpertNames, SparseMoe};
 
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};

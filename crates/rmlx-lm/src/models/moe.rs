@@ -1,0 +1,257 @@
+//! Mixture-of-experts decoders: Qwen 3 MoE (`qwen3_moe`) and Mixtral (`mixtral`). Llama's
+//! blocks (Qwen 3's attention with q/k norms for `qwen3_moe`) whose feed-forward is routed
+//! experts ([`SparseMoe`]): the router's softmax picks the top `num_experts_per_tok` experts of
+//! `num_experts` per token and weighs their SwiGLU outputs by the probabilities, renormalised to
+//! sum to one where `norm_topk_prob` says so (Mixtral's softmax over the chosen scores is the
+//! same). Qwen 3 MoE layers listed in `mlp_only_layers`, or off `decoder_sparse_step`, keep a
+//! dense MLP. Experts load from mlx-lm's stacked `switch_mlp` tensors (quantised ones stay
+//! quantised) or from Hugging Face's one tensor per expert.
+
+use super::attention::{Attention, AttentionSpec};
+use super::spec::ArchitectureSpec;
+use super::{layer_caches, llama, qwen3};
+use crate::cache::KvCache;
+use crate::config::{Architecture, ModelConfig};
+use crate::nn::{join, Builder, CapturedSteps, Embedding, ExpertNames, GatedMlp, Head, Linear, Module, RmsNorm};
+use crate::nn::{Role, SparseMoe, StepCapture};
+use crate::{Error, Result};
+use rmlx::Array;
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The routing fields of a MoE `config.json`, with transformers' defaults.
+#[derive(Debug, Deserialize)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (Mixtral: `num_local_experts`).
+    #[serde(alias = "num_local_experts")]
+    pub num_experts: i32,
+    pub num_experts_per_tok: i32,
+    /// Each expert's hidden width (Qwen 3 MoE); Mixtral's experts take `intermediate_size`.
+    #[serde(default)]
+    pub moe_intermediate_size: Option<i32>,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer is a MoE layer (Qwen 3 MoE; 1: all).
+    #[serde(default = "one")]
+    pub decoder_sparse_step: usize,
+    /// Layers with a dense MLP instead (Qwen 3 MoE).
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl MoeConfig {
+    /// The routing fields of `cfg`; Mixtral's routing always renormalises.
+    pub fn of(cfg: &ModelConfig) -> Result<Self> {
+        let mut moe: MoeConfig = serde_json::from_value(Value::Object(cfg.raw.clone()))
+            .map_err(|e| Error::Config(format!("config.json ({}): {e}", cfg.model_type)))?;
+        if cfg.model_type == "mixtral" {
+            moe.norm_topk_prob = true;
+        }
+        if moe.num_experts < 1 || !(1..=moe.num_experts).contains(&moe.num_experts_per_tok) {
+            return Err(Error::Config(format!(
+                "config.json: num_experts_per_tok {} must be in 1..={} (num_experts)",
+                moe.num_experts_per_tok, moe.num_experts
+            )));
+        }
+        if moe.moe_intermediate_size.is_some_and(|m| m < 1) || moe.decoder_sparse_step < 1 {
+            return Err(Error::Config(
+                "config.json: moe_intermediate_size and decoder_sparse_step must be positive".into(),
+            ));
+        }
+        Ok(moe)
+    }
+
+    /// Whether layer `i` routes to experts.
+    pub fn sparse(&self, i: usize) -> bool {
+        !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step)
+    }
+}
+
+/// What differs between the two families.
+struct Family {
+    attention: fn(&ModelConfig) -> Result<AttentionSpec>,
+    /// The feed-forward's name in a block (`mlp`, `block_sparse_moe`).
+    ffn: &'static str,
+    experts: ExpertNames,
+}
+
+const QWEN3_MOE: Family = Family {
+    attention: qwen3::attention_spec,
+    ffn: "mlp",
+    experts: ExpertNames { router: "gate", experts: "experts", projections: ["gate_proj", "up_proj", "down_proj"] },
+};
+
+const MIXTRAL: Family = Family {
+    attention: llama::attention_spec,
+    ffn: "block_sparse_moe",
+    experts: ExpertNames { router: "gate", experts: "experts", projections: ["w1", "w3", "w2"] },
+};
+
+/// A block's feed-forward.
+#[derive(Clone)]
+enum Ffn {
+    Dense(GatedMlp),
+    Experts(SparseMoe),
+}
+
+/// `x + attn(norm(x))`, then `h + ffn(norm(h))`.
+#[derive(Clone)]
+pub struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    ffn: Ffn,
+    ffn_name: &'static str,
+}
+
+impl Block {
+    fn load(cfg: &ModelConfig, moe: &MoeConfig, family: &Family, b: &mut Builder, i: usize) -> Result<Self> {
+        let (p, h, eps) = (format!("model.layers.{i}"), cfg.hidden_size, cfg.rms_norm_eps);
+        let ffn_prefix = format!("{p}.{}", family.ffn);
+        let ffn = if moe.sparse(i) {
+            let width = moe.moe_intermediate_size.unwrap_or(cfg.intermediate_size);
+            let counts = (moe.num_experts, moe.num_experts_per_tok);
+            Ffn::Experts(SparseMoe::load(b, &ffn_prefix, &family.experts, (h, width), counts, moe.norm_topk_prob)?)
+        } else {
+            Ffn::Dense(GatedMlp::load(b, &ffn_prefix, h, cfg.intermediate_size, false)?)
+        };
+        Ok(Self {
+            input_layernorm: b.rms_norm(&format!("{p}.input_layernorm"), h, eps, false)?,
+            self_attn: Attention::load(cfg, b, &format!("{p}.self_attn"), (family.attention)(cfg)?)?,
+            post_attention_layernorm: b.rms_norm(&format!("{p}.post_attention_layernorm"), h, eps, false)?,
+            ffn,
+            ffn_name: family.ffn,
+        })
+    }
+
+    fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        let o = self.self_attn.attend(x, &self.input_layernorm, batch, cache)?;
+        let o_proj = self.self_attn.o_proj();
+        match &self.ffn {
+            Ffn::Dense(mlp) => mlp.forward_after_attention(&o, x, o_proj, &self.post_attention_layernorm),
+            Ffn::Experts(moe) => {
+                let h = o_proj.forward_add(&o, x)?;
+                Ok((&h + moe.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
+            }
+        }
+    }
+}
+
+impl Module for Block {
+    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
+        self.input_layernorm.visit(&join(p, "input_layernorm"), f);
+        self.self_attn.visit(&join(p, "self_attn"), f);
+        self.post_attention_layernorm.visit(&join(p, "post_attention_layernorm"), f);
+        match &self.ffn {
+            Ffn::Dense(m) => m.visit(&join(p, self.ffn_name), f),
+            Ffn::Experts(m) => m.visit(&join(p, self.ffn_name), f),
+        }
+    }
+
+    fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        self.input_layernorm.visit_mut(&join(p, "input_layernorm"), f);
+        self.self_attn.visit_mut(&join(p, "self_attn"), f);
+        self.post_attention_layernorm.visit_mut(&join(p, "post_attention_layernorm"), f);
+        match &mut self.ffn {
+            Ffn::Dense(m) => m.visit_mut(&join(p, self.ffn_name), f),
+            Ffn::Experts(m) => m.visit_mut(&join(p, self.ffn_name), f),
+        }
+    }
+
+    fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
+        self.self_attn.visit_linears(&join(p, "self_attn"), f);
+        match &mut self.ffn {
+            Ffn::Dense(m) => m.visit_linears(&join(p, self.ffn_name), f),
+            Ffn::Experts(m) => m.visit_linears(&join(p, self.ffn_name), f),
+        }
+    }
+}
+
+/// Embedding, blocks, final norm and the output head.
+#[derive(Clone)]
+pub struct Model {
+    cfg: ModelConfig,
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    /// Never captured: a routed block's graph holds MLX's gathered products.
+    steps: CapturedSteps,
+}
+
+impl Model {
+    fn load(cfg: &ModelConfig, b: &mut Builder, family: &Family) -> Result<Self> {
+        let moe = MoeConfig::of(cfg)?;
+        let layers = (0..cfg.num_hidden_layers).map(|i| Block::load(cfg, &moe, family, b, i)).collect::<Result<_>>()?;
+        Ok(Self {
+            embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
+            layers,
+            norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, false)?,
+            lm_head: llama::output_head(cfg, b)?,
+            steps: CapturedSteps::new(StepCapture::Off),
+            cfg: cfg.clone(),
+        })
+    }
+}
+
+impl super::Model for Model {
+    fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
+        let (batch, length) = super::token_grid(ids)?;
+        let h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
+        let h = super::decoder_layers(&self.steps, &self.layers, &h, caches, batch, Block::forward)?;
+        Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => self.embed_tokens.as_linear(hidden),
+        }
+    }
+
+    fn linear_head(&self) -> Option<Head<'_>> {
+        Head::of(self.lm_head.as_ref(), &self.embed_tokens)
+    }
+
+    fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
+        layer_caches(&self.cfg, context_limit)
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn boxed_clone(&self) -> Box<dyn super::Model> {
+        Box::new(self.clone())
+    }
+}
+
+super::decoder_module!(Model);
+
+/// Qwen 3 MoE in [`super::spec::ARCHITECTURES`].
+pub static QWEN3_MOE_SPEC: ArchitectureSpec = ArchitectureSpec {
+    name: "qwen3_moe",
+    architecture: Architecture::Moe,
+    model_types: &["qwen3_moe"],
+    hf_classes: &[("Qwen3MoeForCausalLM", "qwen3_moe")],
+    signature_tensor: Some("model.layers.0.mlp.gate.weight"),
+    chat_family: "chatml",
+    gguf: None,
+    build: |cfg, b| Ok(Box::new(Model::load(cfg, b, &QWEN3_MOE)?)),
+};
+
+/// Mixtral in [`super::spec::ARCHITECTURES`].
+pub static MIXTRAL_SPEC: ArchitectureSpec = ArchitectureSpec {
+    name: "mixtral",
+    architecture: Architecture::Moe,
+    model_types: &["mixtral"],
+    hf_classes: &[("MixtralForCausalLM", "mixtral")],
+    signature_tensor: Some("model.layers.0.block_sparse_moe.gate.weight"),
+    chat_family: "llama3",
+    gguf: None,
+    build: |cfg, b| Ok(Box::new(Model::load(cfg, b, &MIXTRAL)?)),
+};

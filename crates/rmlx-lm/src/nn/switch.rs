@@ -1,0 +1,234 @@
+//! Mixture-of-experts feed-forward: a router scores `E` experts per token, the top `k` run, and
+//! their outputs are summed by the (normalised) router probabilities. Each expert is a SwiGLU MLP;
+//! the experts' weights are stacked `[E, out, in]` (mlx-lm's `SwitchGLU`, under its names
+//! `<prefix>.switch_mlp.{gate,up,down}_proj`) and applied with MLX's gathered products
+//! (`gather_mm`, or `gather_qmm` for quantised experts, which stay quantised), the tokens sorted
+//! by expert when there are enough of them for the sort to pay.
+
+use super::{Builder, Linear, Module, Role};
+use crate::weights::Weight;
+use crate::{Error, Result};
+use rmlx::quantization::{gather_qmm, Quantized};
+use rmlx::{ops, Array, Dtype};
+
+/// Gathered products sort their tokens by expert from this many (token, expert) pairs on (as
+/// mlx-lm does): one product per expert instead of one per pair.
+const SORT_FROM: usize = 64;
+
+/// `E` linear maps `[E, out, in]` applied per (token, expert) pair.
+#[derive(Clone)]
+pub struct SwitchLinear {
+    weight: Weight,
+}
+
+impl SwitchLinear {
+    /// `x: [N, 1, in]` (or broadcastable rows) times the experts `indices` (`[N]` or `[..., k]`).
+    fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+        Ok(match &self.weight {
+            Weight::Dense(w) => ops::gather_mm(x, &w.swapaxes(-1, -2)?, None, Some(indices), sorted)?,
+            Weight::Quantized(q) => gather_qmm(x, q, None, Some(indices), true, sorted)?,
+        })
+    }
+
+    fn arrays(&self) -> Vec<(&'static str, &Array)> {
+        match &self.weight {
+            Weight::Dense(w) => vec![("weight", w)],
+            Weight::Quantized(q) => {
+                let mut v = vec![("weight", &q.weight), ("scales", &q.scales)];
+                v.extend(q.biases.as_ref().map(|b| ("biases", b)));
+                v
+            }
+        }
+    }
+
+    fn arrays_mut(&mut self) -> Vec<(&'static str, &mut Array)> {
+        match &mut self.weight {
+            Weight::Dense(w) => vec![("weight", w)],
+            Weight::Quantized(Quantized { weight, scales, biases, .. }) => {
+                let mut v = vec![("weight", weight), ("scales", scales)];
+                v.extend(biases.as_mut().map(|b| ("biases", b)));
+                v
+            }
+        }
+    }
+}
+
+/// The router and the experts of one block.
+#[derive(Clone)]
+pub struct SparseMoe {
+    /// `[hidden] → [E]` scores.
+    gate: Linear,
+    gate_proj: SwitchLinear,
+    up_proj: SwitchLinear,
+    down_proj: SwitchLinear,
+    top_k: i32,
+    /// Renormalise the top `k` probabilities to sum to one (Qwen 3's `norm_topk_prob`; Mixtral's
+    /// softmax over the top `k` scores is the same).
+    norm_topk_prob: bool,
+}
+
+/// Where a checkpoint keeps the experts of a block: mlx-lm's stacked names are found first, then
+/// Hugging Face's one tensor per expert.
+pub struct ExpertNames {
+    /// The router under the block's MLP prefix (`gate`).
+    pub router: &'static str,
+    /// The per-expert folder (`experts`).
+    pub experts: &'static str,
+    /// Hugging Face's names of an expert's gate, up and down projections (`gate_proj`, `up_proj`,
+    /// `down_proj`; Mixtral's `w1`, `w3`, `w2`).
+    pub projections: [&'static str; 3],
+}
+
+impl SparseMoe {
+    /// The block's router `<prefix>.<router>` and its `experts` experts from `<prefix>.switch_mlp.*`
+    /// or `<prefix>.<experts>.<e>.<projection>`, each `hidden → intermediate → hidden`.
+    pub fn load(
+        b: &mut Builder,
+        prefix: &str,
+        names: &ExpertNames,
+        (hidden, intermediate): (i32, i32),
+        (experts, top_k): (i32, i32),
+        norm_topk_prob: bool,
+    ) -> Result<Self> {
+        if !(1..=experts).contains(&top_k) {
+            return Err(Error::Config(format!("{top_k} experts per token out of {experts}")));
+        }
+        let gate = b.linear(&format!("{prefix}.{}", names.router), hidden, experts, false)?;
+        let mut switch = |i: usize, shape: [i32; 2]| -> Result<SwitchLinear> {
+            let stacked = format!("{prefix}.switch_mlp.{}.weight", ["gate_proj", "up_proj", "down_proj"][i]);
+            let full = [experts, shape[0], shape[1]];
+            let weight = if b.has(&stacked) {
+                b.checked(&stacked, &full)?
+            } else {
+                let each = (0..experts)
+                    .map(|e| {
+                        let name = format!("{prefix}.{}.{e}.{}.weight", names.experts, names.projections[i]);
+                        b.take_shaped(&name, &shape)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let stacked = stack_experts(each)?;
+                b.convert(stacked)?
+            };
+            Ok(SwitchLinear { weight })
+        };
+        Ok(SparseMoe {
+            gate_proj: switch(0, [intermediate, hidden])?,
+            up_proj: switch(1, [intermediate, hidden])?,
+            down_proj: switch(2, [hidden, intermediate])?,
+            gate,
+            top_k,
+            norm_topk_prob,
+        })
+    }
+
+    /// `x: [..., hidden]` → `[..., hidden]`.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let k = self.top_k;
+        let probs = ops::softmax(&self.gate.forward(x)?, -1, true)?;
+        let experts = probs.shape()[probs.ndim() - 1];
+        let chosen = ops::stop_gradient(&ops::argpartition(&probs, experts - k, Some(-1))?)?;
+        let chosen = chosen.slice_axis(-1, experts - k, experts, 1)?;
+        let mut scores = ops::take_along_axis(&probs, &chosen, Some(-1))?;
+        if self.norm_topk_prob {
+            scores = (&scores / &scores.sum(-1, true)?)?;
+        }
+        let y = self.experts(x, &chosen)?;
+        let weighted = (y * scores.astype(x.dtype())?.expand_dims(-1)?)?;
+        Ok(weighted.sum(-2, false)?)
+    }
+
+    /// Each token's `k` experts' outputs `[..., k, hidden]`.
+    fn experts(&self, x: &Array, chosen: &Array) -> Result<Array> {
+        let hidden = x.shape()[x.ndim() - 1];
+        let lead: Vec<i32> = chosen.shape().to_vec();
+        let pairs = chosen.size();
+        let swiglu = |x: &Array, idx: &Array, sorted: bool| -> Result<Array> {
+            let gate = self.gate_proj.forward(x, idx, sorted)?;
+            let up = self.up_proj.forward(x, idx, sorted)?;
+            let act = ops::silu(&gate)?;
+            self.down_proj.forward(&(act * up)?, idx, sorted)
+        };
+        if pairs < SORT_FROM {
+            // [..., 1, 1, hidden] against [..., k]: [..., k, 1, hidden].
+            let rows = x.expand_dims(-2)?.expand_dims(-2)?;
+            let y = swiglu(&rows, chosen, false)?;
+            return Ok(y.squeeze(-2)?);
+        }
+        // Sorted by expert: row `order[j] / k` of the tokens meets expert `flat[order[j]]`.
+        let flat = chosen.flatten()?;
+        let order = ops::argsort(&flat, Some(0))?;
+        let back = ops::argsort(&order, Some(0))?;
+        let tokens = x.reshape(&[-1, 1, hidden])?;
+        let per_token = Array::scalar_as(lead[lead.len() - 1] as f64, order.dtype())?;
+        let rows = tokens.take(&ops::floor_divide(&order, &per_token)?, Some(0))?;
+        let y = swiglu(&rows, &flat.take(&order, Some(0))?, true)?;
+        let mut shape = lead;
+        shape.push(hidden);
+        Ok(y.take(&back, Some(0))?.reshape(&shape)?)
+    }
+}
+
+/// The experts' `[out, in]` matrices as one `[E, out, in]` (dense, or quantised alike).
+fn stack_experts(each: Vec<Weight>) -> Result<Weight> {
+    let stack = |arrays: Vec<&Array>| -> Result<Array> { Ok(ops::stack(&arrays, 0)?) };
+    let quantized: Option<Vec<&Quantized>> = each
+        .iter()
+        .map(|w| match w {
+            Weight::Quantized(q) => Some(q),
+            Weight::Dense(_) => None,
+        })
+        .collect();
+    if let Some(q) = quantized.filter(|q| q.windows(2).all(|p| same_format(p[0], p[1]))) {
+        return Ok(Weight::Quantized(Quantized {
+            weight: stack(q.iter().map(|q| &q.weight).collect())?,
+            scales: stack(q.iter().map(|q| &q.scales).collect())?,
+            biases: match q[0].biases.is_some() {
+                true => Some(stack(q.iter().filter_map(|q| q.biases.as_ref()).collect())?),
+                false => None,
+            },
+            ..q[0].clone()
+        }));
+    }
+    let dense = each
+        .iter()
+        .map(|w| match w {
+            Weight::Dense(a) => Ok(a.astype(Dtype::Float32)?),
+            Weight::Quantized(q) => Ok(rmlx::quantization::dequantize(q, Some(Dtype::Float32))?),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Weight::Dense(stack(dense.iter().collect())?))
+}
+
+fn same_format(a: &Quantized, b: &Quantized) -> bool {
+    (a.bits, a.group_size, a.mode, a.biases.is_some(), a.scales.dtype())
+        == (b.bits, b.group_size, b.mode, b.biases.is_some(), b.scales.dtype())
+}
+
+impl Module for SparseMoe {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
+        self.gate.visit(&super::join(prefix, "gate"), f);
+        for (name, layer) in
+            [("gate_proj", &self.gate_proj), ("up_proj", &self.up_proj), ("down_proj", &self.down_proj)]
+        {
+            for (field, a) in layer.arrays() {
+                f(&format!("{}.{name}.{field}", super::join(prefix, "switch_mlp")), Role::Weight, a);
+            }
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        self.gate.visit_mut(&super::join(prefix, "gate"), f);
+        let switch = super::join(prefix, "switch_mlp");
+        for (name, layer) in
+            [("gate_proj", &mut self.gate_proj), ("up_proj", &mut self.up_proj), ("down_proj", &mut self.down_proj)]
+        {
+            for (field, a) in layer.arrays_mut() {
+                f(&format!("{switch}.{name}.{field}"), a);
+            }
+        }
+    }
+
+    fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
+        self.gate.visit_linears(&super::join(prefix, "gate"), f);
+    }
+}
