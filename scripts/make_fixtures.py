@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import glob
 import hashlib
 import io
@@ -561,6 +562,8 @@ FAMILIES = [
             bos_token_id=1,
             eos_token_id=2,
         ),
+        "quantised": {"name": "qwen3_moe_q4", "dtype": "float32", "legacy_config": False, "stack_experts": True,
+                      "router_bits": 8},
         "covers": "qwen3_moe; 8 experts, 4 per token (the 24-token prompt's 96 token-expert pairs take "
         "the sorted gathered products, a decoding step's 4 the unsorted ones), norm_topk_prob; layer 1 "
         "dense (mlp_only_layers [1], intermediate 96) between routed layers (moe_intermediate 32); "
@@ -603,10 +606,16 @@ def covers_of(name: str) -> str:
         if name == fam["name"]:
             return fam["covers"]
         if name == fam.get("quantised", {}).get("name"):
+            moe = (
+                "; experts stacked by expert as mlx-lm stores them (`mlp.switch_mlp.{gate,up,down}_proj`, "
+                "quantised per expert), routers `mlp.gate` 8-bit group 64"
+                if fam["quantised"].get("stack_experts")
+                else ""
+            )
             return (
                 f"MLX affine-quantised copy of `{fam['name']}`: 4-bit group-32 linears (+ lm_head if untied), "
                 "8-bit `model.embed_tokens` and `model.layers.1.mlp.down_proj` (per-module overrides), "
-                "scales/biases in the checkpoint dtype, norms dense; reference from the dequantised weights"
+                "scales/biases in the checkpoint dtype, norms dense; reference from the dequantised weights" + moe
             )
         if name == fam.get("multimodal", {}).get("name"):
             return (
@@ -743,7 +752,7 @@ def quantise_state(state: dict[str, torch.Tensor], qspec: dict, store_dtype: tor
     """Returns (stored tensors in MLX layout, dequantised float32 state for the reference)."""
     stored, deq = {}, {}
     for name, t in state.items():
-        if is_quantisable(name):
+        if is_quantisable(name) or name[: -len(".weight")] in qspec:
             module = name[: -len(".weight")]
             gs, bits = quant_params_for(module, qspec)
             packed, s, b = mlx_quantize(t.float().numpy(), gs, bits, store_dtype)
@@ -967,14 +976,39 @@ def write_quantised(variant: dict, fam: dict, config, state: dict, out: Path) ->
     dt = DTYPES[variant["dtype"]]
     if out.exists():
         shutil.rmtree(out)
-    stored, deq = quantise_state(state, Q4_SPEC, dt)
+    spec = dict(Q4_SPEC)
+    if variant.get("router_bits"):
+        # mlx-lm keeps MoE routers at 8 bits (its quant_predicate for Qwen 3 MoE)
+        for name in state:
+            if name.endswith(".mlp.gate.weight"):
+                spec[name[: -len(".weight")]] = {"group_size": 64, "bits": variant["router_bits"]}
+    stored, deq = quantise_state(state, spec, dt)
+    if variant.get("stack_experts"):
+        stored = stack_experts(stored)
     # config/generation_config via save_pretrained of the dense model, then replace the weights
     save_hf(config, state, dt, out, max_shard_size=10**9)
     (out / "model.safetensors").unlink()
     safetensors.torch.save_file(stored, str(out / "model.safetensors"), metadata={"format": "mlx"})
-    q = dict(Q4_SPEC)
+    q = dict(spec)
     finalise_config(out, variant, extra={"quantization": q, "quantization_config": copy.deepcopy(q)})
     return deq
+
+
+def stack_experts(stored: dict) -> dict:
+    """mlx-lm's MoE layout: `<mlp>.experts.<e>.<proj>.<field>` stacked by expert into
+    `<mlp>.switch_mlp.<proj>.<field>` (MLX quantises the last axis, so each expert's packed
+    values, scales and biases are its own)."""
+    pat = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+    groups, out = {}, {}
+    for name, t in stored.items():
+        m = pat.match(name)
+        if m:
+            groups.setdefault((m[1], m[3], m[4]), {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for (prefix, proj, field), per in groups.items():
+        out[f"{prefix}.switch_mlp.{proj}.{field}"] = torch.stack([per[e] for e in sorted(per)]).contiguous()
+    return out
 
 
 def write_multimodal(variant: dict, text_dir: Path, out: Path) -> None:
@@ -1061,6 +1095,13 @@ def load_fixture(d: Path):
                 s = tensors.pop(k)
                 b = tensors.pop(module + ".biases")
                 dtypes.add(s.dtype)
+                if packed.ndim == 3:
+                    # mlx-lm's stacked experts: back to transformers' one tensor per expert
+                    prefix_, proj = module.rsplit(".switch_mlp.", 1)
+                    for e in range(packed.shape[0]):
+                        w = mlx_dequantize(packed[e], s[e], b[e], gs, bits)
+                        state[f"{prefix_}.experts.{e}.{proj}.weight"] = w
+                    continue
                 state[module + ".weight"] = mlx_dequantize(packed, s, b, gs, bits)
     for k, v in tensors.items():
         dtypes.add(v.dtype)

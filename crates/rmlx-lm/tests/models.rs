@@ -153,6 +153,13 @@ fn qwen3_moe_routed_experts_and_a_dense_layer() {
     check("qwen3_moe");
 }
 
+/// Qwen 3 MoE quantised as mlx-lm stores it: the experts stacked under `switch_mlp` (4-bit, through
+/// MLX's `gather_qmm`), the routers 8-bit, the dense layer's down projection 8-bit.
+#[test]
+fn qwen3_moe_mlx_quantized_stacked_experts() {
+    check("qwen3_moe_q4");
+}
+
 /// Mixtral: 6 experts (`w1`/`w3`/`w2`), 3 a token, softmax over the chosen scores.
 #[test]
 fn mixtral_routed_experts() {
