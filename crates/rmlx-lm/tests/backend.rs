@@ -25,7 +25,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// batch pads the short ones on the left; gemma3_text's window (8) is shorter than most of them.
 #[test]
 fn classify_batched_matches_transformers_per_prompt() {
-    for name in ["llama_gqa", "gemma3_text", "mistral_window", "qwen2_window", "gemma2", "phi3"] {
+    for name in ["llama_gqa", "gemma3_text", "mistral_window", "qwen2_window", "gemma2", "phi3", "qwen3_moe", "mixtral"]
+    {
         let dir = fixture_with_tokenizer(name);
         let r = reference(name);
         let prompt = ids(&r["prompt_ids"]);

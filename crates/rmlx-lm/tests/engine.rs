@@ -171,11 +171,19 @@ fn seeded_sampling_is_the_same_alone_or_in_a_batch() {
 #[test]
 fn sliding_window_layers_in_a_batch() {
     for name in ["gemma3_text", "mistral_window", "gemma2", "phi3"] {
-        sliding_window_layers_in_a_batch_of(name);
+        batched_decoding_as_alone(name);
     }
 }
 
-fn sliding_window_layers_in_a_batch_of(name: &str) {
+/// Routed experts: each token's experts are its own, whatever the batch around it (padding too).
+#[test]
+fn routed_experts_in_a_batch() {
+    for name in ["qwen3_moe", "qwen3_moe_q4", "mixtral"] {
+        batched_decoding_as_alone(name);
+    }
+}
+
+fn batched_decoding_as_alone(name: &str) {
     // Windowed layers see 8 positions; prompts of 20 and 11 tokens and 16 generated.
     let (_d, lm) = load(name);
     let a: Vec<u32> = (0..20).map(|i| (i * 37 + 11) % 256).collect();
