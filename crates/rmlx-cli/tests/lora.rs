@@ -11,11 +11,16 @@ const RMLX: &str = env!("CARGO_BIN_EXE_rmlx");
 
 /// A fresh temporary folder holding the model, the data and the adapters.
 fn workspace(tag: &str) -> PathBuf {
+    workspace_of(tag, "llama_gqa")
+}
+
+/// [`workspace`] over the fixture model `fixture`.
+fn workspace_of(tag: &str, fixture: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("rmlx-cli-lora-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let model = dir.join("model");
     std::fs::create_dir_all(&model).unwrap();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rmlx-lm/tests/fixtures/models/llama_gqa");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rmlx-lm/tests/fixtures/models").join(fixture);
     for f in ["config.json", "model.safetensors", "generation_config.json"] {
         std::fs::copy(src.join(f), model.join(f)).unwrap();
     }
@@ -733,5 +738,60 @@ fn fuse_writes_a_model_that_generates_as_the_adapters_do() {
         };
         assert_eq!(ids(&fused, &[]), ids(&model, &["--adapter-path", s(&adapters)]), "{tag}");
     }
+    let _ = std::fs::remove_dir_all(&w);
+}
+
+/// A mixture of experts (the `qwen3_moe` fixture: experts in layers 0 and 2, layer 1 dense) takes
+/// adapters as mlx-lm's `LoRASwitchLinear`s: one per expert under `mlp.switch_mlp.<proj>.lora_a`
+/// `[experts, rank, in]` and `lora_b` `[experts, out, rank]`, beside the linear layers' (routers
+/// included); training lowers the loss, and the fused model generates what the adapters do. (mlx-lm
+/// 0.32.2 loading these adapters, and the fused folder, decoded the same greedy ids as rmlx when
+/// this was written.) DoRA and PEFT's layout have no form for them: clear errors.
+#[test]
+fn experts_take_adapters_as_mlx_lm_names_them() {
+    let w = workspace_of("experts", "qwen3_moe");
+    let (model, data, adapters) = (w.join("model"), w.join("data"), w.join("adapters"));
+    let train = |dir: &Path, extra: &[&str]| {
+        let mut args = vec!["lora", "--model", s(&model), "--dtype", "float32", "--train", "--data", s(&data)];
+        args.extend_from_slice(&["--adapter-path", s(dir), "--iters", "12", "--batch-size", "4"]);
+        args.extend_from_slice(&["--learning-rate", "1e-2", "--num-layers", "-1", "--lora-rank", "4"]);
+        args.extend_from_slice(&["--steps-per-report", "4", "--json"]);
+        args.extend_from_slice(extra);
+        rmlx(&args)
+    };
+    let out = train(&adapters, &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let losses: Vec<f64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok()?.get("train_loss")?.as_f64())
+        .collect();
+    assert!(losses.len() == 3 && losses[2] < losses[0], "training lowers the loss: {losses:?}");
+    let saved = rmlx::io::load_safetensors(adapters.join("adapters.safetensors")).unwrap().arrays;
+    for layer in [0, 2] {
+        for (proj, input, output) in [("gate_proj", 64, 32), ("up_proj", 64, 32), ("down_proj", 32, 64)] {
+            let name = format!("model.layers.{layer}.mlp.switch_mlp.{proj}");
+            assert_eq!(saved[&format!("{name}.lora_a")].shape(), [8, 4, input], "{name}");
+            assert_eq!(saved[&format!("{name}.lora_b")].shape(), [8, output, 4], "{name}");
+        }
+        assert_eq!(saved[&format!("model.layers.{layer}.mlp.gate.lora_a")].shape(), [64, 4]);
+    }
+    assert!(!saved.keys().any(|n| n.starts_with("model.layers.1.mlp.switch_mlp")), "layer 1 is dense");
+    // 2 routed blocks × (4 attention + router + 3 expert layers) + 1 dense block × (4 + 3).
+    assert_eq!(saved.len(), 2 * 23);
+    let fused = w.join("fused");
+    let out = rmlx(&["fuse", "--model", s(&model), "--adapter-path", s(&adapters), "--save-path", s(&fused)]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("fused 23 adapted layers"), "{err}");
+    std::fs::copy(model.join("tokenizer.json"), fused.join("tokenizer.json")).unwrap();
+    let ids = |m: &Path, extra: &[&str]| {
+        let out = greedy(m, "8", &[&["--json"][..], extra].concat());
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()["token_ids"].clone()
+    };
+    let adapted = ids(&model, &["--adapter-path", s(&adapters)]);
+    assert_eq!(ids(&fused, &[]), adapted);
+    assert_ne!(ids(&model, &[]), adapted, "the adapters change what the model generates");
+    let out = train(&w.join("dora"), &["--fine-tune-type", "dora"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("DoRA has no form for a mixture of experts"), "{err}");
     let _ = std::fs::remove_dir_all(&w);
 }

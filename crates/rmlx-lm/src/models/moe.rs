@@ -13,7 +13,7 @@ use super::{layer_caches, llama, qwen3};
 use crate::cache::KvCache;
 use crate::config::{Architecture, ModelConfig};
 use crate::nn::{join, Builder, CapturedSteps, Embedding, ExpertNames, GatedMlp, Head, Linear, Module, RmsNorm};
-use crate::nn::{Role, SparseMoe, StepCapture};
+use crate::nn::{Role, SparseMoe, StepCapture, SwitchLinear};
 use crate::{Error, Result};
 use rmlx::Array;
 use serde::Deserialize;
@@ -167,6 +167,12 @@ impl Module for Block {
         match &mut self.ffn {
             Ffn::Dense(m) => m.visit_linears(&join(p, self.ffn_name), f),
             Ffn::Experts(m) => m.visit_linears(&join(p, self.ffn_name), f),
+        }
+    }
+
+    fn visit_switches(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut SwitchLinear)) {
+        if let Ffn::Experts(m) = &mut self.ffn {
+            m.visit_switches(&join(p, self.ffn_name), f);
         }
     }
 }

@@ -37,7 +37,7 @@ pub(crate) use module::module_fields;
 pub use module::{join, Module, ModuleExt, Role};
 pub use quantized_matvec::QuantizedMatvec;
 pub use stacked::Stacked;
-pub use switch::{ExpertNames, SparseMoe};
+pub use switch::{ExpertNames, SparseMoe, SwitchLinear, SwitchLora};
 
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};

@@ -17,7 +17,7 @@
 //! # Ok::<(), rmlx_lm::Error>(())
 //! ```
 
-use super::Linear;
+use super::{Linear, SwitchLinear};
 use crate::{Error, Result};
 use rmlx::Array;
 use std::collections::HashMap;
@@ -63,6 +63,10 @@ pub trait Module {
     /// Calls `f` with the path and every linear layer (projections, MLP, output head), which `f`
     /// may change (attach an adapter to, say). Layers without linears have nothing to visit.
     fn visit_linears(&mut self, _prefix: &str, _f: &mut dyn FnMut(&str, &mut Linear)) {}
+
+    /// Calls `f` with the path and every layer of stacked experts (a mixture of experts'
+    /// `switch_mlp.{gate,up,down}_proj`), which `f` may change (attach an adapter to).
+    fn visit_switches(&mut self, _prefix: &str, _f: &mut dyn FnMut(&str, &mut SwitchLinear)) {}
 }
 
 /// `prefix.name`, or `name` at the root.
@@ -154,6 +158,12 @@ impl<M: Module> Module for Vec<M> {
             m.visit_linears(&join(prefix, &i.to_string()), f);
         }
     }
+
+    fn visit_switches(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut SwitchLinear)) {
+        for (i, m) in self.iter_mut().enumerate() {
+            m.visit_switches(&join(prefix, &i.to_string()), f);
+        }
+    }
 }
 
 /// A module a checkpoint may leave out (Qwen 3's q/k norms, an untied output head): visited when
@@ -174,6 +184,12 @@ impl<M: Module> Module for Option<M> {
     fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
         if let Some(m) = self {
             m.visit_linears(prefix, f);
+        }
+    }
+
+    fn visit_switches(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut SwitchLinear)) {
+        if let Some(m) = self {
+            m.visit_switches(prefix, f);
         }
     }
 }
@@ -207,6 +223,12 @@ macro_rules! module_fields {
             fn visit_linears(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut $crate::nn::Linear)) {
                 $(($changed)(&mut *self);)?
                 $($crate::nn::Module::visit_linears(
+                    &mut self.$field, &$crate::nn::join(p, $crate::nn::module_fields!(@name $field $($name)?)), f);)*
+            }
+
+            fn visit_switches(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut $crate::nn::SwitchLinear)) {
+                $(($changed)(&mut *self);)?
+                $($crate::nn::Module::visit_switches(
                     &mut self.$field, &$crate::nn::join(p, $crate::nn::module_fields!(@name $field $($name)?)), f);)*
             }
         }

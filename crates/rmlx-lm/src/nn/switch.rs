@@ -15,41 +15,150 @@ use rmlx::{ops, Array, Dtype};
 /// mlx-lm does): one product per expert instead of one per pair.
 const SORT_FROM: usize = 64;
 
-/// `E` linear maps `[E, out, in]` applied per (token, expert) pair.
+/// `E` linear maps `[E, out, in]` applied per (token, expert) pair, with an optional adapter per
+/// expert (mlx-lm's `LoRASwitchLinear`).
 #[derive(Clone)]
 pub struct SwitchLinear {
     weight: Weight,
+    lora: Option<SwitchLora>,
+}
+
+/// One low-rank adapter per expert: `y += scale · (x Aₑᵀ) Bₑᵀ` for the token's expert `e`, with
+/// `A: [E, r, in]` and `B: [E, out, r]` in mlx-lm's orientation and names (`<layer>.lora_a`,
+/// `<layer>.lora_b`).
+#[derive(Clone)]
+pub struct SwitchLora {
+    pub a: Array,
+    pub b: Array,
+    pub scale: f32,
+    /// Probability of dropping an input element of the adapter's path, in training only.
+    pub dropout: f32,
+}
+
+impl SwitchLora {
+    /// Fresh adapters as mlx-lm initialises them: `A` uniform in `±1/√in`, `B` zero.
+    pub fn init(
+        experts: i32,
+        input: i32,
+        output: i32,
+        rank: i32,
+        scale: f32,
+        dtype: Dtype,
+        key: Option<&Array>,
+    ) -> Result<Self> {
+        let bound = 1.0 / (input as f32).sqrt();
+        Ok(SwitchLora {
+            a: rmlx::random::uniform(-bound, bound, &[experts, rank, input], dtype, key)?,
+            b: ops::zeros(&[experts, output, rank], dtype)?,
+            scale,
+            dropout: 0.0,
+        })
+    }
+
+    /// `scale · B A` per expert, `[E, out, in]` (what fusing adds).
+    pub fn delta(&self) -> Result<Array> {
+        Ok((self.b.matmul(&self.a)? * self.scale)?)
+    }
 }
 
 impl SwitchLinear {
     /// `x: [N, 1, in]` (or broadcastable rows) times the experts `indices` (`[N]` or `[..., k]`).
     fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
-        Ok(match &self.weight {
+        let y = match &self.weight {
             Weight::Dense(w) => ops::gather_mm(x, &w.swapaxes(-1, -2)?, None, Some(indices), sorted)?,
             Weight::Quantized(q) => gather_qmm(x, q, None, Some(indices), true, sorted)?,
-        })
+        };
+        let Some(lora) = &self.lora else { return Ok(y) };
+        let dropped;
+        let input = if lora.dropout > 0.0 && super::training() {
+            let draw =
+                rmlx::random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, super::lora::next_dropout_key()?.as_ref())?;
+            let keep = ops::greater_equal(&draw, &Array::scalar(lora.dropout))?.astype(x.dtype())?;
+            dropped = (x * (keep * (1.0 / (1.0 - lora.dropout)))?)?;
+            &dropped
+        } else {
+            x
+        };
+        let (a, b) = (lora.a.astype(x.dtype())?, lora.b.astype(x.dtype())?);
+        let z = ops::gather_mm(input, &a.swapaxes(-1, -2)?, None, Some(indices), sorted)?;
+        let z = ops::gather_mm(&z, &b.swapaxes(-1, -2)?, None, Some(indices), sorted)?;
+        Ok((y + (z * lora.scale)?.astype(x.dtype())?)?)
     }
 
-    fn arrays(&self) -> Vec<(&'static str, &Array)> {
-        match &self.weight {
-            Weight::Dense(w) => vec![("weight", w)],
-            Weight::Quantized(q) => {
-                let mut v = vec![("weight", &q.weight), ("scales", &q.scales)];
-                v.extend(q.biases.as_ref().map(|b| ("biases", b)));
-                v
+    /// `(experts, in, out)`.
+    pub fn dims(&self) -> (i32, i32, i32) {
+        let s = self.weight.shape();
+        (s[0], s[2], s[1])
+    }
+
+    /// The adapters, if any.
+    pub fn lora(&self) -> Option<&SwitchLora> {
+        self.lora.as_ref()
+    }
+
+    /// Attaches (or with `None` removes) adapters, returning the previous ones; factors of other
+    /// shapes than `[E, r, in]` and `[E, out, r]` are an error.
+    pub fn set_lora(&mut self, lora: Option<SwitchLora>) -> Result<Option<SwitchLora>> {
+        if let Some(l) = &lora {
+            let (e, i, o) = self.dims();
+            let r = l.a.shape().get(1).copied().unwrap_or(0);
+            if l.a.shape() != [e, r, i] || l.b.shape() != [e, o, r] || r < 1 {
+                return Err(Error::ShapeMismatch {
+                    name: "expert adapters".into(),
+                    expected: vec![e, r, i],
+                    found: l.a.shape().to_vec(),
+                });
             }
+        }
+        Ok(std::mem::replace(&mut self.lora, lora))
+    }
+
+    /// The experts' weights with the adapters added, dense `[E, out, in]` (a quantised layer
+    /// dequantised in its scales' dtype).
+    pub fn fused_weight(&self) -> Result<Array> {
+        let w = match &self.weight {
+            Weight::Dense(w) => w.clone(),
+            Weight::Quantized(q) => rmlx::quantization::dequantize(q, Some(q.scales.dtype()))?,
+        };
+        match &self.lora {
+            Some(l) => Ok((&w + l.delta()?.astype(w.dtype())?)?),
+            None => Ok(w),
         }
     }
 
+    /// Whether the experts' weights are quantised.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.weight, Weight::Quantized(_))
+    }
+
+    fn arrays(&self) -> Vec<(&'static str, Role, &Array)> {
+        let mut v = match &self.weight {
+            Weight::Dense(w) => vec![("weight", Role::Weight, w)],
+            Weight::Quantized(q) => {
+                let mut v = vec![("weight", Role::Weight, &q.weight), ("scales", Role::Quantization, &q.scales)];
+                v.extend(q.biases.as_ref().map(|b| ("biases", Role::Quantization, b)));
+                v
+            }
+        };
+        if let Some(l) = &self.lora {
+            v.extend([("lora_a", Role::LoraA, &l.a), ("lora_b", Role::LoraB, &l.b)]);
+        }
+        v
+    }
+
     fn arrays_mut(&mut self) -> Vec<(&'static str, &mut Array)> {
-        match &mut self.weight {
+        let mut v = match &mut self.weight {
             Weight::Dense(w) => vec![("weight", w)],
             Weight::Quantized(Quantized { weight, scales, biases, .. }) => {
                 let mut v = vec![("weight", weight), ("scales", scales)];
                 v.extend(biases.as_mut().map(|b| ("biases", b)));
                 v
             }
+        };
+        if let Some(l) = &mut self.lora {
+            v.extend([("lora_a", &mut l.a), ("lora_b", &mut l.b)]);
         }
+        v
     }
 }
 
@@ -109,7 +218,7 @@ impl SparseMoe {
                 let stacked = stack_experts(each)?;
                 b.convert(stacked)?
             };
-            Ok(SwitchLinear { weight })
+            Ok(SwitchLinear { weight, lora: None })
         };
         Ok(SparseMoe {
             gate_proj: switch(0, [intermediate, hidden])?,
@@ -210,8 +319,8 @@ impl Module for SparseMoe {
         for (name, layer) in
             [("gate_proj", &self.gate_proj), ("up_proj", &self.up_proj), ("down_proj", &self.down_proj)]
         {
-            for (field, a) in layer.arrays() {
-                f(&format!("{}.{name}.{field}", super::join(prefix, "switch_mlp")), Role::Weight, a);
+            for (field, role, a) in layer.arrays() {
+                f(&format!("{}.{name}.{field}", super::join(prefix, "switch_mlp")), role, a);
             }
         }
     }
@@ -230,5 +339,14 @@ impl Module for SparseMoe {
 
     fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
         self.gate.visit_linears(&super::join(prefix, "gate"), f);
+    }
+
+    fn visit_switches(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut SwitchLinear)) {
+        let switch = super::join(prefix, "switch_mlp");
+        for (name, layer) in
+            [("gate_proj", &mut self.gate_proj), ("up_proj", &mut self.up_proj), ("down_proj", &mut self.down_proj)]
+        {
+            f(&format!("{switch}.{name}"), layer);
+        }
     }
 }

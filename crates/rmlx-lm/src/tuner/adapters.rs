@@ -211,6 +211,19 @@ pub fn read(model: &dyn Model, dir: &Path, dtype: Dtype) -> Result<HashMap<Strin
             dir.display()
         )));
     }
+    let mut experts = None;
+    scratch.visit_switches("", &mut |path, s| {
+        if s.lora().is_some() {
+            experts.get_or_insert(path.to_string());
+        }
+    });
+    if let Some(path) = experts {
+        return Err(Error::InvalidParameter(format!(
+            "{} adapts a mixture of experts' stacked layers (`{path}`), which adapters chosen per request do not \
+             take: fuse them into the model (`rmlx fuse`) or attach them at load",
+            dir.display()
+        )));
+    }
     let mut layers = HashMap::new();
     scratch.visit_linears("", &mut |path, l| {
         if let Some(lora) = l.lora() {

@@ -55,6 +55,24 @@ pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, u
     if let Some(e) = failure {
         return Err(e);
     }
+    lm.model.visit_switches("", &mut |path, switch| {
+        quantized |= switch.is_quantized();
+        if switch.lora().is_none() && !switch.is_quantized() {
+            return;
+        }
+        match switch.fused_weight() {
+            Ok(w) => {
+                replaced.insert(format!("{path}.weight"), w);
+                if switch.lora().is_some() {
+                    adapted.push(path.to_string());
+                }
+            }
+            Err(e) => failure = Some(e),
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
     let gemma =
         matches!(crate::models::spec::of(lm.model.config())?.architecture, Architecture::Gemma3 | Architecture::Gemma2);
     let mut params = Vec::new();

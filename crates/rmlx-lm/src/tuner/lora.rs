@@ -1,9 +1,11 @@
 //! Attaching LoRA adapters to a model as mlx-lm's `linear_to_lora_layers` does: to the linear
 //! layers of the last `num_layers` blocks (all of them, or those whose path inside the block is
-//! one of `keys`, such as `self_attn.q_proj`), each initialised fresh.
+//! one of `keys`, such as `self_attn.q_proj`), and to a mixture of experts' stacked expert layers
+//! (`mlp.switch_mlp.gate_proj`: one adapter per expert, mlx-lm's `LoRASwitchLinear`), each
+//! initialised fresh.
 
 use crate::models::{block_path, Model};
-use crate::nn::{Lora, Role};
+use crate::nn::{Lora, Role, SwitchLora};
 use crate::{Error, Result};
 use rmlx::Dtype;
 
@@ -93,11 +95,38 @@ fn attach(
     if let Some(e) = failure {
         return Err(e);
     }
+    model.visit_switches("", &mut |path, switch| {
+        let Some((block, inner)) = block_path(path) else { return };
+        seen_keys.insert(inner.to_string());
+        let wanted = config.keys.as_ref().is_none_or(|keys| keys.iter().any(|k| k == inner));
+        if block < first || !wanted || failure.is_some() {
+            return;
+        }
+        if dora {
+            failure = Some(Error::InvalidParameter(format!(
+                "DoRA has no form for a mixture of experts' stacked layers (`{path}`), as in mlx-lm: \
+                 choose LoRA, or `keys` without them"
+            )));
+            return;
+        }
+        let (experts, input, output) = switch.dims();
+        let made = rmlx::random::key(seed.wrapping_add(adapted.len() as u64))
+            .map_err(Error::from)
+            .and_then(|key| SwitchLora::init(experts, input, output, config.rank, config.scale, dtype, Some(&key)))
+            .and_then(|lora| switch.set_lora(Some(SwitchLora { dropout: config.dropout, ..lora })));
+        match made {
+            Ok(_) => adapted.push(path.to_string()),
+            Err(e) => failure = Some(e),
+        }
+    });
+    if let Some(e) = failure {
+        return Err(e);
+    }
     if let Some(keys) = &config.keys {
         if let Some(k) = keys.iter().find(|k| !seen_keys.contains(*k)) {
             let known: Vec<&str> = seen_keys.iter().map(String::as_str).collect();
             return Err(Error::InvalidParameter(format!(
-                "LoRA key `{k}` names no linear layer of a block (they are: {})",
+                "LoRA key `{k}` names no linear or expert layer of a block (they are: {})",
                 known.join(", ")
             )));
         }

@@ -194,6 +194,17 @@ fn check_targets(
 /// Writes the model's adapters into `dir` in PEFT's layout (`base_model` names the base model in
 /// the config). Every adapter must have the same rank and scale, as PEFT's config holds one.
 pub fn save(model: &mut dyn Model, dir: &Path, base_model: &str) -> Result<usize> {
+    let mut experts = None;
+    model.visit_switches("", &mut |path, s| {
+        if s.lora().is_some() {
+            experts.get_or_insert(path.to_string());
+        }
+    });
+    if let Some(path) = experts {
+        return Err(Error::InvalidParameter(format!(
+            "`{path}` has adapters per expert, which PEFT's LoRA layout has no form for: keep mlx-lm's layout, or fuse them"
+        )));
+    }
     let mut arrays = BTreeMap::new();
     let (mut ranks, mut scales) = (BTreeSet::new(), Vec::new());
     let (mut targets, mut layers, mut doras) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
