@@ -164,6 +164,11 @@ fn hf_name(gguf_name: &str, spec: &GgufSpec) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        // A mixture of experts' router and stacked experts (`qwen3moe`), under mlx-lm's names.
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
+        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{module}.{suffix}"))

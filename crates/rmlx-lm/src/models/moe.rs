@@ -4,11 +4,12 @@
 //! `num_experts` per token and weighs their SwiGLU outputs by the probabilities, renormalised to
 //! sum to one where `norm_topk_prob` says so (Mixtral's softmax over the chosen scores is the
 //! same). Qwen 3 MoE layers listed in `mlp_only_layers`, or off `decoder_sparse_step`, keep a
-//! dense MLP. Experts load from mlx-lm's stacked `switch_mlp` tensors (quantised ones stay
+//! dense MLP (a layer routes when the checkpoint has its router, which the config, where it lists
+//! the layers, must agree with). Experts load from mlx-lm's stacked `switch_mlp` tensors (quantised ones stay
 //! quantised) or from Hugging Face's one tensor per expert.
 
 use super::attention::{Attention, AttentionSpec};
-use super::spec::ArchitectureSpec;
+use super::spec::{self, ArchitectureSpec, GgufSpec, MetadataNumber};
 use super::{layer_caches, llama, qwen3};
 use crate::cache::KvCache;
 use crate::config::{Architecture, ModelConfig};
@@ -17,7 +18,7 @@ use crate::nn::{Role, SparseMoe, StepCapture, SwitchLinear};
 use crate::{Error, Result};
 use rmlx::Array;
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{json, Map, Value};
 
 /// The routing fields of a MoE `config.json`, with transformers' defaults.
 #[derive(Debug, Deserialize)]
@@ -37,6 +38,9 @@ pub struct MoeConfig {
     /// Layers with a dense MLP instead (Qwen 3 MoE).
     #[serde(default)]
     pub mlp_only_layers: Vec<usize>,
+    /// Whether the config says which layers route (`mlp_only_layers` or `decoder_sparse_step`).
+    #[serde(skip)]
+    pub layers_listed: bool,
 }
 
 fn one() -> usize {
@@ -51,6 +55,7 @@ impl MoeConfig {
         if cfg.model_type == "mixtral" {
             moe.norm_topk_prob = true;
         }
+        moe.layers_listed = cfg.raw.contains_key("mlp_only_layers") || cfg.raw.contains_key("decoder_sparse_step");
         if moe.num_experts < 1 || !(1..=moe.num_experts).contains(&moe.num_experts_per_tok) {
             return Err(Error::Config(format!(
                 "config.json: num_experts_per_tok {} must be in 1..={} (num_experts)",
@@ -112,7 +117,17 @@ impl Block {
     fn load(cfg: &ModelConfig, moe: &MoeConfig, family: &Family, b: &mut Builder, i: usize) -> Result<Self> {
         let (p, h, eps) = (format!("model.layers.{i}"), cfg.hidden_size, cfg.rms_norm_eps);
         let ffn_prefix = format!("{p}.{}", family.ffn);
-        let ffn = if moe.sparse(i) {
+        // A layer routes when the checkpoint holds its router (GGUF files say nothing of
+        // `mlp_only_layers`); where the config says which layers route, the two must agree.
+        let routed = b.has(&format!("{ffn_prefix}.{}.weight", family.experts.router));
+        if moe.layers_listed && routed != moe.sparse(i) {
+            return Err(Error::Config(format!(
+                "layer {i}: config.json makes it {} (mlp_only_layers, decoder_sparse_step) but the checkpoint's {ffn_prefix} {}",
+                if moe.sparse(i) { "routed" } else { "dense" },
+                if routed { "has a router" } else { "has none" }
+            )));
+        }
+        let ffn = if routed {
             let width = moe.moe_intermediate_size.unwrap_or(cfg.intermediate_size);
             let counts = (moe.num_experts, moe.num_experts_per_tok);
             Ffn::Experts(SparseMoe::load(b, &ffn_prefix, &family.experts, (h, width), counts, moe.norm_topk_prob)?)
@@ -246,9 +261,30 @@ pub static QWEN3_MOE_SPEC: ArchitectureSpec = ArchitectureSpec {
     hf_classes: &[("Qwen3MoeForCausalLM", "qwen3_moe")],
     signature_tensor: Some("model.layers.0.mlp.gate.weight"),
     chat_family: "chatml",
-    gguf: None,
+    gguf: Some(GgufSpec {
+        arch: "qwen3moe",
+        model_type: "qwen3_moe",
+        ffn_norm: "post_attention_layernorm",
+        fix_up: spec::no_fix_up,
+        config: qwen3moe_gguf_config,
+    }),
     build: |cfg, b| Ok(Box::new(Model::load(cfg, b, &QWEN3_MOE)?)),
 };
+
+/// llama.cpp's `qwen3moe.expert_count`, `expert_used_count` and `expert_feed_forward_length`;
+/// its Qwen 3 MoE graph always renormalises the chosen experts' weights.
+fn qwen3moe_gguf_config(num: MetadataNumber, c: &mut Map<String, Value>) {
+    for (key, field) in [
+        ("expert_count", "num_experts"),
+        ("expert_used_count", "num_experts_per_tok"),
+        ("expert_feed_forward_length", "moe_intermediate_size"),
+    ] {
+        if let Some(n) = num(key) {
+            c.insert(field.into(), json!(n as i64));
+        }
+    }
+    c.insert("norm_topk_prob".into(), json!(true));
+}
 
 /// Mixtral in [`super::spec::ARCHITECTURES`].
 pub static MIXTRAL_SPEC: ArchitectureSpec = ArchitectureSpec {

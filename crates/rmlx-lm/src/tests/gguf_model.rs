@@ -91,3 +91,110 @@ pub fn set_meta(kv: &mut [Meta], key: &str, ty: u32, value: Vec<u8>) {
     let e = kv.iter_mut().find(|e| e.0 == key).unwrap();
     (e.1, e.2) = (ty, value);
 }
+
+/// The `qwen3_moe` fixture as llama.cpp's converter writes a `qwen3moe` GGUF (float32): the
+/// experts of each routed layer stacked into `ffn_{gate,up,down}_exps` `[experts, out, in]`, the
+/// router as `ffn_gate_inp`, the dense layer 1 as `ffn_{gate,up,down}`, 320 tokens.
+pub fn gguf_qwen3_moe(path: &Path) {
+    fn string(buf: &mut Vec<u8>, s: &str) {
+        buf.extend((s.len() as u64).to_le_bytes());
+        buf.extend(s.as_bytes());
+    }
+    let u32v = |v: u32| v.to_le_bytes().to_vec();
+    let f32v = |v: f32| v.to_le_bytes().to_vec();
+    let text = |s: &str| {
+        let mut b = Vec::new();
+        string(&mut b, s);
+        b
+    };
+    let mut tokens = 8u32.to_le_bytes().to_vec();
+    tokens.extend(320u64.to_le_bytes());
+    let token = |i: usize| ["a", "b", "ab"].get(i).map_or(format!("t{i}"), |t| t.to_string());
+    (0..320).for_each(|i| string(&mut tokens, &token(i)));
+    let mut merges = 8u32.to_le_bytes().to_vec();
+    merges.extend(1u64.to_le_bytes());
+    string(&mut merges, "a b");
+    let a = "qwen3moe";
+    let kv: Vec<Meta> = vec![
+        ("general.architecture".to_string(), 8, text(a)),
+        (format!("{a}.embedding_length"), 4, u32v(64)),
+        (format!("{a}.block_count"), 4, u32v(3)),
+        (format!("{a}.feed_forward_length"), 4, u32v(96)),
+        (format!("{a}.expert_feed_forward_length"), 4, u32v(32)),
+        (format!("{a}.expert_count"), 4, u32v(8)),
+        (format!("{a}.expert_used_count"), 4, u32v(4)),
+        (format!("{a}.attention.head_count"), 4, u32v(4)),
+        (format!("{a}.attention.head_count_kv"), 4, u32v(2)),
+        (format!("{a}.attention.key_length"), 4, u32v(16)),
+        (format!("{a}.attention.value_length"), 4, u32v(16)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), 6, f32v(1e-6)),
+        (format!("{a}.rope.freq_base"), 6, f32v(1e6)),
+        ("tokenizer.ggml.model".into(), 8, text("gpt2")),
+        ("tokenizer.ggml.tokens".into(), 9, tokens),
+        ("tokenizer.ggml.merges".into(), 9, merges),
+    ];
+    let st = rmlx::io::load_safetensors(super::common::fixture_dir("qwen3_moe").join("model.safetensors")).unwrap();
+    let rename = |n: &str| -> String {
+        let fixed = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
+        if let Some((a, b)) = fixed.iter().find(|(a, _)| n.starts_with(a)) {
+            return n.replacen(a, b, 1);
+        }
+        let parts = [
+            ("input_layernorm", "attn_norm"),
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
+            ("post_attention_layernorm", "ffn_norm"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+            ("mlp.gate.", "ffn_gate_inp."),
+        ];
+        let n = n.replacen("model.layers.", "blk.", 1);
+        parts.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1))
+    };
+    let mut tensors: Vec<(String, rmlx::Array)> = Vec::new();
+    let mut experts: std::collections::BTreeMap<(String, String), Vec<(usize, rmlx::Array)>> = Default::default();
+    for (name, arr) in &st.arrays {
+        // model.layers.L.mlp.experts.E.PROJ.weight
+        if let Some((head, rest)) = name.split_once(".mlp.experts.") {
+            let (e, proj) = rest.split_once('.').unwrap();
+            let proj = proj.trim_end_matches(".weight").trim_end_matches("_proj").to_string();
+            let layer = head.trim_start_matches("model.layers.").to_string();
+            experts.entry((layer, proj)).or_default().push((e.parse().unwrap(), arr.clone()));
+        } else {
+            tensors.push((rename(name), arr.clone()));
+        }
+    }
+    for ((layer, proj), mut per) in experts {
+        per.sort_by_key(|(e, _)| *e);
+        let refs: Vec<&rmlx::Array> = per.iter().map(|(_, a)| a).collect();
+        tensors.push((format!("blk.{layer}.ffn_{proj}_exps.weight"), rmlx::ops::stack(&refs, 0).unwrap()));
+    }
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kv.len() as u64).to_le_bytes());
+    for (k, ty, v) in &kv {
+        string(&mut out, k);
+        out.extend(ty.to_le_bytes());
+        out.extend(v);
+    }
+    let mut data = Vec::new();
+    for (name, a) in &tensors {
+        string(&mut out, name);
+        out.extend((a.shape().len() as u32).to_le_bytes());
+        a.shape().iter().rev().for_each(|&d| out.extend((d as u64).to_le_bytes()));
+        out.extend(0u32.to_le_bytes());
+        out.extend((data.len() as u64).to_le_bytes());
+        let a = a.astype(rmlx::Dtype::Float32).unwrap();
+        data.extend(a.to_vec::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()));
+        data.resize(data.len().div_ceil(32) * 32, 0);
+    }
+    out.resize(out.len().div_ceil(32) * 32, 0);
+    out.extend(data);
+    std::fs::write(path, out).unwrap();
+}
