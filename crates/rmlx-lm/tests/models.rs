@@ -263,3 +263,37 @@ fn the_three_parameter_walks_agree_on_every_family() {
         assert!(visited.iter().any(|(n, r)| n == "model.embed_tokens.weight" && *r == Role::Embedding), "{name}");
     }
 }
+
+/// A mixture of experts' parameters under mlx-lm's names, walked alike by `visit` and
+/// `visit_mut`: the router as a linear layer (`mlp.gate`), the stacked experts as
+/// `mlp.switch_mlp.{gate,up,down}_proj` (and their quantisation arrays), expert adapters as
+/// `lora_a` / `lora_b` once attached; the dense layer keeps `mlp.{gate,up,down}_proj`.
+#[test]
+fn expert_parameters_carry_mlx_lm_names() {
+    use rmlx_lm::nn::{ModuleExt, Role};
+    for name in ["qwen3_moe", "qwen3_moe_q4", "mixtral"] {
+        let dir = fixture_with_tokenizer(name);
+        let mut lm = load(dir.path(), Dtype::Float32);
+        let cfg = rmlx_lm::tuner::LoraConfig { rank: 2, ..rmlx_lm::tuner::LoraConfig::default() };
+        rmlx_lm::tuner::apply_lora(lm.model.as_mut(), None, &cfg, Dtype::Float32, 0).unwrap();
+        let visited = lm.model.roles("");
+        let mut mutated = Vec::new();
+        lm.model.visit_mut("", &mut |n, _| mutated.push(n.to_string()));
+        assert_eq!(visited.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), mutated, "{name}");
+        let ffn = if name == "mixtral" { "block_sparse_moe" } else { "mlp" };
+        let role = |n: &str| visited.iter().find(|(v, _)| v == n).map(|(_, r)| *r);
+        for proj in ["gate_proj", "up_proj", "down_proj"] {
+            let p = format!("model.layers.0.{ffn}.switch_mlp.{proj}");
+            assert_eq!(role(&format!("{p}.weight")), Some(Role::Weight), "{name}: {p}");
+            assert_eq!(role(&format!("{p}.lora_a")), Some(Role::LoraA), "{name}: {p}");
+            assert_eq!(role(&format!("{p}.lora_b")), Some(Role::LoraB), "{name}: {p}");
+            let quantized = name.ends_with("_q4");
+            assert_eq!(role(&format!("{p}.scales")).is_some(), quantized, "{name}: {p}");
+        }
+        assert_eq!(role(&format!("model.layers.0.{ffn}.gate.weight")), Some(Role::Weight), "{name}: router");
+        if name != "mixtral" {
+            assert_eq!(role("model.layers.1.mlp.gate_proj.weight"), Some(Role::Weight), "{name}: dense layer");
+            assert!(!visited.iter().any(|(n, _)| n.starts_with("model.layers.1.mlp.switch_mlp")), "{name}");
+        }
+    }
+}
