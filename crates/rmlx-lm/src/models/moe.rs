@@ -5,8 +5,9 @@
 //! sum to one where `norm_topk_prob` says so (Mixtral's softmax over the chosen scores is the
 //! same). Qwen 3 MoE layers listed in `mlp_only_layers`, or off `decoder_sparse_step`, keep a
 //! dense MLP (a layer routes when the checkpoint has its router, which the config, where it lists
-//! the layers, must agree with). Experts load from mlx-lm's stacked `switch_mlp` tensors (quantised ones stay
-//! quantised) or from Hugging Face's one tensor per expert.
+//! the layers, must agree with). Experts load from mlx-lm's stacked `switch_mlp` tensors
+//! (quantised ones stay quantised), from Hugging Face's one tensor per expert, or from a GGUF
+//! `qwen3moe` file's `ffn_*_exps`.
 
 use super::attention::{Attention, AttentionSpec};
 use super::spec::{self, ArchitectureSpec, GgufSpec, MetadataNumber};
@@ -20,7 +21,7 @@ use rmlx::Array;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-/// The routing fields of a MoE `config.json`, with transformers' defaults.
+/// The routing fields of a MoE `config.json` (transformers' defaults where a field may be left out).
 #[derive(Debug, Deserialize)]
 pub struct MoeConfig {
     /// Experts per MoE layer (Mixtral: `num_local_experts`).

@@ -69,6 +69,17 @@ pub(crate) fn next_dropout_key() -> Result<Option<Array>> {
     })
 }
 
+/// `x` with inverted dropout of probability `p` in training mode (the kept elements scaled by
+/// `1 / (1 - p)`, the masks from [`next_dropout_key`]); `x` itself otherwise.
+pub(crate) fn dropout(x: &Array, p: f32) -> Result<Array> {
+    if p > 0.0 && training() {
+        let draw = random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, next_dropout_key()?.as_ref())?;
+        let keep = ops::greater_equal(&draw, &Array::scalar(p))?.astype(x.dtype())?;
+        return Ok((x * (keep * (1.0 / (1.0 - p)))?)?);
+    }
+    Ok(x.clone())
+}
+
 /// An adapter's two factors and its scale.
 #[derive(Clone)]
 pub struct Lora {
@@ -139,12 +150,7 @@ impl Lora {
 
     /// `x` with this adapter's dropout applied in training (the same draw whichever path uses it).
     fn dropped(&self, x: &Array) -> Result<Array> {
-        if self.dropout > 0.0 && training() {
-            let draw = random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, next_dropout_key()?.as_ref())?;
-            let keep = ops::greater_equal(&draw, &Array::scalar(self.dropout))?.astype(x.dtype())?;
-            return Ok((x * (keep * (1.0 / (1.0 - self.dropout)))?)?);
-        }
-        Ok(x.clone())
+        dropout(x, self.dropout)
     }
 
     /// The factors in the activations' dtype (the float32 factors cast down, as PEFT under

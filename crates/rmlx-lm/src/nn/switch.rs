@@ -69,18 +69,9 @@ impl SwitchLinear {
             Weight::Quantized(q) => gather_qmm(x, q, None, Some(indices), true, sorted)?,
         };
         let Some(lora) = &self.lora else { return Ok(y) };
-        let dropped;
-        let input = if lora.dropout > 0.0 && super::training() {
-            let draw =
-                rmlx::random::uniform(0.0, 1.0, x.shape(), Dtype::Float32, super::lora::next_dropout_key()?.as_ref())?;
-            let keep = ops::greater_equal(&draw, &Array::scalar(lora.dropout))?.astype(x.dtype())?;
-            dropped = (x * (keep * (1.0 / (1.0 - lora.dropout)))?)?;
-            &dropped
-        } else {
-            x
-        };
+        let input = super::lora::dropout(x, lora.dropout)?;
         let (a, b) = (lora.a.astype(x.dtype())?, lora.b.astype(x.dtype())?);
-        let z = ops::gather_mm(input, &a.swapaxes(-1, -2)?, None, Some(indices), sorted)?;
+        let z = ops::gather_mm(&input, &a.swapaxes(-1, -2)?, None, Some(indices), sorted)?;
         let z = ops::gather_mm(&z, &b.swapaxes(-1, -2)?, None, Some(indices), sorted)?;
         Ok((y + (z * lora.scale)?.astype(x.dtype())?)?)
     }
@@ -101,13 +92,12 @@ impl SwitchLinear {
     pub fn set_lora(&mut self, lora: Option<SwitchLora>) -> Result<Option<SwitchLora>> {
         if let Some(l) = &lora {
             let (e, i, o) = self.dims();
-            let r = l.a.shape().get(1).copied().unwrap_or(0);
-            if l.a.shape() != [e, r, i] || l.b.shape() != [e, o, r] || r < 1 {
-                return Err(Error::ShapeMismatch {
-                    name: "expert adapters".into(),
-                    expected: vec![e, r, i],
-                    found: l.a.shape().to_vec(),
-                });
+            let r = l.a.shape().get(1).copied().unwrap_or(0).max(1);
+            for (name, a, expected) in [("lora_a", &l.a, [e, r, i]), ("lora_b", &l.b, [e, o, r])] {
+                if a.shape() != expected {
+                    let (expected, found) = (expected.to_vec(), a.shape().to_vec());
+                    return Err(Error::ShapeMismatch { name: format!("expert adapters' {name}"), expected, found });
+                }
             }
         }
         Ok(std::mem::replace(&mut self.lora, lora))
@@ -165,8 +155,9 @@ impl SwitchLinear {
 /// The router and the experts of one block.
 #[derive(Clone)]
 pub struct SparseMoe {
-    /// `[hidden] → [E]` scores.
+    /// `[hidden] → [E]` scores, and its name under the block's feed-forward.
     gate: Linear,
+    router: &'static str,
     gate_proj: SwitchLinear,
     up_proj: SwitchLinear,
     down_proj: SwitchLinear,
@@ -225,6 +216,7 @@ impl SparseMoe {
             up_proj: switch(1, [intermediate, hidden])?,
             down_proj: switch(2, [hidden, intermediate])?,
             gate,
+            router: names.router,
             top_k,
             norm_topk_prob,
         })
@@ -315,7 +307,7 @@ fn same_format(a: &Quantized, b: &Quantized) -> bool {
 
 impl Module for SparseMoe {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, Role, &Array)) {
-        self.gate.visit(&super::join(prefix, "gate"), f);
+        self.gate.visit(&super::join(prefix, self.router), f);
         for (name, layer) in
             [("gate_proj", &self.gate_proj), ("up_proj", &self.up_proj), ("down_proj", &self.down_proj)]
         {
@@ -326,7 +318,7 @@ impl Module for SparseMoe {
     }
 
     fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
-        self.gate.visit_mut(&super::join(prefix, "gate"), f);
+        self.gate.visit_mut(&super::join(prefix, self.router), f);
         let switch = super::join(prefix, "switch_mlp");
         for (name, layer) in
             [("gate_proj", &mut self.gate_proj), ("up_proj", &mut self.up_proj), ("down_proj", &mut self.down_proj)]
@@ -338,7 +330,7 @@ impl Module for SparseMoe {
     }
 
     fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Linear)) {
-        self.gate.visit_linears(&super::join(prefix, "gate"), f);
+        self.gate.visit_linears(&super::join(prefix, self.router), f);
     }
 
     fn visit_switches(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut SwitchLinear)) {
