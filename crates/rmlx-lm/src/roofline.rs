@@ -47,17 +47,26 @@ impl Floor {
 }
 
 /// Weight bytes one decoded token reads: every weight once, except that an input embedding
-/// table not shared with the output head gives one row (a tied one is read whole, as the head).
+/// table not shared with the output head gives one row (a tied one is read whole, as the head),
+/// and that of a mixture of experts' stacked experts (`switch_mlp`) a token reads the
+/// `num_experts_per_tok` it is routed to out of `num_experts`.
 pub fn weight_bytes_per_token(lm: &LoadedModel) -> u64 {
-    let (mut all, mut embedding) = (0u64, 0u64);
+    let (mut all, mut embedding, mut experts) = (0u64, 0u64, 0u64);
     let mut head = false;
     lm.model.visit("", &mut |name, _, a| {
         all += a.nbytes() as u64;
         if name.starts_with("model.embed_tokens.") {
             embedding += a.nbytes() as u64;
         }
+        if name.contains(".switch_mlp.") {
+            experts += a.nbytes() as u64;
+        }
         head |= name.starts_with("lm_head.");
     });
+    if let Ok(moe) = crate::models::moe::MoeConfig::of(lm.model.config()) {
+        let (used, of) = (moe.num_experts_per_tok as u64, moe.num_experts as u64);
+        all = all - experts + experts * used / of;
+    }
     if head {
         let rows = lm.model.config().vocab_size.max(1) as u64;
         all - embedding + embedding / rows

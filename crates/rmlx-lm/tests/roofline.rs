@@ -56,6 +56,28 @@ fn weight_bytes_are_every_tensor_but_an_untied_embedding_read_one_row() {
     assert_eq!(weight_bytes_per_token(&lm), all);
 }
 
+/// A mixture of experts: a token reads the 4 experts it is routed to out of 8 (`qwen3_moe`'s
+/// stacked `switch_mlp` tensors count half), everything else whole (untied: one embedding row).
+#[test]
+fn weight_bytes_count_the_routed_experts_only() {
+    let dir = fixture_with_tokenizer("qwen3_moe");
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
+    let (mut all, mut embedding, mut experts) = (0, 0, 0);
+    for (name, bytes) in check_file(&dir.path().join("model.safetensors")).unwrap() {
+        all += bytes;
+        if name.starts_with("model.embed_tokens.") {
+            embedding += bytes;
+        }
+        if name.contains(".mlp.experts.") {
+            experts += bytes;
+        }
+    }
+    // float32, vocabulary 320, hidden 64: a row is 256 bytes; 2 routed layers × 8 experts × 3
+    // matrices of 64 × 32.
+    assert_eq!(experts, 2 * 8 * 3 * 64 * 32 * 4);
+    assert_eq!(weight_bytes_per_token(&lm), all - embedding + 256 - experts / 2);
+}
+
 #[test]
 fn key_value_bytes_count_each_layers_window() {
     // Gemma 3 fixture: 6 layers (2 global, 4 with a window of 8), 1 key/value head of 32, float32:
