@@ -12,7 +12,7 @@ moves every ``lora_b`` away from zero (seeded), and writes into
                          computed in float32 (bfloat16 fixtures are converted first)
 
 Needs: pip install mlx-lm "mlx[cpu]" (measured with mlx-lm 0.32.2, mlx 0.32.4). Run from the
-project root: python scripts/make_adapter_fixtures.py
+project root: python scripts/make_adapter_fixtures.py [CASE ...]
 """
 
 import json
@@ -32,11 +32,17 @@ CASES = {
     "qwen3_last_q_v": ("qwen3", 1, {"rank": 2, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]}, "lora"),
     # DoRA: every magnitude `m` is moved off the base weight's row norms as well.
     "llama_gqa_dora": ("llama_gqa", 1, {"rank": 4, "scale": 2.0, "dropout": 0.0}, "dora"),
+    # Mixture of experts: LoRASwitchLinear on the stacked experts, beside routers and attention.
+    "qwen3_moe_all": ("qwen3_moe", -1, {"rank": 2, "scale": 4.0, "dropout": 0.0}, "lora"),
+    # Phi-3: adapters on the fused qkv_proj and gate_up_proj, as mlx-lm's Phi-3 has them.
+    "phi3_fused": ("phi3_mlx_lm", -1, {"rank": 2, "scale": 4.0, "dropout": 0.0}, "lora"),
 }
 
 
-def main():
+def main(only=None):
     for case, (fixture, num_layers, params, fine_tune_type) in CASES.items():
+        if only and case not in only:
+            continue
         model, _ = load_model(ROOT / "models" / fixture)
         model.set_dtype(mx.float32)  # the reference is computed in float32 (the Rust test's dtype)
         model.freeze()
@@ -62,4 +68,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])  # case names to (re)make; none: all

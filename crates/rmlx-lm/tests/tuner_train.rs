@@ -143,10 +143,11 @@ fn a_stop_request_saves_and_ends_the_run() {
 
 /// Adapters made by mlx-lm itself (`scripts/make_adapter_fixtures.py`: its `linear_to_lora_layers`
 /// on the fixture models, LoRA and DoRA, every `lora_b` and DoRA magnitude moved) load here and
-/// give mlx-lm's logits.
+/// give mlx-lm's logits: also on a mixture of experts' stacked experts (`LoRASwitchLinear`) and on
+/// Phi-3's fused `qkv_proj` / `gate_up_proj` (split into rmlx's separate projections).
 #[test]
 fn mlx_lm_adapters_give_mlx_lm_logits() {
-    for case in ["llama_gqa_all", "qwen3_last_q_v", "llama_gqa_dora"] {
+    for case in ["llama_gqa_all", "qwen3_last_q_v", "llama_gqa_dora", "qwen3_moe_all", "phi3_fused"] {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/adapters").join(case);
         let reference: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
@@ -170,10 +171,14 @@ fn mlx_lm_adapters_give_mlx_lm_logits() {
         let effect = base.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(diff < 1e-4, "{case}: max |rmlx - mlx-lm| = {diff}");
         assert!(effect > 100.0 * diff.max(1e-6), "{case}: the adapters change the logits (by {effect})");
-        // 2 blocks x 7 linears x (A, B); 1 block x (q, v) x (A, B); 1 block x 7 x (A, B, m).
+        // 2 blocks x 7 linears x (A, B); 1 block x (q, v) x (A, B); 1 block x 7 x (A, B, m);
+        // 2 routed blocks x (4 attention + router + 3 expert layers) + 1 dense block x 7, x (A, B);
+        // Phi-3's 2 blocks x 4 fused-or-not linears, read as 7 split ones, x (A, B).
         let expected_arrays = match case {
             "llama_gqa_all" => 28,
             "qwen3_last_q_v" => 4,
+            "qwen3_moe_all" => 46,
+            "phi3_fused" => 28,
             _ => 21,
         };
         assert_eq!(rmlx_lm::tuner::lora_parameter_names(lm.model.as_ref()).len(), expected_arrays, "{case}: {cfg:?}");

@@ -50,6 +50,59 @@ pub fn join_fused(tensors: &mut BTreeMap<String, Array>, layers: usize) -> Resul
     Ok(())
 }
 
+/// mlx-lm's Phi-3 adapters sit on the fused projections (`…qkv_proj.lora_a` `[in, r]`,
+/// `…qkv_proj.lora_b` `[r, q + k + v]`; `gate_up_proj` alike): each part takes the same `A` and
+/// its own columns of `B`, exactly what the fused adapter adds to that part's rows. `keys` naming
+/// a fused projection name its parts. Magnitudes (DoRA) on a fused projection are refused.
+pub fn split_fused_adapters(
+    cfg: &ModelConfig,
+    arrays: &mut BTreeMap<String, Array>,
+    keys: Option<&mut Vec<String>>,
+) -> Result<()> {
+    let (heads, kv, d, m) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.intermediate_size);
+    let widths = [vec![heads * d, kv * d, kv * d], vec![m, m]];
+    if let Some(keys) = keys {
+        let mut split = Vec::new();
+        for k in keys.drain(..) {
+            match FUSED.iter().find(|(fused, _)| *fused == k) {
+                Some((_, parts)) => split.extend(parts.iter().map(|p| p.to_string())),
+                None => split.push(k),
+            }
+        }
+        *keys = split;
+    }
+    for ((fused, parts), widths) in FUSED.iter().zip(&widths) {
+        let names: Vec<String> = arrays.keys().filter(|n| n.contains(&format!(".{fused}."))).cloned().collect();
+        for name in names {
+            let (owner, field) = name.rsplit_once('.').expect("a dotted name");
+            let layer = owner.strip_suffix(&format!(".{fused}")).unwrap_or(owner).to_string();
+            let a = arrays.remove(&name).expect("listed");
+            let pieces = match field {
+                "lora_a" => vec![a; parts.len()],
+                "lora_b" => {
+                    let mut cuts: Vec<i32> =
+                        widths.iter().scan(0, |at, w| Some(std::mem::replace(at, *at + w))).collect();
+                    cuts.remove(0);
+                    if a.shape().get(1) != Some(&widths.iter().sum()) {
+                        let expected = vec![a.shape().first().copied().unwrap_or(0), widths.iter().sum()];
+                        return Err(crate::Error::ShapeMismatch { name, expected, found: a.shape().to_vec() });
+                    }
+                    rmlx::ops::split_at(&a, &cuts, 1)?
+                }
+                _ => {
+                    return Err(crate::Error::InvalidParameter(format!(
+                        "`{name}`: only LoRA factors on Phi-3's fused `{fused}` can be split into its parts"
+                    )))
+                }
+            };
+            for (part, piece) in parts.iter().zip(pieces) {
+                arrays.insert(format!("{layer}.{part}.{field}"), piece);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Builds a Phi-3 model from `model.*` / `lm_head.*` tensors (fused or already split).
 pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<llama::Model> {
     for i in 0..cfg.num_hidden_layers {

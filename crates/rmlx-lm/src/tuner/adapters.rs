@@ -161,7 +161,13 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
     let file = config_path.display().to_string();
     let v: Value = serde_json::from_str(&text).map_err(|e| Error::Config(format!("{file}: {e}")))?;
-    let config = AdapterConfig::from_json(&v, &file)?;
+    let mut config = AdapterConfig::from_json(&v, &file)?;
+    // mlx-lm's Phi-3 adapters name the fused projections rmlx splits at load.
+    let phi3 = crate::models::spec::of(model.config())?.architecture == crate::config::Architecture::Phi3;
+    if phi3 {
+        let mut none = BTreeMap::new();
+        crate::models::phi3::split_fused_adapters(model.config(), &mut none, config.lora.keys.as_mut())?;
+    }
     match config.fine_tune_type {
         FineTuneType::Lora => {
             apply_lora(model, config.num_layers, &config.lora, dtype, 0)?;
@@ -175,7 +181,10 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     if !weights.exists() {
         return Err(Error::MissingFile(weights.display().to_string()));
     }
-    let arrays = rmlx::io::load_safetensors(&weights)?.arrays;
+    let mut arrays = rmlx::io::load_safetensors(&weights)?.arrays;
+    if phi3 {
+        crate::models::phi3::split_fused_adapters(model.config(), &mut arrays, None)?;
+    }
     if config.fine_tune_type != FineTuneType::Full {
         let expected = lora_parameter_names(model);
         if let Some(missing) = expected.iter().find(|n| !arrays.contains_key(*n)) {
