@@ -50,27 +50,30 @@ pub fn join_fused(tensors: &mut BTreeMap<String, Array>, layers: usize) -> Resul
     Ok(())
 }
 
+/// LoRA `keys` (paths inside a block) with each fused projection replaced by its parts
+/// (`self_attn.qkv_proj` → `self_attn.q_proj`, `self_attn.k_proj`, `self_attn.v_proj`).
+///
+/// ```
+/// use rmlx_lm::models::phi3::split_fused_keys;
+/// let keys = split_fused_keys(&["self_attn.qkv_proj".into(), "mlp.down_proj".into()]);
+/// assert_eq!(keys, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"]);
+/// ```
+pub fn split_fused_keys(keys: &[String]) -> Vec<String> {
+    keys.iter()
+        .flat_map(|k| match FUSED.iter().find(|(fused, _)| fused == k) {
+            Some((_, parts)) => parts.iter().map(|p| p.to_string()).collect(),
+            None => vec![k.clone()],
+        })
+        .collect()
+}
+
 /// mlx-lm's Phi-3 adapters sit on the fused projections (`…qkv_proj.lora_a` `[in, r]`,
 /// `…qkv_proj.lora_b` `[r, q + k + v]`; `gate_up_proj` alike): each part takes the same `A` and
-/// its own columns of `B`, exactly what the fused adapter adds to that part's rows. `keys` naming
-/// a fused projection name its parts. Magnitudes (DoRA) on a fused projection are refused.
-pub fn split_fused_adapters(
-    cfg: &ModelConfig,
-    arrays: &mut BTreeMap<String, Array>,
-    keys: Option<&mut Vec<String>>,
-) -> Result<()> {
+/// its own columns of `B`, exactly what the fused adapter adds to that part's rows. Magnitudes
+/// (DoRA) on a fused projection are refused.
+pub fn split_fused_adapters(cfg: &ModelConfig, arrays: &mut BTreeMap<String, Array>) -> Result<()> {
     let (heads, kv, d, m) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim(), cfg.intermediate_size);
     let widths = [vec![heads * d, kv * d, kv * d], vec![m, m]];
-    if let Some(keys) = keys {
-        let mut split = Vec::new();
-        for k in keys.drain(..) {
-            match FUSED.iter().find(|(fused, _)| *fused == k) {
-                Some((_, parts)) => split.extend(parts.iter().map(|p| p.to_string())),
-                None => split.push(k),
-            }
-        }
-        *keys = split;
-    }
     for ((fused, parts), widths) in FUSED.iter().zip(&widths) {
         let names: Vec<String> = arrays.keys().filter(|n| n.contains(&format!(".{fused}."))).cloned().collect();
         for name in names {

@@ -164,9 +164,8 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     let mut config = AdapterConfig::from_json(&v, &file)?;
     // mlx-lm's Phi-3 adapters name the fused projections rmlx splits at load.
     let phi3 = crate::models::spec::of(model.config())?.architecture == crate::config::Architecture::Phi3;
-    if phi3 {
-        let mut none = BTreeMap::new();
-        crate::models::phi3::split_fused_adapters(model.config(), &mut none, config.lora.keys.as_mut())?;
+    if let Some(keys) = config.lora.keys.as_mut().filter(|_| phi3) {
+        *keys = crate::models::phi3::split_fused_keys(keys);
     }
     match config.fine_tune_type {
         FineTuneType::Lora => {
@@ -183,7 +182,7 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     }
     let mut arrays = rmlx::io::load_safetensors(&weights)?.arrays;
     if phi3 {
-        crate::models::phi3::split_fused_adapters(model.config(), &mut arrays, None)?;
+        crate::models::phi3::split_fused_adapters(model.config(), &mut arrays)?;
     }
     if config.fine_tune_type != FineTuneType::Full {
         let expected = lora_parameter_names(model);
