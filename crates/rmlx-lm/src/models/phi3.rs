@@ -52,12 +52,6 @@ pub fn join_fused(tensors: &mut BTreeMap<String, Array>, layers: usize) -> Resul
 
 /// LoRA `keys` (paths inside a block) with each fused projection replaced by its parts
 /// (`self_attn.qkv_proj` → `self_attn.q_proj`, `self_attn.k_proj`, `self_attn.v_proj`).
-///
-/// ```
-/// use rmlx_lm::models::phi3::split_fused_keys;
-/// let keys = split_fused_keys(&["self_attn.qkv_proj".into(), "mlp.down_proj".into()]);
-/// assert_eq!(keys, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"]);
-/// ```
 pub fn split_fused_keys(keys: &[String]) -> Vec<String> {
     keys.iter()
         .flat_map(|k| match FUSED.iter().find(|(fused, _)| fused == k) {
@@ -125,3 +119,23 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
     gguf: None,
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
 };
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fused_keys_name_their_parts() {
+        let keys =
+            super::split_fused_keys(&["self_attn.qkv_proj".into(), "mlp.down_proj".into(), "mlp.gate_up_proj".into()]);
+        assert_eq!(
+            keys,
+            [
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "mlp.down_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj"
+            ]
+        );
+    }
+}
