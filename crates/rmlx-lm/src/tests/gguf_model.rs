@@ -11,24 +11,8 @@ pub type Meta = (String, u32, Vec<u8>);
 /// Q/K row permutation is not applied, which changes the outputs but not the loading), with its
 /// `llama.*` metadata edited by `meta`.
 pub fn gguf_model(path: &Path, meta: impl FnOnce(&mut Vec<Meta>)) {
-    fn string(buf: &mut Vec<u8>, s: &str) {
-        buf.extend((s.len() as u64).to_le_bytes());
-        buf.extend(s.as_bytes());
-    }
-    let u32v = |v: u32| v.to_le_bytes().to_vec();
-    let f32v = |v: f32| v.to_le_bytes().to_vec();
-    let text = |s: &str| {
-        let mut b = Vec::new();
-        string(&mut b, s);
-        b
-    };
-    let mut tokens = 8u32.to_le_bytes().to_vec();
-    tokens.extend(384u64.to_le_bytes());
-    let token = |i: usize| ["a", "b", "ab"].get(i).map_or(format!("t{i}"), |t| t.to_string());
-    (0..384).for_each(|i| string(&mut tokens, &token(i)));
-    let mut merges = 8u32.to_le_bytes().to_vec();
-    merges.extend(1u64.to_le_bytes());
-    string(&mut merges, "a b");
+    let (u32v, f32v) = (|v: u32| v.to_le_bytes().to_vec(), |v: f32| v.to_le_bytes().to_vec());
+    let (tokens, merges) = tokenizer(384);
     let mut kv = vec![
         ("general.architecture".to_string(), 8, text("llama")),
         ("llama.embedding_length".into(), 4, u32v(64)),
@@ -63,22 +47,56 @@ pub fn gguf_model(path: &Path, meta: impl FnOnce(&mut Vec<Meta>)) {
         let n = n.replacen("model.layers.", "blk.", 1);
         parts.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1))
     };
+    let tensors: Vec<(String, rmlx::Array)> = st.arrays.iter().map(|(n, a)| (rename(n), a.clone())).collect();
+    write_gguf(path, &kv, &tensors);
+}
+
+/// A GGUF string: its length (u64) then its bytes.
+fn string(buf: &mut Vec<u8>, s: &str) {
+    buf.extend((s.len() as u64).to_le_bytes());
+    buf.extend(s.as_bytes());
+}
+
+/// A GGUF string value on its own.
+fn text(s: &str) -> Vec<u8> {
+    let mut b = Vec::new();
+    string(&mut b, s);
+    b
+}
+
+/// `tokenizer.ggml.tokens` (`a`, `b`, `ab`, then `t3` … up to `vocab`) and `tokenizer.ggml.merges`
+/// (`a b`) as GGUF string arrays.
+fn tokenizer(vocab: usize) -> (Vec<u8>, Vec<u8>) {
+    let mut tokens = 8u32.to_le_bytes().to_vec();
+    tokens.extend((vocab as u64).to_le_bytes());
+    let token = |i: usize| ["a", "b", "ab"].get(i).map_or(format!("t{i}"), |t| t.to_string());
+    (0..vocab).for_each(|i| string(&mut tokens, &token(i)));
+    let mut merges = 8u32.to_le_bytes().to_vec();
+    merges.extend(1u64.to_le_bytes());
+    string(&mut merges, "a b");
+    (tokens, merges)
+}
+
+/// A GGUF v3 file of metadata `kv` and float32 `tensors` (llama.cpp's names; dimensions stored
+/// innermost first), data aligned to 32 bytes.
+fn write_gguf(path: &Path, kv: &[Meta], tensors: &[(String, rmlx::Array)]) {
     let mut out = b"GGUF".to_vec();
     out.extend(3u32.to_le_bytes());
-    out.extend((st.arrays.len() as u64).to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
     out.extend((kv.len() as u64).to_le_bytes());
-    for (k, ty, v) in &kv {
+    for (k, ty, v) in kv {
         string(&mut out, k);
         out.extend(ty.to_le_bytes());
         out.extend(v);
     }
     let mut data = Vec::new();
-    for (name, a) in &st.arrays {
-        string(&mut out, &rename(name));
+    for (name, a) in tensors {
+        string(&mut out, name);
         out.extend((a.shape().len() as u32).to_le_bytes());
         a.shape().iter().rev().for_each(|&d| out.extend((d as u64).to_le_bytes()));
         out.extend(0u32.to_le_bytes());
         out.extend((data.len() as u64).to_le_bytes());
+        let a = a.astype(rmlx::Dtype::Float32).unwrap();
         data.extend(a.to_vec::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()));
         data.resize(data.len().div_ceil(32) * 32, 0);
     }
@@ -96,24 +114,8 @@ pub fn set_meta(kv: &mut [Meta], key: &str, ty: u32, value: Vec<u8>) {
 /// experts of each routed layer stacked into `ffn_{gate,up,down}_exps` `[experts, out, in]`, the
 /// router as `ffn_gate_inp`, the dense layer 1 as `ffn_{gate,up,down}`, 320 tokens.
 pub fn gguf_qwen3_moe(path: &Path) {
-    fn string(buf: &mut Vec<u8>, s: &str) {
-        buf.extend((s.len() as u64).to_le_bytes());
-        buf.extend(s.as_bytes());
-    }
-    let u32v = |v: u32| v.to_le_bytes().to_vec();
-    let f32v = |v: f32| v.to_le_bytes().to_vec();
-    let text = |s: &str| {
-        let mut b = Vec::new();
-        string(&mut b, s);
-        b
-    };
-    let mut tokens = 8u32.to_le_bytes().to_vec();
-    tokens.extend(320u64.to_le_bytes());
-    let token = |i: usize| ["a", "b", "ab"].get(i).map_or(format!("t{i}"), |t| t.to_string());
-    (0..320).for_each(|i| string(&mut tokens, &token(i)));
-    let mut merges = 8u32.to_le_bytes().to_vec();
-    merges.extend(1u64.to_le_bytes());
-    string(&mut merges, "a b");
+    let (u32v, f32v) = (|v: u32| v.to_le_bytes().to_vec(), |v: f32| v.to_le_bytes().to_vec());
+    let (tokens, merges) = tokenizer(320);
     let a = "qwen3moe";
     let kv: Vec<Meta> = vec![
         ("general.architecture".to_string(), 8, text(a)),
@@ -174,27 +176,5 @@ pub fn gguf_qwen3_moe(path: &Path) {
         let refs: Vec<&rmlx::Array> = per.iter().map(|(_, a)| a).collect();
         tensors.push((format!("blk.{layer}.ffn_{proj}_exps.weight"), rmlx::ops::stack(&refs, 0).unwrap()));
     }
-    let mut out = b"GGUF".to_vec();
-    out.extend(3u32.to_le_bytes());
-    out.extend((tensors.len() as u64).to_le_bytes());
-    out.extend((kv.len() as u64).to_le_bytes());
-    for (k, ty, v) in &kv {
-        string(&mut out, k);
-        out.extend(ty.to_le_bytes());
-        out.extend(v);
-    }
-    let mut data = Vec::new();
-    for (name, a) in &tensors {
-        string(&mut out, name);
-        out.extend((a.shape().len() as u32).to_le_bytes());
-        a.shape().iter().rev().for_each(|&d| out.extend((d as u64).to_le_bytes()));
-        out.extend(0u32.to_le_bytes());
-        out.extend((data.len() as u64).to_le_bytes());
-        let a = a.astype(rmlx::Dtype::Float32).unwrap();
-        data.extend(a.to_vec::<f32>().unwrap().iter().flat_map(|v| v.to_le_bytes()));
-        data.resize(data.len().div_ceil(32) * 32, 0);
-    }
-    out.resize(out.len().div_ceil(32) * 32, 0);
-    out.extend(data);
-    std::fs::write(path, out).unwrap();
+    write_gguf(path, &kv, &tensors);
 }

@@ -31,45 +31,46 @@ pub struct FuseSummary {
     pub dequantized: bool,
 }
 
+/// The weights of the layers (linear or stacked experts) that an adapter or quantisation changes,
+/// as fusing writes them.
+#[derive(Default)]
+struct FusedLayers {
+    /// `<layer>.weight` → the dense weight with the adapter added.
+    replaced: BTreeMap<String, Array>,
+    /// The layers that had an adapter.
+    adapted: Vec<String>,
+    /// Whether any layer was quantised.
+    quantized: bool,
+    failure: Option<Error>,
+}
+
+impl FusedLayers {
+    /// Layer `path`: its fused weight (`fused`) replaces its own when it is adapted or quantised.
+    fn add(&mut self, path: &str, quantized: bool, adapted: bool, fused: impl FnOnce() -> Result<Array>) {
+        self.quantized |= quantized;
+        if !(adapted || quantized) || self.failure.is_some() {
+            return;
+        }
+        match fused() {
+            Ok(w) => {
+                self.replaced.insert(format!("{path}.weight"), w);
+                if adapted {
+                    self.adapted.push(path.to_string());
+                }
+            }
+            Err(e) => self.failure = Some(e),
+        }
+    }
+}
+
 /// The tensors of the fused model under the checkpoint's names.
 pub fn fused_tensors(lm: &mut LoadedModel) -> Result<(BTreeMap<String, Array>, usize, bool)> {
-    let mut replaced: BTreeMap<String, Array> = BTreeMap::new();
-    let mut adapted = Vec::new();
-    let mut quantized = false;
-    let mut failure = None;
-    lm.model.visit_linears("", &mut |path, linear| {
-        quantized |= linear.is_quantized();
-        if linear.lora().is_none() && !linear.is_quantized() {
-            return;
-        }
-        match linear.fused_weight() {
-            Ok(w) => {
-                replaced.insert(format!("{path}.weight"), w);
-                if linear.lora().is_some() {
-                    adapted.push(path.to_string());
-                }
-            }
-            Err(e) => failure = Some(e),
-        }
-    });
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    lm.model.visit_switches("", &mut |path, switch| {
-        quantized |= switch.is_quantized();
-        if switch.lora().is_none() && !switch.is_quantized() {
-            return;
-        }
-        match switch.fused_weight() {
-            Ok(w) => {
-                replaced.insert(format!("{path}.weight"), w);
-                if switch.lora().is_some() {
-                    adapted.push(path.to_string());
-                }
-            }
-            Err(e) => failure = Some(e),
-        }
-    });
+    let mut layers = FusedLayers::default();
+    lm.model
+        .visit_linears("", &mut |path, l| layers.add(path, l.is_quantized(), l.lora().is_some(), || l.fused_weight()));
+    lm.model
+        .visit_switches("", &mut |path, s| layers.add(path, s.is_quantized(), s.lora().is_some(), || s.fused_weight()));
+    let FusedLayers { replaced, adapted, mut quantized, failure } = layers;
     if let Some(e) = failure {
         return Err(e);
     }
