@@ -15,7 +15,7 @@ use super::{layer_caches, llama, qwen3};
 use crate::cache::KvCache;
 use crate::config::{Architecture, ModelConfig};
 use crate::nn::{join, Builder, CapturedSteps, Embedding, ExpertNames, GatedMlp, Head, Linear, Module, RmsNorm};
-use crate::nn::{Role, SparseMoe, StepCapture, SwitchLinear};
+use crate::nn::{Role, SparseMoe, SwitchLinear};
 use crate::{Error, Result};
 use rmlx::Array;
 use serde::Deserialize;
@@ -149,10 +149,7 @@ impl Block {
         let o_proj = self.self_attn.o_proj();
         match &self.ffn {
             Ffn::Dense(mlp) => mlp.forward_after_attention(&o, x, o_proj, &self.post_attention_layernorm),
-            Ffn::Experts(moe) => {
-                let h = o_proj.forward_add(&o, x)?;
-                Ok((&h + moe.forward(&self.post_attention_layernorm.forward(&h)?)?)?)
-            }
+            Ffn::Experts(moe) => moe.forward_residual(&o_proj.forward_add(&o, x)?, &self.post_attention_layernorm),
         }
     }
 }
@@ -201,7 +198,7 @@ pub struct Model {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
-    /// Never captured: a routed block's graph holds MLX's gathered products.
+    /// The decoding step's layers as one launch, on MLX's CUDA backend.
     steps: CapturedSteps,
 }
 
@@ -214,7 +211,7 @@ impl Model {
             layers,
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, false)?,
             lm_head: llama::output_head(cfg, b)?,
-            steps: CapturedSteps::new(StepCapture::Off),
+            steps: CapturedSteps::new(b.step_capture),
             cfg: cfg.clone(),
         })
     }

@@ -322,6 +322,27 @@ const RESIDUAL: usize = 8;
 /// the kernel `rmlx_fused_matvec`.
 fn source(s: &Shape) -> String {
     let t = cuda_type(s.dtype);
+    let split = s.split();
+    let (body, ix_header, bounds) = match s.form {
+        Form::Integer => (ix::SOURCE, ix::HEADER.to_string(), format!("128, {}", ix::BLOCKS_PER_SM)),
+        Form::SplitInteger => (
+            ix::SPLIT_SOURCE,
+            format!("{}{}", ix::HEADER, ix::SPLIT_HEADER),
+            format!("{}, {}", 32 * split, ix::split_blocks_per_sm(split)),
+        ),
+        Form::Float => (SOURCE, String::new(), "128".to_string()),
+    };
+    let constants = constants(s);
+    format!(
+        "{CUDA_TYPES}{OVERLAP}{HEADER}{FINISH}{ix_header}typedef {t} T;\n{constants}\
+         extern \"C\" __global__ void __launch_bounds__({bounds}) rmlx_fused_matvec(const T* x, const unsigned* w, \
+         const T* scales, const T* biases, const unsigned* w2, const T* scales2, const T* biases2, const T* nw, \
+         const T* res, const T* bias, T* y, int rows) {{\n{body}}}\n"
+    )
+}
+
+/// The constants an instance of shape `s` is compiled with (see [`SOURCE`]).
+fn constants(s: &Shape) -> String {
     let (r, split) = (s.rows_per_warp(), s.split());
     let constants = [
         ("K", s.input),
@@ -337,22 +358,49 @@ fn source(s: &Shape) -> String {
         ("EPI", s.epilogue),
         ("DEPTH", if s.form == Form::SplitInteger { ix::split_depth(s.bits, s.input, r) } else { 1 }),
     ];
-    let constants: String = constants.iter().map(|(n, v)| format!("constexpr int {n} = {v};\n")).collect();
-    let (body, ix_header, bounds) = match s.form {
-        Form::Integer => (ix::SOURCE, ix::HEADER.to_string(), format!("128, {}", ix::BLOCKS_PER_SM)),
-        Form::SplitInteger => (
-            ix::SPLIT_SOURCE,
-            format!("{}{}", ix::HEADER, ix::SPLIT_HEADER),
-            format!("{}, {}", 32 * split, ix::split_blocks_per_sm(split)),
-        ),
-        Form::Float => (SOURCE, String::new(), "128".to_string()),
+    constants.iter().map(|(n, v)| format!("constexpr int {n} = {v};\n")).collect()
+}
+
+/// One row's product in the float form, for kernels of other modules that run one such product
+/// per row of their grid's second axis (a token's experts, `cuda_moe`): what goes before their
+/// kernel's signature (types, loads, epilogue, typedef `T` and the constants), the body to put
+/// inside it, and the blocks of the grid's first axis. The body reads `x`, `w`, `scales`,
+/// `biases`, `w2`, `scales2`, `biases2`, `nw`, `res`, `bias`, `y` and `rows`, which the kernel
+/// declares; it waits for the kernel before ([`rmlx::cuda::OVERLAP`]) before reading them.
+pub(super) struct RowProduct {
+    pub prelude: String,
+    pub body: &'static str,
+    pub blocks: i32,
+}
+
+/// [`RowProduct`] of `W: [output, input]` (dense of `dtype`, or `bits`-bit affine in groups of
+/// `group_size`), with the norm of `norm_eps` folded in where set, and the epilogue `epilogue`
+/// (0 the product, 2 SwiGLU over two matrices).
+pub(super) fn row_product(
+    dtype: Dtype,
+    (input, output): (i32, i32),
+    (bits, group_size): (i32, i32),
+    norm_eps: Option<f32>,
+    epilogue: i32,
+) -> RowProduct {
+    let s = Shape {
+        dtype,
+        rows: 1,
+        input,
+        output,
+        bits,
+        group_size,
+        norm: norm_eps.map(f32::to_bits),
+        bias: false,
+        epilogue,
+        form: Form::Float,
     };
-    format!(
-        "{CUDA_TYPES}{OVERLAP}{HEADER}{FINISH}{ix_header}typedef {t} T;\n{constants}\
-         extern \"C\" __global__ void __launch_bounds__({bounds}) rmlx_fused_matvec(const T* x, const unsigned* w, \
-         const T* scales, const T* biases, const unsigned* w2, const T* scales2, const T* biases2, const T* nw, \
-         const T* res, const T* bias, T* y, int rows) {{\n{body}}}\n"
-    )
+    let t = cuda_type(dtype);
+    RowProduct {
+        prelude: format!("{CUDA_TYPES}{OVERLAP}{HEADER}{FINISH}typedef {t} T;\n{}", constants(&s)),
+        body: SOURCE,
+        blocks: s.row_blocks(),
+    }
 }
 
 /// The launch of the products `chain` (each after the first reading the previous one's output as

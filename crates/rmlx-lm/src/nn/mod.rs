@@ -13,6 +13,7 @@ mod cpu_rows;
 pub(crate) mod cuda_attention;
 pub(crate) mod cuda_fast;
 pub(crate) mod cuda_lora;
+pub(crate) mod cuda_moe;
 pub(crate) mod cuda_qmv;
 mod cuda_qmv_ix;
 pub(crate) mod cuda_sample;

@@ -5,11 +5,11 @@
 //! (`gather_mm`, or `gather_qmm` for quantised experts, which stay quantised), the tokens sorted
 //! by expert when there are enough of them for the sort to pay.
 
-use super::{Builder, Linear, Module, Role};
+use super::{cuda_moe, Builder, Linear, Module, RmsNorm, Role};
 use crate::weights::Weight;
 use crate::{Error, Result};
 use rmlx::quantization::{gather_qmm, Quantized};
-use rmlx::{ops, Array, Dtype};
+use rmlx::{ops, Array, DeviceType, Dtype};
 
 /// Gathered products sort their tokens by expert from this many (token, expert) pairs on (as
 /// mlx-lm does): one product per expert instead of one per pair.
@@ -65,6 +65,11 @@ impl SwitchLinear {
     /// `x: [N, 1, in]` (or broadcastable rows) times the experts `indices` (`[N]` or `[..., k]`).
     fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
         let y = match &self.weight {
+            // MLX's CPU gathered product takes float32 alone.
+            Weight::Dense(w) if x.dtype() != Dtype::Float32 && rmlx::current_device().kind == DeviceType::Cpu => {
+                let w = w.astype(Dtype::Float32)?.swapaxes(-1, -2)?;
+                ops::gather_mm(&x.astype(Dtype::Float32)?, &w, None, Some(indices), sorted)?.astype(x.dtype())?
+            }
             Weight::Dense(w) => ops::gather_mm(x, &w.swapaxes(-1, -2)?, None, Some(indices), sorted)?,
             Weight::Quantized(q) => gather_qmm(x, q, None, Some(indices), true, sorted)?,
         };
@@ -236,6 +241,26 @@ impl SparseMoe {
         let y = self.experts(x, &chosen)?;
         let weighted = (y * scores.astype(x.dtype())?.expand_dims(-1)?)?;
         Ok(weighted.sum(-2, false)?)
+    }
+
+    /// `h + self(norm(h))` for the rows `h: [rows, hidden]`: a block's routed feed-forward half,
+    /// one launch of rmlx's kernels on a decoding step where they serve (`cuda_moe`: MLX's CUDA
+    /// backend, a few rows, no expert adapters), else composed.
+    pub fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> Result<Array> {
+        if [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|l| l.lora.is_none()) {
+            let experts = cuda_moe::Experts {
+                gate: &self.gate_proj.weight,
+                up: &self.up_proj.weight,
+                down: &self.down_proj.weight,
+                top_k: self.top_k,
+                norm_topk_prob: self.norm_topk_prob,
+            };
+            let router = || self.gate.forward_normed(h, norm);
+            if let Some(y) = cuda_moe::experts_residual(h, (norm.weight(), norm.eps()), &experts, router)? {
+                return Ok(y);
+            }
+        }
+        Ok((h + self.forward(&norm.forward(h)?)?)?)
     }
 
     /// Each token's `k` experts' outputs `[..., k, hidden]`.

@@ -12,6 +12,7 @@ mod cpu_qmm;
 mod cuda_attention;
 mod cuda_fast;
 mod cuda_lora;
+mod cuda_moe;
 mod cuda_qmv;
 mod cuda_sample;
 mod cuda_step;
