@@ -339,8 +339,9 @@ extern "C" __global__ void __launch_bounds__(256) rmlx_moe_combine(const T* h, c
 fn make_launch(s: &Shape) -> rmlx::Result<CudaLaunch> {
     use KernelArg::{Input, Output};
     let [route, gate_up, down, combine] = sources(s);
-    let compile =
-        |(name, source): (&str, String)| Ok::<_, rmlx::Error>(cuda::compile(name, &source, Some(&kernel_cache()))?.overlapping());
+    let compile = |(name, source): (&str, String)| {
+        Ok::<_, rmlx::Error>(cuda::compile(name, &source, Some(&kernel_cache()))?.overlapping())
+    };
     let slots = (s.rows * s.top_k) as u32;
     let per_matrix = if s.bits == 0 { 1 } else { 3 };
     let matrix = |i: u32| -> [KernelArg; 3] {

@@ -1,6 +1,7 @@
 //! The routed feed-forward's kernels (`nn::cuda_moe`, through `SparseMoe::forward_residual`)
-//! against MLX's composed feed-forward on the same GPU (`h + moe(norm(h))`: softmax, argpartition,
-//! gathered products): float32 and bfloat16; 4-bit, 8-bit and dense experts; 1, 3 and 8 rows;
+//! against MLX's composed feed-forward (`h + moe(norm(h))`: softmax, argpartition, gathered
+//! products) computed on the CPU (on the GPU, MLX's gathered products of several rows run as TF32:
+//! 1.4e-4 off in float32): float32 and bfloat16; 4-bit, 8-bit and dense experts; 1, 3 and 8 rows;
 //! renormalised or not; expert counts and widths that leave partial blocks. Router weights spread
 //! the logits so that no two of a row's top experts tie in bfloat16 (with a tie, either choice is
 //! right and the two paths may differ). And what the kernels leave to MLX: expert adapters,
@@ -11,7 +12,7 @@ use crate::nn::{with_training, Builder, ExpertNames, Module, RmsNorm, SparseMoe,
 use crate::weights::{Weight, Weights};
 use rmlx::fast::{self, GpuBackend};
 use rmlx::quantization::{quantize, QuantMode};
-use rmlx::{random, Array, Axes, Dtype};
+use rmlx::{random, Array, Axes, Device, Dtype};
 
 fn cuda() -> bool {
     fast::gpu_backend() == Some(GpuBackend::Cuda)
@@ -26,14 +27,23 @@ const NAMES: ExpertNames =
 
 /// A routed feed-forward of `experts` experts `hidden → width → hidden` (`bits`: quantised
 /// experts, in groups of 64; `None`: dense), `top_k` chosen, in `dtype`.
-fn sparse_moe(dtype: Dtype, bits: Option<i32>, (experts, top_k): (i32, i32), (hidden, width): (i32, i32), renorm: bool) -> SparseMoe {
+fn sparse_moe(
+    dtype: Dtype,
+    bits: Option<i32>,
+    (experts, top_k): (i32, i32),
+    (hidden, width): (i32, i32),
+    renorm: bool,
+) -> SparseMoe {
     let mut w = Weights::new();
     // Logits of a few units' spread: the top experts' probabilities far apart.
     w.insert("m.gate.weight", Weight::Dense(normal(&[experts, hidden], 3.0 / (hidden as f32).sqrt(), 1)));
-    for (i, (name, shape)) in
-        [("gate_proj", [experts, width, hidden]), ("up_proj", [experts, width, hidden]), ("down_proj", [experts, hidden, width])]
-            .into_iter()
-            .enumerate()
+    for (i, (name, shape)) in [
+        ("gate_proj", [experts, width, hidden]),
+        ("up_proj", [experts, width, hidden]),
+        ("down_proj", [experts, hidden, width]),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let m = normal(&shape, 1.0 / (shape[2] as f32).sqrt(), 2 + i as u64);
         let weight = match bits {
@@ -60,7 +70,7 @@ fn composed(moe: &SparseMoe, h: &Array, norm: &RmsNorm) -> Array {
 #[test]
 fn the_kernels_match_the_composed_feed_forward_on_cuda_and_decline_elsewhere() {
     let mut checked = 0;
-    for (dtype, tolerance) in [(Dtype::Float32, 2e-5), (Dtype::Bfloat16, 2e-2)] {
+    for (dtype, tolerance) in [(Dtype::Float32, 1e-5), (Dtype::Bfloat16, 4e-2)] {
         for bits in [Some(4), Some(8), None] {
             for (shape, counts, renorm) in
                 [((256, 128), (16, 4), true), ((512, 192), (128, 8), true), ((320, 64), (40, 3), false)]
@@ -69,7 +79,7 @@ fn the_kernels_match_the_composed_feed_forward_on_cuda_and_decline_elsewhere() {
                 let norm = RmsNorm::new((normal(&[shape.0], 0.2, 7) + 1.0).unwrap().astype(dtype).unwrap(), 1e-6);
                 for rows in [1, 3, 8] {
                     let h = normal(&[rows, shape.0], 1.0, 10 + rows as u64).astype(dtype).unwrap();
-                    let want = composed(&moe, &h, &norm);
+                    let want = rmlx::with_device(Device::cpu(), || composed(&moe, &h, &norm));
                     let got = moe.forward_residual(&h, &norm).unwrap();
                     assert_eq!((got.shape(), got.dtype()), (want.shape(), want.dtype()));
                     let err = relative_error(&got, &want);
