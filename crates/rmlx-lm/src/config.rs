@@ -42,6 +42,11 @@ pub enum RopeScaling {
     /// llama.cpp's long contexts do, the long factors serve every position; transformers takes the
     /// `short_factor`s while a sequence fits `original_max_position_embeddings`.
     LongRope { long_factor: Vec<f32>, attention_factor: f32 },
+    /// YaRN (gpt-oss, DeepSeek-style long contexts): each pair's divisor multiplied by `factors[i]`
+    /// (between 1 for the fast-turning pairs, extrapolated, and `factor` for the slow ones,
+    /// interpolated, with a linear ramp between), the rotated features by `attention_factor`, as
+    /// transformers' `_compute_yarn_parameters` computes them.
+    Yarn { factors: Vec<f32>, attention_factor: f32 },
 }
 
 /// Everything the model files need, in one place.
@@ -318,8 +323,9 @@ impl ModelConfig {
                 }))
             }
             "longrope" | "su" => self.longrope(s),
+            "yarn" => self.yarn(s, num("factor")?),
             other => Err(Error::Config(format!(
-                "rope_scaling type `{other}` is not supported (supported: linear, llama3, longrope)"
+                "rope_scaling type `{other}` is not supported (supported: linear, llama3, longrope, yarn)"
             ))),
         }
     }
@@ -365,12 +371,55 @@ impl ModelConfig {
         Ok(Some(RopeScaling::LongRope { long_factor, attention_factor }))
     }
 
+    /// YaRN from its `rope_scaling` block (`factor`; `beta_fast` 32, `beta_slow` 1, `truncate` true,
+    /// `original_max_position_embeddings` else `max_position_embeddings`, by default): pair `i`
+    /// turns at `1 / ((r_i / factor) + (1 − r_i))` of its plain frequency, `r_i` the ramp from 0 at
+    /// the correction range's low end to 1 at its high end; the attention factor given, else
+    /// `0.1 · ln(factor) + 1` (or the ratio of two such with `mscale` and `mscale_all_dim`).
+    fn yarn(&self, s: &serde_json::Map<String, Value>, factor: f32) -> Result<Option<RopeScaling>> {
+        let get = |k: &str| s.get(k).and_then(Value::as_f64);
+        let factor = factor as f64;
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(Error::Config(format!("rope_scaling (yarn): `factor` {factor} must be positive")));
+        }
+        let mscale = |m: f64| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+        let attention_factor = match (get("attention_factor"), get("mscale"), get("mscale_all_dim")) {
+            (Some(f), _, _) => f,
+            (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(m) / mscale(all),
+            _ => mscale(1.0),
+        };
+        let dim = self.rotary_dims() as f64;
+        let base = self.rope_theta as f64;
+        let original = get("original_max_position_embeddings")
+            .or(self.max_position_embeddings.map(|m| m as f64))
+            .filter(|o| *o > 0.0)
+            .ok_or_else(|| Error::Config("rope_scaling (yarn): no original_max_position_embeddings".into()))?;
+        let correction =
+            |rotations: f64| dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+        let (mut low, mut high) =
+            (correction(get("beta_fast").unwrap_or(32.0)), correction(get("beta_slow").unwrap_or(1.0)));
+        if s.get("truncate").and_then(Value::as_bool).unwrap_or(true) {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        let factors = (0..self.rotary_dims() / 2)
+            .map(|i| {
+                let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                (1.0 / (ramp / factor + (1.0 - ramp))) as f32
+            })
+            .collect();
+        Ok(Some(RopeScaling::Yarn { factors, attention_factor: attention_factor as f32 }))
+    }
+
     /// The sliding window of layer `i` (a query sees itself and the `window - 1` positions before
     /// it), or `None` when the layer attends to the whole past. Which layers slide follows each
     /// family's transformers class:
     /// - Gemma 3: [`ModelConfig::is_sliding`];
     /// - Mistral, Mixtral and Phi-3: every layer, unless `layer_types` names the sliding ones;
-    /// - Gemma 2: those `layer_types` names, else every other layer from the first;
+    /// - Gemma 2 and gpt-oss: those `layer_types` names, else every other layer from the first;
     /// - Qwen 2/3 (and Qwen 3 MoE): none unless `use_sliding_window`, then those `layer_types` names, else the
     ///   layers from `max_window_layers` (default 28) on;
     /// - Llama: those `layer_types` names (as mlx-lm's llama; transformers' has no window). A window
@@ -381,7 +430,7 @@ impl ModelConfig {
         let sliding = match self.model_type.as_str() {
             "gemma3" | "gemma3_text" => self.is_sliding(i),
             "mistral" | "phi3" | "mixtral" => listed(i).unwrap_or(true),
-            "gemma2" => listed(i).unwrap_or(i.is_multiple_of(2)),
+            "gemma2" | "gpt_oss" => listed(i).unwrap_or(i.is_multiple_of(2)),
             "qwen2" | "qwen3" | "qwen3_moe" => {
                 self.use_sliding_window == Some(true) && listed(i).unwrap_or(i >= self.max_window_layers.unwrap_or(28))
             }

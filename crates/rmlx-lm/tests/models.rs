@@ -166,6 +166,13 @@ fn mixtral_routed_experts() {
     check("mixtral");
 }
 
+/// gpt-oss: attention sinks, biases on every projection, YaRN, a window on every other layer,
+/// biased experts with the clamped SwiGLU, from transformers' fused `gate_up_proj` layout.
+#[test]
+fn gpt_oss_sinks_yarn_alternating_windows_clamped_biased_experts() {
+    check("gpt_oss");
+}
+
 #[test]
 fn gemma3_sliding_window_pattern() {
     check("gemma3_text_pattern");

@@ -107,6 +107,43 @@ pub fn scaled_dot_product_attention(
     scale: f32,
     mask: AttentionMask<'_>,
 ) -> Result<Array> {
+    attention(q, k, v, scale, mask, None)
+}
+
+/// [`scaled_dot_product_attention`] with a learned logit per query head (`sinks: [Hq]`) joining
+/// each softmax's sum and attending to nothing (gpt-oss): its weight is taken from the keys'.
+///
+/// ```
+/// use rmlx::fast::{scaled_dot_product_attention_with_sinks, AttentionMask};
+/// use rmlx::Array;
+/// // One head, one query, one key: softmax over (0, ln 3) gives the key a quarter.
+/// let q = Array::from_slice(&[1.0f32], &[1, 1, 1, 1])?;
+/// let k = Array::from_slice(&[0.0f32], &[1, 1, 1, 1])?;
+/// let v = Array::from_slice(&[8.0f32], &[1, 1, 1, 1])?;
+/// let sinks = Array::from_slice(&[3f32.ln()], &[1])?;
+/// let o = scaled_dot_product_attention_with_sinks(&q, &k, &v, 1.0, AttentionMask::None, &sinks)?;
+/// assert!((o.item::<f32>()? - 2.0).abs() < 1e-5);
+/// # Ok::<(), rmlx::Error>(())
+/// ```
+pub fn scaled_dot_product_attention_with_sinks(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: AttentionMask<'_>,
+    sinks: &Array,
+) -> Result<Array> {
+    attention(q, k, v, scale, mask, Some(sinks))
+}
+
+fn attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: AttentionMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
     let (mode, arr) = match mask {
         AttentionMask::None => ("", None),
         AttentionMask::Causal => ("causal", None),
@@ -120,7 +157,7 @@ pub fn scaled_dot_product_attention(
             scale,
             mode,
             Array::ptr(arr),
-            std::ptr::null(),
+            Array::ptr(sinks),
             current(),
         )
     })

@@ -14,7 +14,7 @@ use rmlx::{ops, Array};
 
 /// The per-architecture choices of an attention layer.
 pub struct AttentionSpec {
-    /// Biases on the q/k/v projections (never on the output projection).
+    /// Biases on the q/k/v projections.
     pub qkv_bias: bool,
     /// RMSNorm over each query and key head before RoPE: `None`, or `Some(plus_one)` where
     /// `plus_one` selects Gemma's `(1 + w)` weights.
@@ -25,6 +25,26 @@ pub struct AttentionSpec {
     pub rope: Rope,
     /// Gemma 2's soft-capping of the attention scores (`cap · tanh(s / cap)`).
     pub logit_softcap: Option<f32>,
+    /// gpt-oss's attention sinks: a learned logit per query head (`p.sinks`, `[heads]`) that takes
+    /// part in the softmax's sum and attends to nothing.
+    pub sinks: bool,
+    /// A bias on the output projection (gpt-oss).
+    pub o_bias: bool,
+}
+
+/// A learned logit per query head joining every softmax of its scores (`p.sinks`, `[heads]`).
+#[derive(Clone)]
+pub struct Sinks(pub Array);
+
+impl crate::nn::Module for Sinks {
+    fn visit(&self, p: &str, f: &mut dyn FnMut(&str, crate::nn::Role, &Array)) {
+        f(p, crate::nn::Role::Bias, &self.0)
+    }
+    fn visit_mut(&mut self, p: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        f(p, &mut self.0)
+    }
+    fn visit_linears(&mut self, _: &str, _: &mut dyn FnMut(&str, &mut Linear)) {}
+    fn visit_switches(&mut self, _: &str, _: &mut dyn FnMut(&str, &mut crate::nn::SwitchLinear)) {}
 }
 
 /// Multi-head attention with `kv_heads` key/value heads shared by groups of query heads.
@@ -44,6 +64,7 @@ pub struct Attention {
     scale: f32,
     rope: Rope,
     logit_softcap: Option<f32>,
+    sinks: Option<Sinks>,
 }
 
 impl Attention {
@@ -55,7 +76,8 @@ impl Attention {
         let names = names.each_ref().map(String::as_str);
         let (projections, qkv) = b.linear_group(&names, h, &[heads * d, kv * d, kv * d], bias)?;
         let [q_proj, k_proj, v_proj]: [Linear; 3] = projections.try_into().ok().expect("three layers");
-        let o_proj = b.linear(&format!("{p}.o_proj"), heads * d, h, false)?;
+        let o_proj = b.linear(&format!("{p}.o_proj"), heads * d, h, spec.o_bias)?;
+        let sinks = spec.sinks.then(|| b.dense(&format!("{p}.sinks"), &[heads])).transpose()?.map(Sinks);
         let mut norm = |name: &str| -> Result<Option<RmsNorm>> {
             spec.qk_norm.map(|plus_one| b.rms_norm(&format!("{p}.{name}"), d, cfg.rms_norm_eps, plus_one)).transpose()
         };
@@ -74,6 +96,7 @@ impl Attention {
             scale: spec.scale,
             rope: spec.rope,
             logit_softcap: spec.logit_softcap,
+            sinks,
         })
     }
 
@@ -86,13 +109,14 @@ impl Attention {
             Some(s) => s.forward_normed(&group, x, norm)?,
             None => None,
         };
-        if let (Some(y), None) = (&stacked, self.logit_softcap) {
+        if let (Some(y), None, None) = (&stacked, self.logit_softcap, &self.sinks) {
             if let Some(attention) = self.decode_attention(y, batch, &offset, cache)? {
                 return merge_heads(&attention);
             }
         }
         let [q, k, v] = self.heads(stacked, x, norm, batch, &offset)?;
-        merge_heads(&cached_attention(&q, &k, &v, cache, self.scale, self.logit_softcap)?)
+        let sinks = self.sinks.as_ref().map(|s| &s.0);
+        merge_heads(&cached_attention(&q, &k, &v, cache, self.scale, self.logit_softcap, sinks)?)
     }
 
     /// The output projection, which a block may fuse with what follows
@@ -192,4 +216,4 @@ impl Attention {
     }
 }
 
-crate::nn::module_fields!(Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm });
+crate::nn::module_fields!(Attention { q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, sinks });

@@ -19,6 +19,8 @@ fn attention_spec(cfg: &ModelConfig, _layer: usize) -> Result<AttentionSpec> {
         scale: cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim() as f32).powf(-0.5),
         rope: Rope::global(cfg)?,
         logit_softcap: cfg.attn_logit_softcapping.filter(|&cap| cap > 0.0),
+        sinks: false,
+        o_bias: false,
     })
 }
 

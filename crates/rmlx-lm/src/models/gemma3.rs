@@ -69,6 +69,8 @@ fn attention_spec(cfg: &ModelConfig, sliding: bool) -> Result<AttentionSpec> {
         scale: cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim() as f32).powf(-0.5),
         rope,
         logit_softcap: None,
+        sinks: false,
+        o_bias: false,
     })
 }
 

@@ -24,6 +24,8 @@ pub fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
         scale: (cfg.head_dim() as f32).powf(-0.5),
         rope: Rope::global(cfg)?,
         logit_softcap: None,
+        sinks: false,
+        o_bias: false,
     })
 }
 

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod gemma2;
 pub mod gemma3;
+pub mod gpt_oss;
 pub mod llama;
 pub mod moe;
 pub mod phi3;
@@ -140,11 +141,14 @@ impl Rope {
         let mut rope = Rope { dims, base: theta, divisors, explicit: false, scale: 1.0, features: None };
         match scaling {
             Some(RopeScaling::Linear { factor }) => rope.scale = 1.0 / factor,
-            Some(RopeScaling::LongRope { long_factor, attention_factor }) => {
+            Some(
+                RopeScaling::LongRope { long_factor, attention_factor }
+                | RopeScaling::Yarn { factors: long_factor, attention_factor },
+            ) => {
                 let plain = rope.divisors.to_vec::<f32>()?;
                 if long_factor.len() != plain.len() {
                     return Err(crate::Error::Config(format!(
-                        "rope_scaling (longrope): {} long factors for {} rotated pairs",
+                        "rope_scaling: {} frequency factors for {} rotated pairs",
                         long_factor.len(),
                         plain.len()
                     )));
@@ -283,7 +287,8 @@ pub(crate) fn token_grid(ids: &Array) -> Result<(i32, i32)> {
 }
 
 /// Writes `k, v` (`[B, Hkv, L, D]`, already rotated) into `cache` and attends `q` over everything
-/// visible: `[B, Hq, L, D]`; with `softcap`, the scores soft-capped first (Gemma 2).
+/// visible: `[B, Hq, L, D]`; with `softcap`, the scores soft-capped first (Gemma 2); with `sinks`
+/// (`[Hq]`), each head's sink logit joining its softmax (gpt-oss).
 pub(crate) fn cached_attention(
     q: &Array,
     k: &Array,
@@ -291,10 +296,26 @@ pub(crate) fn cached_attention(
     cache: &mut KvCache,
     scale: f32,
     softcap: Option<f32>,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     if let Some(cap) = softcap {
+        if sinks.is_some() {
+            return Err(crate::Error::InvalidParameter("attention with both soft-capping and sinks".into()));
+        }
         let (keys, values, mask) = cache.update(k, v)?;
         return softcapped_attention(q, &keys, &values, scale, cap, &mask);
+    }
+    if let Some(sinks) = sinks {
+        let (keys, values, mask) = cache.update(k, v)?;
+        let sinks = sinks.astype(q.dtype())?;
+        return Ok(fast::scaled_dot_product_attention_with_sinks(
+            q,
+            &keys,
+            &values,
+            scale,
+            mask.as_attention(),
+            &sinks,
+        )?);
     }
     if let KvCache::Standard(c) = cache {
         // On the CPU: causal attention over the cache's buffers in one primitive.

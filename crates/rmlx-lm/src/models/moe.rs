@@ -49,11 +49,12 @@ fn one() -> usize {
 }
 
 impl MoeConfig {
-    /// The routing fields of `cfg`; Mixtral's routing always renormalises.
+    /// The routing fields of `cfg`; Mixtral's and gpt-oss's routing always renormalises (a softmax
+    /// over the chosen experts' logits).
     pub fn of(cfg: &ModelConfig) -> Result<Self> {
         let mut moe: MoeConfig = serde_json::from_value(Value::Object(cfg.raw.clone()))
             .map_err(|e| Error::Config(format!("config.json ({}): {e}", cfg.model_type)))?;
-        if cfg.model_type == "mixtral" {
+        if matches!(cfg.model_type.as_str(), "mixtral" | "gpt_oss") {
             moe.norm_topk_prob = true;
         }
         moe.layers_listed = cfg.raw.contains_key("mlp_only_layers") || cfg.raw.contains_key("decoder_sparse_step");
@@ -77,24 +78,34 @@ impl MoeConfig {
     }
 }
 
-/// What differs between the two families.
-struct Family {
-    attention: fn(&ModelConfig) -> Result<AttentionSpec>,
+/// What differs between the families built on these blocks (Qwen 3 MoE, Mixtral, gpt-oss).
+pub(crate) struct Family {
+    pub attention: fn(&ModelConfig) -> Result<AttentionSpec>,
     /// The feed-forward's name in a block (`mlp`, `block_sparse_moe`).
-    ffn: &'static str,
-    experts: ExpertNames,
+    pub ffn: &'static str,
+    pub experts: ExpertNames,
 }
 
 const QWEN3_MOE: Family = Family {
     attention: qwen3::attention_spec,
     ffn: "mlp",
-    experts: ExpertNames { router: "gate", experts: "experts", projections: ["gate_proj", "up_proj", "down_proj"] },
+    experts: ExpertNames {
+        router: "gate",
+        experts: "experts",
+        projections: ["gate_proj", "up_proj", "down_proj"],
+        ..ExpertNames::SWITCH_MLP
+    },
 };
 
 const MIXTRAL: Family = Family {
     attention: llama::attention_spec,
     ffn: "block_sparse_moe",
-    experts: ExpertNames { router: "gate", experts: "experts", projections: ["w1", "w3", "w2"] },
+    experts: ExpertNames {
+        router: "gate",
+        experts: "experts",
+        projections: ["w1", "w3", "w2"],
+        ..ExpertNames::SWITCH_MLP
+    },
 };
 
 /// A block's feed-forward.
@@ -203,7 +214,8 @@ pub struct Model {
 }
 
 impl Model {
-    fn load(cfg: &ModelConfig, b: &mut Builder, family: &Family) -> Result<Self> {
+    /// The model of `family` from `model.*` / `lm_head.*` tensors.
+    pub(crate) fn load(cfg: &ModelConfig, b: &mut Builder, family: &Family) -> Result<Self> {
         let moe = MoeConfig::of(cfg)?;
         let layers = (0..cfg.num_hidden_layers).map(|i| Block::load(cfg, &moe, family, b, i)).collect::<Result<_>>()?;
         Ok(Self {

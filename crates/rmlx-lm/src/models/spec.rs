@@ -70,6 +70,7 @@ pub static ARCHITECTURES: &[&ArchitectureSpec] = &[
     // Before Qwen 3, whose signature tensor (q/k norms) Qwen 3 MoE has too.
     &super::moe::QWEN3_MOE_SPEC,
     &super::moe::MIXTRAL_SPEC,
+    &super::gpt_oss::SPEC,
     &super::qwen3::SPEC,
     &super::qwen2::SPEC,
     &super::gemma3::SPEC,

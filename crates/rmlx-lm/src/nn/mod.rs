@@ -38,7 +38,7 @@ pub(crate) use module::module_fields;
 pub use module::{join, Module, ModuleExt, Role};
 pub use quantized_matvec::QuantizedMatvec;
 pub use stacked::Stacked;
-pub use switch::{ExpertNames, SparseMoe, SwitchLinear, SwitchLora};
+pub use switch::{ExpertActivation, ExpertNames, SparseMoe, SwitchLinear, SwitchLora};
 
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
@@ -512,6 +512,17 @@ impl Builder {
             }
         }
         Ok(())
+    }
+
+    /// A family's renaming hook: takes the checkpoint's tensor `name`, when present, and puts back
+    /// what `f` makes of it, under the names the model's layers read (gpt-oss's fused experts
+    /// become three stacked projections). Returns whether `name` was there.
+    pub fn rewrite(&mut self, name: &str, f: impl FnOnce(Weight) -> Result<Vec<(String, Weight)>>) -> Result<bool> {
+        let Some(w) = self.weights.take_opt(name) else { return Ok(false) };
+        for (new, w) in f(w)? {
+            self.weights.insert(new, w);
+        }
+        Ok(true)
     }
 
     /// Takes a tensor, checking its (logical) shape.

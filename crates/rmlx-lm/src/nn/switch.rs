@@ -20,6 +20,8 @@ const SORT_FROM: usize = 64;
 #[derive(Clone)]
 pub struct SwitchLinear {
     weight: Weight,
+    /// A bias per expert `[E, out]` (gpt-oss).
+    bias: Option<Array>,
     lora: Option<SwitchLora>,
 }
 
@@ -72,6 +74,10 @@ impl SwitchLinear {
             }
             Weight::Dense(w) => ops::gather_mm(x, &w.swapaxes(-1, -2)?, None, Some(indices), sorted)?,
             Weight::Quantized(q) => gather_qmm(x, q, None, Some(indices), true, sorted)?,
+        };
+        let y = match &self.bias {
+            Some(b) => (y + b.take(indices, Some(0))?.expand_dims(-2)?)?,
+            None => y,
         };
         let Some(lora) = &self.lora else { return Ok(y) };
         let input = super::lora::dropout(x, lora.dropout)?;
@@ -135,6 +141,7 @@ impl SwitchLinear {
                 v
             }
         };
+        v.extend(self.bias.as_ref().map(|b| ("bias", Role::Bias, b)));
         if let Some(l) = &self.lora {
             v.extend([("lora_a", Role::LoraA, &l.a), ("lora_b", Role::LoraB, &l.b)]);
         }
@@ -150,6 +157,7 @@ impl SwitchLinear {
                 v
             }
         };
+        v.extend(self.bias.as_mut().map(|b| ("bias", b)));
         if let Some(l) = &mut self.lora {
             v.extend([("lora_a", &mut l.a), ("lora_b", &mut l.b)]);
         }
@@ -168,8 +176,21 @@ pub struct SparseMoe {
     down_proj: SwitchLinear,
     top_k: i32,
     /// Renormalise the top `k` probabilities to sum to one (Qwen 3's `norm_topk_prob`; Mixtral's
-    /// softmax over the top `k` scores is the same).
+    /// and gpt-oss's softmax over the top `k` scores is the same).
     norm_topk_prob: bool,
+    activation: ExpertActivation,
+    /// The stacked experts' folder under the feed-forward (`switch_mlp`, gpt-oss's `experts`).
+    stacked: &'static str,
+}
+
+/// The experts' gated activation of `gate` and `up`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertActivation {
+    /// `silu(gate) · up`.
+    Silu,
+    /// gpt-oss's: `g · σ(alpha · g) · (u + 1)` with `g = min(gate, limit)` and `u` = `up` clamped
+    /// to `±limit`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 /// Where a checkpoint keeps the experts of a block: mlx-lm's stacked names are found first, then
@@ -182,6 +203,24 @@ pub struct ExpertNames {
     /// Hugging Face's names of an expert's gate, up and down projections (`gate_proj`, `up_proj`,
     /// `down_proj`; Mixtral's `w1`, `w3`, `w2`).
     pub projections: [&'static str; 3],
+    /// The folder of the stacked experts (mlx-lm's `switch_mlp`; gpt-oss's `experts`).
+    pub stacked: &'static str,
+    /// Whether each expert's projections have biases (`<stacked>.<projection>.bias`, `[E, out]`).
+    pub biases: bool,
+    pub activation: ExpertActivation,
+}
+
+impl ExpertNames {
+    /// mlx-lm's stacked `switch_mlp` experts without biases, SiLU-gated, Hugging Face's per-expert
+    /// `experts.<e>.{gate,up,down}_proj` beside them.
+    pub const SWITCH_MLP: ExpertNames = ExpertNames {
+        router: "gate",
+        experts: "experts",
+        projections: ["gate_proj", "up_proj", "down_proj"],
+        stacked: "switch_mlp",
+        biases: false,
+        activation: ExpertActivation::Silu,
+    };
 }
 
 impl SparseMoe {
@@ -198,9 +237,10 @@ impl SparseMoe {
         if !(1..=experts).contains(&top_k) {
             return Err(Error::Config(format!("{top_k} experts per token out of {experts}")));
         }
-        let gate = b.linear(&format!("{prefix}.{}", names.router), hidden, experts, false)?;
+        let gate = b.linear(&format!("{prefix}.{}", names.router), hidden, experts, names.biases)?;
         let mut switch = |i: usize, shape: [i32; 2]| -> Result<SwitchLinear> {
-            let stacked = format!("{prefix}.switch_mlp.{}.weight", ["gate_proj", "up_proj", "down_proj"][i]);
+            let projection = ["gate_proj", "up_proj", "down_proj"][i];
+            let stacked = format!("{prefix}.{}.{projection}.weight", names.stacked);
             let full = [experts, shape[0], shape[1]];
             let weight = if b.has(&stacked) {
                 b.checked(&stacked, &full)?
@@ -214,7 +254,11 @@ impl SparseMoe {
                 let stacked = stack_experts(each)?;
                 b.convert(stacked)?
             };
-            Ok(SwitchLinear { weight, lora: None })
+            let bias = match names.biases {
+                true => Some(b.dense(&format!("{prefix}.{}.{projection}.bias", names.stacked), &[experts, shape[0]])?),
+                false => None,
+            };
+            Ok(SwitchLinear { weight, bias, lora: None })
         };
         Ok(SparseMoe {
             gate_proj: switch(0, [intermediate, hidden])?,
@@ -224,6 +268,8 @@ impl SparseMoe {
             router: names.router,
             top_k,
             norm_topk_prob,
+            activation: names.activation,
+            stacked: names.stacked,
         })
     }
 
@@ -247,7 +293,9 @@ impl SparseMoe {
     /// one launch of rmlx's kernels on a decoding step where they serve (`cuda_moe`: MLX's CUDA
     /// backend, a few rows, no expert adapters), else composed.
     pub fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> Result<Array> {
-        if [&self.gate_proj, &self.up_proj, &self.down_proj].iter().all(|l| l.lora.is_none()) {
+        let plain = |l: &SwitchLinear| l.lora.is_none() && l.bias.is_none();
+        let layers = [&self.gate_proj, &self.up_proj, &self.down_proj];
+        if self.activation == ExpertActivation::Silu && layers.into_iter().all(plain) {
             let experts = cuda_moe::Experts {
                 gate: &self.gate_proj.weight,
                 up: &self.up_proj.weight,
@@ -271,8 +319,7 @@ impl SparseMoe {
         let swiglu = |x: &Array, idx: &Array, sorted: bool| -> Result<Array> {
             let gate = self.gate_proj.forward(x, idx, sorted)?;
             let up = self.up_proj.forward(x, idx, sorted)?;
-            let act = ops::silu(&gate)?;
-            self.down_proj.forward(&(act * up)?, idx, sorted)
+            self.down_proj.forward(&self.activation.apply(&gate, &up)?, idx, sorted)
         };
         if pairs < SORT_FROM {
             // [..., 1, 1, hidden] against [..., k]: [..., k, 1, hidden].
@@ -291,6 +338,21 @@ impl SparseMoe {
         let mut shape = lead;
         shape.push(hidden);
         Ok(y.take(&back, Some(0))?.reshape(&shape)?)
+    }
+}
+
+impl ExpertActivation {
+    fn apply(self, gate: &Array, up: &Array) -> Result<Array> {
+        match self {
+            ExpertActivation::Silu => Ok((ops::silu(gate)? * up)?),
+            ExpertActivation::ClampedSwiglu { alpha, limit } => {
+                let bound = |v: f32| Array::scalar_as(v as f64, gate.dtype());
+                let g = ops::minimum(gate, &bound(limit)?)?;
+                let u = ops::clip(up, Some(&bound(-limit)?), Some(&bound(limit)?))?;
+                let glu = (&g * &ops::sigmoid(&(&g * alpha)?)?)?;
+                Ok((glu * (u + 1.0)?)?)
+            }
+        }
     }
 }
 
@@ -337,14 +399,14 @@ impl Module for SparseMoe {
             [("gate_proj", &self.gate_proj), ("up_proj", &self.up_proj), ("down_proj", &self.down_proj)]
         {
             for (field, role, a) in layer.arrays() {
-                f(&format!("{}.{name}.{field}", super::join(prefix, "switch_mlp")), role, a);
+                f(&format!("{}.{name}.{field}", super::join(prefix, self.stacked)), role, a);
             }
         }
     }
 
     fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
         self.gate.visit_mut(&super::join(prefix, self.router), f);
-        let switch = super::join(prefix, "switch_mlp");
+        let switch = super::join(prefix, self.stacked);
         for (name, layer) in
             [("gate_proj", &mut self.gate_proj), ("up_proj", &mut self.up_proj), ("down_proj", &mut self.down_proj)]
         {
@@ -359,7 +421,7 @@ impl Module for SparseMoe {
     }
 
     fn visit_switches(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut SwitchLinear)) {
-        let switch = super::join(prefix, "switch_mlp");
+        let switch = super::join(prefix, self.stacked);
         for (name, layer) in
             [("gate_proj", &mut self.gate_proj), ("up_proj", &mut self.up_proj), ("down_proj", &mut self.down_proj)]
         {

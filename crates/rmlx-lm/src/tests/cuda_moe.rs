@@ -22,8 +22,12 @@ fn normal(shape: &[i32], std: f32, seed: u64) -> Array {
     random::normal(shape, Dtype::Float32, 0.0, std, Some(&random::key(seed).unwrap())).unwrap()
 }
 
-const NAMES: ExpertNames =
-    ExpertNames { router: "gate", experts: "experts", projections: ["gate_proj", "up_proj", "down_proj"] };
+const NAMES: ExpertNames = ExpertNames {
+    router: "gate",
+    experts: "experts",
+    projections: ["gate_proj", "up_proj", "down_proj"],
+    ..ExpertNames::SWITCH_MLP
+};
 
 /// A routed feed-forward of `experts` experts `hidden → width → hidden` (`bits`: quantised
 /// experts, in groups of 64; `None`: dense), `top_k` chosen, in `dtype`.

@@ -1,0 +1,120 @@
+//! gpt-oss (`gpt_oss`): OpenAI's open-weight mixture of experts. Pre-norm blocks of grouped-query
+//! attention with biases on every projection, a learned sink logit per head joining each softmax,
+//! YaRN-scaled rotary embeddings and a sliding window on every other layer; the feed-forward
+//! routes each token to `num_experts_per_tok` of `num_local_experts` experts (top-k of the biased
+//! router's logits, softmax over the chosen) whose SwiGLU is clamped (`g · σ(1.702 g) · (u + 1)`,
+//! `g ≤ 7`, `|u| ≤ 7`) and biased. The blocks are [`moe`]'s; this file holds what differs.
+//!
+//! Checkpoints: mlx-lm's (`mlp.experts.{gate,up,down}_proj.{weight,bias}`, dense or quantised), or
+//! transformers' (`mlp.experts.gate_up_proj` `[E, hidden, 2·width]` with gate and up interleaved
+//! by column, `down_proj` `[E, width, hidden]`, `*_bias`), rewritten at load into mlx-lm's names.
+
+use super::attention::AttentionSpec;
+use super::moe::{self, Family};
+use super::spec::ArchitectureSpec;
+use super::Rope;
+use crate::config::{Architecture, ModelConfig};
+use crate::nn::{Builder, ExpertActivation, ExpertNames};
+use crate::weights::Weight;
+use crate::{Error, Result};
+use rmlx::{ops, Array};
+
+/// gpt-oss's attention: biases everywhere, sinks, `1/√head_dim`, the global (YaRN) rotation.
+fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
+    Ok(AttentionSpec {
+        qkv_bias: true,
+        qk_norm: None,
+        scale: (cfg.head_dim() as f32).powf(-0.5),
+        rope: Rope::global(cfg)?,
+        logit_softcap: None,
+        sinks: true,
+        o_bias: true,
+    })
+}
+
+/// The clamp of gpt-oss's experts' activation (`swiglu_limit`, 7 by default) and its slope.
+fn activation(cfg: &ModelConfig) -> Result<ExpertActivation> {
+    let limit = match cfg.raw.get("swiglu_limit") {
+        None => 7.0,
+        Some(v) => v
+            .as_f64()
+            .filter(|l| *l > 0.0)
+            .ok_or_else(|| Error::Config(format!("config.json: swiglu_limit {v} must be a positive number")))?
+            as f32,
+    };
+    Ok(ExpertActivation::ClampedSwiglu { alpha: 1.702, limit })
+}
+
+/// gpt-oss in [`super::spec::ARCHITECTURES`].
+pub static SPEC: ArchitectureSpec = ArchitectureSpec {
+    name: "gpt_oss",
+    architecture: Architecture::Moe,
+    model_types: &["gpt_oss"],
+    hf_classes: &[("GptOssForCausalLM", "gpt_oss")],
+    signature_tensor: Some("model.layers.0.mlp.router.weight"),
+    chat_family: "chatml",
+    gguf: None,
+    build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
+};
+
+/// Builds a gpt-oss model from `model.*` / `lm_head.*` tensors.
+pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<moe::Model> {
+    for i in 0..cfg.num_hidden_layers {
+        rewrite_fused_experts(b, &format!("model.layers.{i}.mlp.experts"))?;
+    }
+    let family = Family {
+        attention: attention_spec,
+        ffn: "mlp",
+        experts: ExpertNames {
+            router: "router",
+            stacked: "experts",
+            biases: true,
+            activation: activation(cfg)?,
+            ..ExpertNames::SWITCH_MLP
+        },
+    };
+    moe::Model::load(cfg, b, &family)
+}
+
+/// transformers' experts under `p` (`gate_up_proj` `[E, hidden, 2·width]`, columns alternating
+/// gate and up, `down_proj` `[E, width, hidden]`, their biases) as mlx-lm's `[E, out, in]`
+/// `gate_proj`, `up_proj` and `down_proj` with `bias`. Nothing where the checkpoint has mlx-lm's
+/// names already.
+fn rewrite_fused_experts(b: &mut Builder, p: &str) -> Result<()> {
+    let dense = |w: Weight, name: &str| match w {
+        Weight::Dense(a) if a.ndim() >= 2 => Ok(a),
+        _ => Err(Error::Config(format!("{name}: expected a dense tensor of two or more axes"))),
+    };
+    // Every other element of the last axis, from `first`.
+    let alternate = |a: &Array, first: i32| -> Result<Array> {
+        let n = a.shape()[a.ndim() - 1];
+        Ok(a.slice_axis(-1, first, n, 2)?)
+    };
+    let name = format!("{p}.gate_up_proj");
+    b.rewrite(&name, |w| {
+        let fused = dense(w, &name)?;
+        let transposed = |first: i32| -> Result<Weight> {
+            Ok(Weight::Dense(ops::contiguous(&alternate(&fused, first)?.swapaxes(-1, -2)?)?))
+        };
+        Ok(vec![(format!("{p}.gate_proj.weight"), transposed(0)?), (format!("{p}.up_proj.weight"), transposed(1)?)])
+    })?;
+    let name = format!("{p}.gate_up_proj_bias");
+    b.rewrite(&name, |w| {
+        let bias = match w {
+            Weight::Dense(a) => a,
+            Weight::Quantized(_) => return Err(Error::Config(format!("{name}: a quantised bias"))),
+        };
+        Ok(vec![
+            (format!("{p}.gate_proj.bias"), Weight::Dense(ops::contiguous(&alternate(&bias, 0)?)?)),
+            (format!("{p}.up_proj.bias"), Weight::Dense(ops::contiguous(&alternate(&bias, 1)?)?)),
+        ])
+    })?;
+    let name = format!("{p}.down_proj");
+    b.rewrite(&name, |w| {
+        let t = ops::contiguous(&dense(w, &name)?.swapaxes(-1, -2)?)?;
+        Ok(vec![(format!("{p}.down_proj.weight"), Weight::Dense(t))])
+    })?;
+    let name = format!("{p}.down_proj_bias");
+    b.rewrite(&name, |w| Ok(vec![(format!("{p}.down_proj.bias"), w)]))?;
+    Ok(())
+}
