@@ -4,7 +4,9 @@
 ``--arch starcoder2`` (``starcoder2_mlx_lm``): an architecture the native backend does not
 implement, so it runs only through the mlx-lm bridge (``crates/rmlx-lm/src/backend/mlx_lm/bridge.py``)
 in the backend tests. ``--arch phi3`` (``phi3_mlx_lm``: fused ``qkv_proj`` and ``gate_up_proj``,
-partial rotary embedding): the native Phi-3 checked against mlx-lm's greedy ids. Run it with mlx-lm's
+partial rotary embedding): the native Phi-3 checked against mlx-lm's greedy ids; ``--arch gpt_oss``
+(``gpt_oss_mlx_lm``: mlx-lm's layout of gpt-oss, its experts stacked under ``mlp.experts`` with
+biases, sinks, YaRN, a window of 4 on layer 0) likewise. Run it with mlx-lm's
 Python, e.g.:
 
     python3 -m pip install --target ~/.cache/rmlx/mlx-lm-0.32.2 \\
@@ -36,7 +38,7 @@ import numpy as np
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_lm.models import phi3, starcoder2
+from mlx_lm.models import gpt_oss, phi3, starcoder2
 
 VOCAB = 512
 EOS_ID = 2
@@ -81,7 +83,32 @@ STARCODER2 = {
     "torch_dtype": "float32",
 }
 
-ARCHS = {"phi3": (phi3, PHI3), "starcoder2": (starcoder2, STARCODER2)}
+GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 32},
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_ID,
+    "torch_dtype": "float32",
+}
+
+ARCHS = {"phi3": (phi3, PHI3), "starcoder2": (starcoder2, STARCODER2), "gpt_oss": (gpt_oss, GPT_OSS)}
 
 PROBE_PROMPT = [1, 2, 3]  # "t1 t2 t3" with the tests' word-level tokenizer
 PROBE_STEPS = 16

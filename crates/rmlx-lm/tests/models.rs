@@ -207,6 +207,18 @@ fn phi3_greedy_ids_equal_mlx_lm_on_its_own_checkpoint() {
     assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
 }
 
+/// mlx-lm's own gpt-oss checkpoint (random float32 weights from `gpt_oss.Model` by
+/// `scripts/make_mlx_lm_fixture.py --arch gpt_oss`: experts stacked under `mlp.experts` with biases,
+/// sinks, YaRN, a window of 4 on layer 0) greedily continues `t1 t2 t3` as mlx-lm does (every
+/// top-1/top-2 margin at least 0.119 in mlx-lm; the window is passed at the fifth token).
+#[test]
+fn gpt_oss_greedy_ids_equal_mlx_lm_on_its_own_checkpoint() {
+    let dir = fixture_with_tokenizer("gpt_oss_mlx_lm");
+    let lm = load(dir.path(), Dtype::Float32);
+    let mlx_lm = [495, 319, 478, 260, 43, 412, 421, 89, 273, 93, 478, 327, 273, 421, 96, 296];
+    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
+}
+
 #[test]
 fn llama_mlx_quantized_with_overrides() {
     check("llama_gqa_q4");
