@@ -48,7 +48,8 @@ impl Floor {
 
 /// Weight bytes one decoded token reads: every weight once, except that an input embedding
 /// table not shared with the output head gives one row (a tied one is read whole, as the head),
-/// and that of a mixture of experts' stacked experts (`switch_mlp`) a token reads the
+/// and that of a mixture of experts' stacked experts (`switch_mlp`; gpt-oss's `mlp.experts`,
+/// weights and per-expert biases) a token reads the
 /// `num_experts_per_tok` it is routed to out of `num_experts`.
 pub fn weight_bytes_per_token(lm: &LoadedModel) -> u64 {
     let (mut all, mut embedding, mut experts) = (0u64, 0u64, 0u64);
@@ -58,7 +59,7 @@ pub fn weight_bytes_per_token(lm: &LoadedModel) -> u64 {
         if name.starts_with("model.embed_tokens.") {
             embedding += a.nbytes() as u64;
         }
-        if name.contains(".switch_mlp.") {
+        if name.contains(".switch_mlp.") || (name.contains(".mlp.experts.") && a.ndim() >= 2) {
             experts += a.nbytes() as u64;
         }
         head |= name.starts_with("lm_head.");

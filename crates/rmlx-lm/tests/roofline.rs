@@ -78,6 +78,29 @@ fn weight_bytes_count_the_routed_experts_only() {
     assert_eq!(weight_bytes_per_token(&lm), all - embedding + 256 - experts / 2);
 }
 
+/// gpt-oss: the experts under `mlp.experts` (transformers' fused `gate_up_proj`, `down_proj` and
+/// their per-expert biases, rewritten at load into three projections of the same bytes): a token
+/// reads 2 of 4.
+#[test]
+fn weight_bytes_count_gpt_oss_routed_experts_and_their_biases() {
+    let dir = fixture_with_tokenizer("gpt_oss");
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
+    let (mut all, mut embedding, mut experts) = (0, 0, 0);
+    for (name, bytes) in check_file(&dir.path().join("model.safetensors")).unwrap() {
+        all += bytes;
+        if name.starts_with("model.embed_tokens.") {
+            embedding += bytes;
+        }
+        if name.contains(".mlp.experts.") {
+            experts += bytes;
+        }
+    }
+    // float32, hidden 64, width 32, 4 experts, 2 layers: gate_up [4, 64, 64] and its bias [4, 64],
+    // down [4, 32, 64] and its bias [4, 64].
+    assert_eq!(experts, 2 * 4 * (64 * 64 + 64 + 32 * 64 + 64) * 4);
+    assert_eq!(weight_bytes_per_token(&lm), all - embedding + 256 - experts / 2);
+}
+
 #[test]
 fn key_value_bytes_count_each_layers_window() {
     // Gemma 3 fixture: 6 layers (2 global, 4 with a window of 8), 1 key/value head of 32, float32:
