@@ -151,10 +151,20 @@ def main():
     ap.add_argument("--out", required=True, help="output folder (created or overwritten)")
     ap.add_argument("--seed", type=int, default=0, help="first seed tried (default 0)")
     ap.add_argument("--min-margin", type=float, default=0.1)
+    ap.add_argument("--quantize", choices=["mxfp4"], help="quantise every layer but the routers with "
+                    "mlx-lm's nn.quantize in this mode (the probe then runs the quantised model)")
     args = ap.parse_args()
+    config = dict(ARCHS[args.arch][1])
 
     for seed in range(args.seed, args.seed + 1000):
         model, weights = random_weights(args.arch, seed)
+        if args.quantize:
+            import mlx.nn as nn
+            q = {"group_size": 32, "bits": 4, "mode": args.quantize}
+            nn.quantize(model, **q, class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith("router"))
+            mx.eval(model.parameters())
+            weights = dict(tree_flatten(model.parameters()))
+            config["quantization"] = q
         greedy, margin = greedy_probe(model)
         if margin >= args.min_margin and EOS_ID not in greedy and len(set(greedy)) >= 12:
             break
@@ -166,7 +176,7 @@ def main():
         if os.path.exists(os.path.join(args.out, stale)):
             os.remove(os.path.join(args.out, stale))
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(ARCHS[args.arch][1], f, indent=2)
+        json.dump(config, f, indent=2)
         f.write("\n")
     mx.save_safetensors(
         os.path.join(args.out, "model.safetensors"), weights, metadata={"format": "mlx"}

@@ -6,6 +6,7 @@
 use crate::config::ModelConfig;
 use crate::weights::Weights;
 use crate::{Error, Result};
+use rmlx::quantization::QuantMode;
 use std::path::Path;
 
 /// Bit widths of MLX's affine quantisation.
@@ -47,6 +48,30 @@ pub fn check_quantization(tensor: &str, bits: i32, group_size: i32) -> Result<()
         )));
     }
     Ok(())
+}
+
+/// The MLX quantisation mode `mode` of `tensor` with `bits` and `group_size`: `affine`, or one of
+/// the microscaling formats with the bits and group size it implies (`mxfp4`: 4 bits in groups of
+/// 32; `mxfp8`: 8 in 32; `nvfp4`: 4 in 16).
+pub fn quantization_mode(tensor: &str, mode: &str, bits: i32, group_size: i32) -> Result<QuantMode> {
+    let (m, implied) = match mode {
+        "affine" => return Ok(QuantMode::Affine),
+        "mxfp4" => (QuantMode::Mxfp4, (4, 32)),
+        "mxfp8" => (QuantMode::Mxfp8, (8, 32)),
+        "nvfp4" => (QuantMode::Nvfp4, (4, 16)),
+        other => {
+            return Err(Error::Config(format!(
+                "`{tensor}`: quantization mode `{other}` is not supported (affine, mxfp4, mxfp8, nvfp4)"
+            )))
+        }
+    };
+    if (bits, group_size) != implied {
+        return Err(Error::Config(format!(
+            "`{tensor}`: quantization mode `{mode}` takes {} bits in groups of {}, not {bits} in groups of {group_size}",
+            implied.0, implied.1
+        )));
+    }
+    Ok(m)
 }
 
 /// The names among `remaining` (tensors the model did not take) worth a warning: all but known

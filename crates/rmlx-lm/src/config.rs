@@ -468,6 +468,14 @@ impl ModelConfig {
     /// `(group_size, bits)` of the tensor `prefix` (`model.layers.0.mlp.up_proj`): the
     /// `quantization` block's, a per-tensor entry overriding them (defaults 64 and 4); `None`
     /// without a block. A value that is not an integer is an error.
+    /// The quantisation mode of layer `prefix` (`affine`, `mxfp4`, `mxfp8`, `nvfp4`): its entry's
+    /// `mode`, else the block's, else `affine`.
+    pub fn quantization_mode_of(&self, prefix: &str) -> Option<String> {
+        let block = self.quantization_block()?;
+        let mode = |v: &Value| v.get("mode").and_then(Value::as_str).map(str::to_string);
+        Some(block.get(prefix).and_then(mode).or_else(|| mode(block)).unwrap_or_else(|| "affine".into()))
+    }
+
     pub fn quantization_of(&self, prefix: &str) -> Result<Option<(i32, i32)>> {
         let Some(block) = self.quantization_block() else { return Ok(None) };
         let get = |v: &Value, k: &str| -> Result<Option<i32>> {

@@ -219,6 +219,25 @@ fn gpt_oss_greedy_ids_equal_mlx_lm_on_its_own_checkpoint() {
     assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
 }
 
+/// The same architecture quantised by mlx-lm in MXFP4 (`--quantize mxfp4`: every linear layer, the
+/// experts, the embedding and the head in groups of 32 with 8-bit power-of-two scales, the routers
+/// dense): the quantised layers stay MXFP4 and rmlx's 16 greedy ids equal mlx-lm's (margins at
+/// least 0.165).
+#[test]
+fn gpt_oss_mxfp4_greedy_ids_equal_mlx_lm() {
+    let dir = fixture_with_tokenizer("gpt_oss_mxfp4_mlx_lm");
+    let lm = load(dir.path(), Dtype::Float32);
+    let mut modes = std::collections::BTreeSet::new();
+    lm.model.visit("", &mut |name, role, a| {
+        if role == rmlx_lm::nn::Role::Quantization {
+            modes.insert((name.rsplit_once('.').map_or("", |p| p.1).to_string(), a.dtype().name()));
+        }
+    });
+    assert_eq!(modes.into_iter().collect::<Vec<_>>(), [("scales".to_string(), "uint8")]);
+    let mlx_lm = [323, 331, 156, 16, 132, 240, 318, 364, 414, 228, 258, 331, 506, 195, 235, 419];
+    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
+}
+
 #[test]
 fn llama_mlx_quantized_with_overrides() {
     check("llama_gqa_q4");

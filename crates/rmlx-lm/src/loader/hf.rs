@@ -186,20 +186,19 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
     if prefixes.is_empty() {
         return Ok(());
     }
-    let block = cfg.quantization_block().ok_or_else(|| {
+    cfg.quantization_block().ok_or_else(|| {
         Error::Config(format!(
             "tensor `{}.scales` is quantised but config.json has no `quantization` block",
             prefixes[0]
         ))
     })?;
-    if let Some(mode) = block.get("mode").and_then(Value::as_str) {
-        if mode != "affine" {
-            return Err(Error::Config(format!("quantization mode `{mode}` is not supported (affine only)")));
-        }
-    }
     for p in prefixes {
         let (gs, bits) = cfg.quantization_of(&p)?.expect("the block exists");
-        crate::checkpoint::check_quantization(&p, bits, gs)?;
+        let mode = cfg.quantization_mode_of(&p).expect("the block exists");
+        let mode = crate::checkpoint::quantization_mode(&p, &mode, bits, gs)?;
+        if mode == QuantMode::Affine {
+            crate::checkpoint::check_quantization(&p, bits, gs)?;
+        }
         let Weight::Dense(weight) = w.take(&format!("{p}.weight"))? else { unreachable!("safetensors are dense") };
         let Weight::Dense(scales) = w.take(&format!("{p}.scales"))? else { unreachable!() };
         let biases = match w.take_opt(&format!("{p}.biases")) {
@@ -207,7 +206,7 @@ fn group_quantized(w: &mut Weights, cfg: &ModelConfig) -> Result<()> {
             _ => None,
         };
         check_quantized_shapes(&p, &weight, &scales, gs, bits)?;
-        let q = Quantized { weight, scales, biases, group_size: gs, bits, mode: QuantMode::Affine };
+        let q = Quantized { weight, scales, biases, group_size: gs, bits, mode };
         w.insert(format!("{p}.weight"), Weight::Quantized(q));
     }
     Ok(())

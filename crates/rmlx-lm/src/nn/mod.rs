@@ -42,7 +42,7 @@ pub use switch::{ExpertActivation, ExpertNames, SparseMoe, SwitchLinear, SwitchL
 
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
-use rmlx::quantization::{dequantize, quantized_matmul, Quantized};
+use rmlx::quantization::{dequantize, quantized_matmul, QuantMode, Quantized};
 use rmlx::{fast, ops, Array, DeviceType, Dtype};
 
 /// `y = x Wᵀ (+ b) (+ scale · (x A) B)`, with `W` dense or quantised and an optional adapter.
@@ -559,11 +559,15 @@ impl Builder {
         Ok(match w {
             Weight::Dense(a) => Weight::Dense(a.astype(self.dtype)?),
             Weight::Quantized(q) => {
-                // Scales and biases first (MLX dequantises in their dtype).
-                let q = Quantized {
-                    scales: q.scales.astype(self.dtype)?,
-                    biases: q.biases.map(|b| b.astype(self.dtype)).transpose()?,
-                    ..q
+                // Scales and biases first (MLX dequantises in their dtype); the microscaling
+                // formats' scales are 8-bit exponents or floats, kept as they are.
+                let q = match q.mode {
+                    QuantMode::Affine => Quantized {
+                        scales: q.scales.astype(self.dtype)?,
+                        biases: q.biases.map(|b| b.astype(self.dtype)).transpose()?,
+                        ..q
+                    },
+                    _ => q,
                 };
                 if self.dequantize || (self.dequantize_unserved && !cpu_qmm::serves(&q)) {
                     self.quantized_dequantized += 1;
