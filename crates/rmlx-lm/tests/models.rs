@@ -238,6 +238,51 @@ fn gpt_oss_mxfp4_greedy_ids_equal_mlx_lm() {
     assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
 }
 
+/// OpenAI's published layout of the same MXFP4 experts (`gate_up_proj_blocks` `[E, 2·width,
+/// hidden/32, 16]` bytes and `gate_up_proj_scales`, gate and up interleaved by row, the biases by
+/// column; `down_proj_blocks`, `down_proj_scales`, `down_proj_bias`), made here from mlx-lm's
+/// tensors: the experts load as the same MXFP4 matrices, so the logits are the same bits.
+#[test]
+fn gpt_oss_openai_mxfp4_experts_load_as_mlx_lms() {
+    use rmlx::{ops, Array};
+    let dir = fixture_with_tokenizer("gpt_oss_mxfp4_mlx_lm");
+    let st = rmlx::io::load_safetensors(dir.path().join("model.safetensors")).unwrap();
+    let mut out: std::collections::BTreeMap<String, Array> =
+        st.arrays.iter().filter(|(n, _)| !n.contains(".mlp.experts.")).map(|(n, a)| (n.clone(), a.clone())).collect();
+    // Gate and up side by side on a new axis after `axis`, merged into it: row (or column) 2i is
+    // gate's i, 2i + 1 up's.
+    let interleave = |g: &Array, u: &Array, axis: usize| {
+        let mut shape = g.shape().to_vec();
+        shape[axis] *= 2;
+        ops::stack(&[g, u], axis as i32 + 1).unwrap().reshape(&shape).unwrap()
+    };
+    let blocks = |words: &Array| {
+        let s = words.shape().to_vec();
+        words.view_as(Dtype::Uint8).unwrap().reshape(&[s[0], s[1], s[2] / 4, 16]).unwrap()
+    };
+    for i in 0..2 {
+        let p = format!("model.layers.{i}.mlp.experts");
+        let a = |n: &str| st.arrays[&format!("{p}.{n}")].clone();
+        let words = interleave(&a("gate_proj.weight"), &a("up_proj.weight"), 1);
+        out.insert(format!("{p}.gate_up_proj_blocks"), blocks(&words));
+        out.insert(format!("{p}.gate_up_proj_scales"), interleave(&a("gate_proj.scales"), &a("up_proj.scales"), 1));
+        out.insert(format!("{p}.gate_up_proj_bias"), interleave(&a("gate_proj.bias"), &a("up_proj.bias"), 1));
+        out.insert(format!("{p}.down_proj_blocks"), blocks(&a("down_proj.weight")));
+        out.insert(format!("{p}.down_proj_scales"), a("down_proj.scales"));
+        out.insert(format!("{p}.down_proj_bias"), a("down_proj.bias"));
+    }
+    let openai = common::TempDir::new("gpt_oss_openai");
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(dir.path().join(f), openai.path().join(f)).unwrap();
+    }
+    rmlx::io::save_safetensors(openai.path().join("model.safetensors"), &out, &Default::default()).unwrap();
+    let (mlx_lm, published) = (load(dir.path(), Dtype::Float32), load(openai.path(), Dtype::Float32));
+    let prompt: Vec<u32> = (1..=12).collect();
+    assert_eq!(prompt_logits(&published, &prompt), prompt_logits(&mlx_lm, &prompt));
+    let ids = [323, 331, 156, 16, 132, 240, 318, 364, 414, 228, 258, 331, 506, 195, 235, 419];
+    assert_eq!(greedy(&published, &[1, 2, 3], ids.len(), 2048), ids);
+}
+
 #[test]
 fn llama_mlx_quantized_with_overrides() {
     check("llama_gqa_q4");

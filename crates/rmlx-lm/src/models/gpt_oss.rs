@@ -5,9 +5,13 @@
 //! router's logits, softmax over the chosen) whose SwiGLU is clamped (`g · σ(1.702 g) · (u + 1)`,
 //! `g ≤ 7`, `|u| ≤ 7`) and biased. The blocks are [`moe`]'s; this file holds what differs.
 //!
-//! Checkpoints: mlx-lm's (`mlp.experts.{gate,up,down}_proj.{weight,bias}`, dense or quantised), or
+//! Checkpoints: mlx-lm's (`mlp.experts.{gate,up,down}_proj.{weight,bias}`, dense or quantised),
 //! transformers' (`mlp.experts.gate_up_proj` `[E, hidden, 2·width]` with gate and up interleaved
-//! by column, `down_proj` `[E, width, hidden]`, `*_bias`), rewritten at load into mlx-lm's names.
+//! by column, `down_proj` `[E, width, hidden]`, `*_bias`), or OpenAI's as published (the experts
+//! in MXFP4: `gate_up_proj_blocks` `[E, 2·width, hidden/32, 16]` bytes with gate and up
+//! interleaved by row, `gate_up_proj_scales` `[E, 2·width, hidden/32]` exponents, `down_proj_*`
+//! likewise), all rewritten at load into mlx-lm's names; OpenAI's experts stay MXFP4 (MLX's
+//! `mxfp4` mode reads the same bytes).
 
 use super::attention::AttentionSpec;
 use super::moe::{self, Family};
@@ -17,7 +21,8 @@ use crate::config::{Architecture, ModelConfig};
 use crate::nn::{Builder, ExpertActivation, ExpertNames};
 use crate::weights::Weight;
 use crate::{Error, Result};
-use rmlx::{ops, Array};
+use rmlx::quantization::{QuantMode, Quantized};
+use rmlx::{ops, Array, Dtype};
 
 /// gpt-oss's attention: biases everywhere, sinks, `1/√head_dim`, the global (YaRN) rotation.
 fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
@@ -90,6 +95,7 @@ fn rewrite_fused_experts(b: &mut Builder, p: &str) -> Result<()> {
         let n = a.shape()[a.ndim() - 1];
         Ok(a.slice_axis(-1, first, n, 2)?)
     };
+    rewrite_mxfp4_experts(b, p)?;
     let name = format!("{p}.gate_up_proj");
     b.rewrite(&name, |w| {
         let fused = dense(w, &name)?;
@@ -116,5 +122,52 @@ fn rewrite_fused_experts(b: &mut Builder, p: &str) -> Result<()> {
     })?;
     let name = format!("{p}.down_proj_bias");
     b.rewrite(&name, |w| Ok(vec![(format!("{p}.down_proj.bias"), w)]))?;
+    Ok(())
+}
+
+/// OpenAI's MXFP4 experts under `p` (`{gate_up,down}_proj_{blocks,scales}`: 16 bytes of 32
+/// 4-bit values a block, an 8-bit exponent a block; gate and up interleaved by row) as mlx-lm's
+/// quantised `gate_proj`, `up_proj` and `down_proj` in MLX's `mxfp4` mode (the bytes read as
+/// 32-bit words, 8 values each, the exponents as they are).
+fn rewrite_mxfp4_experts(b: &mut Builder, p: &str) -> Result<()> {
+    let bytes = |w: Option<Weight>, name: &str, axes: usize| -> Result<Array> {
+        match w {
+            Some(Weight::Dense(a)) if a.dtype() == Dtype::Uint8 && a.ndim() == axes => Ok(a),
+            Some(_) => Err(Error::Config(format!("{name}: expected {axes} axes of bytes (MXFP4)"))),
+            None => Err(Error::MissingTensor(name.to_string())),
+        }
+    };
+    for fused in ["gate_up_proj", "down_proj"] {
+        let (blocks, scales) = (format!("{p}.{fused}_blocks"), format!("{p}.{fused}_scales"));
+        let Some(w) = b.take_raw(&blocks) else { continue };
+        let packed = bytes(Some(w), &blocks, 4)?;
+        let s = packed.shape().to_vec();
+        let exponents = bytes(b.take_raw(&scales), &scales, 3)?;
+        if s[3] != 16 || exponents.shape() != &s[..3] {
+            return Err(Error::ShapeMismatch {
+                name: scales,
+                expected: s[..3].to_vec(),
+                found: exponents.shape().to_vec(),
+            });
+        }
+        let words = packed.reshape(&[s[0], s[1], s[2] * 16])?.view_as(Dtype::Uint32)?;
+        let mxfp4 = |weight: Array, scales: Array| {
+            Weight::Quantized(Quantized {
+                weight,
+                scales,
+                biases: None,
+                group_size: 32,
+                bits: 4,
+                mode: QuantMode::Mxfp4,
+            })
+        };
+        if fused == "down_proj" {
+            b.insert(&format!("{p}.down_proj.weight"), mxfp4(words, exponents));
+            continue;
+        }
+        let rows = |a: &Array, first: i32| -> Result<Array> { Ok(ops::contiguous(&a.slice_axis(1, first, s[1], 2)?)?) };
+        b.insert(&format!("{p}.gate_proj.weight"), mxfp4(rows(&words, 0)?, rows(&exponents, 0)?));
+        b.insert(&format!("{p}.up_proj.weight"), mxfp4(rows(&words, 1)?, rows(&exponents, 1)?));
+    }
     Ok(())
 }

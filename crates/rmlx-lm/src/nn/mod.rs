@@ -518,11 +518,22 @@ impl Builder {
     /// what `f` makes of it, under the names the model's layers read (gpt-oss's fused experts
     /// become three stacked projections). Returns whether `name` was there.
     pub fn rewrite(&mut self, name: &str, f: impl FnOnce(Weight) -> Result<Vec<(String, Weight)>>) -> Result<bool> {
-        let Some(w) = self.weights.take_opt(name) else { return Ok(false) };
+        let Some(w) = self.take_raw(name) else { return Ok(false) };
         for (new, w) in f(w)? {
-            self.weights.insert(new, w);
+            self.insert(&new, w);
         }
         Ok(true)
+    }
+
+    /// Takes the checkpoint's tensor `name` as stored (no conversion), if present: for a family's
+    /// renaming hook that reads several tensors together.
+    pub fn take_raw(&mut self, name: &str) -> Option<Weight> {
+        self.weights.take_opt(name)
+    }
+
+    /// Puts a tensor (rewritten by a family's hook) where the layers will take it.
+    pub fn insert(&mut self, name: &str, w: Weight) {
+        self.weights.insert(name, w);
     }
 
     /// Takes a tensor, checking its (logical) shape.
