@@ -1590,7 +1590,7 @@ def write_readme() -> None:
     # scripts/make_mlx_lm_fixture.py makes these; their description lives here so the README keeps it
     lines += [
         "",
-        '## `phi3_mlx_lm`, `gpt_oss_mlx_lm` and `starcoder2_mlx_lm` (not from `make_fixtures.py`)',
+        '## `phi3_mlx_lm`, `gpt_oss_mlx_lm`, `gpt_oss_mxfp4_mlx_lm` and `starcoder2_mlx_lm` (not from `make_fixtures.py`)',
         '',
         "Checkpoints whose weights are drawn for mlx-lm's own model classes by",
         '`scripts/make_mlx_lm_fixture.py` with mlx-lm 0.32.2 (deterministic: the first seed whose greedy',
@@ -1606,6 +1606,11 @@ def write_readme() -> None:
         '  under `mlp.experts` with biases, 2 a token; sinks; YaRN factor 8; a window of 4 on layer 0; head',
         '  size 8). `tests/models.rs` checks rmlx\'s greedy ids against mlx-lm\'s, `[495, 319, 478, 260, 43,',
         '  412, 421, 89, 273, 93, 478, 327, 273, 421, 96, 296]` (margins at least 0.119).',
+        '- `gpt_oss_mxfp4_mlx_lm` (`--arch gpt_oss --quantize mxfp4`, seed 5, 46 KB): the same shapes quantised',
+        "  by mlx-lm's `nn.quantize` in MXFP4 (every linear layer, the experts, the embedding and the head;",
+        "  the routers dense). `tests/models.rs` checks rmlx's greedy ids against mlx-lm's, `[323, 331, 156,",
+        '  16, 132, 240, 318, 364, 414, 228, 258, 331, 506, 195, 235, 419]` (margins at least 0.165), and',
+        '  re-lays its experts out as OpenAI publishes them (`*_blocks`, `*_scales`) for the same logits.',
         '- `starcoder2_mlx_lm` (`--arch starcoder2`, seed 59, 195 KB): an architecture rmlx does not',
         "  implement, so it runs only through the mlx-lm bridge (the backend tests). mlx-lm's greedy ids:",
         '  `[58, 161, 458, 353, 74, 94, 300, 92, ...]` (margins at least 0.142).',

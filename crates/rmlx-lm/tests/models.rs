@@ -272,9 +272,19 @@ fn gpt_oss_openai_mxfp4_experts_load_as_mlx_lms() {
         out.insert(format!("{p}.down_proj_bias"), a("down_proj.bias"));
     }
     let openai = common::TempDir::new("gpt_oss_openai");
-    for f in ["config.json", "tokenizer.json"] {
-        std::fs::copy(dir.path().join(f), openai.path().join(f)).unwrap();
-    }
+    std::fs::copy(dir.path().join("tokenizer.json"), openai.path().join("tokenizer.json")).unwrap();
+    // The fields of openai/gpt-oss-20b's config.json that the fixture's lacks.
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap()).unwrap();
+    let extra = serde_json::json!({
+        "attention_bias": true, "attention_dropout": 0.0, "experts_per_token": 2, "hidden_act": "silu",
+        "initial_context_length": 32, "output_router_logits": false, "pad_token_id": 0,
+        "router_aux_loss_coef": 0.9, "swiglu_limit": 7.0, "use_cache": true,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+            "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    });
+    cfg.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    std::fs::write(openai.path().join("config.json"), cfg.to_string()).unwrap();
     rmlx::io::save_safetensors(openai.path().join("model.safetensors"), &out, &Default::default()).unwrap();
     let (mlx_lm, published) = (load(dir.path(), Dtype::Float32), load(openai.path(), Dtype::Float32));
     let prompt: Vec<u32> = (1..=12).collect();
