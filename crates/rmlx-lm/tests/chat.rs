@@ -230,3 +230,48 @@ fn strftime_now_is_today() {
     assert_eq!(&human[human.len() - 4..], &iso[..4]);
     assert_eq!(&human[..2], &iso[8..10]);
 }
+
+/// gpt-oss's own template (`tests/fixtures/tokenizers/gpt_oss_chat_template.jinja`: llama.cpp's
+/// `models/templates/openai-gpt-oss-120b.jinja` from the `llama-cpp-python==0.3.36` sdist) renders
+/// through rmlx, and the built-in harmony fallback renders plain conversations exactly as it does:
+/// the system header with today's date, a system message as the developer's instructions, user turns,
+/// final answers (`<|return|>` closing a finished conversation), the generation prompt, and
+/// `reasoning_effort`. Transformers 4.57.1 rendered the first conversation as the string below
+/// (with its day's date).
+#[test]
+fn harmony_fallback_renders_as_gpt_oss_own_template() {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/gpt_oss_chat_template.jinja");
+    let official = ChatTemplate::new(&std::fs::read_to_string(&p).unwrap(), None, None).unwrap();
+    let fallback = ChatTemplate::fallback("harmony", None, None).unwrap();
+    let conversations = [
+        (json!([{"role": "user", "content": "Hi"}]), true, None),
+        (
+            json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]),
+            true,
+            None,
+        ),
+        (json!([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]), false, None),
+        (
+            json!([{"role": "developer", "content": "Say yes."}, {"role": "user", "content": "?"}]),
+            true,
+            Some(json!({"reasoning_effort": "high"})),
+        ),
+    ];
+    for (messages, prompt, extra) in &conversations {
+        let want = official.render_json(messages, *prompt, None, extra.as_ref()).unwrap();
+        assert_eq!(fallback.render_json(messages, *prompt, None, extra.as_ref()).unwrap(), want, "{messages}");
+    }
+    let today = official.render_json(&conversations[0].0, true, None, None).unwrap();
+    let date = ChatTemplate::new("{{ strftime_now('%Y-%m-%d') }}", None, None)
+        .unwrap()
+        .render_json(&json!([]), false, None, None)
+        .unwrap();
+    let transformers = "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n\
+        Knowledge cutoff: 2024-06\nCurrent date: 2026-11-29\n\nReasoning: medium\n\n# Valid channels: analysis, \
+        commentary, final. Channel must be included for every message.<|end|><|start|>user<|message|>Hi<|end|>\
+        <|start|>assistant";
+    assert_eq!(today, transformers.replace("2026-11-29", &date));
+    let tool = json!([{"role": "tool", "content": "42"}]);
+    assert!(matches!(fallback.render_json(&tool, true, None, None), Err(Error::Template(m)) if m.contains("not tool")));
+}

@@ -74,10 +74,10 @@ fn unsupported_rope_scaling() {
     let d = fixture_with_tokenizer("llama_gqa");
     edit_config(d.path(), |c| {
         c.remove("rope_parameters");
-        c.insert("rope_scaling".into(), serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+        c.insert("rope_scaling".into(), serde_json::json!({"rope_type": "dynamic", "factor": 4.0}));
     });
     let e = load(d.path()).err().unwrap();
-    assert!(matches!(&e, Error::Config(m) if m.contains("yarn")), "{e}");
+    assert!(matches!(&e, Error::Config(m) if m.contains("dynamic")), "{e}");
 }
 
 #[test]

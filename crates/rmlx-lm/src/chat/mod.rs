@@ -173,16 +173,18 @@ impl ChatTemplate {
     }
 
     /// A built-in template for checkpoints that ship none: `"llama3"`, `"qwen"` and `"chatml"`
-    /// (ChatML), `"gemma"`, `"phi3"`.
+    /// (ChatML), `"gemma"`, `"phi3"`, `"harmony"` (gpt-oss: system, developer, user and final
+    /// assistant messages; tools and reasoning need the checkpoint's own template).
     pub fn fallback(family: &str, bos: Option<&str>, eos: Option<&str>) -> Result<ChatTemplate> {
         let source = match family {
             "llama3" | "llama" => FALLBACK_LLAMA3,
             "qwen" | "qwen2" | "qwen3" | "chatml" | "smollm" => FALLBACK_CHATML,
             "gemma" | "gemma3" => FALLBACK_GEMMA,
             "phi3" => FALLBACK_PHI3,
+            "harmony" | "gpt_oss" => FALLBACK_HARMONY,
             _ => {
                 return Err(Error::Template(format!(
-                    "no built-in chat template for `{family}` (built in: llama3, qwen, chatml, gemma, phi3)"
+                    "no built-in chat template for `{family}` (built in: llama3, qwen, chatml, gemma, phi3, harmony)"
                 )))
             }
         };
@@ -301,6 +303,31 @@ const FALLBACK_PHI3: &str = "{%- for message in messages %}\
 {{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}\
 {%- endfor %}\
 {%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}";
+
+/// OpenAI's harmony format as gpt-oss's own template renders plain conversations: the system
+/// header (identity, knowledge cutoff, today's date, `reasoning_effort`, the channels), a leading
+/// system or developer message as the developer's instructions, then user turns and the
+/// assistant's final answers (the last one of a finished conversation closed by `<|return|>`).
+const FALLBACK_HARMONY: &str = "{{- '<|start|>system<|message|>' }}\
+{{- model_identity if model_identity is defined else 'You are ChatGPT, a large language model trained by OpenAI.' }}\
+{{- '\\nKnowledge cutoff: 2024-06\\nCurrent date: ' + strftime_now('%Y-%m-%d') + '\\n\\nReasoning: ' }}\
+{{- reasoning_effort if reasoning_effort is defined else 'medium' }}\
+{{- '\\n\\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>' }}\
+{%- set rest = messages %}\
+{%- if messages and messages[0]['role'] in ['system', 'developer'] %}\
+{{- '<|start|>developer<|message|># Instructions\\n\\n' + messages[0]['content'] + '\\n\\n<|end|>' }}\
+{%- set rest = messages[1:] %}\
+{%- endif %}\
+{%- for message in rest %}\
+{%- if message['role'] == 'user' %}{{- '<|start|>user<|message|>' + message['content'] + '<|end|>' }}\
+{%- elif message['role'] == 'assistant' %}\
+{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] }}\
+{{- '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}\
+{%- else %}{{- raise_exception('the built-in harmony template takes system, developer, user and assistant \
+messages (tools and reasoning need the checkpoint\\'s own template), not ' + message['role']) }}\
+{%- endif %}\
+{%- endfor %}\
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}";
 
 const FALLBACK_GEMMA: &str = "{{- bos_token or '' }}\
 {%- if messages and messages[0]['role'] == 'system' %}\

@@ -57,7 +57,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
     model_types: &["gpt_oss"],
     hf_classes: &[("GptOssForCausalLM", "gpt_oss")],
     signature_tensor: Some("model.layers.0.mlp.router.weight"),
-    chat_family: "chatml",
+    chat_family: "harmony",
     gguf: None,
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
 };
