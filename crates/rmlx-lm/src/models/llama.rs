@@ -48,8 +48,16 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
 };
 
 /// A window in the metadata (`llama.attention.sliding_window`, as llama.cpp writes Mistral's)
-/// slides every layer.
+/// slides every layer; experts (`llama.expert_count`, `expert_used_count`: how llama.cpp writes
+/// Mixtral) make it Mixtral.
 fn gguf_config(num: MetadataNumber, c: &mut Map<String, Value>) {
+    if let (Some(experts), Some(used)) = (num("expert_count"), num("expert_used_count")) {
+        if experts >= 1.0 {
+            c.insert("model_type".into(), json!("mixtral"));
+            c.insert("num_local_experts".into(), json!(experts as i64));
+            c.insert("num_experts_per_tok".into(), json!(used as i64));
+        }
+    }
     if let (Some(window), Some(layers)) = (num("attention.sliding_window"), num("block_count")) {
         c.insert("sliding_window".into(), json!(window as i64));
         if (1.0..=4096.0).contains(&layers) {

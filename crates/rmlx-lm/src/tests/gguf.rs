@@ -602,19 +602,12 @@ fn data_sizes_that_disagree_with_the_type_are_corrupt() {
     assert!(reason.contains("`a`") && reason.contains("32 bytes after") && reason.contains("F16"), "{reason}");
 }
 
-/// A `qwen3moe` GGUF (the `qwen3_moe` fixture as llama.cpp names it: stacked `ffn_*_exps`, the
-/// router `ffn_gate_inp`, `qwen3moe.expert_*` metadata) loads as Qwen 3 MoE and gives the
-/// fixture's transformers logits; the dense layer routes nothing because the file holds no router
-/// for it.
-#[test]
-fn qwen3moe_gguf_matches_transformers() {
-    let dir = scratch("qwen3moe");
-    let path = dir.join("model.gguf");
-    super::gguf_model::gguf_qwen3_moe(&path);
+/// The logits of `path`'s model for `fixture`'s prompt against its transformers reference.
+fn check_gguf_against(path: &std::path::Path, fixture: &str, model_type: &str) {
     let opts = crate::LoadOptions { dtype: Some(rmlx::Dtype::Float32), ..crate::LoadOptions::default() };
-    let lm = crate::loader::load(&path, &opts).unwrap();
-    assert_eq!(lm.model.config().model_type, "qwen3_moe");
-    let r = super::common::reference("qwen3_moe");
+    let lm = crate::loader::load(path, &opts).unwrap();
+    assert_eq!(lm.model.config().model_type, model_type);
+    let r = super::common::reference(fixture);
     let prompt: Vec<i32> = super::common::ids(&r["prompt_ids"]).iter().map(|&t| t as i32).collect();
     let want = super::common::floats(&r["logits"]);
     let ids = rmlx::Array::from_slice(&prompt, &[1, prompt.len() as i32]).unwrap();
@@ -625,5 +618,28 @@ fn qwen3moe_gguf_matches_transformers() {
     let tol = r["tolerance"][if on_gpu { "float32_tf32" } else { "float32" }].as_f64().unwrap() as f32;
     let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
     assert_eq!(got.len(), want.len());
-    assert!(d <= tol, "max |Δlogit| {d} > {tol}");
+    assert!(d <= tol, "{fixture}: max |Δlogit| {d} > {tol}");
+}
+
+/// Mixtral as llama.cpp writes it (a `llama` GGUF with `llama.expert_*` metadata, stacked
+/// `ffn_*_exps`, the router `ffn_gate_inp`, query and key rows permuted) loads as Mixtral and gives
+/// the `mixtral` fixture's transformers logits.
+#[test]
+fn mixtral_as_a_llama_gguf_with_experts_matches_transformers() {
+    let dir = scratch("mixtral_gguf");
+    let path = dir.join("model.gguf");
+    super::gguf_model::gguf_mixtral(&path);
+    check_gguf_against(&path, "mixtral", "mixtral");
+}
+
+/// A `qwen3moe` GGUF (the `qwen3_moe` fixture as llama.cpp names it: stacked `ffn_*_exps`, the
+/// router `ffn_gate_inp`, `qwen3moe.expert_*` metadata) loads as Qwen 3 MoE and gives the
+/// fixture's transformers logits; the dense layer routes nothing because the file holds no router
+/// for it.
+#[test]
+fn qwen3moe_gguf_matches_transformers() {
+    let dir = scratch("qwen3moe");
+    let path = dir.join("model.gguf");
+    super::gguf_model::gguf_qwen3_moe(&path);
+    check_gguf_against(&path, "qwen3_moe", "qwen3_moe");
 }

@@ -110,6 +110,81 @@ pub fn set_meta(kv: &mut [Meta], key: &str, ty: u32, value: Vec<u8>) {
     (e.1, e.2) = (ty, value);
 }
 
+/// llama.cpp's permutation of llama's query and key rows (`convert_hf_to_gguf`'s `permute`):
+/// `w.reshape(heads, 2, rows / heads / 2, ...).swapaxes(1, 2).reshape(w.shape)`.
+fn permute_rows(w: &rmlx::Array, heads: i32) -> rmlx::Array {
+    let shape = w.shape().to_vec();
+    let mut split = vec![heads, 2, shape[0] / heads / 2];
+    split.extend_from_slice(&shape[1..]);
+    w.reshape(&split).unwrap().swapaxes(1, 2).unwrap().reshape(&shape).unwrap()
+}
+
+/// The `mixtral` fixture as llama.cpp's converter writes Mixtral (float32): a `llama` file with
+/// `llama.expert_count` / `expert_used_count`, each layer's experts stacked into
+/// `ffn_{gate,up,down}_exps` (`w1`, `w3`, `w2`), the router as `ffn_gate_inp`, and the query and
+/// key rows permuted as for any llama.
+pub fn gguf_mixtral(path: &Path) {
+    let (u32v, f32v) = (|v: u32| v.to_le_bytes().to_vec(), |v: f32| v.to_le_bytes().to_vec());
+    let (tokens, merges) = tokenizer(320);
+    let kv: Vec<Meta> = vec![
+        ("general.architecture".to_string(), 8, text("llama")),
+        ("llama.embedding_length".into(), 4, u32v(64)),
+        ("llama.block_count".into(), 4, u32v(2)),
+        ("llama.feed_forward_length".into(), 4, u32v(48)),
+        ("llama.expert_count".into(), 4, u32v(6)),
+        ("llama.expert_used_count".into(), 4, u32v(3)),
+        ("llama.attention.head_count".into(), 4, u32v(4)),
+        ("llama.attention.head_count_kv".into(), 4, u32v(2)),
+        ("llama.attention.layer_norm_rms_epsilon".into(), 6, f32v(1e-5)),
+        ("llama.rope.freq_base".into(), 6, f32v(1e6)),
+        ("tokenizer.ggml.model".into(), 8, text("gpt2")),
+        ("tokenizer.ggml.tokens".into(), 9, tokens),
+        ("tokenizer.ggml.merges".into(), 9, merges),
+    ];
+    let st = rmlx::io::load_safetensors(super::common::fixture_dir("mixtral").join("model.safetensors")).unwrap();
+    let parts = [
+        ("input_layernorm", "attn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("block_sparse_moe.gate.", "ffn_gate_inp."),
+    ];
+    let mut tensors: Vec<(String, rmlx::Array)> = Vec::new();
+    let mut experts: std::collections::BTreeMap<(String, &str), Vec<(usize, rmlx::Array)>> = Default::default();
+    for (name, arr) in &st.arrays {
+        let fixed = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
+        if let Some((a, b)) = fixed.iter().find(|(a, _)| name.starts_with(a)) {
+            tensors.push((name.replacen(a, b, 1), arr.clone()));
+        } else if let Some((head, rest)) = name.split_once(".block_sparse_moe.experts.") {
+            // model.layers.L.block_sparse_moe.experts.E.wN.weight
+            let (e, w) = rest.split_once('.').unwrap();
+            let proj = match w {
+                "w1.weight" => "gate",
+                "w3.weight" => "up",
+                _ => "down",
+            };
+            let layer = head.trim_start_matches("model.layers.").to_string();
+            experts.entry((layer, proj)).or_default().push((e.parse().unwrap(), arr.clone()));
+        } else {
+            let arr = match name {
+                n if n.ends_with("q_proj.weight") => permute_rows(arr, 4),
+                n if n.ends_with("k_proj.weight") => permute_rows(arr, 2),
+                _ => arr.clone(),
+            };
+            let n = name.replacen("model.layers.", "blk.", 1);
+            tensors.push((parts.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1)), arr));
+        }
+    }
+    for ((layer, proj), mut per) in experts {
+        per.sort_by_key(|(e, _)| *e);
+        let refs: Vec<&rmlx::Array> = per.iter().map(|(_, a)| a).collect();
+        tensors.push((format!("blk.{layer}.ffn_{proj}_exps.weight"), rmlx::ops::stack(&refs, 0).unwrap()));
+    }
+    write_gguf(path, &kv, &tensors);
+}
+
 /// The `qwen3_moe` fixture as llama.cpp's converter writes a `qwen3moe` GGUF (float32): the
 /// experts of each routed layer stacked into `ffn_{gate,up,down}_exps` `[experts, out, in]`, the
 /// router as `ffn_gate_inp`, the dense layer 1 as `ffn_{gate,up,down}`, 320 tokens.
