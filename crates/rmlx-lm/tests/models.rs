@@ -285,6 +285,25 @@ fn gpt_oss_openai_mxfp4_experts_load_as_mlx_lms() {
     });
     cfg.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
     std::fs::write(openai.path().join("config.json"), cfg.to_string()).unwrap();
+    // Blocks without their exponents, or blocks of another size, are named.
+    let mut broken = out.clone();
+    broken.remove("model.layers.1.mlp.experts.down_proj_scales");
+    rmlx::io::save_safetensors(openai.path().join("model.safetensors"), &broken, &Default::default()).unwrap();
+    let e = rmlx_lm::loader::load(openai.path(), &LoadOptions::default()).err().unwrap();
+    assert!(
+        matches!(&e, rmlx_lm::Error::MissingTensor(n) if n == "model.layers.1.mlp.experts.down_proj_scales"),
+        "{e}"
+    );
+    let mut broken = out.clone();
+    let blocks = broken["model.layers.0.mlp.experts.down_proj_blocks"].clone();
+    let s = blocks.shape().to_vec();
+    broken.insert(
+        "model.layers.0.mlp.experts.down_proj_blocks".into(),
+        blocks.reshape(&[s[0], s[1], s[2] * 2, 8]).unwrap(),
+    );
+    rmlx::io::save_safetensors(openai.path().join("model.safetensors"), &broken, &Default::default()).unwrap();
+    let e = rmlx_lm::loader::load(openai.path(), &LoadOptions::default()).err().unwrap();
+    assert!(matches!(&e, rmlx_lm::Error::Config(m) if m.contains("down_proj_blocks: MXFP4 blocks of 8 bytes")), "{e}");
     rmlx::io::save_safetensors(openai.path().join("model.safetensors"), &out, &Default::default()).unwrap();
     let (mlx_lm, published) = (load(dir.path(), Dtype::Float32), load(openai.path(), Dtype::Float32));
     let prompt: Vec<u32> = (1..=12).collect();

@@ -143,7 +143,10 @@ fn rewrite_mxfp4_experts(b: &mut Builder, p: &str) -> Result<()> {
         let packed = bytes(Some(w), &blocks, 4)?;
         let s = packed.shape().to_vec();
         let exponents = bytes(b.take_raw(&scales), &scales, 3)?;
-        if s[3] != 16 || exponents.shape() != &s[..3] {
+        if s[3] != 16 {
+            return Err(Error::Config(format!("{blocks}: MXFP4 blocks of {} bytes, not 16", s[3])));
+        }
+        if exponents.shape() != &s[..3] {
             return Err(Error::ShapeMismatch {
                 name: scales,
                 expected: s[..3].to_vec(),
