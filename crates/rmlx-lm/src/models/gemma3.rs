@@ -4,7 +4,7 @@
 //! gated feed-forward, and embeddings scaled by `√hidden`.
 
 use super::attention::{Attention, AttentionSpec};
-use super::llama::output_head;
+use super::decoder::output_head;
 use super::spec::{ArchitectureSpec, GgufSpec, HeadCounts, MetadataNumber};
 use super::{softcap, Rope};
 use crate::cache::KvCache;

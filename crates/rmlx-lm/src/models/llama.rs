@@ -3,13 +3,14 @@
 //! Qwen 2 and Qwen 3 are this model with a different [`AttentionSpec`].
 
 use super::attention::{Attention, AttentionSpec};
+use super::decoder::{Decoder, DecoderBlock};
 use super::spec::{ArchitectureSpec, GgufSpec, HeadCounts, MetadataNumber};
-use super::{layer_caches, Rope};
+use super::Rope;
 use crate::cache::KvCache;
 use crate::config::Architecture;
 use crate::config::ModelConfig;
 use crate::nn::cpu_layer::{self, BlockParts};
-use crate::nn::{Builder, CapturedSteps, Embedding, GatedMlp, Head, Linear, RmsNorm};
+use crate::nn::{Builder, GatedMlp, RmsNorm};
 use crate::weights::Weight;
 use crate::Result;
 use rmlx::quantization::Quantized;
@@ -128,14 +129,6 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
-        if let Some(h) = self.packed_cpu_step(x, batch, cache)? {
-            return Ok(h);
-        }
-        let o = self.self_attn.attend(x, &self.input_layernorm, batch, cache)?;
-        self.mlp.forward_after_attention(&o, x, self.self_attn.o_proj(), &self.post_attention_layernorm)
-    }
-
     /// A decoding step of one sequence on the CPU with packed weights, as fused primitives
     /// ([`cpu_layer`]), where they serve.
     fn packed_cpu_step(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Option<Array>> {
@@ -151,19 +144,20 @@ impl Block {
     }
 }
 
-/// Embedding, blocks, final norm and the output head (tied to the embedding or separate).
-#[derive(Clone)]
-pub struct Model {
-    cfg: ModelConfig,
-    embed_tokens: Embedding,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: Option<Linear>,
-    /// The decoding step's layers as one launch, on MLX's CUDA backend.
-    steps: CapturedSteps,
+/// Llama's decoder: [`Decoder`] over Llama blocks.
+pub type Model = Decoder<Block>;
+
+impl DecoderBlock for Block {
+    fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
+        if let Some(h) = self.packed_cpu_step(x, batch, cache)? {
+            return Ok(h);
+        }
+        let o = self.self_attn.attend(x, &self.input_layernorm, batch, cache)?;
+        self.mlp.forward_after_attention(&o, x, self.self_attn.o_proj(), &self.post_attention_layernorm)
+    }
 }
 
-impl Model {
+impl Decoder<Block> {
     /// Builds a Llama model from `model.*` / `lm_head.*` tensors.
     pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<Self> {
         Self::load_with(cfg, b, attention_spec)
@@ -184,57 +178,8 @@ impl Model {
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), spec(cfg)?))
             .collect::<Result<_>>()?;
-        Ok(Self {
-            embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
-            layers,
-            norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, false)?,
-            lm_head: output_head(cfg, b)?,
-            steps: CapturedSteps::new(b.step_capture),
-            cfg: cfg.clone(),
-        })
-    }
-}
-
-/// `lm_head` when the checkpoint has one or the config says it is not tied; else the embedding.
-pub(crate) fn output_head(cfg: &ModelConfig, b: &mut Builder) -> Result<Option<Linear>> {
-    if b.has("lm_head.weight") || !cfg.tied() {
-        return Ok(Some(b.linear("lm_head", cfg.hidden_size, cfg.vocab_size, false)?));
-    }
-    Ok(None)
-}
-
-impl super::Model for Model {
-    fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        let (batch, length) = super::token_grid(ids)?;
-        let h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
-        let h = super::decoder_layers(&self.steps, &self.layers, &h, caches, batch, Block::forward)?;
-        Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
-    }
-
-    fn logits(&self, hidden: &Array) -> Result<Array> {
-        match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            None => self.embed_tokens.as_linear(hidden),
-        }
-    }
-
-    fn linear_head(&self) -> Option<Head<'_>> {
-        Head::of(self.lm_head.as_ref(), &self.embed_tokens)
-    }
-
-    fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
-        layer_caches(&self.cfg, context_limit)
-    }
-
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn boxed_clone(&self) -> Box<dyn super::Model> {
-        Box::new(self.clone())
+        Decoder::new(cfg, b, layers)
     }
 }
 
 crate::nn::module_fields!(Block { input_layernorm, self_attn, post_attention_layernorm, mlp });
-
-super::decoder_module!(Model);

@@ -2,6 +2,7 @@
 //! and the cached attention call.
 
 pub mod attention;
+pub mod decoder;
 pub mod gemma2;
 pub mod gemma3;
 pub mod gpt_oss;

@@ -10,11 +10,12 @@
 //! `qwen3moe` file's `ffn_*_exps`.
 
 use super::attention::{Attention, AttentionSpec};
+use super::decoder::{Decoder, DecoderBlock};
 use super::spec::{self, ArchitectureSpec, GgufSpec, MetadataNumber};
-use super::{layer_caches, llama, qwen3};
+use super::{llama, qwen3};
 use crate::cache::KvCache;
 use crate::config::{Architecture, ModelConfig};
-use crate::nn::{join, Builder, CapturedSteps, Embedding, ExpertNames, GatedMlp, Head, Linear, Module, RmsNorm};
+use crate::nn::{join, Builder, ExpertNames, GatedMlp, Linear, Module, RmsNorm};
 use crate::nn::{Role, SparseMoe, SwitchLinear};
 use crate::{Error, Result};
 use rmlx::Array;
@@ -154,7 +155,9 @@ impl Block {
             ffn_name: family.ffn,
         })
     }
+}
 
+impl DecoderBlock for Block {
     fn forward(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Array> {
         let o = self.self_attn.attend(x, &self.input_layernorm, batch, cache)?;
         let o_proj = self.self_attn.o_proj();
@@ -201,67 +204,17 @@ impl Module for Block {
     }
 }
 
-/// Embedding, blocks, final norm and the output head.
-#[derive(Clone)]
-pub struct Model {
-    cfg: ModelConfig,
-    embed_tokens: Embedding,
-    layers: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: Option<Linear>,
-    /// The decoding step's layers as one launch, on MLX's CUDA backend.
-    steps: CapturedSteps,
-}
+/// The mixtures of experts' decoder: [`Decoder`] over their blocks.
+pub type Model = Decoder<Block>;
 
-impl Model {
+impl Decoder<Block> {
     /// The model of `family` from `model.*` / `lm_head.*` tensors.
     pub(crate) fn load(cfg: &ModelConfig, b: &mut Builder, family: &Family) -> Result<Self> {
         let moe = MoeConfig::of(cfg)?;
         let layers = (0..cfg.num_hidden_layers).map(|i| Block::load(cfg, &moe, family, b, i)).collect::<Result<_>>()?;
-        Ok(Self {
-            embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
-            layers,
-            norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, false)?,
-            lm_head: llama::output_head(cfg, b)?,
-            steps: CapturedSteps::new(b.step_capture),
-            cfg: cfg.clone(),
-        })
+        Decoder::new(cfg, b, layers)
     }
 }
-
-impl super::Model for Model {
-    fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
-        let (batch, length) = super::token_grid(ids)?;
-        let h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
-        let h = super::decoder_layers(&self.steps, &self.layers, &h, caches, batch, Block::forward)?;
-        Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
-    }
-
-    fn logits(&self, hidden: &Array) -> Result<Array> {
-        match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            None => self.embed_tokens.as_linear(hidden),
-        }
-    }
-
-    fn linear_head(&self) -> Option<Head<'_>> {
-        Head::of(self.lm_head.as_ref(), &self.embed_tokens)
-    }
-
-    fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
-        layer_caches(&self.cfg, context_limit)
-    }
-
-    fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    fn boxed_clone(&self) -> Box<dyn super::Model> {
-        Box::new(self.clone())
-    }
-}
-
-super::decoder_module!(Model);
 
 /// Qwen 3 MoE in [`super::spec::ARCHITECTURES`].
 pub static QWEN3_MOE_SPEC: ArchitectureSpec = ArchitectureSpec {

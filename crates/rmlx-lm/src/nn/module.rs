@@ -199,7 +199,8 @@ impl<M: Module> Module for Option<M> {
 /// [`Module::visit`], [`Module::visit_mut`] and [`Module::visit_linears`] all walk that list, so
 /// the names the three see cannot drift apart. A field is a module, an `Option` of one (visited
 /// when present) or a `Vec` of them (`name.0`, `name.1`, …). With `on_change`, the closure runs on
-/// the struct before each walk that may change it (a model forgetting its captured step).
+/// the struct before each walk that may change it (a model forgetting its captured step). A
+/// generic struct names its one type parameter and bound first (`<B: DecoderBlock> Decoder<B>`).
 ///
 /// ```ignore
 /// module_fields!(GatedMlp { gate: "gate_proj", up: "up_proj", down: "down_proj" });
@@ -207,8 +208,8 @@ impl<M: Module> Module for Option<M> {
 ///                on_change: |m: &mut Model| m.steps.forget());
 /// ```
 macro_rules! module_fields {
-    ($ty:ty { $($field:ident $(: $name:expr)?),* $(,)? } $(, on_change: $changed:expr)? $(,)?) => {
-        impl $crate::nn::Module for $ty {
+    (@impl [$($generics:tt)*] $ty:ty { $($field:ident $(: $name:expr)?),* } $(, on_change: $changed:expr)?) => {
+        impl<$($generics)*> $crate::nn::Module for $ty {
             fn visit(&self, p: &str, f: &mut dyn FnMut(&str, $crate::nn::Role, &rmlx::Array)) {
                 $($crate::nn::Module::visit(
                     &self.$field, &$crate::nn::join(p, $crate::nn::module_fields!(@name $field $($name)?)), f);)*
@@ -233,11 +234,17 @@ macro_rules! module_fields {
             }
         }
     };
+    (<$g:ident: $bound:path> $ty:ty { $($field:ident $(: $name:expr)?),* $(,)? } $(, on_change: $changed:expr)? $(,)?) => {
+        $crate::nn::module_fields!(@impl [$g: $bound] $ty { $($field $(: $name)?),* } $(, on_change: $changed)?);
+    };
     (@name $field:ident $name:expr) => {
         $name
     };
     (@name $field:ident) => {
         stringify!($field)
+    };
+    ($ty:ty { $($field:ident $(: $name:expr)?),* $(,)? } $(, on_change: $changed:expr)? $(,)?) => {
+        $crate::nn::module_fields!(@impl [] $ty { $($field $(: $name)?),* } $(, on_change: $changed)?);
     };
 }
 pub(crate) use module_fields;
