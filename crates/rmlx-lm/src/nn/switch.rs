@@ -205,7 +205,8 @@ pub struct ExpertNames {
     pub projections: [&'static str; 3],
     /// The folder of the stacked experts (mlx-lm's `switch_mlp`; gpt-oss's `experts`).
     pub stacked: &'static str,
-    /// Whether each expert's projections have biases (`<stacked>.<projection>.bias`, `[E, out]`).
+    /// Whether the router and each expert's projections have biases (`<router>.bias`,
+    /// `<stacked>.<projection>.bias` `[E, out]`: gpt-oss).
     pub biases: bool,
     pub activation: ExpertActivation,
 }
