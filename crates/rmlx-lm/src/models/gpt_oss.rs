@@ -65,7 +65,9 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
 /// Builds a gpt-oss model from `model.*` / `lm_head.*` tensors.
 pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<moe::Model> {
     for i in 0..cfg.num_hidden_layers {
-        rewrite_fused_experts(b, &format!("model.layers.{i}.mlp.experts"))?;
+        let experts = format!("model.layers.{i}.mlp.experts");
+        rewrite_mxfp4_experts(b, &experts)?;
+        rewrite_fused_experts(b, &experts)?;
     }
     let family = Family {
         attention: attention_spec,
@@ -95,7 +97,6 @@ fn rewrite_fused_experts(b: &mut Builder, p: &str) -> Result<()> {
         let n = a.shape()[a.ndim() - 1];
         Ok(a.slice_axis(-1, first, n, 2)?)
     };
-    rewrite_mxfp4_experts(b, p)?;
     let name = format!("{p}.gate_up_proj");
     b.rewrite(&name, |w| {
         let fused = dense(w, &name)?;
