@@ -56,22 +56,30 @@ fn weight_bytes_are_every_tensor_but_an_untied_embedding_read_one_row() {
     assert_eq!(weight_bytes_per_token(&lm), all);
 }
 
+/// The fixture `name` loaded (with its folder, which the model's lazily read weights need), and its
+/// file's bytes: in all, of the input embedding, and of the experts (`.mlp.experts.` in the stored
+/// names).
+fn loaded_with_bytes(name: &str) -> (common::TempDir, rmlx_lm::LoadedModel, [u64; 3]) {
+    let dir = fixture_with_tokenizer(name);
+    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
+    let mut bytes = [0; 3];
+    for (name, b) in check_file(&dir.path().join("model.safetensors")).unwrap() {
+        bytes[0] += b;
+        if name.starts_with("model.embed_tokens.") {
+            bytes[1] += b;
+        }
+        if name.contains(".mlp.experts.") {
+            bytes[2] += b;
+        }
+    }
+    (dir, lm, bytes)
+}
+
 /// A mixture of experts: a token reads the 4 experts it is routed to out of 8 (`qwen3_moe`'s
 /// stacked `switch_mlp` tensors count half), everything else whole (untied: one embedding row).
 #[test]
 fn weight_bytes_count_the_routed_experts_only() {
-    let dir = fixture_with_tokenizer("qwen3_moe");
-    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
-    let (mut all, mut embedding, mut experts) = (0, 0, 0);
-    for (name, bytes) in check_file(&dir.path().join("model.safetensors")).unwrap() {
-        all += bytes;
-        if name.starts_with("model.embed_tokens.") {
-            embedding += bytes;
-        }
-        if name.contains(".mlp.experts.") {
-            experts += bytes;
-        }
-    }
+    let (_dir, lm, [all, embedding, experts]) = loaded_with_bytes("qwen3_moe");
     // float32, vocabulary 320, hidden 64: a row is 256 bytes; 2 routed layers × 8 experts × 3
     // matrices of 64 × 32.
     assert_eq!(experts, 2 * 8 * 3 * 64 * 32 * 4);
@@ -83,18 +91,7 @@ fn weight_bytes_count_the_routed_experts_only() {
 /// reads 2 of 4.
 #[test]
 fn weight_bytes_count_gpt_oss_routed_experts_and_their_biases() {
-    let dir = fixture_with_tokenizer("gpt_oss");
-    let lm = rmlx_lm::loader::load(dir.path(), &LoadOptions::default()).unwrap();
-    let (mut all, mut embedding, mut experts) = (0, 0, 0);
-    for (name, bytes) in check_file(&dir.path().join("model.safetensors")).unwrap() {
-        all += bytes;
-        if name.starts_with("model.embed_tokens.") {
-            embedding += bytes;
-        }
-        if name.contains(".mlp.experts.") {
-            experts += bytes;
-        }
-    }
+    let (_dir, lm, [all, embedding, experts]) = loaded_with_bytes("gpt_oss");
     // float32, hidden 64, width 32, 4 experts, 2 layers: gate_up [4, 64, 64] and its bias [4, 64],
     // down [4, 32, 64] and its bias [4, 64].
     assert_eq!(experts, 2 * 4 * (64 * 64 + 64 + 32 * 64 + 64) * 4);

@@ -11,44 +11,103 @@ pub type Meta = (String, u32, Vec<u8>);
 /// Q/K row permutation is not applied, which changes the outputs but not the loading), with its
 /// `llama.*` metadata edited by `meta`.
 pub fn gguf_model(path: &Path, meta: impl FnOnce(&mut Vec<Meta>)) {
-    let (u32v, f32v) = (|v: u32| v.to_le_bytes().to_vec(), |v: f32| v.to_le_bytes().to_vec());
-    let (tokens, merges) = tokenizer(384);
-    let mut kv = vec![
-        ("general.architecture".to_string(), 8, text("llama")),
-        ("llama.embedding_length".into(), 4, u32v(64)),
-        ("llama.block_count".into(), 4, u32v(2)),
-        ("llama.feed_forward_length".into(), 4, u32v(128)),
-        ("llama.attention.head_count".into(), 4, u32v(4)),
-        ("llama.attention.head_count_kv".into(), 4, u32v(2)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), 6, f32v(1e-5)),
-        ("llama.rope.freq_base".into(), 6, f32v(10000.0)),
+    let mut kv = metadata(
+        "llama",
+        384,
+        &[
+            ("embedding_length", U32, u32v(64)),
+            ("block_count", U32, u32v(2)),
+            ("feed_forward_length", U32, u32v(128)),
+            ("attention.head_count", U32, u32v(4)),
+            ("attention.head_count_kv", U32, u32v(2)),
+            ("attention.layer_norm_rms_epsilon", F32, f32v(1e-5)),
+            ("rope.freq_base", F32, f32v(10000.0)),
+        ],
+    );
+    meta(&mut kv);
+    write_gguf(path, &kv, &llama_cpp_tensors("llama_gqa", None));
+}
+
+/// GGUF value types: uint32, float32.
+const U32: u32 = 4;
+const F32: u32 = 6;
+
+fn u32v(v: u32) -> Vec<u8> {
+    v.to_le_bytes().to_vec()
+}
+
+fn f32v(v: f32) -> Vec<u8> {
+    v.to_le_bytes().to_vec()
+}
+
+/// `general.architecture` = `arch`, the `arch.`-prefixed `entries`, and a tokenizer of `vocab`
+/// tokens ([`tokenizer`]).
+fn metadata(arch: &str, vocab: usize, entries: &[(&str, u32, Vec<u8>)]) -> Vec<Meta> {
+    let (tokens, merges) = tokenizer(vocab);
+    let mut kv = vec![("general.architecture".to_string(), 8, text(arch))];
+    kv.extend(entries.iter().map(|(k, ty, v)| (format!("{arch}.{k}"), *ty, v.clone())));
+    kv.extend([
         ("tokenizer.ggml.model".into(), 8, text("gpt2")),
         ("tokenizer.ggml.tokens".into(), 9, tokens),
         ("tokenizer.ggml.merges".into(), 9, merges),
+    ]);
+    kv
+}
+
+/// The float32 tensors of `fixture` under llama.cpp's names, as its converter writes them: the
+/// blocks' parts renamed, each layer's experts (`<layer>.<ffn>.experts.<e>.<projection>.weight`,
+/// Hugging Face's per-expert layout, Mixtral's `w1`/`w3`/`w2` too) stacked into
+/// `ffn_{gate,up,down}_exps` `[experts, out, in]`, and with `permute: Some((heads, kv_heads))` the
+/// query and key rows permuted as for a llama.
+fn llama_cpp_tensors(fixture: &str, permute: Option<(i32, i32)>) -> Vec<(String, rmlx::Array)> {
+    const FIXED: [(&str, &str); 3] =
+        [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
+    const PARTS: [(&str, &str); 13] = [
+        ("input_layernorm", "attn_norm"),
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"),
+        ("self_attn.q_norm", "attn_q_norm"),
+        ("self_attn.k_norm", "attn_k_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+        ("mlp.gate_proj", "ffn_gate"),
+        ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"),
+        ("mlp.gate.", "ffn_gate_inp."),
+        ("block_sparse_moe.gate.", "ffn_gate_inp."),
     ];
-    meta(&mut kv);
-    let st = rmlx::io::load_safetensors(super::common::fixture_dir("llama_gqa").join("model.safetensors")).unwrap();
-    let rename = |n: &str| -> String {
-        let fixed = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
-        if let Some((a, b)) = fixed.iter().find(|(a, _)| n.starts_with(a)) {
-            return n.replacen(a, b, 1);
+    let st = rmlx::io::load_safetensors(super::common::fixture_dir(fixture).join("model.safetensors")).unwrap();
+    let mut tensors: Vec<(String, rmlx::Array)> = Vec::new();
+    let mut experts: std::collections::BTreeMap<(String, &str), Vec<(usize, rmlx::Array)>> = Default::default();
+    for (name, arr) in &st.arrays {
+        if let Some((a, b)) = FIXED.iter().find(|(a, _)| name.starts_with(a)) {
+            tensors.push((name.replacen(a, b, 1), arr.clone()));
+        } else if let Some((head, rest)) = name.split_once(".experts.") {
+            let (e, projection) = rest.split_once('.').unwrap();
+            let kind = match projection {
+                "gate_proj.weight" | "w1.weight" => "gate",
+                "up_proj.weight" | "w3.weight" => "up",
+                _ => "down",
+            };
+            let layer = head.trim_start_matches("model.layers.").split('.').next().unwrap().to_string();
+            experts.entry((layer, kind)).or_default().push((e.parse().unwrap(), arr.clone()));
+        } else {
+            let arr = match (permute, name) {
+                (Some((heads, _)), n) if n.ends_with("q_proj.weight") => permute_rows(arr, heads),
+                (Some((_, kv_heads)), n) if n.ends_with("k_proj.weight") => permute_rows(arr, kv_heads),
+                _ => arr.clone(),
+            };
+            let n = name.replacen("model.layers.", "blk.", 1);
+            tensors.push((PARTS.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1)), arr));
         }
-        let parts = [
-            ("input_layernorm", "attn_norm"),
-            ("self_attn.q_proj", "attn_q"),
-            ("self_attn.k_proj", "attn_k"),
-            ("self_attn.v_proj", "attn_v"),
-            ("self_attn.o_proj", "attn_output"),
-            ("post_attention_layernorm", "ffn_norm"),
-            ("mlp.gate_proj", "ffn_gate"),
-            ("mlp.up_proj", "ffn_up"),
-            ("mlp.down_proj", "ffn_down"),
-        ];
-        let n = n.replacen("model.layers.", "blk.", 1);
-        parts.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1))
-    };
-    let tensors: Vec<(String, rmlx::Array)> = st.arrays.iter().map(|(n, a)| (rename(n), a.clone())).collect();
-    write_gguf(path, &kv, &tensors);
+    }
+    for ((layer, kind), mut per) in experts {
+        per.sort_by_key(|(e, _)| *e);
+        let refs: Vec<&rmlx::Array> = per.iter().map(|(_, a)| a).collect();
+        tensors.push((format!("blk.{layer}.ffn_{kind}_exps.weight"), rmlx::ops::stack(&refs, 0).unwrap()));
+    }
+    tensors
 }
 
 /// A GGUF string: its length (u64) then its bytes.
@@ -124,132 +183,45 @@ fn permute_rows(w: &rmlx::Array, heads: i32) -> rmlx::Array {
 /// `ffn_{gate,up,down}_exps` (`w1`, `w3`, `w2`), the router as `ffn_gate_inp`, and the query and
 /// key rows permuted as for any llama.
 pub fn gguf_mixtral(path: &Path) {
-    let (u32v, f32v) = (|v: u32| v.to_le_bytes().to_vec(), |v: f32| v.to_le_bytes().to_vec());
-    let (tokens, merges) = tokenizer(320);
-    let kv: Vec<Meta> = vec![
-        ("general.architecture".to_string(), 8, text("llama")),
-        ("llama.embedding_length".into(), 4, u32v(64)),
-        ("llama.block_count".into(), 4, u32v(2)),
-        ("llama.feed_forward_length".into(), 4, u32v(48)),
-        ("llama.expert_count".into(), 4, u32v(6)),
-        ("llama.expert_used_count".into(), 4, u32v(3)),
-        ("llama.attention.head_count".into(), 4, u32v(4)),
-        ("llama.attention.head_count_kv".into(), 4, u32v(2)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), 6, f32v(1e-5)),
-        ("llama.rope.freq_base".into(), 6, f32v(1e6)),
-        ("tokenizer.ggml.model".into(), 8, text("gpt2")),
-        ("tokenizer.ggml.tokens".into(), 9, tokens),
-        ("tokenizer.ggml.merges".into(), 9, merges),
-    ];
-    let st = rmlx::io::load_safetensors(super::common::fixture_dir("mixtral").join("model.safetensors")).unwrap();
-    let parts = [
-        ("input_layernorm", "attn_norm"),
-        ("self_attn.q_proj", "attn_q"),
-        ("self_attn.k_proj", "attn_k"),
-        ("self_attn.v_proj", "attn_v"),
-        ("self_attn.o_proj", "attn_output"),
-        ("post_attention_layernorm", "ffn_norm"),
-        ("block_sparse_moe.gate.", "ffn_gate_inp."),
-    ];
-    let mut tensors: Vec<(String, rmlx::Array)> = Vec::new();
-    let mut experts: std::collections::BTreeMap<(String, &str), Vec<(usize, rmlx::Array)>> = Default::default();
-    for (name, arr) in &st.arrays {
-        let fixed = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
-        if let Some((a, b)) = fixed.iter().find(|(a, _)| name.starts_with(a)) {
-            tensors.push((name.replacen(a, b, 1), arr.clone()));
-        } else if let Some((head, rest)) = name.split_once(".block_sparse_moe.experts.") {
-            // model.layers.L.block_sparse_moe.experts.E.wN.weight
-            let (e, w) = rest.split_once('.').unwrap();
-            let proj = match w {
-                "w1.weight" => "gate",
-                "w3.weight" => "up",
-                _ => "down",
-            };
-            let layer = head.trim_start_matches("model.layers.").to_string();
-            experts.entry((layer, proj)).or_default().push((e.parse().unwrap(), arr.clone()));
-        } else {
-            let arr = match name {
-                n if n.ends_with("q_proj.weight") => permute_rows(arr, 4),
-                n if n.ends_with("k_proj.weight") => permute_rows(arr, 2),
-                _ => arr.clone(),
-            };
-            let n = name.replacen("model.layers.", "blk.", 1);
-            tensors.push((parts.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1)), arr));
-        }
-    }
-    for ((layer, proj), mut per) in experts {
-        per.sort_by_key(|(e, _)| *e);
-        let refs: Vec<&rmlx::Array> = per.iter().map(|(_, a)| a).collect();
-        tensors.push((format!("blk.{layer}.ffn_{proj}_exps.weight"), rmlx::ops::stack(&refs, 0).unwrap()));
-    }
-    write_gguf(path, &kv, &tensors);
+    let kv = metadata(
+        "llama",
+        320,
+        &[
+            ("embedding_length", U32, u32v(64)),
+            ("block_count", U32, u32v(2)),
+            ("feed_forward_length", U32, u32v(48)),
+            ("expert_count", U32, u32v(6)),
+            ("expert_used_count", U32, u32v(3)),
+            ("attention.head_count", U32, u32v(4)),
+            ("attention.head_count_kv", U32, u32v(2)),
+            ("attention.layer_norm_rms_epsilon", F32, f32v(1e-5)),
+            ("rope.freq_base", F32, f32v(1e6)),
+        ],
+    );
+    write_gguf(path, &kv, &llama_cpp_tensors("mixtral", Some((4, 2))));
 }
 
 /// The `qwen3_moe` fixture as llama.cpp's converter writes a `qwen3moe` GGUF (float32): the
 /// experts of each routed layer stacked into `ffn_{gate,up,down}_exps` `[experts, out, in]`, the
 /// router as `ffn_gate_inp`, the dense layer 1 as `ffn_{gate,up,down}`, 320 tokens.
 pub fn gguf_qwen3_moe(path: &Path) {
-    let (u32v, f32v) = (|v: u32| v.to_le_bytes().to_vec(), |v: f32| v.to_le_bytes().to_vec());
-    let (tokens, merges) = tokenizer(320);
-    let a = "qwen3moe";
-    let kv: Vec<Meta> = vec![
-        ("general.architecture".to_string(), 8, text(a)),
-        (format!("{a}.embedding_length"), 4, u32v(64)),
-        (format!("{a}.block_count"), 4, u32v(3)),
-        (format!("{a}.feed_forward_length"), 4, u32v(96)),
-        (format!("{a}.expert_feed_forward_length"), 4, u32v(32)),
-        (format!("{a}.expert_count"), 4, u32v(8)),
-        (format!("{a}.expert_used_count"), 4, u32v(4)),
-        (format!("{a}.attention.head_count"), 4, u32v(4)),
-        (format!("{a}.attention.head_count_kv"), 4, u32v(2)),
-        (format!("{a}.attention.key_length"), 4, u32v(16)),
-        (format!("{a}.attention.value_length"), 4, u32v(16)),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), 6, f32v(1e-6)),
-        (format!("{a}.rope.freq_base"), 6, f32v(1e6)),
-        ("tokenizer.ggml.model".into(), 8, text("gpt2")),
-        ("tokenizer.ggml.tokens".into(), 9, tokens),
-        ("tokenizer.ggml.merges".into(), 9, merges),
-    ];
-    let st = rmlx::io::load_safetensors(super::common::fixture_dir("qwen3_moe").join("model.safetensors")).unwrap();
-    let rename = |n: &str| -> String {
-        let fixed = [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
-        if let Some((a, b)) = fixed.iter().find(|(a, _)| n.starts_with(a)) {
-            return n.replacen(a, b, 1);
-        }
-        let parts = [
-            ("input_layernorm", "attn_norm"),
-            ("self_attn.q_proj", "attn_q"),
-            ("self_attn.k_proj", "attn_k"),
-            ("self_attn.v_proj", "attn_v"),
-            ("self_attn.o_proj", "attn_output"),
-            ("self_attn.q_norm", "attn_q_norm"),
-            ("self_attn.k_norm", "attn_k_norm"),
-            ("post_attention_layernorm", "ffn_norm"),
-            ("mlp.gate_proj", "ffn_gate"),
-            ("mlp.up_proj", "ffn_up"),
-            ("mlp.down_proj", "ffn_down"),
-            ("mlp.gate.", "ffn_gate_inp."),
-        ];
-        let n = n.replacen("model.layers.", "blk.", 1);
-        parts.iter().fold(n, |n, (a, b)| n.replacen(a, b, 1))
-    };
-    let mut tensors: Vec<(String, rmlx::Array)> = Vec::new();
-    let mut experts: std::collections::BTreeMap<(String, String), Vec<(usize, rmlx::Array)>> = Default::default();
-    for (name, arr) in &st.arrays {
-        // model.layers.L.mlp.experts.E.PROJ.weight
-        if let Some((head, rest)) = name.split_once(".mlp.experts.") {
-            let (e, proj) = rest.split_once('.').unwrap();
-            let proj = proj.trim_end_matches(".weight").trim_end_matches("_proj").to_string();
-            let layer = head.trim_start_matches("model.layers.").to_string();
-            experts.entry((layer, proj)).or_default().push((e.parse().unwrap(), arr.clone()));
-        } else {
-            tensors.push((rename(name), arr.clone()));
-        }
-    }
-    for ((layer, proj), mut per) in experts {
-        per.sort_by_key(|(e, _)| *e);
-        let refs: Vec<&rmlx::Array> = per.iter().map(|(_, a)| a).collect();
-        tensors.push((format!("blk.{layer}.ffn_{proj}_exps.weight"), rmlx::ops::stack(&refs, 0).unwrap()));
-    }
-    write_gguf(path, &kv, &tensors);
+    let kv = metadata(
+        "qwen3moe",
+        320,
+        &[
+            ("embedding_length", U32, u32v(64)),
+            ("block_count", U32, u32v(3)),
+            ("feed_forward_length", U32, u32v(96)),
+            ("expert_feed_forward_length", U32, u32v(32)),
+            ("expert_count", U32, u32v(8)),
+            ("expert_used_count", U32, u32v(4)),
+            ("attention.head_count", U32, u32v(4)),
+            ("attention.head_count_kv", U32, u32v(2)),
+            ("attention.key_length", U32, u32v(16)),
+            ("attention.value_length", U32, u32v(16)),
+            ("attention.layer_norm_rms_epsilon", F32, f32v(1e-6)),
+            ("rope.freq_base", F32, f32v(1e6)),
+        ],
+    );
+    write_gguf(path, &kv, &llama_cpp_tensors("qwen3_moe", None));
 }
