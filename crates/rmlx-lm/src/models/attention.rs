@@ -109,13 +109,13 @@ impl Attention {
             Some(s) => s.forward_normed(&group, x, norm)?,
             None => None,
         };
-        if let (Some(y), None, None) = (&stacked, self.logit_softcap, &self.sinks) {
-            if let Some(attention) = self.decode_attention(y, batch, &offset, cache)? {
+        let sinks = self.sinks.as_ref().map(|s| &s.0);
+        if let (Some(y), None) = (&stacked, self.logit_softcap) {
+            if let Some(attention) = self.decode_attention(y, batch, &offset, cache, sinks)? {
                 return merge_heads(&attention);
             }
         }
         let [q, k, v] = self.heads(stacked, x, norm, batch, &offset)?;
-        let sinks = self.sinks.as_ref().map(|s| &s.0);
         merge_heads(&cached_attention(&q, &k, &v, cache, self.scale, self.logit_softcap, sinks)?)
     }
 
@@ -202,9 +202,16 @@ impl Attention {
         Ok(cuda_fast::qkv_heads(y, batch, dims, norms, &rotation)?)
     }
 
-    /// A decoding step's heads, cache write and attention (`[B, Hq, 1, D]`) from the stacked
-    /// product `y` as one CUDA kernel, where it serves.
-    fn decode_attention(&self, y: &Array, batch: i32, offset: &Offset, cache: &mut KvCache) -> Result<Option<Array>> {
+    /// A decoding step's heads, cache write and attention (`[B, Hq, 1, D]`, `sinks` joining each
+    /// head's softmax) from the stacked product `y` as one CUDA kernel, where it serves.
+    fn decode_attention(
+        &self,
+        y: &Array,
+        batch: i32,
+        offset: &Offset,
+        cache: &mut KvCache,
+        sinks: Option<&Array>,
+    ) -> Result<Option<Array>> {
         let Ok(norms) = self.head_norms() else { return Ok(None) };
         let Some(rotation) = self.rope.rotation(self.head_dim, offset) else { return Ok(None) };
         if y.shape().first() != Some(&batch) {
@@ -212,7 +219,7 @@ impl Attention {
         }
         let heads = (self.heads, self.kv_heads, self.head_dim);
         let step = StepHeads::Stacked { y, heads, norms, rotation: &rotation };
-        cuda_attention::kv_cache_attention(&step, cache, self.scale)
+        cuda_attention::kv_cache_attention(&step, cache, self.scale, sinks)
     }
 }
 

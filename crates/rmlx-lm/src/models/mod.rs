@@ -132,6 +132,8 @@ pub struct Rope {
     /// LongRoPE's attention factor multiplying the `dims` rotated features of each head before
     /// they turn: `[1]` when they are the whole head, else `[head_dim]` (the factor, then ones).
     features: Option<Array>,
+    /// That attention factor as one number (1: none).
+    factor: f32,
 }
 
 impl Rope {
@@ -139,7 +141,7 @@ impl Rope {
     /// [`Rope::global`] builds it for part of a head too).
     pub fn new(dims: i32, theta: f32, scaling: Option<&RopeScaling>) -> Result<Self> {
         let divisors = crate::nn::cpu_fast::base_divisors(theta, dims)?;
-        let mut rope = Rope { dims, base: theta, divisors, explicit: false, scale: 1.0, features: None };
+        let mut rope = Rope { dims, base: theta, divisors, explicit: false, scale: 1.0, features: None, factor: 1.0 };
         match scaling {
             Some(RopeScaling::Linear { factor }) => rope.scale = 1.0 / factor,
             Some(
@@ -159,6 +161,7 @@ impl Rope {
                 rope.explicit = true;
                 if *attention_factor != 1.0 {
                     rope.features = Some(Array::from_slice(&[*attention_factor], &[1])?);
+                    rope.factor = *attention_factor;
                 }
             }
             Some(s @ RopeScaling::Llama3 { .. }) => {
@@ -190,7 +193,7 @@ impl Rope {
             })
             .collect();
         let divisors = Array::from_slice(&divisors, &[d / 2])?;
-        Ok(Rope { dims: d, base: cfg.rope_theta, divisors, explicit: true, scale: 1.0, features: None })
+        Ok(Rope { dims: d, base: cfg.rope_theta, divisors, explicit: true, scale: 1.0, features: None, factor: 1.0 })
     }
 
     /// Rotates `x: [B, H, L, D]` at positions `offset..offset + L` (per row of `B` for
@@ -224,11 +227,15 @@ impl Rope {
 }
 
 impl Rope {
-    /// This embedding at `positions` as the CUDA heads kernel takes it, when it rotates whole heads
-    /// of `head_dim` (the kernel rotates nothing less).
+    /// This embedding at `positions` as the CUDA kernels take it, when it rotates whole heads of
+    /// `head_dim` (the kernels rotate nothing less), with its attention factor.
     pub(crate) fn rotation<'a>(&'a self, head_dim: i32, offset: &'a Offset) -> Option<Rotation<'a>> {
-        let (divisors, scale) = self.whole_head(head_dim)?;
-        Some(Rotation { divisors, scale, offset })
+        (self.dims == head_dim).then_some(Rotation {
+            divisors: &self.divisors,
+            scale: self.scale,
+            offset,
+            factor: self.factor,
+        })
     }
 
     /// The divisors and position multiplier, when the rotation covers all `head_dim` features.
@@ -307,6 +314,11 @@ pub(crate) fn cached_attention(
         return softcapped_attention(q, &keys, &values, scale, cap, &mask);
     }
     if let Some(sinks) = sinks {
+        // On MLX's CUDA backend, one position: the cache write and the attention in one node.
+        let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
+        if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale, Some(sinks))? {
+            return Ok(attention);
+        }
         let (keys, values, mask) = cache.update(k, v)?;
         let sinks = sinks.astype(q.dtype())?;
         return Ok(fast::scaled_dot_product_attention_with_sinks(
@@ -327,7 +339,7 @@ pub(crate) fn cached_attention(
     }
     // On MLX's CUDA backend, one position: the cache write and the attention in one node.
     let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
-    if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale)? {
+    if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale, None)? {
         return Ok(attention);
     }
     let (keys, values, mask) = cache.update(k, v)?;

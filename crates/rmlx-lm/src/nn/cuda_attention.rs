@@ -8,9 +8,10 @@
 //! small model is bound by the host work MLX does per node, and every kernel of a step costs the
 //! GPU a launch's gap. Here flash-decoding in one kernel: one block per (query head, sequence,
 //! chunk of 32 or more positions) scores its chunk, keeps the chunk's maximum, sum of exponentials
-//! and weighted values (float32), and the last block of a head to finish merges the chunks. The
-//! block holding the new position makes the new key and value itself and one block per KV head
-//! writes them into the cache, so nothing waits for the write.
+//! and weighted values (float32), and the last block of a head to finish merges the chunks (with a
+//! sink logit per head joining the softmax there, gpt-oss's). The block holding the new position
+//! makes the new key and value itself and one block per KV head writes them into the cache, so
+//! nothing waits for the write.
 
 use super::cuda_fast::{
     cuda_type, kernel_cache, launch_once, on_cuda, HeadNorms, Launches, Rotation, CUDA_TYPES, HEAD_MATH,
@@ -57,9 +58,11 @@ __device__ __forceinline__ void rmlx_staged() {
 /// the valid ones. The query head, and in the block holding the new position the new key and
 /// value heads, come from the step's heads (`a0, a1, a2` = q, k, v) or, with `STACKED`, from the
 /// stacked q/k/v product (`a0` = y), normalised and rotated here as `cuda_fast::qkv_heads` does
-/// (same operations, same roundings). The first query head of each KV head writes the new
-/// position into the cache. The last block of a head to finish (`done` counts them, and wraps
-/// to zero) merges the chunks.
+/// (same operations, same roundings; with `SCALED`, queries and keys multiplied by `QK_FACTOR` in
+/// `T` before they turn, as YaRN's attention factor multiplies them). The first query head of each
+/// KV head writes the new position into the cache. The last block of a head to finish (`done`
+/// counts them, and wraps to zero) merges the chunks, with `SINKS` the head's sink logit
+/// `sinks[hq]` joining the softmax as a score with no value.
 ///
 /// Everything that does not depend on the kernel before is done before waiting for it (see
 /// `rmlx::cuda::OVERLAP`): the chunk's keys and values are copied into shared memory (no kernel
@@ -189,6 +192,13 @@ const SOURCE: &str = r#"
             q1 = rmlx_normed<T>(q1, rq, wq1);
             k0 = rmlx_normed<T>(k0, rk, wk0);
             k1 = rmlx_normed<T>(k1, rk, wk1);
+        }
+        if constexpr (SCALED) {
+            const float f = static_cast<float>(static_cast<T>(QK_FACTOR));
+            q0 = static_cast<float>(static_cast<T>(q0 * f));
+            q1 = static_cast<float>(static_cast<T>(q1 * f));
+            k0 = static_cast<float>(static_cast<T>(k0 * f));
+            k1 = static_cast<float>(static_cast<T>(k1 * f));
         }
         if (active) {
             qh[t] = static_cast<T>(rmlx_rotated_first(q0, q1, cr, sr));
@@ -370,6 +380,10 @@ const SOURCE: &str = r#"
     for (int w = 1; w < WARPS; ++w) {
         top = fmaxf(top, part[w]);
     }
+    const float sink = SINKS ? static_cast<float>(sinks[hq]) : 0.0f;
+    if constexpr (SINKS) {
+        top = fmaxf(top, sink);
+    }
     const float weight = t < chunks ? expf(cm - top) : 0.0f;
     chunk_weight[t] = weight;
     float total = weight * cl;
@@ -386,6 +400,9 @@ const SOURCE: &str = r#"
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
         total += part[w];
+    }
+    if constexpr (SINKS) {
+        total += expf(sink - top);
     }
     // The weighted values: row group r takes chunks r, r + RG, …, BATCH of them loaded before any
     // is used; then the groups in order.
@@ -443,6 +460,11 @@ struct Shape {
     /// The heads come from the stacked q/k/v product (normalised with `norm`, then rotated).
     stacked: bool,
     norm: bool,
+    /// A sink logit per query head joins the softmax.
+    sinks: bool,
+    /// The stacked heads' queries and keys multiplied by this before they turn (float bits; 1.0:
+    /// not multiplied).
+    qk_factor: u32,
     /// The scores' multiplier, the norms' epsilon and the rotation's position multiplier, as bits.
     scale: u32,
     eps: u32,
@@ -504,7 +526,9 @@ impl StepHeads<'_> {
 /// rotating cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the
 /// query attends every slot written (at most `capacity`, which must not exceed the window).
 /// `done` (`[B·Hq]` uint32, zero) is the buffers' companion: the kernel counts finished chunks in
-/// it and leaves it zero. Returns `[attention ([B, Hq, 1, D]), keys', values', done']`.
+/// it and leaves it zero. With `sinks` (`[Hq]`), each head's sink logit joins its softmax (as
+/// `fast::scaled_dot_product_attention_with_sinks` takes them). Returns `[attention ([B, Hq, 1,
+/// D]), keys', values', done']`.
 ///
 /// The buffers are the caller's alone ([`InPlace::Owned`]): `keys'`, `values'` and `done'` are
 /// the same buffers, updated in place even while work queued earlier still reads them, and any
@@ -517,6 +541,7 @@ pub fn cache_attention(
     position: &Offset,
     ring: Option<Ring>,
     scale: f32,
+    sinks: Option<&Array>,
 ) -> Result<Option<[Array; 4]>> {
     let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
     let cs = keys.shape();
@@ -540,6 +565,7 @@ pub fn cache_attention(
         && values.dtype() == dtype
         && done.shape() == [batch * hq]
         && done.dtype() == Dtype::Uint32
+        && sinks.is_none_or(|s| s.shape() == [hq] && !s.is_tracer())
         && match (position, ring) {
             (Offset::Uniform(p), None) => *p < cs[2] as usize,
             (Offset::Uniform(p), Some(r)) => {
@@ -555,10 +581,10 @@ pub fn cache_attention(
     if !serves {
         return Ok(None);
     }
-    let (stacked, norm, eps, rope_scale) = match heads {
-        StepHeads::Ready { .. } => (false, false, 0.0, 0.0),
+    let (stacked, norm, eps, rope_scale, qk_factor) = match heads {
+        StepHeads::Ready { .. } => (false, false, 0.0, 0.0, 1.0),
         StepHeads::Stacked { norms, rotation, .. } => {
-            (true, norms.is_some(), norms.as_ref().map_or(0.0, |n| n.eps), rotation.scale)
+            (true, norms.is_some(), norms.as_ref().map_or(0.0, |n| n.eps), rotation.scale, rotation.factor)
         }
     };
     let s = Shape {
@@ -573,6 +599,8 @@ pub fn cache_attention(
         per_row: matches!(position, Offset::PerRow(_)),
         stacked,
         norm,
+        sinks: sinks.is_some(),
+        qk_factor: qk_factor.to_bits(),
         scale: scale.to_bits(),
         eps: f32::to_bits(eps),
         rope_scale: f32::to_bits(rope_scale),
@@ -597,7 +625,12 @@ pub fn cache_attention(
         Offset::Uniform(p) => (a0.clone(), *p as i32),
         Offset::PerRow(a) => (a.clone(), 0),
     };
-    let inputs = [a0, a1, a2, a3, keys.clone(), values.clone(), done.clone(), rows];
+    let sinks = match sinks {
+        Some(s) if s.dtype() == dtype => s.clone(),
+        Some(s) => s.astype(dtype)?,
+        None => a0.clone(),
+    };
+    let inputs = [a0, a1, a2, a3, keys.clone(), values.clone(), done.clone(), rows, sinks];
     let out = launch_for(s)?.call_with(&inputs, &[KernelArg::I32(at)])?;
     let [keys, values, done, attention, _partial, _stats]: [Array; 6] = out.try_into().expect("six outputs");
     Ok(Some([attention, keys, values, done]))
@@ -610,6 +643,7 @@ pub fn standard_cache_attention(
     heads: &StepHeads,
     cache: &mut StandardCache,
     scale: f32,
+    sinks: Option<&Array>,
 ) -> crate::Result<Option<Array>> {
     let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
     if !on_cuda() {
@@ -617,7 +651,7 @@ pub fn standard_cache_attention(
     }
     cache.reserve_for([batch, hkv, 1, d], dtype)?;
     let buffers = [&mut cache.keys, &mut cache.values, &mut cache.done];
-    let attention = attend_buffers(heads, buffers, batch * hq, cache.offset, None, scale)?;
+    let attention = attend_buffers(heads, buffers, batch * hq, (cache.offset, None), scale, sinks)?;
     if attention.is_some() {
         cache.offset += 1;
     }
@@ -632,6 +666,7 @@ pub fn rotating_cache_attention(
     heads: &StepHeads,
     cache: &mut RotatingCache,
     scale: f32,
+    sinks: Option<&Array>,
 ) -> crate::Result<Option<Array>> {
     let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
     if !on_cuda() {
@@ -644,30 +679,30 @@ pub fn rotating_cache_attention(
     }
     let ring = Some(cache.ring());
     let buffers = [&mut cache.keys, &mut cache.values, &mut cache.done];
-    let attention = attend_buffers(heads, buffers, batch * hq, cache.offset, ring, scale)?;
+    let attention = attend_buffers(heads, buffers, batch * hq, (cache.offset, ring), scale, sinks)?;
     if attention.is_some() {
         cache.advance();
     }
     Ok(attention)
 }
 
-/// [`cache_attention`] at `position` over a cache's buffers `[keys, values, done]` (the chunk
-/// counts made for `counts` query heads first), lent to the kernel and given back: updated in
-/// place where it served, as they were where it did not.
+/// [`cache_attention`] at `position` (in `ring`, if one) over a cache's buffers `[keys, values,
+/// done]` (the chunk counts made for `counts` query heads first), lent to the kernel and given
+/// back: updated in place where it served, as they were where it did not.
 fn attend_buffers(
     heads: &StepHeads,
     [keys, values, done]: [&mut Option<Array>; 3],
     counts: i32,
-    position: usize,
-    ring: Option<Ring>,
+    (position, ring): (usize, Option<Ring>),
     scale: f32,
+    sinks: Option<&Array>,
 ) -> crate::Result<Option<Array>> {
     if done.as_ref().is_none_or(|a| a.shape() != [counts]) {
         *done = Some(ops::zeros(&[counts], Dtype::Uint32)?);
     }
     let lent = [keys.take(), values.take(), done.take()];
     let [k, v, c] = lent.map(|a| a.expect("allocated by the caller"));
-    match cache_attention(heads, (&k, &v, &c), &Offset::Uniform(position), ring, scale) {
+    match cache_attention(heads, (&k, &v, &c), &Offset::Uniform(position), ring, scale, sinks) {
         Ok(Some([attention, k, v, c])) => {
             (*keys, *values, *done) = (Some(k), Some(v), Some(c));
             Ok(Some(attention))
@@ -681,10 +716,15 @@ fn attend_buffers(
 
 /// [`standard_cache_attention`] or [`rotating_cache_attention`], as `cache` is; `None` for a
 /// batch's cache (or where the kernel does not serve).
-pub fn kv_cache_attention(heads: &StepHeads, cache: &mut KvCache, scale: f32) -> crate::Result<Option<Array>> {
+pub fn kv_cache_attention(
+    heads: &StepHeads,
+    cache: &mut KvCache,
+    scale: f32,
+    sinks: Option<&Array>,
+) -> crate::Result<Option<Array>> {
     match cache {
-        KvCache::Standard(c) => standard_cache_attention(heads, c, scale),
-        KvCache::Rotating(c) => rotating_cache_attention(heads, c, scale),
+        KvCache::Standard(c) => standard_cache_attention(heads, c, scale, sinks),
+        KvCache::Rotating(c) => rotating_cache_attention(heads, c, scale, sinks),
         KvCache::Batch(_) => Ok(None),
     }
 }
@@ -696,11 +736,12 @@ fn source(s: &Shape) -> String {
         "{CUDA_TYPES}{OVERLAP}{HEAD_MATH}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
          constexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool PER_ROW = {};\nconstexpr bool STACKED = {};\nconstexpr bool NORM = {};\n\
+         constexpr bool SINKS = {};\nconstexpr bool SCALED = {};\nconstexpr float QK_FACTOR = {:e}f;\n\
          constexpr int WINDOW = {};\nconstexpr int KEEP = {};\nconstexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n\
          constexpr int STAGE_BYTES = {STAGE_BYTES};\n{STAGING}\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) rmlx_decode_attention(const T* a0, \
          const T* a1, const T* a2, const float* divisors, T* keys, T* values, unsigned* done, const int* pos, \
-         int position, T* out, float* partial, float* stats, int capacity, float scale, float eps, float rope_scale) \
+         const T* sinks, int position, T* out, float* partial, float* stats, int capacity, float scale, float eps, float rope_scale) \
          {{\n{SOURCE}}}\n",
         s.head_dim,
         s.heads,
@@ -708,14 +749,18 @@ fn source(s: &Shape) -> String {
         s.per_row,
         s.stacked,
         s.norm,
+        s.sinks,
+        s.qk_factor != 1f32.to_bits(),
+        f32::from_bits(s.qk_factor),
         s.window,
         s.keep,
         s.chunk(),
     )
 }
 
-/// The launch over `[a0, a1, a2, divisors, keys, values, done, positions]` (see [`SOURCE`]:
-/// positions per row, or any array when one position, the call's value, serves every row) for
+/// The launch over `[a0, a1, a2, divisors, keys, values, done, positions, sinks]` (see [`SOURCE`]:
+/// positions per row, or any array when one position, the call's value, serves every row; any
+/// array for sinks without them) for
 /// `s`, made once per process: outputs `[keys', values', done', attention, chunks' weighted
 /// values, chunks' maxima and sums]`, the first three the buffers of inputs 4 to 6, updated in
 /// place.
@@ -744,6 +789,7 @@ fn make_launch(s: &Shape) -> Result<CudaLaunch> {
             Output(1),
             Output(2),
             Input(7),
+            Input(8),
             Value(0),
             Output(3),
             Output(4),

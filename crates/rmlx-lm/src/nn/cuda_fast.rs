@@ -106,18 +106,20 @@ pub struct HeadNorms<'a> {
 }
 
 /// The rotary embedding of [`qkv_heads`]: the divisor of the position for each pair (`[D/2]`
-/// float32), the position multiplier, and the position (one for all sequences, or one each).
+/// float32), the position multiplier, the position (one for all sequences, or one each), and the
+/// factor queries and keys are multiplied by before they turn (YaRN's attention factor; 1: none).
 pub struct Rotation<'a> {
     pub divisors: &'a Array,
     pub scale: f32,
     pub offset: &'a Offset,
+    pub factor: f32,
 }
 
 /// The stacked q/k/v product `y: [B, (Hq + 2·Hkv)·D]` of one position per sequence → query, key
 /// and value heads `[B, H, 1, D]`, the queries and keys normalised (with `norms`) and rotated over
 /// the whole head. `None` where the kernel does not serve (not MLX's CUDA backend, training or a
-/// transform, more than one position, an odd head size or one above 2048, other dtypes):
-/// the caller composes the step instead.
+/// transform, more than one position, an odd head size or one above 2048, other dtypes, a rotation
+/// with a factor): the caller composes the step instead.
 pub fn qkv_heads(
     y: &Array,
     batch: i32,
@@ -129,6 +131,7 @@ pub fn qkv_heads(
     let serves = on_cuda()
         && !training()
         && !y.is_tracer()
+        && rotation.factor == 1.0
         && matches!(dtype, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
         && head_dim % 2 == 0
         && (2..=2048).contains(&head_dim)

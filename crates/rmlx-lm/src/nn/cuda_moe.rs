@@ -1,5 +1,7 @@
 //! A mixture-of-experts feed-forward of a decoding step as one launch of rmlx's kernels (MLX's
-//! CUDA backend): `h + Σₖ wₖ · downₑₖ(silu(gateₑₖ(n(h))) · upₑₖ(n(h)))` for a few rows `h`.
+//! CUDA backend): `h + Σₖ wₖ · downₑₖ(act(gateₑₖ(n(h)), upₑₖ(n(h))))` for a few rows `h`, `act`
+//! SwiGLU or gpt-oss's clamped SwiGLU, each projection with a bias per expert where the model has
+//! them.
 //!
 //! MLX composes a routed feed-forward from about fifteen operations (softmax, argpartition,
 //! slices, gathers, three gathered quantised products, the activation, the weighting and the sum),
@@ -9,9 +11,10 @@
 //! 1. *route*: one block a row: the softmax over the `E` logits in float32 (rounded to the
 //!    activations' type, as MLX's softmax returns it), the `k` largest (ties to the lower expert),
 //!    renormalised to sum to one where the model says so;
-//! 2. *gate and up*: one row product a (row, chosen expert), the norm folded in, SwiGLU fused
-//!    (`cuda_qmv`'s float form over the expert's matrices, found from the index the route wrote);
-//! 3. *down*: one row product a (row, chosen expert);
+//! 2. *gate and up*: one row product a (row, chosen expert), the norm folded in, the biases and
+//!    the activation fused (`cuda_qmv`'s float form over the expert's matrices, found from the
+//!    index the route wrote);
+//! 3. *down*: one row product a (row, chosen expert), its bias added;
 //! 4. *combine*: each row's `k` outputs weighted, summed and added to `h`, rounded where MLX's
 //!    operations round.
 //!
@@ -19,8 +22,8 @@
 //! within the activations' precision, not bit for bit (`src/tests/cuda_moe.rs`).
 
 use super::cuda_fast::{cuda_type, kernel_cache, launch_once, on_cuda, Launches, CUDA_TYPES};
-use super::cuda_qmv::{row_product, RowProduct, MAX_ROWS};
-use super::training;
+use super::cuda_qmv::{row_product, RowEpilogue, RowProduct, MAX_ROWS};
+use super::{training, ExpertActivation};
 use crate::weights::Weight;
 use crate::Result;
 use rmlx::cuda::{self, CudaLaunch, KernelArg, KernelNode, OVERLAP};
@@ -35,12 +38,16 @@ const MAX_TOP_K: i32 = 64;
 /// Threads of the route and combine kernels' blocks.
 const THREADS: i32 = 256;
 
-/// A block's experts as the kernels read them: stacked `[E, out, in]` SwiGLU matrices (dense of the
-/// activations' type, or affine-quantised with 4 or 8 bits), `top_k` chosen per row.
+/// A block's experts as the kernels read them: stacked `[E, out, in]` matrices of a gated
+/// feed-forward (dense of the activations' type, or affine-quantised with 4 or 8 bits), `top_k`
+/// chosen per row.
 pub struct Experts<'a> {
     pub gate: &'a Weight,
     pub up: &'a Weight,
     pub down: &'a Weight,
+    /// Biases `[E, out]` of gate, up and down (all three or none).
+    pub biases: Option<[&'a Array; 3]>,
+    pub activation: ExpertActivation,
     pub top_k: i32,
     /// The chosen experts' probabilities renormalised to sum to one.
     pub norm_topk_prob: bool,
@@ -60,6 +67,9 @@ struct Shape {
     group_size: i32,
     eps: u32,
     norm_topk_prob: bool,
+    biased: bool,
+    /// The clamped SwiGLU's slope and clamp as float bits; `None`: SwiGLU.
+    clamp: Option<(u32, u32)>,
 }
 
 /// `h + moe(n(h))` for `h: [rows, hidden]` (at most [`MAX_ROWS`] rows) and `n` the RMSNorm of
@@ -90,6 +100,7 @@ pub fn experts_residual(
             }
         }
     }
+    inputs.extend(e.biases.iter().flatten().map(|&b| b.clone()));
     static LAUNCHES: Launches<Shape> = LazyLock::new(Mutex::default);
     let launch = launch_once(&LAUNCHES, "rmlx_moe", &shape, || make_launch(&shape))?;
     Ok(Some(launch.call(&inputs)?.swap_remove(4)))
@@ -115,7 +126,15 @@ fn serves(h: &Array, (norm, eps): (&Array, f32), e: &Experts) -> Option<Shape> {
     let (bits, group_size, width) = expert_layout(e.gate, dtype, experts, hidden)?;
     let same = expert_layout(e.up, dtype, experts, hidden)? == (bits, group_size, width)
         && expert_layout(e.down, dtype, experts, width)? == (bits, group_size, hidden);
-    same.then_some(Shape {
+    let biases_fit = e.biases.is_none_or(|b| {
+        let outputs = [width, width, hidden];
+        b.iter().zip(outputs).all(|(b, out)| b.dtype() == dtype && b.shape() == [experts, out] && !b.is_tracer())
+    });
+    let clamp = match e.activation {
+        ExpertActivation::Silu => None,
+        ExpertActivation::ClampedSwiglu { alpha, limit } => Some((alpha.to_bits(), limit.to_bits())),
+    };
+    (same && biases_fit).then_some(Shape {
         dtype,
         rows,
         hidden,
@@ -126,6 +145,8 @@ fn serves(h: &Array, (norm, eps): (&Array, f32), e: &Experts) -> Option<Shape> {
         group_size,
         eps: eps.to_bits(),
         norm_topk_prob: e.norm_topk_prob,
+        biased: e.biases.is_some(),
+        clamp,
     })
 }
 
@@ -278,13 +299,14 @@ extern "C" __global__ void __launch_bounds__(256) rmlx_moe_route(const T* logits
 }
 "#;
 
-/// An expert's product: `cuda_qmv`'s row product (its body) over the matrices of expert
-/// `chosen[slot]` for slot `blockIdx.y`, reading row `slot / XDIV` of `xs` (the token's row for
-/// gate and up, `XDIV = k`; the slot's own activation for down, 1) and writing row `slot` of `ys`.
+/// An expert's product: `cuda_qmv`'s row product (its body) over the matrices (and bias rows) of
+/// expert `chosen[slot]` for slot `blockIdx.y`, reading row `slot / XDIV` of `xs` (the token's row
+/// for gate and up, `XDIV = k`; the slot's own activation for down, 1) and writing row `slot` of
+/// `ys`.
 const EXPERT: &str = r#"
 extern "C" __global__ void __launch_bounds__(128) rmlx_moe_expert(const T* xs, const unsigned* w_all,
         const T* scales_all, const T* biases_all, const unsigned* w2_all, const T* scales2_all,
-        const T* biases2_all, const T* nw, const int* chosen, T* ys) {
+        const T* biases2_all, const T* nw, const T* bias_all, const T* bias2_all, const int* chosen, T* ys) {
     // The chosen expert is the route kernel's output.
     rmlx_wait_previous();
     const int slot = blockIdx.y;
@@ -300,7 +322,8 @@ extern "C" __global__ void __launch_bounds__(128) rmlx_moe_expert(const T* xs, c
     const T* scales2 = scales2_all + expert * GROUPS_ALL;
     const T* biases2 = biases2_all + expert * GROUPS_ALL;
     const T* res = x;
-    const T* bias = x;
+    const T* bias = BIAS ? bias_all + expert * N : x;
+    const T* bias2 = BIAS ? bias2_all + expert * N : x;
     T* y = ys + static_cast<long long>(slot) * N;
     const int rows = 1;
     {
@@ -333,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(256) rmlx_moe_combine(const T* h, c
 
 /// The launch of instance `s`: route, gate and up, down, combine (see the module docs). Inputs:
 /// `h`, the logits, the norm's weight, then each matrix's packed weight, scales and biases (a
-/// dense one's weight alone) for gate, up and down. Outputs: the chosen experts `[rows·k]`
+/// dense one's weight alone) for gate, up and down, then (biased) the three biases. Outputs: the chosen experts `[rows·k]`
 /// (int32), their weights `[rows·k]` (float32), the activations `[rows·k, width]`, the experts'
 /// outputs `[rows·k, hidden]` and the result `[rows, hidden]`.
 fn make_launch(s: &Shape) -> rmlx::Result<CudaLaunch> {
@@ -351,13 +374,15 @@ fn make_launch(s: &Shape) -> rmlx::Result<CudaLaunch> {
             _ => [Input(base), Input(base + 1), Input(base + 2)],
         }
     };
+    // The biases after the matrices; unbiased, `xs` stands in.
+    let bias = |i: u32, xs: KernelArg| if s.biased { Input(3 + 3 * per_matrix + i) } else { xs };
     let mut gate_up_args = vec![Input(0)];
     gate_up_args.extend(matrix(0));
     gate_up_args.extend(matrix(1));
-    gate_up_args.extend([Input(2), Output(0), Output(2)]);
+    gate_up_args.extend([Input(2), bias(0, Input(0)), bias(1, Input(0)), Output(0), Output(2)]);
     let mut down_args = vec![Output(2)];
     down_args.extend(matrix(2));
-    down_args.extend([Output(2), Output(2), Output(2), Output(2), Output(0), Output(3)]);
+    down_args.extend([Output(2), Output(2), Output(2), Output(2), bias(2, Output(2)), Output(2), Output(0), Output(3)]);
     let [gate_up_blocks, down_blocks] = expert_blocks(s);
     let node = |function, grid: [u32; 3], threads: i32, args| KernelNode {
         function,
@@ -388,12 +413,19 @@ fn make_launch(s: &Shape) -> rmlx::Result<CudaLaunch> {
     CudaLaunch::new("rmlx_moe", &nodes, &outputs)
 }
 
-/// The row products of gate and up (the norm folded in, SwiGLU) and of down.
+/// The row products of gate and up (the norm folded in, the activation) and of down.
 fn expert_products(s: &Shape) -> [RowProduct; 2] {
     let layout = (s.bits, s.group_size);
+    let activation = match s.clamp {
+        None => RowEpilogue::SwiGlu,
+        Some((alpha, limit)) => {
+            RowEpilogue::ClampedSwiGlu { alpha: f32::from_bits(alpha), limit: f32::from_bits(limit) }
+        }
+    };
+    let eps = Some(f32::from_bits(s.eps));
     [
-        row_product(s.dtype, (s.hidden, s.width), layout, Some(f32::from_bits(s.eps)), 2),
-        row_product(s.dtype, (s.width, s.hidden), layout, None, 0),
+        row_product(s.dtype, (s.hidden, s.width), layout, eps, activation, s.biased),
+        row_product(s.dtype, (s.width, s.hidden), layout, None, RowEpilogue::Product, s.biased),
     ]
 }
 

@@ -45,8 +45,9 @@ const WARPS: i32 = 4;
 /// one instance serves several batch sizes; the real count is the `rows` parameter), `BITS` 4 or 8 (affine-quantised `w`) or 0 (`w` dense, of type `T`), `GS` the
 /// group size, `R` output rows a warp, `KW` warps that split one row's inputs between them (their
 /// sums meet in shared memory); what is fused: `NORM` (`x` RMS-normalised with the weight `nw`
-/// and the epsilon whose float bits are `EPS`), `BIAS` (`bias` added), `EPI` 0 (the product), 1
-/// (`res` added), 2 (`silu(x w) · (x w2)`) or 3 (the same with the tanh GELU).
+/// and the epsilon whose float bits are `EPS`), `BIAS` (`bias` added; gated, `bias2` to the second
+/// product), `EPI` 0 (the product), 1 (`res` added), 2 (`silu(x w) · (x w2)`), 3 (the same with the
+/// tanh GELU) or 4 (gpt-oss's clamped SwiGLU of slope `ALPHA` and clamp `LIMIT`).
 ///
 /// The norm is folded into the sums: `Σ w·(x·r·nw) = r · Σ w·(x·nw)`, with `r` the inverse root
 /// mean square of the row, whose sum of squares the lanes gather from the `x` they read anyway.
@@ -234,7 +235,7 @@ const SOURCE: &str = r#"
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 if (row0 + r < N) {
-                    rmlx_finish<T, EPI, BIAS>(acc[m][r], acc[m][GATED ? R + r : r], inv_rms, bias, res, y, m, row0 + r, N);
+                    rmlx_finish<T, EPI, BIAS>(acc[m][r], acc[m][GATED ? R + r : r], inv_rms, bias, bias2, res, y, m, row0 + r, N);
                 }
             }
         }
@@ -243,11 +244,13 @@ const SOURCE: &str = r#"
 
 /// Output `row` of `x`'s row `m` from its sum `a` (and, gated, the second matrix's `b`), times
 /// the norm's `inv_rms`: each step rounded to `T`, as the operations it replaces round their
-/// outputs; then the bias, the residual or the gated activation (`EPI`, see [`SOURCE`]).
+/// outputs; then the biases, the residual or the gated activation (`EPI`, see [`SOURCE`]). The
+/// clamped SwiGLU rounds each of its operations (minimum, clip, the products, the sigmoid, the
+/// `+ 1`) to `T`, with `ALPHA` and `LIMIT` in `T` as the composed operations' scalars are.
 const FINISH: &str = r#"
 template <typename T, int EPI, bool BIAS>
-__device__ __forceinline__ void rmlx_finish(float a, float b, float inv_rms, const T* bias, const T* res, T* y,
-                                            int m, int row, int N) {
+__device__ __forceinline__ void rmlx_finish(float a, float b, float inv_rms, const T* bias, const T* bias2,
+                                            const T* res, T* y, int m, int row, int N) {
     float v = static_cast<float>(static_cast<T>(a * inv_rms));
     if constexpr (BIAS) {
         v = static_cast<float>(static_cast<T>(v + static_cast<float>(bias[row])));
@@ -255,11 +258,22 @@ __device__ __forceinline__ void rmlx_finish(float a, float b, float inv_rms, con
     if constexpr (EPI == 1) {
         v += static_cast<float>(res[static_cast<long long>(m) * N + row]);
     } else if constexpr (EPI >= 2) {
-        const float u = static_cast<float>(static_cast<T>(b * inv_rms));
+        float u = static_cast<float>(static_cast<T>(b * inv_rms));
+        if constexpr (BIAS) {
+            u = static_cast<float>(static_cast<T>(u + static_cast<float>(bias2[row])));
+        }
         if constexpr (EPI == 2) {
             v = v / (1.0f + expf(-v)) * u;
-        } else {
+        } else if constexpr (EPI == 3) {
             v = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v))) * u;
+        } else {
+            const float alpha = static_cast<float>(static_cast<T>(ALPHA));
+            const float limit = static_cast<float>(static_cast<T>(LIMIT));
+            const float g = fminf(v, limit);
+            u = fminf(fmaxf(u, -limit), limit);
+            const float s = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-static_cast<float>(static_cast<T>(g * alpha))))));
+            const float glu = static_cast<float>(static_cast<T>(g * s));
+            v = glu * static_cast<float>(static_cast<T>(u + 1.0f));
         }
     }
     y[static_cast<long long>(m) * N + row] = static_cast<T>(v);
@@ -334,10 +348,10 @@ fn source(s: &Shape) -> String {
     };
     let constants = constants(s);
     format!(
-        "{CUDA_TYPES}{OVERLAP}{HEADER}{FINISH}{ix_header}typedef {t} T;\n{constants}\
+        "{CUDA_TYPES}{constants}{OVERLAP}{HEADER}{FINISH}{ix_header}typedef {t} T;\n\
          extern \"C\" __global__ void __launch_bounds__({bounds}) rmlx_fused_matvec(const T* x, const unsigned* w, \
          const T* scales, const T* biases, const unsigned* w2, const T* scales2, const T* biases2, const T* nw, \
-         const T* res, const T* bias, T* y, int rows) {{\n{body}}}\n"
+         const T* res, const T* bias, T* y, int rows) {{\nconst T* bias2 = bias;\n{body}}}\n"
     )
 }
 
@@ -358,7 +372,10 @@ fn constants(s: &Shape) -> String {
         ("EPI", s.epilogue),
         ("DEPTH", if s.form == Form::SplitInteger { ix::split_depth(s.bits, s.input, r) } else { 1 }),
     ];
-    constants.iter().map(|(n, v)| format!("constexpr int {n} = {v};\n")).collect()
+    let (alpha, limit) = s.clamp.map_or((0.0, 0.0), |(a, l)| (f32::from_bits(a), f32::from_bits(l)));
+    // Rust writes the shortest decimal that reads back as the same f32; CUDA reads it so too.
+    let floats = format!("constexpr float ALPHA = {alpha:e}f;\nconstexpr float LIMIT = {limit:e}f;\n");
+    constants.iter().map(|(n, v)| format!("constexpr int {n} = {v};\n")).chain([floats]).collect()
 }
 
 /// One row's product in the float form, for kernels of other modules that run one such product
@@ -373,16 +390,33 @@ pub(super) struct RowProduct {
     pub blocks: i32,
 }
 
+/// What a [`RowProduct`] makes of its sums.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub(super) enum RowEpilogue {
+    /// The product `x Wᵀ`.
+    Product,
+    /// `silu(x Wᵀ) · (x W2ᵀ)`.
+    SwiGlu,
+    /// gpt-oss's `g · σ(alpha · g) · (u + 1)`, `g = min(x Wᵀ, limit)`, `u = clip(x W2ᵀ, ±limit)`.
+    ClampedSwiGlu { alpha: f32, limit: f32 },
+}
+
 /// [`RowProduct`] of `W: [output, input]` (dense of `dtype`, or `bits`-bit affine in groups of
-/// `group_size`), with the norm of `norm_eps` folded in where set, and the epilogue `epilogue`
-/// (0 the product, 2 SwiGLU over two matrices).
+/// `group_size`), with the norm of `norm_eps` folded in where set, a bias per output (`bias`, and
+/// `bias2` for a gated epilogue's second matrix) where `biased`, and `epilogue`.
 pub(super) fn row_product(
     dtype: Dtype,
     (input, output): (i32, i32),
     (bits, group_size): (i32, i32),
     norm_eps: Option<f32>,
-    epilogue: i32,
+    epilogue: RowEpilogue,
+    biased: bool,
 ) -> RowProduct {
+    let (epilogue, clamp) = match epilogue {
+        RowEpilogue::Product => (0, None),
+        RowEpilogue::SwiGlu => (2, None),
+        RowEpilogue::ClampedSwiGlu { alpha, limit } => (4, Some((alpha.to_bits(), limit.to_bits()))),
+    };
     let s = Shape {
         dtype,
         rows: 1,
@@ -391,13 +425,14 @@ pub(super) fn row_product(
         bits,
         group_size,
         norm: norm_eps.map(f32::to_bits),
-        bias: false,
+        bias: biased,
         epilogue,
+        clamp,
         form: Form::Float,
     };
     let t = cuda_type(dtype);
     RowProduct {
-        prelude: format!("{CUDA_TYPES}{OVERLAP}{HEADER}{FINISH}typedef {t} T;\n{}", constants(&s)),
+        prelude: format!("{CUDA_TYPES}{}{OVERLAP}{HEADER}{FINISH}typedef {t} T;\n", constants(&s)),
         body: SOURCE,
         blocks: s.row_blocks(),
     }
@@ -505,8 +540,10 @@ struct Shape {
     /// The norm's epsilon as float bits, when one is fused.
     norm: Option<u32>,
     bias: bool,
-    /// 0 the product, 1 a residual added, 2 SwiGLU, 3 GeGLU.
+    /// 0 the product, 1 a residual added, 2 SwiGLU, 3 GeGLU, 4 clamped SwiGLU.
     epilogue: i32,
+    /// The clamped SwiGLU's slope and clamp as float bits.
+    clamp: Option<(u32, u32)>,
     /// Which kernel computes it.
     form: Form,
 }
@@ -796,6 +833,7 @@ fn shape_for(dtype: Dtype, xs: &[i32], f: &Fused) -> Option<Shape> {
         norm: f.norm.map(|(_, eps)| eps.to_bits()),
         bias: f.bias.is_some(),
         epilogue,
+        clamp: None,
         form: Form::Integer,
     };
     // Tiles counted with the integer form's layout, which it keeps where it serves.

@@ -306,7 +306,7 @@ pub(super) const SOURCE: &str = r#"
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     if (row0 + r < N) {
-                        rmlx_finish<T, EPI, BIAS>(acc[m][r], acc[m][GATED ? R + r : r], inv_rms, bias, res, y, m, row0 + r, N);
+                        rmlx_finish<T, EPI, BIAS>(acc[m][r], acc[m][GATED ? R + r : r], inv_rms, bias, bias2, res, y, m, row0 + r, N);
                     }
                 }
             }
@@ -573,7 +573,7 @@ pub(super) const SPLIT_SOURCE: &str = r#"
             const int m = threadIdx.x / R;
             const int row = tile * R + threadIdx.x % R;
             if (m < rows && row < N) {
-                rmlx_finish<T, EPI, BIAS>(v, v, inv_rms[m], bias, res, y, m, row, N);
+                rmlx_finish<T, EPI, BIAS>(v, v, inv_rms[m], bias, bias2, res, y, m, row, N);
             }
         }
         buffer ^= 1;

@@ -294,13 +294,19 @@ impl SparseMoe {
     /// one launch of rmlx's kernels on a decoding step where they serve (`cuda_moe`: MLX's CUDA
     /// backend, a few rows, no expert adapters), else composed.
     pub fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> Result<Array> {
-        let plain = |l: &SwitchLinear| l.lora.is_none() && l.bias.is_none();
         let layers = [&self.gate_proj, &self.up_proj, &self.down_proj];
-        if self.activation == ExpertActivation::Silu && layers.into_iter().all(plain) {
+        let biases = match layers.map(|l| l.bias.as_ref()) {
+            [Some(g), Some(u), Some(d)] => Some(Some([g, u, d])),
+            [None, None, None] => Some(None),
+            _ => None,
+        };
+        if let (Some(biases), true) = (biases, layers.iter().all(|l| l.lora.is_none())) {
             let experts = cuda_moe::Experts {
                 gate: &self.gate_proj.weight,
                 up: &self.up_proj.weight,
                 down: &self.down_proj.weight,
+                biases,
+                activation: self.activation,
                 top_k: self.top_k,
                 norm_topk_prob: self.norm_topk_prob,
             };

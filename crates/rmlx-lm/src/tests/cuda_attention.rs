@@ -65,7 +65,7 @@ fn cache_attention_matches_the_composed_step() {
             }
             let done = ops::zeros(&[b * hq], Dtype::Uint32).unwrap();
             let heads = StepHeads::Ready { q: &q, k: &k, v: &v };
-            let got = cache_attention(&heads, (&keys, &values, &done), &pos, None, scale).unwrap();
+            let got = cache_attention(&heads, (&keys, &values, &done), &pos, None, scale, None).unwrap();
             let Some([attention, new_keys, new_values, new_done]) = got else {
                 assert!(!cuda, "{what}: declined on MLX's CUDA backend");
                 continue;
@@ -103,7 +103,9 @@ fn cache_attention_matches_the_composed_step() {
         let (q, k) = (normal(&[1, 2, 1, 32], 1), normal(&[1, 2, 1, 32], 2));
         let (flat, done) = (normal(&[2, 64], 3), ops::zeros(&[2], Dtype::Uint32).unwrap());
         let heads = StepHeads::Ready { q: &q, k: &k, v: &k };
-        assert!(cache_attention(&heads, (&flat, &flat, &done), &Offset::Uniform(0), None, 1.0).unwrap().is_none());
+        assert!(cache_attention(&heads, (&flat, &flat, &done), &Offset::Uniform(0), None, 1.0, None)
+            .unwrap()
+            .is_none());
     });
 }
 
@@ -131,19 +133,19 @@ fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
                         let y =
                             normal(&[batch, (hq + 2 * hkv) * d], seed + 10 + position as u64).astype(dtype).unwrap();
                         let offset = Offset::Uniform(position);
-                        let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &offset };
+                        let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &offset, factor: 1.0 };
                         let norms = || norm.then_some(HeadNorms { query: &qw, key: &kw, eps: 1e-5 });
                         let scale = 1.0 / (d as f32).sqrt();
                         let stacked =
                             StepHeads::Stacked { y: &y, heads: (hq, hkv, d), norms: norms(), rotation: &rotation };
-                        let got = standard_cache_attention(&stacked, &mut fused, scale).unwrap();
+                        let got = standard_cache_attention(&stacked, &mut fused, scale, None).unwrap();
                         let Some(got) = got else {
                             assert!(!cuda, "declined on MLX's CUDA backend");
                             return;
                         };
                         let [q, k, v] = qkv_heads(&y, batch, (hq, hkv, d), norms(), &rotation).unwrap().unwrap();
                         let ready = StepHeads::Ready { q: &q, k: &k, v: &v };
-                        let want = standard_cache_attention(&ready, &mut split, scale).unwrap().unwrap();
+                        let want = standard_cache_attention(&ready, &mut split, scale, None).unwrap().unwrap();
                         // Check some steps whole; evaluate the rest as a decoding loop would.
                         if position % 37 == 0 || (30..=34).contains(&position) || position >= 296 {
                             let what = format!("{hq}/{hkv}×{d} {dtype:?} norm {norm} at {position}");
@@ -203,7 +205,8 @@ fn ring_cache_attention_matches_the_composed_step() {
                     let (q, k, v) = (rows(1, hq), rows(1, hkv), rows(1, hkv));
                     let what = format!("case {i}, after a prompt of {prompt}, step {step}");
                     let KvCache::Rotating(r) = &mut fused else { unreachable!() };
-                    let got = rotating_cache_attention(&StepHeads::Ready { q: &q, k: &k, v: &v }, r, scale).unwrap();
+                    let got =
+                        rotating_cache_attention(&StepHeads::Ready { q: &q, k: &k, v: &v }, r, scale, None).unwrap();
                     let Some(got) = got else {
                         assert!(!cuda, "{what}: declined on MLX's CUDA backend");
                         return;
@@ -242,4 +245,70 @@ fn ring_cache_attention_matches_the_composed_step() {
         let expected: usize = cases.iter().map(|c| per_prompt(c.0) * c.5.len()).sum();
         assert_eq!(checked, if cuda { expected } else { 0 });
     });
+}
+
+/// gpt-oss's step: a sink logit per query head joining the softmax, and the queries and keys made
+/// from the stacked product multiplied by YaRN's attention factor before they turn, against the
+/// same step composed on the CPU (heads split, multiplied, rotated by MLX's RoPE, the cache
+/// updated, MLX's attention with sinks): over an unbounded cache and a ring of 16 slots, past the
+/// ring's length, in float32 and bfloat16. Sinks spread around the scores' size, so that they
+/// change the result (by more than 0.1 somewhere at every step, 0.21 at least on the CPU).
+#[test]
+fn sinks_and_the_attention_factor_attend_as_the_composed_step() {
+    let cuda = fast::gpu_backend() == Some(GpuBackend::Cuda);
+    let device = if cuda { Device::gpu() } else { Device::cpu() };
+    let (hq, hkv, d, factor) = (8, 2, 64, 1.3465736f32);
+    let divisors: Vec<f32> = (0..d / 2).map(|j| 15e4f32.powf(2.0 * j as f32 / d as f32)).collect();
+    let divisors = Array::from_slice(&divisors, &[d / 2]).unwrap();
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut checked = 0;
+    for (dtype, tolerance) in [(Dtype::Float32, 2e-5), (Dtype::Bfloat16, 3e-2)] {
+        let sinks = (normal(&[hq], 77) * 2.0).unwrap().astype(dtype).unwrap();
+        for window in [None, Some(16)] {
+            let cache =
+                || window.map_or_else(|| KvCache::Standard(StandardCache::default()), |w| KvCache::rotating(w, 0));
+            let (mut fused, mut composed) = (cache(), cache());
+            for position in 0..40usize {
+                let what = format!("{dtype:?}, window {window:?}, position {position}");
+                let y = normal(&[1, (hq + 2 * hkv) * d], 300 + position as u64).astype(dtype).unwrap();
+                let offset = Offset::Uniform(position);
+                let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &offset, factor };
+                let step = StepHeads::Stacked { y: &y, heads: (hq, hkv, d), norms: None, rotation: &rotation };
+                let got = rmlx::with_device(device, || {
+                    crate::nn::cuda_attention::kv_cache_attention(&step, &mut fused, scale, Some(&sinks)).unwrap()
+                });
+                let Some(got) = got else {
+                    assert!(!cuda, "{what}: declined on MLX's CUDA backend");
+                    return;
+                };
+                let (want, plain) = rmlx::with_device(Device::cpu(), || {
+                    let heads = y.reshape(&[1, hq + 2 * hkv, 1, d]).unwrap();
+                    let parts = ops::split_at(&heads, &[hq, hq + hkv], 1).unwrap();
+                    let turned = |x: &Array| {
+                        let x = (x * factor).unwrap();
+                        fast::rope(&x, d, false, fast::RopeFreqs::Explicit(&divisors), 1.0, position as i32).unwrap()
+                    };
+                    let (q, k) = (turned(&parts[0]), turned(&parts[1]));
+                    let (keys, values, mask) = composed.update(&k, &parts[2]).unwrap();
+                    let attend = |s: Option<&Array>| match s {
+                        Some(s) => fast::scaled_dot_product_attention_with_sinks(
+                            &q,
+                            &keys,
+                            &values,
+                            scale,
+                            mask.as_attention(),
+                            s,
+                        ),
+                        None => fast::scaled_dot_product_attention(&q, &keys, &values, scale, mask.as_attention()),
+                    };
+                    (attend(Some(&sinks)).unwrap(), attend(None).unwrap())
+                });
+                let diff = max_abs_diff(&got, &want);
+                assert!(diff <= tolerance, "{what}: attention differs by {diff}");
+                assert!(max_abs_diff(&got, &plain) > 0.1, "{what}: the sinks change little");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, if cuda { 2 * 2 * 40 } else { 0 });
 }

@@ -70,7 +70,7 @@ fn stacked_heads_match_mlx_on_cuda_and_decline_elsewhere() {
                             [p] => Offset::Uniform(p as usize),
                             _ => Offset::PerRow(Array::from_slice(&positions, &[positions.len() as i32]).unwrap()),
                         };
-                        let rotation = Rotation { divisors: &divisors, scale, offset: &offset };
+                        let rotation = Rotation { divisors: &divisors, scale, offset: &offset, factor: 1.0 };
                         let norms = norm.then_some(HeadNorms { query: &qw, key: &kw, eps: 1e-6 });
                         let got = qkv_heads(&y, batch, (heads, kv, d), norms, &rotation).unwrap();
                         let Some(got) = got else {
@@ -105,11 +105,11 @@ fn stacked_heads_match_mlx_on_cuda_and_decline_elsewhere() {
         let y = Array::from_slice(&vec![0.5f32; 2 * 3 * 33], &[2, 3 * 33]).unwrap();
         let div = Array::from_slice(&[1.0f32; 16], &[16]).unwrap();
         let offset = Offset::Uniform(1);
-        let rotation = Rotation { divisors: &div, scale: 1.0, offset: &offset };
+        let rotation = Rotation { divisors: &div, scale: 1.0, offset: &offset, factor: 1.0 };
         assert!(qkv_heads(&y, 2, (1, 1, 33), None, &rotation).unwrap().is_none());
         let y = Array::from_slice(&vec![0.5f32; 4 * 3 * 64], &[4, 3 * 64]).unwrap();
         let div = Array::from_slice(&[1.0f32; 32], &[32]).unwrap();
-        let rotation = Rotation { divisors: &div, scale: 1.0, offset: &offset };
+        let rotation = Rotation { divisors: &div, scale: 1.0, offset: &offset, factor: 1.0 };
         assert!(qkv_heads(&y, 2, (1, 1, 64), None, &rotation).unwrap().is_none(), "two positions per sequence");
     })
 }

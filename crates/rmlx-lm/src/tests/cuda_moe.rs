@@ -2,13 +2,14 @@
 //! against MLX's composed feed-forward (`h + moe(norm(h))`: softmax, argpartition, gathered
 //! products) computed on the CPU (on the GPU, MLX's gathered products of several rows run as TF32:
 //! 1.4e-4 off in float32): float32 and bfloat16; 4-bit, 8-bit and dense experts; 1, 3 and 8 rows;
-//! renormalised or not; expert counts and widths that leave partial blocks. Router weights spread
+//! renormalised or not; expert counts and widths that leave partial blocks; gpt-oss's experts
+//! (a bias on the router and on every projection, the clamped SwiGLU). Router weights spread
 //! the logits so that no two of a row's top experts tie in bfloat16 (with a tie, either choice is
 //! right and the two paths may differ). And what the kernels leave to MLX: expert adapters,
 //! training, more than 8 rows, and everything off MLX's CUDA backend (the CPU CI), where
 //! `forward_residual` is the composed feed-forward bit for bit.
 
-use crate::nn::{with_training, Builder, ExpertNames, Module, RmsNorm, SparseMoe, SwitchLora};
+use crate::nn::{with_training, Builder, ExpertActivation, ExpertNames, Module, RmsNorm, SparseMoe, SwitchLora};
 use crate::weights::{Weight, Weights};
 use rmlx::fast::{self, GpuBackend};
 use rmlx::quantization::{quantize, QuantMode};
@@ -29,18 +30,36 @@ const NAMES: ExpertNames = ExpertNames {
     ..ExpertNames::SWITCH_MLP
 };
 
+/// gpt-oss's clamp: gate values past it occur with [`GPT_OSS_BIAS`].
+const LIMIT: f32 = 7.0;
+
+/// The spread of the gpt-oss case's gate and up biases: a few of every row's values past the clamp.
+const GPT_OSS_BIAS: f32 = 4.0;
+
 /// A routed feed-forward of `experts` experts `hidden → width → hidden` (`bits`: quantised
-/// experts, in groups of 64; `None`: dense), `top_k` chosen, in `dtype`.
+/// experts, in groups of 64; `None`: dense), `top_k` chosen, in `dtype`; with `gpt_oss`, biases
+/// on the router and every projection and the clamped SwiGLU.
 fn sparse_moe(
     dtype: Dtype,
     bits: Option<i32>,
     (experts, top_k): (i32, i32),
     (hidden, width): (i32, i32),
     renorm: bool,
+    gpt_oss: bool,
 ) -> SparseMoe {
     let mut w = Weights::new();
     // Logits of a few units' spread: the top experts' probabilities far apart.
     w.insert("m.gate.weight", Weight::Dense(normal(&[experts, hidden], 3.0 / (hidden as f32).sqrt(), 1)));
+    if gpt_oss {
+        w.insert("m.gate.bias", Weight::Dense(normal(&[experts], 1.0, 8)));
+        for (i, (name, out, std)) in
+            [("gate_proj", width, GPT_OSS_BIAS), ("up_proj", width, GPT_OSS_BIAS), ("down_proj", hidden, 0.5)]
+                .into_iter()
+                .enumerate()
+        {
+            w.insert(format!("m.switch_mlp.{name}.bias"), Weight::Dense(normal(&[experts, out], std, 20 + i as u64)));
+        }
+    }
     for (i, (name, shape)) in [
         ("gate_proj", [experts, width, hidden]),
         ("up_proj", [experts, width, hidden]),
@@ -57,7 +76,15 @@ fn sparse_moe(
         w.insert(format!("m.switch_mlp.{name}.weight"), weight);
     }
     let mut b = Builder::new(w, dtype, false);
-    SparseMoe::load(&mut b, "m", &NAMES, (hidden, width), (experts, top_k), renorm).unwrap()
+    let names = match gpt_oss {
+        true => ExpertNames {
+            biases: true,
+            activation: ExpertActivation::ClampedSwiglu { alpha: 1.702, limit: LIMIT },
+            ..NAMES
+        },
+        false => NAMES,
+    };
+    SparseMoe::load(&mut b, "m", &names, (hidden, width), (experts, top_k), renorm).unwrap()
 }
 
 /// `max |a − b|` over `max |b|`, in float32.
@@ -79,7 +106,7 @@ fn the_kernels_match_the_composed_feed_forward_on_cuda_and_decline_elsewhere() {
             for (shape, counts, renorm) in
                 [((256, 128), (16, 4), true), ((512, 192), (128, 8), true), ((320, 64), (40, 3), false)]
             {
-                let moe = sparse_moe(dtype, bits, counts, shape, renorm);
+                let moe = sparse_moe(dtype, bits, counts, shape, renorm, false);
                 let norm = RmsNorm::new((normal(&[shape.0], 0.2, 7) + 1.0).unwrap().astype(dtype).unwrap(), 1e-6);
                 for rows in [1, 3, 8] {
                     let h = normal(&[rows, shape.0], 1.0, 10 + rows as u64).astype(dtype).unwrap();
@@ -104,8 +131,54 @@ fn the_kernels_match_the_composed_feed_forward_on_cuda_and_decline_elsewhere() {
 }
 
 #[test]
+fn gpt_oss_experts_match_the_composed_feed_forward_on_cuda() {
+    let (hidden, width, experts) = (320, 192, 32);
+    let mut checked = 0;
+    for (dtype, tolerance) in [(Dtype::Float32, 1e-5), (Dtype::Bfloat16, 4e-2)] {
+        for bits in [Some(4), Some(8), None] {
+            let moe = sparse_moe(dtype, bits, (experts, 4), (hidden, width), true, true);
+            let norm = RmsNorm::new((normal(&[hidden], 0.2, 7) + 1.0).unwrap().astype(dtype).unwrap(), 1e-5);
+            for rows in [1, 3, 8] {
+                let h = normal(&[rows, hidden], 1.0, 30 + rows as u64).astype(dtype).unwrap();
+                let want = rmlx::with_device(Device::cpu(), || composed(&moe, &h, &norm));
+                let got = moe.forward_residual(&h, &norm).unwrap();
+                let err = relative_error(&got, &want);
+                let case = format!("gpt-oss {dtype:?} bits {bits:?} rows {rows}");
+                if cuda() {
+                    assert!(err <= tolerance, "{case}: relative error {err} > {tolerance}");
+                    checked += 1;
+                } else {
+                    assert_eq!(err, 0.0, "{case}: off CUDA the feed-forward is the composed one");
+                }
+            }
+        }
+    }
+    if cuda() {
+        assert_eq!(checked, 18);
+    }
+    // The clamp is reached: a share of the gate projections (all experts, bias added) lie past it.
+    let mut past = 0.0;
+    rmlx::with_device(Device::cpu(), || {
+        let moe = sparse_moe(Dtype::Float32, None, (experts, 4), (hidden, width), true, true);
+        let (mut gate, mut bias) = (None, None);
+        moe.visit("", &mut |name, _, a| match name {
+            "switch_mlp.gate_proj.weight" => gate = Some(a.clone()),
+            "switch_mlp.gate_proj.bias" => bias = Some(a.clone()),
+            _ => {}
+        });
+        let x = normal(&[8, hidden], 1.0, 38);
+        let x = (&x * &(x.square().unwrap().mean(Axes::All, false).unwrap().rsqrt().unwrap())).unwrap();
+        let g = (x.matmul(&gate.unwrap().swapaxes(-1, -2).unwrap()).unwrap() + bias.unwrap().expand_dims(1).unwrap())
+            .unwrap();
+        let over = rmlx::ops::greater(&g, &Array::scalar(LIMIT)).unwrap().astype(Dtype::Float32).unwrap();
+        past = over.mean(Axes::All, false).unwrap().item::<f32>().unwrap();
+    });
+    assert!((0.02..0.3).contains(&past), "share of gate values past the clamp: {past}");
+}
+
+#[test]
 fn adapters_training_and_many_rows_take_the_composed_path() {
-    let moe = sparse_moe(Dtype::Float32, Some(4), (16, 4), (256, 128), true);
+    let moe = sparse_moe(Dtype::Float32, Some(4), (16, 4), (256, 128), true, false);
     let norm = RmsNorm::new(rmlx::ops::ones(&[256], Dtype::Float32).unwrap(), 1e-6);
     // Nine rows: more than the kernels take.
     let h = normal(&[9, 256], 1.0, 3);
