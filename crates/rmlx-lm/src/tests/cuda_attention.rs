@@ -251,7 +251,9 @@ fn ring_cache_attention_matches_the_composed_step() {
 /// from the stacked product multiplied by YaRN's attention factor before they turn, against the
 /// same step composed on the CPU (heads split, multiplied, rotated by MLX's RoPE, the cache
 /// updated, MLX's attention with sinks): over an unbounded cache and a ring of 16 slots, past the
-/// ring's length, in float32 and bfloat16. Sinks spread around the scores' size, so that they
+/// ring's length, in float32 and bfloat16 (within 5e-2: MLX's own bfloat16 composition of these
+/// steps is up to 0.037 off its float32 one on the same inputs, and the kernel rounds the heads
+/// where MLX does, in another order). Sinks spread around the scores' size, so that they
 /// change the result (by more than 0.1 somewhere at every step, 0.21 at least on the CPU).
 #[test]
 fn sinks_and_the_attention_factor_attend_as_the_composed_step() {
@@ -262,7 +264,7 @@ fn sinks_and_the_attention_factor_attend_as_the_composed_step() {
     let divisors = Array::from_slice(&divisors, &[d / 2]).unwrap();
     let scale = 1.0 / (d as f32).sqrt();
     let mut checked = 0;
-    for (dtype, tolerance) in [(Dtype::Float32, 2e-5), (Dtype::Bfloat16, 3e-2)] {
+    for (dtype, tolerance) in [(Dtype::Float32, 2e-5), (Dtype::Bfloat16, 5e-2)] {
         let sinks = (normal(&[hq], 77) * 2.0).unwrap().astype(dtype).unwrap();
         for window in [None, Some(16)] {
             let cache =
