@@ -50,6 +50,18 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             raw["rope_freq_factors"] = json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?);
             continue;
         }
+        let factors = info.name.strip_prefix("rope_factors_").and_then(|n| n.strip_suffix(".weight"));
+        if let Some(which) = factors.filter(|w| matches!(*w, "long" | "short")) {
+            // LongRoPE's per-pair frequency factors (Phi-3's long-context checkpoints).
+            let Weight::Dense(f) = file.load(info)? else {
+                return Err(Error::Config(format!("{}: {} is quantised", path.display(), info.name)));
+            };
+            let scaling = raw["rope_scaling"]
+                .as_object_mut()
+                .ok_or_else(|| Error::Config(format!("{}: {} without LongRoPE metadata", path.display(), info.name)))?;
+            scaling.insert(format!("{which}_factor"), json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?));
+            continue;
+        }
         let Some(name) = hf_name(&info.name, gguf) else {
             return Err(Error::Config(format!(
                 "{}: unexpected tensor `{}` for a {arch} model",
@@ -162,6 +174,9 @@ fn hf_name(gguf_name: &str, spec: &GgufSpec) -> Option<String> {
     let (layer, tensor) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (base, suffix) = tensor.rsplit_once('.')?;
+    if let Some((_, module)) = spec.modules.iter().find(|(m, _)| *m == base) {
+        return Some(format!("model.layers.{layer}.{module}.{suffix}"));
+    }
     let module = match base {
         "attn_norm" => "input_layernorm",
         "attn_q" => "self_attn.q_proj",

@@ -27,6 +27,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         arch: "gemma3",
         model_type: "gemma3_text",
         ffn_norm: "pre_feedforward_layernorm",
+        modules: &[],
         fix_up: gguf_fix_up,
         config: gguf_config,
     }),

@@ -42,6 +42,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         arch: "llama",
         model_type: "llama",
         ffn_norm: "post_attention_layernorm",
+        modules: &[],
         fix_up: gguf_fix_up,
         config: gguf_config,
     }),

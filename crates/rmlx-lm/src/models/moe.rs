@@ -228,6 +228,7 @@ pub static QWEN3_MOE_SPEC: ArchitectureSpec = ArchitectureSpec {
         arch: "qwen3moe",
         model_type: "qwen3_moe",
         ffn_norm: "post_attention_layernorm",
+        modules: &[],
         fix_up: spec::no_fix_up,
         config: qwen3moe_gguf_config,
     }),

@@ -5,11 +5,12 @@
 
 use super::attention::AttentionSpec;
 use super::llama;
-use super::spec::ArchitectureSpec;
+use super::spec::{self, ArchitectureSpec, GgufSpec, MetadataNumber};
 use crate::config::{Architecture, ModelConfig};
 use crate::nn::Builder;
 use crate::Result;
 use rmlx::Array;
+use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 
 /// The fused projections of a layer and the ones each is split into, in row order.
@@ -116,9 +117,43 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
     hf_classes: &[("Phi3ForCausalLM", "phi3")],
     signature_tensor: Some("model.layers.0.self_attn.qkv_proj.weight"),
     chat_family: "phi3",
-    gguf: None,
+    gguf: Some(GgufSpec {
+        arch: "phi3",
+        model_type: "phi3",
+        ffn_norm: "post_attention_layernorm",
+        // llama.cpp keeps the projections fused, as transformers does.
+        modules: &[("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")],
+        fix_up: spec::no_fix_up,
+        config: gguf_config,
+    }),
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
 };
+
+/// What llama.cpp's `phi3.*` metadata says beyond the shared keys: the rotated features
+/// (`rope.dimension_count`, as a fraction of the head), the window (`attention.sliding_window`,
+/// 0 for none: Phi-4-mini), and for long-context checkpoints the original context and LongRoPE's
+/// attention factor (`rope.scaling.*`; the per-pair factors are the `rope_factors_{long,short}`
+/// tensors the loader adds).
+fn gguf_config(num: MetadataNumber, c: &mut Map<String, Value>) {
+    let head_dim = match (num("embedding_length"), num("attention.head_count")) {
+        (Some(hidden), Some(heads)) if heads > 0.0 => hidden / heads,
+        _ => 0.0,
+    };
+    if let (Some(rotated), true) = (num("rope.dimension_count"), head_dim > 0.0) {
+        if rotated != head_dim {
+            c.insert("partial_rotary_factor".into(), json!(rotated / head_dim));
+        }
+    }
+    if let Some(w) = num("attention.sliding_window").filter(|w| *w > 0.0) {
+        c.insert("sliding_window".into(), json!(w as i64));
+    }
+    if let Some(n) = num("rope.scaling.original_context_length") {
+        c.insert("original_max_position_embeddings".into(), json!(n as i64));
+    }
+    if let Some(f) = num("rope.scaling.attn_factor") {
+        c.insert("rope_scaling".into(), json!({"type": "longrope", "attention_factor": f}));
+    }
+}
 
 #[cfg(test)]
 mod tests {

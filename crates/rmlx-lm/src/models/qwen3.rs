@@ -31,6 +31,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         arch: "qwen3",
         model_type: "qwen3",
         ffn_norm: "post_attention_layernorm",
+        modules: &[],
         fix_up: spec::no_fix_up,
         config: spec::no_config,
     }),

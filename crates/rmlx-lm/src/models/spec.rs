@@ -40,6 +40,9 @@ pub struct GgufSpec {
     pub model_type: &'static str,
     /// The Hugging Face module of llama.cpp's `ffn_norm` (the norm before the feed-forward).
     pub ffn_norm: &'static str,
+    /// llama.cpp's block modules this architecture names otherwise than the shared table (Phi-3's
+    /// fused `attn_qkv` and `ffn_up`), looked up first.
+    pub modules: &'static [(&'static str, &'static str)],
     /// Undoes what llama.cpp's converter did to a tensor (given its Hugging Face name).
     pub fix_up: fn(&str, Weight, &HeadCounts) -> Result<Weight>,
     /// Adds the configuration llama.cpp keeps implicit, from the `<arch>.*` number `num`.

@@ -632,6 +632,17 @@ fn mixtral_as_a_llama_gguf_with_experts_matches_transformers() {
     check_gguf_against(&path, "mixtral", "mixtral");
 }
 
+/// A `phi3` GGUF (the `phi3` fixture as llama.cpp writes it: fused `attn_qkv` and `ffn_up`, half
+/// the head rotated, a window of 8 below the 24-token prompt, LongRoPE's factors as tensors and
+/// its attention factor as metadata) loads as Phi-3 and gives the fixture's transformers logits.
+#[test]
+fn phi3_gguf_matches_transformers() {
+    let dir = scratch("phi3_gguf");
+    let path = dir.join("model.gguf");
+    super::gguf_model::gguf_phi3(&path);
+    check_gguf_against(&path, "phi3", "phi3");
+}
+
 /// A `qwen3moe` GGUF (the `qwen3_moe` fixture as llama.cpp names it: stacked `ffn_*_exps`, the
 /// router `ffn_gate_inp`, `qwen3moe.expert_*` metadata) loads as Qwen 3 MoE and gives the
 /// fixture's transformers logits; the dense layer routes nothing because the file holds no router

@@ -62,7 +62,7 @@ fn metadata(arch: &str, vocab: usize, entries: &[(&str, u32, Vec<u8>)]) -> Vec<M
 fn llama_cpp_tensors(fixture: &str, permute: Option<(i32, i32)>) -> Vec<(String, rmlx::Array)> {
     const FIXED: [(&str, &str); 3] =
         [("model.embed_tokens.", "token_embd."), ("model.norm.", "output_norm."), ("lm_head.", "output.")];
-    const PARTS: [(&str, &str); 13] = [
+    const PARTS: [(&str, &str); 15] = [
         ("input_layernorm", "attn_norm"),
         ("self_attn.q_proj", "attn_q"),
         ("self_attn.k_proj", "attn_k"),
@@ -76,6 +76,9 @@ fn llama_cpp_tensors(fixture: &str, permute: Option<(i32, i32)>) -> Vec<(String,
         ("mlp.down_proj", "ffn_down"),
         ("mlp.gate.", "ffn_gate_inp."),
         ("block_sparse_moe.gate.", "ffn_gate_inp."),
+        // Phi-3's fused projections keep their fusion.
+        ("self_attn.qkv_proj", "attn_qkv"),
+        ("mlp.gate_up_proj", "ffn_up"),
     ];
     let st = rmlx::io::load_safetensors(super::common::fixture_dir(fixture).join("model.safetensors")).unwrap();
     let mut tensors: Vec<(String, rmlx::Array)> = Vec::new();
@@ -199,6 +202,38 @@ pub fn gguf_mixtral(path: &Path) {
         ],
     );
     write_gguf(path, &kv, &llama_cpp_tensors("mixtral", Some((4, 2))));
+}
+
+/// The `phi3` fixture as llama.cpp's converter writes a `phi3` GGUF (float32): `attn_qkv` and
+/// `ffn_up` fused as in the checkpoint, no row permutation, the rotated features as
+/// `rope.dimension_count` (8 of 16), the window, the original context and LongRoPE's attention
+/// factor as metadata, and its per-pair factors as the `rope_factors_long` / `rope_factors_short`
+/// tensors.
+pub fn gguf_phi3(path: &Path) {
+    let kv = metadata(
+        "phi3",
+        288,
+        &[
+            ("embedding_length", U32, u32v(64)),
+            ("block_count", U32, u32v(2)),
+            ("feed_forward_length", U32, u32v(128)),
+            ("context_length", U32, u32v(1024)),
+            ("rope.scaling.original_context_length", U32, u32v(256)),
+            ("rope.dimension_count", U32, u32v(8)),
+            ("attention.head_count", U32, u32v(4)),
+            ("attention.head_count_kv", U32, u32v(2)),
+            ("attention.layer_norm_rms_epsilon", F32, f32v(1e-5)),
+            ("attention.sliding_window", U32, u32v(8)),
+            ("rope.freq_base", F32, f32v(10000.0)),
+            // The converter's √(1 + ln(1024 / 256) / ln(256)).
+            ("rope.scaling.attn_factor", F32, f32v(1.25f32.sqrt())),
+        ],
+    );
+    let mut tensors = llama_cpp_tensors("phi3", None);
+    let factors = rmlx::Array::from_slice(&[1.0f32, 1.5, 2.5, 4.0], &[4]).unwrap();
+    tensors.push(("rope_factors_long.weight".into(), factors.clone()));
+    tensors.push(("rope_factors_short.weight".into(), factors));
+    write_gguf(path, &kv, &tensors);
 }
 
 /// The `qwen3_moe` fixture as llama.cpp's converter writes a `qwen3moe` GGUF (float32): the
