@@ -35,7 +35,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
 };
 
 /// llama.cpp stores Gemma's norm weights as `1 + w`.
-fn gguf_fix_up(name: &str, w: Weight, _: &HeadCounts) -> Result<Weight> {
+pub(super) fn gguf_fix_up(name: &str, w: Weight, _: &HeadCounts) -> Result<Weight> {
     match w {
         Weight::Dense(a) if name.ends_with("norm.weight") => Ok(Weight::Dense((a.astype(Dtype::Float32)? - 1.0)?)),
         w => Ok(w),

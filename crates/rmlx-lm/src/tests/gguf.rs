@@ -643,6 +643,49 @@ fn phi3_gguf_matches_transformers() {
     check_gguf_against(&path, "phi3", "phi3");
 }
 
+/// A `gemma2` GGUF (the `gemma2` fixture as llama.cpp writes it: Gemma's norm names, norms stored
+/// as `1 + w`, soft-caps and window as metadata) gives the logits of the fixture's Hugging Face
+/// folder read with the query scale llama.cpp takes (the key length, 16: a GGUF has no place for
+/// the fixture's `query_pre_attn_scalar` of 24; that folder itself matches transformers in
+/// `tests/models.rs`), and differs from the folder as it is.
+#[test]
+fn gemma2_gguf_matches_its_folder_at_llama_cpps_query_scale() {
+    let dir = scratch("gemma2_gguf");
+    let path = dir.join("model.gguf");
+    super::gguf_model::gguf_gemma2(&path);
+    let opts = crate::LoadOptions { dtype: Some(rmlx::Dtype::Float32), ..crate::LoadOptions::default() };
+    let gguf = crate::loader::load(&path, &opts).unwrap();
+    let cfg = gguf.model.config();
+    assert_eq!(cfg.model_type, "gemma2");
+    assert_eq!(
+        (cfg.query_pre_attn_scalar, cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.sliding_window),
+        (Some(16.0), Some(5.0), Some(10.0), Some(8))
+    );
+    let folder = super::common::fixture_with_tokenizer("gemma2");
+    let folder = folder.path();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("config.json")).unwrap()).unwrap();
+    let prompt: Vec<i32> =
+        super::common::ids(&super::common::reference("gemma2")["prompt_ids"]).iter().map(|&t| t as i32).collect();
+    let logits = |lm: &crate::LoadedModel| {
+        let ids = rmlx::Array::from_slice(&prompt, &[1, prompt.len() as i32]).unwrap();
+        let mut caches = lm.model.new_caches(None);
+        lm.model.forward(&ids, &mut caches).unwrap().astype(rmlx::Dtype::Float32).unwrap().to_vec::<f32>().unwrap()
+    };
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let got = logits(&gguf);
+    for (scalar, same) in [(16, true), (24, false)] {
+        config["query_pre_attn_scalar"] = serde_json::json!(scalar);
+        std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
+        let want = logits(&crate::loader::load(folder, &opts).unwrap());
+        let d = max_diff(&got, &want);
+        match same {
+            true => assert!(d <= 1e-4, "against the folder at scale {scalar}: max |Δlogit| {d}"),
+            false => assert!(d > 1e-2, "the query scale changes nothing ({d})"),
+        }
+    }
+}
+
 /// A `qwen3moe` GGUF (the `qwen3_moe` fixture as llama.cpp names it: stacked `ffn_*_exps`, the
 /// router `ffn_gate_inp`, `qwen3moe.expert_*` metadata) loads as Qwen 3 MoE and gives the
 /// fixture's transformers logits; the dense layer routes nothing because the file holds no router

@@ -236,6 +236,47 @@ pub fn gguf_phi3(path: &Path) {
     write_gguf(path, &kv, &tensors);
 }
 
+/// The `gemma2` fixture as llama.cpp's converter writes a `gemma2` GGUF (float32): Gemma's norm
+/// names (`post_attention_norm`, `ffn_norm` before the feed-forward, `post_ffw_norm`), every norm
+/// weight stored as `1 + w`, both soft-caps and the window as metadata; no query scale (the
+/// fixture's `query_pre_attn_scalar` of 24 has no place in the file: llama.cpp takes the key
+/// length, 16).
+pub fn gguf_gemma2(path: &Path) {
+    let kv = metadata(
+        "gemma2",
+        256,
+        &[
+            ("embedding_length", U32, u32v(64)),
+            ("block_count", U32, u32v(4)),
+            ("feed_forward_length", U32, u32v(64)),
+            ("context_length", U32, u32v(256)),
+            ("attention.head_count", U32, u32v(4)),
+            ("attention.head_count_kv", U32, u32v(2)),
+            ("attention.key_length", U32, u32v(16)),
+            ("attention.value_length", U32, u32v(16)),
+            ("attention.layer_norm_rms_epsilon", F32, f32v(1e-6)),
+            ("attention.sliding_window", U32, u32v(8)),
+            ("attn_logit_softcapping", F32, f32v(5.0)),
+            ("final_logit_softcapping", F32, f32v(10.0)),
+            ("rope.freq_base", F32, f32v(10000.0)),
+        ],
+    );
+    let renames = [
+        ("ffn_norm", "post_attention_norm"),
+        ("pre_feedforward_layernorm", "ffn_norm"),
+        ("post_feedforward_layernorm", "post_ffw_norm"),
+    ];
+    let tensors: Vec<(String, rmlx::Array)> = llama_cpp_tensors("gemma2", None)
+        .into_iter()
+        .map(|(name, a)| {
+            let name = renames.iter().fold(name, |n, (from, to)| n.replacen(from, to, 1));
+            let a = if name.ends_with("norm.weight") { (a + 1.0).unwrap() } else { a };
+            (name, a)
+        })
+        .collect();
+    write_gguf(path, &kv, &tensors);
+}
+
 /// The `qwen3_moe` fixture as llama.cpp's converter writes a `qwen3moe` GGUF (float32): the
 /// experts of each routed layer stacked into `ffn_{gate,up,down}_exps` `[experts, out, in]`, the
 /// router as `ffn_gate_inp`, the dense layer 1 as `ffn_{gate,up,down}`, 320 tokens.
