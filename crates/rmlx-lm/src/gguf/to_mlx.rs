@@ -2,8 +2,11 @@
 //! and `Q8_0` repacked losslessly into MLX's affine layout (group size 32, float16 scales and
 //! biases: `Q4_0`'s `d·(q−8)` becomes scale `d`, bias `−8d`; `Q4_1`'s `d·q + m` scale `d`, bias
 //! `m`; `Q8_0`'s `d·q` the unsigned code `q + 128` with scale `d`, bias `−128d`; a bias that
-//! overflows float16 makes the tensor dequantised instead), every other type dequantised on the CPU
-//! by ggml's reference formulas (`dequant.rs`). The reader itself (`mod.rs`) only parses and checks.
+//! overflows float16 makes the tensor dequantised instead), `MXFP4` repacked losslessly into MLX's
+//! `mxfp4` mode (the same e2m1 codes and e8m0 exponents: ggml keeps a block's first 16 values in the
+//! low nibbles of its 16 bytes and the next 16 in the high ones, MLX consecutive values in
+//! consecutive nibbles), every other type dequantised on the CPU by ggml's reference formulas
+//! (`dequant.rs`). The reader itself (`mod.rs`) only parses and checks.
 
 use super::dequant::{self, threads_for};
 use super::{GgmlType, GgufFile, TensorInfo};
@@ -37,6 +40,21 @@ impl GgufFile {
             GgmlType::F32 => return Ok(Weight::Dense(dense(bytes, &shape, f32::from_le_bytes)?)),
             GgmlType::F16 => return Ok(Weight::Dense(dense(bytes, &shape, f16::from_le_bytes)?)),
             GgmlType::BF16 => return Ok(Weight::Dense(dense(bytes, &shape, bf16::from_le_bytes)?)),
+            GgmlType::MXFP4 if !shape.is_empty() => {
+                let (words, exponents) = to_mxfp4(bytes, n);
+                let last = *shape.last().expect("non-empty");
+                let (mut ws, mut gs) = (shape.clone(), shape.clone());
+                *ws.last_mut().expect("non-empty") = last / 8;
+                *gs.last_mut().expect("non-empty") = last / 32;
+                return Ok(Weight::Quantized(Quantized {
+                    weight: Array::from_slice(&words, &ws)?,
+                    scales: Array::from_slice(&exponents, &gs)?,
+                    biases: None,
+                    group_size: 32,
+                    bits: 4,
+                    mode: QuantMode::Mxfp4,
+                }));
+            }
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if !shape.is_empty() => {
                 if let Some(a) = to_affine(info.ggml_type, bytes, n) {
                     let mut ws = shape.clone();
@@ -125,6 +143,22 @@ fn affine_block(t: GgmlType, b: &[u8], words: &mut [u32]) -> Option<(f16, f16)> 
         }
         _ => None,
     }
+}
+
+/// An `MXFP4` tensor of `n_elems` values (blocks of 32: an e8m0 exponent, then 16 bytes whose low
+/// nibbles are values 0–15 and high nibbles 16–31) as MLX's `mxfp4` words (value `i` of a block at
+/// bits `4·(i mod 8)` of its word `i / 8`) and one exponent a block.
+pub(super) fn to_mxfp4(data: &[u8], n_elems: usize) -> (Vec<u32>, Vec<u8>) {
+    let blocks = n_elems / 32;
+    let (mut words, mut exponents) = (vec![0u32; blocks * 4], vec![0u8; blocks]);
+    for ((b, w), e) in data.chunks_exact(17).zip(words.chunks_exact_mut(4)).zip(&mut exponents) {
+        *e = b[0];
+        let code = |i: usize| if i < 16 { b[1 + i] & 0x0F } else { b[1 + i - 16] >> 4 };
+        for (k, word) in w.iter_mut().enumerate() {
+            *word = (0..8).fold(0u32, |acc, j| acc | (code(8 * k + j) as u32) << (4 * j));
+        }
+    }
+    (words, exponents)
 }
 
 /// Repacks a `Q4_0`, `Q4_1` or `Q8_0` tensor into MLX's affine layout, losslessly: `None` when a

@@ -99,8 +99,9 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         Some(src) => ChatTemplate::new(src, bos.as_deref(), eos.as_deref())?,
         None => ChatTemplate::fallback(family(&cfg)?, bos.as_deref(), eos.as_deref())?,
     };
-    // End-of-turn markers the family's generation_config would list.
-    for marker in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>"] {
+    // End-of-turn markers the family's generation_config would list (gpt-oss: the reply's end and
+    // a tool call's).
+    for marker in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|return|>", "<|call|>"] {
         if let Some(id) = tokenizer.token_to_id(marker) {
             tokenizer.add_eos_id(id);
         }

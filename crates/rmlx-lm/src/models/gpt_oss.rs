@@ -11,11 +11,12 @@
 //! in MXFP4: `gate_up_proj_blocks` `[E, 2·width, hidden/32, 16]` bytes with gate and up
 //! interleaved by row, `gate_up_proj_scales` `[E, 2·width, hidden/32]` exponents, `down_proj_*`
 //! likewise), all rewritten at load into mlx-lm's names; OpenAI's experts stay MXFP4 (MLX's
-//! `mxfp4` mode reads the same bytes).
+//! `mxfp4` mode reads the same bytes). GGUF `gpt-oss` files with float or MLX-mapped quantised
+//! tensors (llama.cpp's names: `attn_sinks`, `ffn_gate_inp`, `ffn_{gate,up,down}_exps`).
 
 use super::attention::AttentionSpec;
 use super::moe::{self, Family};
-use super::spec::ArchitectureSpec;
+use super::spec::{self, ArchitectureSpec, GgufSpec, MetadataNumber};
 use super::Rope;
 use crate::config::{Architecture, ModelConfig};
 use crate::nn::{Builder, ExpertActivation, ExpertNames};
@@ -23,6 +24,7 @@ use crate::weights::Weight;
 use crate::{Error, Result};
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{ops, Array, Dtype};
+use serde_json::{json, Map, Value};
 
 /// gpt-oss's attention: biases everywhere, sinks, `1/√head_dim`, the global (YaRN) rotation.
 fn attention_spec(cfg: &ModelConfig) -> Result<AttentionSpec> {
@@ -58,9 +60,47 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
     hf_classes: &[("GptOssForCausalLM", "gpt_oss")],
     signature_tensor: Some("model.layers.0.mlp.router.weight"),
     chat_family: "harmony",
-    gguf: None,
+    gguf: Some(GgufSpec {
+        arch: "gpt-oss",
+        model_type: "gpt_oss",
+        ffn_norm: "post_attention_layernorm",
+        modules: &[
+            ("attn_sinks", "self_attn.sinks"),
+            ("ffn_gate_inp", "mlp.router"),
+            ("ffn_gate_exps", "mlp.experts.gate_proj"),
+            ("ffn_up_exps", "mlp.experts.up_proj"),
+            ("ffn_down_exps", "mlp.experts.down_proj"),
+        ],
+        fix_up: spec::no_fix_up,
+        config: gguf_config,
+    }),
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
 };
+
+/// llama.cpp's `gpt-oss.*` metadata: the experts (`expert_count`, `expert_used_count`, their width
+/// `expert_feed_forward_length`), the window, and YaRN (`rope.scaling.factor` and
+/// `original_context_length`; gpt-oss's `beta_fast` 32, `beta_slow` 1 and unrounded ramp, as its
+/// config.json says: llama.cpp does not store them).
+fn gguf_config(num: MetadataNumber, c: &mut Map<String, Value>) {
+    for (key, field) in [
+        ("expert_count", "num_local_experts"),
+        ("expert_used_count", "num_experts_per_tok"),
+        ("expert_feed_forward_length", "intermediate_size"),
+        ("attention.sliding_window", "sliding_window"),
+    ] {
+        if let Some(n) = num(key) {
+            c.insert(field.into(), json!(n as i64));
+        }
+    }
+    if let Some(factor) = num("rope.scaling.factor").filter(|f| *f > 1.0) {
+        let mut yarn =
+            json!({"rope_type": "yarn", "factor": factor, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false});
+        if let Some(n) = num("rope.scaling.original_context_length") {
+            yarn["original_max_position_embeddings"] = json!(n as i64);
+        }
+        c.insert("rope_scaling".into(), yarn);
+    }
+}
 
 /// Builds a gpt-oss model from `model.*` / `lm_head.*` tensors.
 pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<moe::Model> {
@@ -68,6 +108,9 @@ pub fn load(cfg: &ModelConfig, b: &mut Builder) -> Result<moe::Model> {
         let experts = format!("model.layers.{i}.mlp.experts");
         rewrite_mxfp4_experts(b, &experts)?;
         rewrite_fused_experts(b, &experts)?;
+        // llama.cpp names the sinks as a weight.
+        let sinks = format!("model.layers.{i}.self_attn.sinks");
+        b.rewrite(&format!("{sinks}.weight"), |w| Ok(vec![(sinks.clone(), w)]))?;
     }
     let family = Family {
         attention: attention_spec,

@@ -38,12 +38,16 @@ fn scratch(test: &str) -> Scratch {
     Scratch(dir)
 }
 
-/// The float32 values of a weight. A quantised one is dequantised by MLX with its float16 scales
-/// and biases widened to float32 first: MLX computes `scale·q + bias` in the scales' dtype, and
-/// `d·(q − 8)` needs up to 15 significant bits, more than float16 holds.
+/// The float32 values of a weight. An affine-quantised one is dequantised by MLX with its float16
+/// scales and biases widened to float32 first: MLX computes `scale·q + bias` in the scales' dtype,
+/// and `d·(q − 8)` needs up to 15 significant bits, more than float16 holds. An MXFP4 one (scales
+/// are exponents) as it is.
 fn values(w: &Weight) -> Vec<f32> {
     match w {
         Weight::Dense(a) => a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap(),
+        Weight::Quantized(q) if q.mode == QuantMode::Mxfp4 => {
+            dequantize(q, Some(Dtype::Float32)).unwrap().to_vec::<f32>().unwrap()
+        }
         Weight::Quantized(q) => {
             let wide = Quantized {
                 scales: q.scales.astype(Dtype::Float32).unwrap(),
@@ -184,6 +188,11 @@ fn every_type_matches_gguf_py() {
                 assert_eq!(q.weight.dtype(), Dtype::Uint32);
                 assert_eq!(q.scales.dtype(), Dtype::Float16);
                 assert_eq!(q.biases.as_ref().unwrap().dtype(), Dtype::Float16);
+            }
+            (Weight::Quantized(q), GgmlType::MXFP4) => {
+                assert_eq!((q.group_size, q.bits, q.mode), (32, 4, QuantMode::Mxfp4));
+                assert_eq!((q.weight.dtype(), q.scales.dtype()), (Dtype::Uint32, Dtype::Uint8));
+                assert!(q.biases.is_none());
             }
             (Weight::Dense(a), GgmlType::F16) => assert_eq!(a.dtype(), Dtype::Float16),
             (Weight::Dense(a), GgmlType::BF16) => assert_eq!(a.dtype(), Dtype::Bfloat16),
@@ -684,6 +693,18 @@ fn gemma2_gguf_matches_its_folder_at_llama_cpps_query_scale() {
             false => assert!(d > 1e-2, "the query scale changes nothing ({d})"),
         }
     }
+}
+
+/// A `gpt-oss` GGUF (the `gpt_oss` fixture as llama.cpp's converter writes transformers' float
+/// layout: split and transposed experts with their biases, `attn_sinks.weight`, the router as
+/// `ffn_gate_inp`, YaRN and the window as metadata) loads as gpt-oss and gives the fixture's
+/// transformers logits.
+#[test]
+fn gpt_oss_gguf_matches_transformers() {
+    let dir = scratch("gpt_oss_gguf");
+    let path = dir.join("model.gguf");
+    super::gguf_model::gguf_gpt_oss(&path);
+    check_gguf_against(&path, "gpt_oss", "gpt_oss");
 }
 
 /// A `qwen3moe` GGUF (the `qwen3_moe` fixture as llama.cpp names it: stacked `ffn_*_exps`, the

@@ -277,6 +277,79 @@ pub fn gguf_gemma2(path: &Path) {
     write_gguf(path, &kv, &tensors);
 }
 
+/// The `gpt_oss` fixture as llama.cpp's converter writes a `gpt-oss` GGUF from transformers'
+/// float layout (float32): the fused `gate_up_proj` `[E, hidden, 2·width]` transposed and split
+/// by alternate rows into `ffn_gate_exps` and `ffn_up_exps` `[E, width, hidden]` (its bias by
+/// alternate columns), `down_proj` transposed into `ffn_down_exps`, the router as `ffn_gate_inp`,
+/// the sinks as `attn_sinks.weight`, `post_attention_norm`; YaRN, experts and window as metadata.
+pub fn gguf_gpt_oss(path: &Path) {
+    let kv = metadata(
+        "gpt-oss",
+        320,
+        &[
+            ("embedding_length", U32, u32v(64)),
+            ("block_count", U32, u32v(2)),
+            ("feed_forward_length", U32, u32v(32)),
+            ("expert_feed_forward_length", U32, u32v(32)),
+            ("expert_count", U32, u32v(4)),
+            ("expert_used_count", U32, u32v(2)),
+            ("context_length", U32, u32v(256)),
+            ("attention.head_count", U32, u32v(4)),
+            ("attention.head_count_kv", U32, u32v(2)),
+            ("attention.key_length", U32, u32v(16)),
+            ("attention.value_length", U32, u32v(16)),
+            ("attention.layer_norm_rms_epsilon", F32, f32v(1e-5)),
+            ("attention.sliding_window", U32, u32v(8)),
+            ("rope.freq_base", F32, f32v(150000.0)),
+            ("rope.scaling.factor", F32, f32v(8.0)),
+            ("rope.scaling.original_context_length", U32, u32v(32)),
+        ],
+    );
+    let st = rmlx::io::load_safetensors(super::common::fixture_dir("gpt_oss").join("model.safetensors")).unwrap();
+    let alternate = |a: &rmlx::Array, axis: i32, first: i32| {
+        let n = a.shape()[a.ndim() - 1 - (axis == -2) as usize];
+        rmlx::ops::contiguous(&a.slice_axis(axis, first, n, 2).unwrap()).unwrap()
+    };
+    let mut tensors = Vec::new();
+    for (name, a) in &st.arrays {
+        let renamed = [
+            ("model.embed_tokens.", "token_embd."),
+            ("model.norm.", "output_norm."),
+            ("lm_head.", "output."),
+            ("model.layers.", "blk."),
+            ("input_layernorm", "attn_norm"),
+            ("post_attention_layernorm", "post_attention_norm"),
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("self_attn.sinks", "attn_sinks.weight"),
+            ("mlp.router", "ffn_gate_inp"),
+        ]
+        .iter()
+        .fold(name.clone(), |n, (from, to)| n.replacen(from, to, 1));
+        let Some((head, fused)) = renamed.split_once(".mlp.experts.") else {
+            tensors.push((renamed, a.clone()));
+            continue;
+        };
+        match fused {
+            "gate_up_proj" => {
+                let t = a.swapaxes(-1, -2).unwrap();
+                tensors.push((format!("{head}.ffn_gate_exps.weight"), alternate(&t, -2, 0)));
+                tensors.push((format!("{head}.ffn_up_exps.weight"), alternate(&t, -2, 1)));
+            }
+            "gate_up_proj_bias" => {
+                tensors.push((format!("{head}.ffn_gate_exps.bias"), alternate(a, -1, 0)));
+                tensors.push((format!("{head}.ffn_up_exps.bias"), alternate(a, -1, 1)));
+            }
+            "down_proj" => tensors.push((format!("{head}.ffn_down_exps.weight"), a.swapaxes(-1, -2).unwrap())),
+            "down_proj_bias" => tensors.push((format!("{head}.ffn_down_exps.bias"), a.clone())),
+            other => panic!("unexpected expert tensor {other}"),
+        }
+    }
+    write_gguf(path, &kv, &tensors);
+}
+
 /// The `qwen3_moe` fixture as llama.cpp's converter writes a `qwen3moe` GGUF (float32): the
 /// experts of each routed layer stacked into `ffn_{gate,up,down}_exps` `[experts, out, in]`, the
 /// router as `ffn_gate_inp`, the dense layer 1 as `ffn_{gate,up,down}`, 320 tokens.
