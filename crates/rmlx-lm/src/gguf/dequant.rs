@@ -19,7 +19,7 @@ const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13
 /// Doubled e2m1 values of `MXFP4` (`kvalues_mxfp4`).
 const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
+pub(super) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
 }
 
@@ -169,7 +169,7 @@ fn q3_k(b: &[u8], y: &mut [f32]) {
 }
 
 /// `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` of a `Q4_K`/`Q5_K` super-block.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -5,8 +5,10 @@
 //! overflows float16 makes the tensor dequantised instead), `MXFP4` repacked losslessly into MLX's
 //! `mxfp4` mode (the same e2m1 codes and e8m0 exponents: ggml keeps a block's first 16 values in the
 //! low nibbles of its 16 bytes and the next 16 in the high ones, MLX consecutive values in
-//! consecutive nibbles), every other type dequantised on the CPU by ggml's reference formulas
-//! (`dequant.rs`). The reader itself (`mod.rs`) only parses and checks.
+//! consecutive nibbles), `Q4_K` into MLX's affine 4-bit layout in groups of 32 with float32 scales
+//! and biases (a sub-block's `d·sc·q − dmin·m`: scale `d·sc`, bias `−dmin·m`, both exact in float32,
+//! so the values are ggml's bit for bit), every other type dequantised on the CPU by ggml's
+//! reference formulas (`dequant.rs`). The reader itself (`mod.rs`) only parses and checks.
 
 use super::dequant::{self, threads_for};
 use super::{GgmlType, GgufFile, TensorInfo};
@@ -40,6 +42,21 @@ impl GgufFile {
             GgmlType::F32 => return Ok(Weight::Dense(dense(bytes, &shape, f32::from_le_bytes)?)),
             GgmlType::F16 => return Ok(Weight::Dense(dense(bytes, &shape, f16::from_le_bytes)?)),
             GgmlType::BF16 => return Ok(Weight::Dense(dense(bytes, &shape, bf16::from_le_bytes)?)),
+            GgmlType::Q4_K if !shape.is_empty() => {
+                let (words, scales, biases) = q4_k_to_affine(bytes, n);
+                let last = *shape.last().expect("non-empty");
+                let (mut ws, mut gs) = (shape.clone(), shape.clone());
+                *ws.last_mut().expect("non-empty") = last / 8;
+                *gs.last_mut().expect("non-empty") = last / 32;
+                return Ok(Weight::Quantized(Quantized {
+                    weight: Array::from_slice(&words, &ws)?,
+                    scales: Array::from_slice(&scales, &gs)?,
+                    biases: Some(Array::from_slice(&biases, &gs)?),
+                    group_size: 32,
+                    bits: 4,
+                    mode: QuantMode::Affine,
+                }));
+            }
             GgmlType::MXFP4 if !shape.is_empty() => {
                 let (words, exponents) = to_mxfp4(bytes, n);
                 let last = *shape.last().expect("non-empty");
@@ -143,6 +160,31 @@ fn affine_block(t: GgmlType, b: &[u8], words: &mut [u32]) -> Option<(f16, f16)> 
         }
         _ => None,
     }
+}
+
+/// A `Q4_K` tensor of `n_elems` values (super-blocks of 256: `d`, `dmin`, twelve bytes of 6-bit
+/// sub-block scales and mins, then 128 bytes whose 32-byte runs hold two sub-blocks of 32, the
+/// first in the low nibbles) as MLX's affine words (value `i` of a group at bits `4·(i mod 8)` of
+/// word `i / 8`), one float32 scale `d·sc` and bias `−dmin·m` a group of 32.
+pub(super) fn q4_k_to_affine(data: &[u8], n_elems: usize) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+    let supers = n_elems / 256;
+    let (mut words, mut scales, mut biases) = (vec![0u32; supers * 32], vec![0f32; supers * 8], vec![0f32; supers * 8]);
+    let blocks = data.chunks_exact(144).zip(words.chunks_exact_mut(32)).zip(scales.chunks_exact_mut(8));
+    for (((b, w), sc), bi) in blocks.zip(biases.chunks_exact_mut(8)) {
+        let (d, dmin) = (dequant::f16_at(b, 0), dequant::f16_at(b, 2));
+        let (packed, qs) = (&b[4..16], &b[16..144]);
+        for group in 0..8 {
+            let (s, m) = dequant::scale_min_k4(group, packed);
+            (sc[group], bi[group]) = (d * s as f32, -(dmin * m as f32));
+            // Groups 2k and 2k + 1 share bytes 32k..32k + 32: low nibbles, then high.
+            let run = &qs[32 * (group / 2)..32 * (group / 2) + 32];
+            let code = |i: usize| if group % 2 == 0 { run[i] & 0x0F } else { run[i] >> 4 };
+            for (k, word) in w[4 * group..4 * group + 4].iter_mut().enumerate() {
+                *word = (0..8).fold(0u32, |acc, j| acc | (code(8 * k + j) as u32) << (4 * j));
+            }
+        }
+    }
+    (words, scales, biases)
 }
 
 /// An `MXFP4` tensor of `n_elems` values (blocks of 32: an e8m0 exponent, then 16 bytes whose low

@@ -189,6 +189,10 @@ fn every_type_matches_gguf_py() {
                 assert_eq!(q.scales.dtype(), Dtype::Float16);
                 assert_eq!(q.biases.as_ref().unwrap().dtype(), Dtype::Float16);
             }
+            (Weight::Quantized(q), GgmlType::Q4_K) => {
+                assert_eq!((q.group_size, q.bits, q.mode), (32, 4, QuantMode::Affine));
+                assert_eq!((q.scales.dtype(), q.biases.as_ref().unwrap().dtype()), (Dtype::Float32, Dtype::Float32));
+            }
             (Weight::Quantized(q), GgmlType::MXFP4) => {
                 assert_eq!((q.group_size, q.bits, q.mode), (32, 4, QuantMode::Mxfp4));
                 assert_eq!((q.weight.dtype(), q.scales.dtype()), (Dtype::Uint32, Dtype::Uint8));
