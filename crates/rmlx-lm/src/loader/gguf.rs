@@ -56,10 +56,12 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             let Weight::Dense(f) = file.load(info)? else {
                 return Err(Error::Config(format!("{}: {} is quantised", path.display(), info.name)));
             };
-            let scaling = raw["rope_scaling"]
-                .as_object_mut()
-                .ok_or_else(|| Error::Config(format!("{}: {} without LongRoPE metadata", path.display(), info.name)))?;
-            scaling.insert(format!("{which}_factor"), json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?));
+            // Without `rope.scaling.attn_factor` (older converters) the factor follows from the
+            // original and extended contexts, as transformers computes it.
+            if !raw["rope_scaling"].is_object() {
+                raw["rope_scaling"] = json!({"type": "longrope"});
+            }
+            raw["rope_scaling"][format!("{which}_factor")] = json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?);
             continue;
         }
         let Some(name) = hf_name(&info.name, gguf) else {

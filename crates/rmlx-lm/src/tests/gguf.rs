@@ -652,7 +652,11 @@ fn mixtral_as_a_llama_gguf_with_experts_matches_transformers() {
 fn phi3_gguf_matches_transformers() {
     let dir = scratch("phi3_gguf");
     let path = dir.join("model.gguf");
-    super::gguf_model::gguf_phi3(&path);
+    super::gguf_model::gguf_phi3(&path, true);
+    check_gguf_against(&path, "phi3", "phi3");
+    // An older converter's file without `rope.scaling.attn_factor`: the factor follows from the
+    // contexts (√(1 + ln 4 / ln 256), the same).
+    super::gguf_model::gguf_phi3(&path, false);
     check_gguf_against(&path, "phi3", "phi3");
 }
 

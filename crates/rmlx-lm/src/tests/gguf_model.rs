@@ -207,10 +207,10 @@ pub fn gguf_mixtral(path: &Path) {
 /// The `phi3` fixture as llama.cpp's converter writes a `phi3` GGUF (float32): `attn_qkv` and
 /// `ffn_up` fused as in the checkpoint, no row permutation, the rotated features as
 /// `rope.dimension_count` (8 of 16), the window, the original context and LongRoPE's attention
-/// factor as metadata, and its per-pair factors as the `rope_factors_long` / `rope_factors_short`
-/// tensors.
-pub fn gguf_phi3(path: &Path) {
-    let kv = metadata(
+/// factor as metadata (with `attn_factor`; older converters did not write it), and its per-pair
+/// factors as the `rope_factors_long` / `rope_factors_short` tensors.
+pub fn gguf_phi3(path: &Path, attn_factor: bool) {
+    let mut kv = metadata(
         "phi3",
         288,
         &[
@@ -229,6 +229,9 @@ pub fn gguf_phi3(path: &Path) {
             ("rope.scaling.attn_factor", F32, f32v(1.25f32.sqrt())),
         ],
     );
+    if !attn_factor {
+        kv.retain(|(k, _, _)| k != "phi3.rope.scaling.attn_factor");
+    }
     let mut tensors = llama_cpp_tensors("phi3", None);
     let factors = rmlx::Array::from_slice(&[1.0f32, 1.5, 2.5, 4.0], &[4]).unwrap();
     tensors.push(("rope_factors_long.weight".into(), factors.clone()));
