@@ -6,9 +6,9 @@
 //!
 //! * `F32`, `F16`, `BF16`: a [`Weight::Dense`](crate::weights::Weight::Dense) of that dtype;
 //! * `Q4_0`, `Q4_1`, `Q8_0`: a [`Weight::Quantized`](crate::weights::Weight::Quantized) in MLX's
-//!   affine format, repacked losslessly (`to_mlx.rs` says how); `Q4_K` likewise (groups of 32,
-//!   float32 scales and biases); `MXFP4` in MLX's `mxfp4` mode;
-//! * `Q5_0`, `Q5_1`, `Q8_1`, the other k-quants `Q2_K`, `Q3_K`, `Q5_K`…`Q8_K`, `IQ4_NL`, `IQ4_XS` and the
+//!   affine format, repacked losslessly (`to_mlx.rs` says how); `Q4_K` and `Q5_K` likewise (4 and 5
+//!   bits, groups of 32, float32 scales and biases); `MXFP4` in MLX's `mxfp4` mode;
+//! * `Q5_0`, `Q5_1`, `Q8_1`, the other k-quants `Q2_K`, `Q3_K`, `Q6_K`, `Q8_K`, `IQ4_NL`, `IQ4_XS` and the
 //!   integer and `F64` types: dequantised on the CPU (ggml's reference formulas) to a float32
 //!   [`Weight::Dense`](crate::weights::Weight::Dense).
 //!

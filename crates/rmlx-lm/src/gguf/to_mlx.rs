@@ -5,10 +5,10 @@
 //! overflows float16 makes the tensor dequantised instead), `MXFP4` repacked losslessly into MLX's
 //! `mxfp4` mode (the same e2m1 codes and e8m0 exponents: ggml keeps a block's first 16 values in the
 //! low nibbles of its 16 bytes and the next 16 in the high ones, MLX consecutive values in
-//! consecutive nibbles), `Q4_K` into MLX's affine 4-bit layout in groups of 32 with float32 scales
-//! and biases (a sub-block's `d·sc·q − dmin·m`: scale `d·sc`, bias `−dmin·m`, both exact in float32,
-//! so the values are ggml's bit for bit), every other type dequantised on the CPU by ggml's
-//! reference formulas (`dequant.rs`). The reader itself (`mod.rs`) only parses and checks.
+//! consecutive nibbles), `Q4_K` and `Q5_K` into MLX's affine 4- and 5-bit layouts in groups of 32
+//! with float32 scales and biases (a sub-block's `d·sc·q − dmin·m`: scale `d·sc`, bias `−dmin·m`,
+//! both exact in float32, so the values are ggml's bit for bit), every other type dequantised on
+//! the CPU by ggml's reference formulas (`dequant.rs`). The reader itself (`mod.rs`) only parses and checks.
 
 use super::dequant::{self, threads_for};
 use super::{GgmlType, GgufFile, TensorInfo};
@@ -42,18 +42,19 @@ impl GgufFile {
             GgmlType::F32 => return Ok(Weight::Dense(dense(bytes, &shape, f32::from_le_bytes)?)),
             GgmlType::F16 => return Ok(Weight::Dense(dense(bytes, &shape, f16::from_le_bytes)?)),
             GgmlType::BF16 => return Ok(Weight::Dense(dense(bytes, &shape, bf16::from_le_bytes)?)),
-            GgmlType::Q4_K if !shape.is_empty() => {
-                let (words, scales, biases) = q4_k_to_affine(bytes, n);
+            GgmlType::Q4_K | GgmlType::Q5_K if !shape.is_empty() => {
+                let bits = if info.ggml_type == GgmlType::Q4_K { 4 } else { 5 };
+                let (words, scales, biases) = k_quant_to_affine(bytes, n, bits);
                 let last = *shape.last().expect("non-empty");
                 let (mut ws, mut gs) = (shape.clone(), shape.clone());
-                *ws.last_mut().expect("non-empty") = last / 8;
+                *ws.last_mut().expect("non-empty") = last / 32 * bits;
                 *gs.last_mut().expect("non-empty") = last / 32;
                 return Ok(Weight::Quantized(Quantized {
                     weight: Array::from_slice(&words, &ws)?,
                     scales: Array::from_slice(&scales, &gs)?,
                     biases: Some(Array::from_slice(&biases, &gs)?),
                     group_size: 32,
-                    bits: 4,
+                    bits,
                     mode: QuantMode::Affine,
                 }));
             }
@@ -162,25 +163,39 @@ fn affine_block(t: GgmlType, b: &[u8], words: &mut [u32]) -> Option<(f16, f16)> 
     }
 }
 
-/// A `Q4_K` tensor of `n_elems` values (super-blocks of 256: `d`, `dmin`, twelve bytes of 6-bit
-/// sub-block scales and mins, then 128 bytes whose 32-byte runs hold two sub-blocks of 32, the
-/// first in the low nibbles) as MLX's affine words (value `i` of a group at bits `4·(i mod 8)` of
-/// word `i / 8`), one float32 scale `d·sc` and bias `−dmin·m` a group of 32.
-pub(super) fn q4_k_to_affine(data: &[u8], n_elems: usize) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+/// A `Q4_K` (`bits` 4) or `Q5_K` (5) tensor of `n_elems` values as MLX's affine words, one
+/// float32 scale `d·sc` and bias `−dmin·m` a group of 32. A super-block of 256 holds `d`, `dmin`,
+/// twelve bytes of 6-bit sub-block scales and mins, (`Q5_K`) 32 bytes of fifth bits — bits `2k` and
+/// `2k + 1` of byte `l` for value `l` of groups `2k` and `2k + 1` — then 128 bytes whose 32-byte run
+/// `k` holds groups `2k` (low nibbles) and `2k + 1` (high nibbles). MLX reads a group's codes as
+/// one little-endian stream of `bits`-bit fields over its words.
+pub(super) fn k_quant_to_affine(data: &[u8], n_elems: usize, bits: i32) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+    let (bits, block_bytes, high) = match bits {
+        4 => (4usize, 144usize, 0usize),
+        _ => (5, 176, 32),
+    };
     let supers = n_elems / 256;
-    let (mut words, mut scales, mut biases) = (vec![0u32; supers * 32], vec![0f32; supers * 8], vec![0f32; supers * 8]);
-    let blocks = data.chunks_exact(144).zip(words.chunks_exact_mut(32)).zip(scales.chunks_exact_mut(8));
-    for (((b, w), sc), bi) in blocks.zip(biases.chunks_exact_mut(8)) {
+    let words_per_super = 8 * bits;
+    let mut words = vec![0u32; supers * words_per_super];
+    let (mut scales, mut biases) = (vec![0f32; supers * 8], vec![0f32; supers * 8]);
+    let blocks = data.chunks_exact(block_bytes).zip(words.chunks_exact_mut(words_per_super));
+    for (((b, w), sc), bi) in blocks.zip(scales.chunks_exact_mut(8)).zip(biases.chunks_exact_mut(8)) {
         let (d, dmin) = (dequant::f16_at(b, 0), dequant::f16_at(b, 2));
-        let (packed, qs) = (&b[4..16], &b[16..144]);
+        let (packed, qh, qs) = (&b[4..16], &b[16..16 + high], &b[16 + high..block_bytes]);
         for group in 0..8 {
             let (s, m) = dequant::scale_min_k4(group, packed);
             (sc[group], bi[group]) = (d * s as f32, -(dmin * m as f32));
-            // Groups 2k and 2k + 1 share bytes 32k..32k + 32: low nibbles, then high.
             let run = &qs[32 * (group / 2)..32 * (group / 2) + 32];
-            let code = |i: usize| if group % 2 == 0 { run[i] & 0x0F } else { run[i] >> 4 };
-            for (k, word) in w[4 * group..4 * group + 4].iter_mut().enumerate() {
-                *word = (0..8).fold(0u32, |acc, j| acc | (code(8 * k + j) as u32) << (4 * j));
+            let words = &mut w[bits * group..bits * (group + 1)];
+            for (i, &byte) in run.iter().enumerate() {
+                let nibble = if group % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                let fifth = if high > 0 { (qh[i] >> group) & 1 } else { 0 };
+                let code = (nibble | fifth << 4) as u32;
+                let at = bits * i;
+                words[at / 32] |= code << (at % 32);
+                if at % 32 + bits > 32 {
+                    words[at / 32 + 1] |= code >> (32 - at % 32);
+                }
             }
         }
     }

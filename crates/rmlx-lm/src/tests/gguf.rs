@@ -189,8 +189,9 @@ fn every_type_matches_gguf_py() {
                 assert_eq!(q.scales.dtype(), Dtype::Float16);
                 assert_eq!(q.biases.as_ref().unwrap().dtype(), Dtype::Float16);
             }
-            (Weight::Quantized(q), GgmlType::Q4_K) => {
-                assert_eq!((q.group_size, q.bits, q.mode), (32, 4, QuantMode::Affine));
+            (Weight::Quantized(q), GgmlType::Q4_K | GgmlType::Q5_K) => {
+                let bits = if ty == GgmlType::Q4_K { 4 } else { 5 };
+                assert_eq!((q.group_size, q.bits, q.mode), (32, bits, QuantMode::Affine));
                 assert_eq!((q.scales.dtype(), q.biases.as_ref().unwrap().dtype()), (Dtype::Float32, Dtype::Float32));
             }
             (Weight::Quantized(q), GgmlType::MXFP4) => {
