@@ -232,6 +232,11 @@ def cases(tok):
     return out
 
 
+def entry(tok):
+    """A tokenizer's goldens: its BOS and EOS tokens and every text's case."""
+    return {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "cases": cases(tok)}
+
+
 def render(template, messages, add_generation_prompt, tools, extra, bos, eos):
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -259,7 +264,7 @@ def main():
         for name in a.add:
             tok = AutoTokenizer.from_pretrained(str(npm_dir(a.cache, name)))
             out["tokenizers"][name] = {
-                "bos_token": tok.bos_token, "eos_token": tok.eos_token, "cases": cases(tok),
+                **entry(tok),
                 "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__},
             }
         a.out.write_text(json.dumps(out, ensure_ascii=False, indent=1) + "\n")
@@ -279,12 +284,12 @@ def main():
         d = npm_dir(a.cache, name)
         tok = AutoTokenizer.from_pretrained(str(d))
         toks[name] = tok
-        out["tokenizers"][name] = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "cases": cases(tok)}
+        out["tokenizers"][name] = entry(tok)
         out["templates"][name] = json.loads((d / "tokenizer_config.json").read_text())["chat_template"]
 
     gguf_path = smollm2_gguf(a.cache)
     smol, reader = smollm2_tokenizer(gguf_path)
-    out["tokenizers"]["smollm2"] = {"bos_token": smol.bos_token, "eos_token": smol.eos_token, "cases": cases(smol)}
+    out["tokenizers"]["smollm2"] = entry(smol)
     out["templates"]["smollm2"] = reader.fields["tokenizer.chat_template"].contents()
     try:  # information only: transformers' GGUF loader
         tg = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

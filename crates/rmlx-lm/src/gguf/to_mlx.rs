@@ -45,49 +45,16 @@ impl GgufFile {
             GgmlType::Q4_K | GgmlType::Q5_K if !shape.is_empty() => {
                 let bits = if info.ggml_type == GgmlType::Q4_K { 4 } else { 5 };
                 let (words, scales, biases) = k_quant_to_affine(bytes, n, bits);
-                let last = *shape.last().expect("non-empty");
-                let (mut ws, mut gs) = (shape.clone(), shape.clone());
-                *ws.last_mut().expect("non-empty") = last / 32 * bits;
-                *gs.last_mut().expect("non-empty") = last / 32;
-                return Ok(Weight::Quantized(Quantized {
-                    weight: Array::from_slice(&words, &ws)?,
-                    scales: Array::from_slice(&scales, &gs)?,
-                    biases: Some(Array::from_slice(&biases, &gs)?),
-                    group_size: 32,
-                    bits,
-                    mode: QuantMode::Affine,
-                }));
+                return groups_of_32(&shape, (bits, QuantMode::Affine), &words, &scales, Some(&biases));
             }
             GgmlType::MXFP4 if !shape.is_empty() => {
                 let (words, exponents) = to_mxfp4(bytes, n);
-                let last = *shape.last().expect("non-empty");
-                let (mut ws, mut gs) = (shape.clone(), shape.clone());
-                *ws.last_mut().expect("non-empty") = last / 8;
-                *gs.last_mut().expect("non-empty") = last / 32;
-                return Ok(Weight::Quantized(Quantized {
-                    weight: Array::from_slice(&words, &ws)?,
-                    scales: Array::from_slice(&exponents, &gs)?,
-                    biases: None,
-                    group_size: 32,
-                    bits: 4,
-                    mode: QuantMode::Mxfp4,
-                }));
+                return groups_of_32(&shape, (4, QuantMode::Mxfp4), &words, &exponents, None::<&[f32]>);
             }
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 if !shape.is_empty() => {
                 if let Some(a) = to_affine(info.ggml_type, bytes, n) {
-                    let mut ws = shape.clone();
-                    let mut gs = shape.clone();
-                    let last = *shape.last().expect("non-empty");
-                    *ws.last_mut().expect("non-empty") = (last as i64 * a.bits as i64 / 32) as i32;
-                    *gs.last_mut().expect("non-empty") = last / 32;
-                    return Ok(Weight::Quantized(Quantized {
-                        weight: Array::from_slice(&a.weight, &ws)?,
-                        scales: Array::from_slice(&a.scales, &gs)?,
-                        biases: Some(Array::from_slice(&a.biases, &gs)?),
-                        group_size: 32,
-                        bits: a.bits,
-                        mode: QuantMode::Affine,
-                    }));
+                    let mode = (a.bits, QuantMode::Affine);
+                    return groups_of_32(&shape, mode, &a.weight, &a.scales, Some(&a.biases));
                 }
             }
             _ => {}
@@ -96,6 +63,29 @@ impl GgufFile {
         let values = dequant::dequantize(bytes, n, block_elems, block_bytes, f);
         Ok(Weight::Dense(Array::from_slice(&values, &shape)?))
     }
+}
+
+/// A quantised weight of (logical) `shape` in groups of 32 along its last axis: its packed `words`
+/// (`bits` a value, in `mode`), one scale and (affine) one bias a group.
+fn groups_of_32<S: rmlx::Element, B: rmlx::Element>(
+    shape: &[i32],
+    (bits, mode): (i32, QuantMode),
+    words: &[u32],
+    scales: &[S],
+    biases: Option<&[B]>,
+) -> Result<Weight> {
+    let last = *shape.last().expect("a quantised tensor has an axis");
+    let (mut ws, mut gs) = (shape.to_vec(), shape.to_vec());
+    *ws.last_mut().expect("non-empty") = (last as i64 * bits as i64 / 32) as i32;
+    *gs.last_mut().expect("non-empty") = last / 32;
+    Ok(Weight::Quantized(Quantized {
+        weight: Array::from_slice(words, &ws)?,
+        scales: Array::from_slice(scales, &gs)?,
+        biases: biases.map(|b| Array::from_slice(b, &gs)).transpose()?,
+        group_size: 32,
+        bits,
+        mode,
+    }))
 }
 
 /// A dense array from little-endian `F32`/`F16`/`BF16` data: straight from the map when aligned on a

@@ -40,28 +40,27 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
 
     let bar = Progress::new(opts.progress, "reading GGUF tensors", file.tensors().len() as u64);
     let mut weights = Weights::new();
+    // A tensor of RoPE frequency factors, as the configuration's list.
+    let factors = |info| match file.load(info)? {
+        Weight::Dense(f) => Ok(json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?)),
+        Weight::Quantized(_) => Err(Error::Config(format!("{}: {} is quantised", path.display(), info.name))),
+    };
     for info in file.tensors() {
         bar.inc(1);
         if info.name == "rope_freqs.weight" {
             // Llama 3.1's scaled RoPE, stored as per-frequency divisors of the frequencies.
-            let Weight::Dense(f) = file.load(info)? else {
-                return Err(Error::Config("rope_freqs is quantised".into()));
-            };
-            raw["rope_freq_factors"] = json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?);
+            raw["rope_freq_factors"] = factors(info)?;
             continue;
         }
-        let factors = info.name.strip_prefix("rope_factors_").and_then(|n| n.strip_suffix(".weight"));
-        if let Some(which) = factors.filter(|w| matches!(*w, "long" | "short")) {
-            // LongRoPE's per-pair frequency factors (Phi-3's long-context checkpoints).
-            let Weight::Dense(f) = file.load(info)? else {
-                return Err(Error::Config(format!("{}: {} is quantised", path.display(), info.name)));
-            };
-            // Without `rope.scaling.attn_factor` (older converters) the factor follows from the
+        let longrope = info.name.strip_prefix("rope_factors_").and_then(|n| n.strip_suffix(".weight"));
+        if let Some(which) = longrope.filter(|w| matches!(*w, "long" | "short")) {
+            // LongRoPE's per-pair frequency factors (Phi-3's long-context checkpoints). Without
+            // `rope.scaling.attn_factor` (older converters) the attention factor follows from the
             // original and extended contexts, as transformers computes it.
             if !raw["rope_scaling"].is_object() {
                 raw["rope_scaling"] = json!({"type": "longrope"});
             }
-            raw["rope_scaling"][format!("{which}_factor")] = json!(f.astype(Dtype::Float32)?.to_vec::<f32>()?);
+            raw["rope_scaling"][format!("{which}_factor")] = factors(info)?;
             continue;
         }
         let Some(name) = hf_name(&info.name, gguf) else {

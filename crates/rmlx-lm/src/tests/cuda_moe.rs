@@ -140,6 +140,22 @@ fn composed(moe: &SparseMoe, h: &Array, norm: &RmsNorm) -> Array {
     (h + moe.forward(&norm.forward(h).unwrap()).unwrap()).unwrap()
 }
 
+/// `moe.forward_residual(h)` against the composed feed-forward on the CPU: within `tolerance`
+/// (relative) on MLX's CUDA backend, where it counts as one case checked (the result), and bit
+/// for bit elsewhere (0).
+fn check_against_composed(moe: &SparseMoe, h: &Array, norm: &RmsNorm, tolerance: f32, case: &str) -> usize {
+    let want = rmlx::with_device(Device::cpu(), || composed(moe, h, norm));
+    let got = moe.forward_residual(h, norm).unwrap();
+    assert_eq!((got.shape(), got.dtype()), (want.shape(), want.dtype()), "{case}");
+    let err = relative_error(&got, &want);
+    if !cuda() {
+        assert_eq!(err, 0.0, "{case}: off CUDA the feed-forward is the composed one");
+        return 0;
+    }
+    assert!(err <= tolerance, "{case}: relative error {err} > {tolerance}");
+    1
+}
+
 #[test]
 fn the_kernels_match_the_composed_feed_forward_on_cuda_and_decline_elsewhere() {
     let mut checked = 0;
@@ -152,17 +168,8 @@ fn the_kernels_match_the_composed_feed_forward_on_cuda_and_decline_elsewhere() {
                 let norm = RmsNorm::new((normal(&[shape.0], 0.2, 7) + 1.0).unwrap().astype(dtype).unwrap(), 1e-6);
                 for rows in [1, 3, 8] {
                     let h = untied_rows(&moe, &norm, (rows, shape.0), counts.1 as usize, dtype, 10 + rows as u64);
-                    let want = rmlx::with_device(Device::cpu(), || composed(&moe, &h, &norm));
-                    let got = moe.forward_residual(&h, &norm).unwrap();
-                    assert_eq!((got.shape(), got.dtype()), (want.shape(), want.dtype()));
-                    let err = relative_error(&got, &want);
                     let case = format!("{dtype:?} bits {bits:?} {shape:?} {counts:?} rows {rows}");
-                    if cuda() {
-                        assert!(err <= tolerance, "{case}: relative error {err} > {tolerance}");
-                        checked += 1;
-                    } else {
-                        assert_eq!(err, 0.0, "{case}: off CUDA the feed-forward is the composed one");
-                    }
+                    checked += check_against_composed(&moe, &h, &norm, tolerance, &case);
                 }
             }
         }
@@ -182,16 +189,8 @@ fn gpt_oss_experts_match_the_composed_feed_forward_on_cuda() {
             let norm = RmsNorm::new((normal(&[hidden], 0.2, 7) + 1.0).unwrap().astype(dtype).unwrap(), 1e-5);
             for rows in [1, 3, 8] {
                 let h = untied_rows(&moe, &norm, (rows, hidden), 4, dtype, 30 + rows as u64);
-                let want = rmlx::with_device(Device::cpu(), || composed(&moe, &h, &norm));
-                let got = moe.forward_residual(&h, &norm).unwrap();
-                let err = relative_error(&got, &want);
                 let case = format!("gpt-oss {dtype:?} bits {bits:?} rows {rows}");
-                if cuda() {
-                    assert!(err <= tolerance, "{case}: relative error {err} > {tolerance}");
-                    checked += 1;
-                } else {
-                    assert_eq!(err, 0.0, "{case}: off CUDA the feed-forward is the composed one");
-                }
+                checked += check_against_composed(&moe, &h, &norm, tolerance, &case);
             }
         }
     }
