@@ -506,17 +506,27 @@ pub fn ids_of(v: Option<&Value>) -> Vec<u32> {
 }
 
 /// transformers ≥ 5 writes `rope_parameters` (`{rope_theta, rope_type, factor, ...}`, or one such
-/// object per layer type for Gemma 3) instead of `rope_theta` + `rope_scaling`: map it back.
+/// object per layer type for Gemma 3) instead of `rope_theta` + `rope_scaling`, and puts
+/// `partial_rotary_factor` there too: map it back.
 fn normalize_rope_parameters(top: &mut serde_json::Map<String, Value>) {
     let Some(Value::Object(params)) = top.remove("rope_parameters") else { return };
     let mut apply = |p: &serde_json::Map<String, Value>, theta_key: &str, scaling: bool| {
         if let Some(theta) = p.get("rope_theta") {
             top.entry(theta_key.to_string()).or_insert(theta.clone());
         }
+        if scaling {
+            // Fields of the model that transformers 5 files under RoPE (Phi-4-mini's 0.75).
+            for key in ["partial_rotary_factor", "original_max_position_embeddings"] {
+                if let Some(v) = p.get(key).filter(|v| !v.is_null()) {
+                    top.entry(key.to_string()).or_insert(v.clone());
+                }
+            }
+        }
         let kind = p.get("rope_type").and_then(Value::as_str).unwrap_or("default");
         if scaling && kind != "default" && top.get("rope_scaling").is_none_or(|v| v.is_null()) {
             let mut sc = p.clone();
             sc.remove("rope_theta");
+            sc.remove("partial_rotary_factor");
             top.insert("rope_scaling".into(), Value::Object(sc));
         }
     };

@@ -10,6 +10,7 @@ mod common;
 use common::{fixture_with_tokenizer, floats, ids, reference};
 use rmlx::{Array, Dtype};
 use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
+use serde_json::Value;
 
 fn load(dir: &std::path::Path, dtype: Dtype) -> LoadedModel {
     let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), ..LoadOptions::default() };
@@ -61,12 +62,22 @@ fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> 
 /// Checks one fixture against its reference, with the tolerances the generator measured and
 /// recorded (float32 matmuls on the GPU run as TF32, so there the TF32 tolerance applies).
 fn check(name: &str) {
+    check_with_config(name, |_| {});
+}
+
+/// [`check`] with the fixture's config.json rewritten by `edit` first (another layout of the same
+/// configuration: the reference is unchanged).
+fn check_with_config(name: &str, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) {
     let r = reference(name);
     let tol = |k: &str| r["tolerance"][k].as_f64().unwrap_or_else(|| panic!("{name}: tolerance.{k}")) as f32;
     let on_gpu = rmlx::default_device().kind == rmlx::DeviceType::Gpu;
     let tol32 = if on_gpu { tol("float32_tf32") } else { tol("float32") };
     let tol_ckpt = tol("checkpoint_dtype").max(if on_gpu { tol32 } else { 0.0 });
     let dir = fixture_with_tokenizer(name);
+    let path = dir.path().join("config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(cfg.as_object_mut().unwrap());
+    std::fs::write(&path, cfg.to_string()).unwrap();
     let prompt = ids(&r["prompt_ids"]);
     let expected_logits = floats(&r["logits"]);
     let expected = ids(&r["greedy"]);
@@ -188,6 +199,22 @@ fn gemma3_multimodal_checkpoint_language_model_prefix() {
 #[test]
 fn phi3_fused_projections_partial_rotary_longrope_window() {
     check("phi3");
+}
+
+/// Phi-3's configuration as transformers 5 writes it: `rope_theta`, the LongRoPE scaling and
+/// `partial_rotary_factor` all inside `rope_parameters` (a Phi-4-mini saved so turns 3/4 of each
+/// head; read as 1 it would turn all of it).
+#[test]
+fn phi3_config_in_the_transformers5_layout() {
+    check_with_config("phi3", |c| {
+        let mut rope = c.remove("rope_scaling").unwrap().as_object().unwrap().clone();
+        rope.insert("rope_type".into(), rope["type"].clone());
+        for key in ["rope_theta", "partial_rotary_factor"] {
+            rope.insert(key.into(), c.remove(key).unwrap());
+        }
+        rope.insert("original_max_position_embeddings".into(), c["original_max_position_embeddings"].clone());
+        c.insert("rope_parameters".into(), Value::Object(rope));
+    });
 }
 
 /// Phi-3's fused projections quantised: the split keeps whole rows of packed weights, scales and biases.
