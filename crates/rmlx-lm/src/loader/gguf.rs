@@ -74,18 +74,6 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         weights.insert(name, w);
     }
     bar.finish();
-    if raw["model_type"] == "mixtral" {
-        // A `llama` file with experts: Mixtral's routed feed-forward is its `block_sparse_moe`.
-        let moved: Vec<String> = weights
-            .names()
-            .filter(|n| n.contains(".mlp.gate.") || n.contains(".mlp.switch_mlp."))
-            .map(String::from)
-            .collect();
-        for name in moved {
-            let w = weights.take(&name)?;
-            weights.insert(name.replacen(".mlp.", ".block_sparse_moe.", 1), w);
-        }
-    }
     if raw.get("vocab_size").is_none_or(Value::is_null) {
         let rows = weights.get("model.embed_tokens.weight").map(|w| w.shape()[0]).unwrap_or(0);
         raw["vocab_size"] = json!(rows);

@@ -259,5 +259,21 @@ pub static MIXTRAL_SPEC: ArchitectureSpec = ArchitectureSpec {
     signature_tensor: Some("model.layers.0.block_sparse_moe.gate.weight"),
     chat_family: "llama3",
     gguf: None,
-    build: |cfg, b| Ok(Box::new(Model::load(cfg, b, &MIXTRAL)?)),
+    build: |cfg, b| {
+        mixtral_from_llama_names(cfg, b)?;
+        Ok(Box::new(Model::load(cfg, b, &MIXTRAL)?))
+    },
 };
+
+/// llama.cpp writes Mixtral as a `llama` file with experts, whose router and experts then come
+/// under llama's feed-forward names (`mlp.gate`, `mlp.switch_mlp.*`): Mixtral reads them as its
+/// `block_sparse_moe`.
+fn mixtral_from_llama_names(cfg: &ModelConfig, b: &mut Builder) -> Result<()> {
+    for i in 0..cfg.num_hidden_layers {
+        for part in ["gate", "switch_mlp.gate_proj", "switch_mlp.up_proj", "switch_mlp.down_proj"] {
+            let to = format!("model.layers.{i}.block_sparse_moe.{part}.weight");
+            b.rewrite(&format!("model.layers.{i}.mlp.{part}.weight"), |w| Ok(vec![(to, w)]))?;
+        }
+    }
+    Ok(())
+}
