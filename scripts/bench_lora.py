@@ -10,7 +10,7 @@ is one token of a word-level tokenizer written into the model folder when it has
 checkpoints from make_model.py come without one). Both trainers: batch 4, rank 8, scale 20, 16 layers,
 max length 512, Adam at 1e-5, one validation batch. Throughput is each tool's own count of tokens in
 the loss per second of training (validation excluded), the median over the reports after the first
-(10 iterations each); peak memory is MLX's peak at the end. Prints one JSON line per run and a
+(`--steps-per-report`, 10 iterations each by default); peak memory is MLX's peak at the end. Prints one JSON line per run and a
 summary line per (model, checkpointing) pair.
 """
 import argparse, json, os, pathlib, random, statistics, subprocess, sys, tempfile, time
@@ -68,7 +68,7 @@ def peer(a):
     from mlx_lm.utils import load
     args = vars(lora.build_parser().parse_args([]))
     args.update(model=a.peer, train=True, data=a.data, iters=a.iters, batch_size=4, num_layers=a.num_layers,
-                max_seq_length=512, steps_per_report=10, steps_per_eval=10**6, val_batches=1,
+                max_seq_length=512, steps_per_report=a.steps_per_report, steps_per_eval=10**6, val_batches=1,
                 save_every=10**6, adapter_path=tempfile.mkdtemp(), learning_rate=1e-5,
                 grad_checkpoint=a.grad_checkpoint == "on")
     for k, v in lora.CONFIG_DEFAULTS.items():
@@ -88,18 +88,20 @@ def peer(a):
     print(json.dumps(reports))
 
 
-def lora_command(binary, model, data, iters, num_layers, adapters):
+def lora_command(binary, model, data, iters, num_layers, adapters, steps_per_report=10):
     """`rmlx lora` with the settings mlx-lm is run with here: batch 4, max length 512, Adam at 1e-5,
-    a report every 10 iterations as JSON lines, no validation beyond the first, no checkpoints."""
+    a report every `steps_per_report` iterations as JSON lines, no validation beyond the first, no
+    checkpoints."""
     return [binary, "lora", "--model", str(model), "--train", "--data", str(data), "--iters", str(iters),
-            "--batch-size", "4", "--num-layers", str(num_layers), "--max-seq-length", "512", "--steps-per-report", "10",
+            "--batch-size", "4", "--num-layers", str(num_layers), "--max-seq-length", "512",
+            "--steps-per-report", str(steps_per_report),
             "--steps-per-eval", str(10**6), "--val-batches", "1", "--save-every", str(10**6),
             "--adapter-path", adapters, "--learning-rate", "1e-5", "--json"]
 
 
 def run_rmlx(a, model, data, checkpoint, uncompiled=False, binary=None):
     with tempfile.TemporaryDirectory() as adapters:
-        cmd = lora_command(binary or a.rmlx, model, data, a.iters, a.num_layers, adapters)
+        cmd = lora_command(binary or a.rmlx, model, data, a.iters, a.num_layers, adapters, a.steps_per_report)
         if checkpoint:
             cmd.append("--grad-checkpoint")
         if uncompiled:
@@ -112,7 +114,7 @@ def run_rmlx(a, model, data, checkpoint, uncompiled=False, binary=None):
 
 def run_peer(a, model, data, checkpoint, uncompiled=False):
     cmd = [sys.executable, __file__, "--peer", str(model), "--data", str(data), "--iters", str(a.iters),
-           "--num-layers", str(a.num_layers),
+           "--num-layers", str(a.num_layers), "--steps-per-report", str(a.steps_per_report),
            "--grad-checkpoint", "on" if checkpoint else "off"]
     env = dict(os.environ, MLX_DISABLE_COMPILE="1") if uncompiled else None
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -131,6 +133,9 @@ def main():
     ap.add_argument("--grad-checkpoint", default="off", choices=["off", "on", "both"])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--num-layers", type=int, default=16)
+    ap.add_argument("--steps-per-report", type=int, default=10,
+                    help="iterations per report for both tools (1: the median is over single steps, so the few "
+                         "steps that meet a batch shape for the first time do not move it)")
     ap.add_argument("--rmlx-uncompiled", action="store_true", help="also run rmlx with --no-compile")
     ap.add_argument("--peer-uncompiled", action="store_true",
                     help="also run mlx-lm with MLX_DISABLE_COMPILE=1 (how much its compiled step gains)")
