@@ -6,7 +6,10 @@ implement, so it runs only through the mlx-lm bridge (``crates/rmlx-lm/src/backe
 in the backend tests. ``--arch phi3`` (``phi3_mlx_lm``: fused ``qkv_proj`` and ``gate_up_proj``,
 partial rotary embedding): the native Phi-3 checked against mlx-lm's greedy ids; ``--arch gpt_oss``
 (``gpt_oss_mlx_lm``: mlx-lm's layout of gpt-oss, its experts stacked under ``mlp.experts`` with
-biases, sinks, YaRN, a window of 4 on layer 0) likewise. Run it with mlx-lm's
+biases, sinks, YaRN, a window of 4 on layer 0) likewise; ``--arch mixtral --quantize affine``
+(``mixtral_q4_mlx_lm``: 4 experts, 2 a token, every linear layer and the routers 4-bit in groups
+of 32 as ``mlx_lm.convert -q`` writes them, the experts stacked under ``switch_mlp``) the
+quantised Mixtral. Run it with mlx-lm's
 Python, e.g.:
 
     python3 -m pip install --target ~/.cache/rmlx/mlx-lm-0.32.2 \\
@@ -38,7 +41,7 @@ import numpy as np
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_lm.models import gpt_oss, phi3, starcoder2
+from mlx_lm.models import gpt_oss, mixtral, phi3, starcoder2
 
 VOCAB = 512
 EOS_ID = 2
@@ -108,7 +111,28 @@ GPT_OSS = {
     "torch_dtype": "float32",
 }
 
-ARCHS = {"phi3": (phi3, PHI3), "starcoder2": (starcoder2, STARCODER2), "gpt_oss": (gpt_oss, GPT_OSS)}
+MIXTRAL = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_ID,
+    "torch_dtype": "float32",
+}
+
+ARCHS = {"phi3": (phi3, PHI3), "starcoder2": (starcoder2, STARCODER2), "gpt_oss": (gpt_oss, GPT_OSS),
+         "mixtral": (mixtral, MIXTRAL)}
 
 PROBE_PROMPT = [1, 2, 3]  # "t1 t2 t3" with the tests' word-level tokenizer
 PROBE_STEPS = 16
@@ -151,8 +175,10 @@ def main():
     ap.add_argument("--out", required=True, help="output folder (created or overwritten)")
     ap.add_argument("--seed", type=int, default=0, help="first seed tried (default 0)")
     ap.add_argument("--min-margin", type=float, default=0.1)
-    ap.add_argument("--quantize", choices=["mxfp4"], help="quantise every layer but the routers with "
-                    "mlx-lm's nn.quantize in this mode (the probe then runs the quantised model)")
+    ap.add_argument("--quantize", choices=["mxfp4", "affine"], help="quantise with mlx-lm's nn.quantize in "
+                    "this mode, 4 bits in groups of 32 (the probe then runs the quantised model): mxfp4 every "
+                    "layer but gpt-oss's routers; affine every layer (Mixtral's routers included), as "
+                    "mlx_lm.convert -q does")
     args = ap.parse_args()
     config = dict(ARCHS[args.arch][1])
 
@@ -161,7 +187,8 @@ def main():
         if args.quantize:
             import mlx.nn as nn
             q = {"group_size": 32, "bits": 4, "mode": args.quantize}
-            nn.quantize(model, **q, class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith("router"))
+            nn.quantize(model, **q, class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                        and not (args.quantize == "mxfp4" and p.endswith("router")))
             mx.eval(model.parameters())
             weights = dict(tree_flatten(model.parameters()))
             config["quantization"] = q
