@@ -9,7 +9,8 @@ partial rotary embedding): the native Phi-3 checked against mlx-lm's greedy ids;
 biases, sinks, YaRN, a window of 4 on layer 0) likewise; ``--arch mixtral --quantize affine``
 (``mixtral_q4_mlx_lm``: 4 experts, 2 a token, every linear layer and the routers 4-bit in groups
 of 32 as ``mlx_lm.convert -q`` writes them, the experts stacked under ``switch_mlp``) the
-quantised Mixtral. Run it with mlx-lm's
+quantised Mixtral; ``--arch mistral --quantize affine`` (``mistral_q4_mlx_lm``: a window of 4 on
+layer 0, passed at the probe's fifth token; mlx-lm's llama module needs a full layer among them) the quantised Mistral. Run it with mlx-lm's
 Python, e.g.:
 
     python3 -m pip install --target ~/.cache/rmlx/mlx-lm-0.32.2 \\
@@ -41,7 +42,7 @@ import numpy as np
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_lm.models import gpt_oss, mixtral, phi3, starcoder2
+from mlx_lm.models import gpt_oss, llama, mixtral, phi3, starcoder2
 
 VOCAB = 512
 EOS_ID = 2
@@ -131,8 +132,30 @@ MIXTRAL = {
     "torch_dtype": "float32",
 }
 
+# mlx-lm reads `mistral` with its llama module, which slides only the layers `layer_types` names.
+MISTRAL = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_ID,
+    "torch_dtype": "float32",
+}
+
 ARCHS = {"phi3": (phi3, PHI3), "starcoder2": (starcoder2, STARCODER2), "gpt_oss": (gpt_oss, GPT_OSS),
-         "mixtral": (mixtral, MIXTRAL)}
+         "mixtral": (mixtral, MIXTRAL), "mistral": (llama, MISTRAL)}
 
 PROBE_PROMPT = [1, 2, 3]  # "t1 t2 t3" with the tests' word-level tokenizer
 PROBE_STEPS = 16

@@ -265,6 +265,19 @@ fn mixtral_mlx_quantized_greedy_ids_equal_mlx_lm() {
     assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2), mlx_lm, "prefill in chunks of 2");
 }
 
+/// Mistral 4-bit as `mlx_lm.convert -q` writes it (`--arch mistral --quantize affine`: a window of
+/// 4 on layer 0, every linear layer, embedding and head 4-bit in groups of 32) greedily continues
+/// `t1 t2 t3` as mlx-lm does (margins at least 0.123); without the window mlx-lm's ids part from
+/// these at the fifth token.
+#[test]
+fn mistral_mlx_quantized_window_greedy_ids_equal_mlx_lm() {
+    let dir = fixture_with_tokenizer("mistral_q4_mlx_lm");
+    let lm = load(dir.path(), Dtype::Float32);
+    let mlx_lm = [3, 210, 76, 433, 262, 441, 433, 259, 469, 435, 265, 68, 175, 146, 42, 338];
+    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
+    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2), mlx_lm, "prefill in chunks of 2");
+}
+
 /// The same architecture quantised by mlx-lm in MXFP4 (`--quantize mxfp4`: every linear layer, the
 /// experts, the embedding and the head in groups of 32 with 8-bit power-of-two scales, the routers
 /// dense): the quantised layers stay MXFP4 and rmlx's 16 greedy ids equal mlx-lm's (margins at
