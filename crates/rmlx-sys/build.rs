@@ -33,9 +33,17 @@ fn main() {
     println!("cargo:rerun-if-changed=src/shim.h");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/lib.rs");
-    for file in
-        ["src/transforms.h", "src/transforms.cc", "src/transforms.rs", "src/cuda.h", "src/cuda.cc", "src/cuda.rs"]
-    {
+    for file in [
+        "src/transforms.h",
+        "src/transforms.cc",
+        "src/transforms.rs",
+        "src/cuda.h",
+        "src/cuda.cc",
+        "src/cuda.rs",
+        "src/distributed.h",
+        "src/distributed.cc",
+        "src/distributed.rs",
+    ] {
         println!("cargo:rerun-if-changed={file}");
     }
 
@@ -50,11 +58,12 @@ fn main() {
     let lib = mlx.join("lib");
     println!("cargo:warning=rmlx-sys: using MLX from {}", mlx.display());
 
-    let mut build = cxx_build::bridges(["src/lib.rs", "src/transforms.rs", "src/cuda.rs"]);
+    let mut build = cxx_build::bridges(["src/lib.rs", "src/transforms.rs", "src/cuda.rs", "src/distributed.rs"]);
     build
         .file("src/shim.cc")
         .file("src/transforms.cc")
         .file("src/cuda.cc")
+        .file("src/distributed.cc")
         .include(&include)
         .include("src")
         .std("c++20")

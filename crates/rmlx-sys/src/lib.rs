@@ -14,6 +14,7 @@
 pub use cxx;
 
 pub mod cuda;
+pub mod distributed;
 pub mod transforms;
 pub use transforms::tffi;
 

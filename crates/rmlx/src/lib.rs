@@ -48,6 +48,7 @@ pub mod cuda;
 mod cuda_graphs;
 pub mod custom;
 mod device;
+pub mod distributed;
 mod dtype;
 mod error;
 mod evaluator;
