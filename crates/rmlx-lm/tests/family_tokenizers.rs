@@ -107,10 +107,7 @@ fn the_formula_is_the_scripts() {
     // The script's first values of a name and salt (numpy's uint64 arithmetic), pinned here so a
     // drift in either formula names itself instead of failing every family's NLL.
     assert_eq!(fnv1a64("model.norm.weight"), 0xD6D6_E5AF_D116_04E4);
-    assert_eq!(
-        values("model.norm.weight", 3, 1.0, -3, 0),
-        vec![0.887_168_9, 0.955_322_27, 0.915_046_7]
-    );
+    assert_eq!(values("model.norm.weight", 3, 1.0, -3, 0), vec![0.887_168_9, 0.955_322_27, 0.915_046_7]);
 }
 
 #[test]

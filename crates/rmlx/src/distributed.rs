@@ -149,7 +149,7 @@ impl Group {
     /// parts of the first axis (which the group's size must divide). MLX's ring backend has none:
     /// there the evaluation is an error.
     pub fn sum_scatter(&self, a: &Array) -> Result<Array> {
-        if a.ndim() == 0 || a.shape()[0] as usize % self.size != 0 {
+        if a.ndim() == 0 || !(a.shape()[0] as usize).is_multiple_of(self.size) {
             return Err(Error::InvalidArgument(format!(
                 "sum_scatter over {} processes needs a first axis they divide, not {:?}",
                 self.size,
