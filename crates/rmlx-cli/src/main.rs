@@ -7,6 +7,7 @@ mod backends;
 mod batch;
 mod bench;
 mod bench_batch;
+mod bench_collective;
 mod bench_kernels;
 mod chat;
 mod common;
@@ -14,6 +15,7 @@ mod fuse;
 mod generate;
 mod inspect;
 mod interrupt;
+mod launch;
 mod lora;
 mod lora_config;
 mod perplexity;
@@ -57,6 +59,11 @@ enum Command {
     Inspect(inspect::Args),
     /// The inference backends (native, mlx-lm) and whether each can run here or a given model.
     Backends(backends::Args),
+    /// Start an rmlx command as several ranks on this machine (MLX's ring or NCCL), each rank's
+    /// output prefixed, all stopped when one fails.
+    Launch(launch::Args),
+    /// Time MLX's all-sum between the ranks of a launched job, per message size.
+    BenchCollective(bench_collective::Args),
 }
 
 fn main() {
@@ -100,6 +107,8 @@ fn main() {
         Command::Batch(a) => batch::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Backends(a) => backends::run(a),
+        Command::Launch(a) => launch::run(a),
+        Command::BenchCollective(a) => bench_collective::run(a),
     });
     if let Err(e) = result {
         eprintln!("error: {e:#}");

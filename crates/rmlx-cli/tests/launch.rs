@@ -1,0 +1,55 @@
+//! `rmlx launch` over MLX's ring on this machine, with `rmlx bench-collective` as the ranks'
+//! command: ranks join one group and sum across it; output comes back prefixed by rank; one
+//! failing rank fails the launch, naming it.
+
+use serde_json::Value;
+use std::process::{Command, Output, Stdio};
+
+const RMLX: &str = env!("CARGO_BIN_EXE_rmlx");
+
+fn rmlx(args: &[&str]) -> Output {
+    Command::new(RMLX).args(args).stdin(Stdio::null()).output().unwrap()
+}
+
+#[test]
+fn ranks_sum_over_the_ring_and_rank_zero_reports() {
+    let out = rmlx(&["launch", "-n", "3", "--", "bench-collective", "--sizes", "8,4096", "--iters", "3", "--json"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // Every rank checked the sum it received (1 + 2 + 3 everywhere); rank 0 alone prints.
+    let rows: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l.strip_prefix("[rank 0] ").unwrap_or_else(|| panic!("{l:?}"))).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for (row, bytes) in rows.iter().zip([8, 4096]) {
+        assert_eq!(
+            (row["backend"].as_str(), row["ranks"].as_u64(), row["bytes"].as_u64()),
+            (Some("ring"), Some(3), Some(bytes))
+        );
+        assert!(row["median_us"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn a_failing_rank_fails_the_launch_naming_it() {
+    let out = rmlx(&["launch", "-n", "2", "--", "generate", "--model", "/nonexistent/model", "--prompt", "hi"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    // The first rank to fail is named, and its own error came through whole (the other may have
+    // been stopped before it printed anything).
+    let last = stderr.lines().last().unwrap();
+    let rank = last
+        .strip_prefix("error: rank ")
+        .and_then(|r| r.strip_suffix(" of 2 failed (exit status: 1); the other ranks were stopped"))
+        .unwrap_or_else(|| panic!("{stderr}"));
+    assert!(stderr.contains(&format!("[rank {rank}] error: loading /nonexistent/model")), "{stderr}");
+}
+
+#[test]
+fn bench_collective_outside_a_launch_says_how_to_run_it() {
+    let out = rmlx(&["bench-collective"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr.contains("rmlx launch -n 2 -- bench-collective"), "{stderr}");
+}
