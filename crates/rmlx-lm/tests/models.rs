@@ -246,38 +246,6 @@ fn gpt_oss_greedy_ids_equal_mlx_lm_on_its_own_checkpoint() {
     assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
 }
 
-/// Mixtral as `mlx_lm.convert -q` writes it (`scripts/make_mlx_lm_fixture.py --arch mixtral
-/// --quantize affine`: every linear layer, the routers, the embedding and the head 4-bit in groups
-/// of 32; 4 experts stacked under `block_sparse_moe.switch_mlp`, 2 a token) greedily continues
-/// `t1 t2 t3` as mlx-lm does on the same quantised model (every top-1/top-2 margin at least 0.103
-/// in mlx-lm), with its experts kept quantised.
-#[test]
-fn mixtral_mlx_quantized_greedy_ids_equal_mlx_lm() {
-    let dir = fixture_with_tokenizer("mixtral_q4_mlx_lm");
-    let lm = load(dir.path(), Dtype::Float32);
-    let mut quantized = 0;
-    lm.model.visit("", &mut |name, role, _| {
-        quantized += (role == rmlx_lm::nn::Role::Quantization && name.contains("switch_mlp")) as usize;
-    });
-    assert!(quantized > 0, "the experts were dequantised at load");
-    let mlx_lm = [373, 143, 252, 405, 153, 239, 135, 257, 220, 375, 465, 101, 432, 416, 419, 415];
-    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
-    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2), mlx_lm, "prefill in chunks of 2");
-}
-
-/// Mistral 4-bit as `mlx_lm.convert -q` writes it (`--arch mistral --quantize affine`: a window of
-/// 4 on layer 0, every linear layer, embedding and head 4-bit in groups of 32) greedily continues
-/// `t1 t2 t3` as mlx-lm does (margins at least 0.123); without the window mlx-lm's ids part from
-/// these at the fifth token.
-#[test]
-fn mistral_mlx_quantized_window_greedy_ids_equal_mlx_lm() {
-    let dir = fixture_with_tokenizer("mistral_q4_mlx_lm");
-    let lm = load(dir.path(), Dtype::Float32);
-    let mlx_lm = [3, 210, 76, 433, 262, 441, 433, 259, 469, 435, 265, 68, 175, 146, 42, 338];
-    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2048), mlx_lm);
-    assert_eq!(greedy(&lm, &[1, 2, 3], mlx_lm.len(), 2), mlx_lm, "prefill in chunks of 2");
-}
-
 /// The same architecture quantised by mlx-lm in MXFP4 (`--quantize mxfp4`: every linear layer, the
 /// experts, the embedding and the head in groups of 32 with 8-bit power-of-two scales, the routers
 /// dense): the quantised layers stay MXFP4 and rmlx's 16 greedy ids equal mlx-lm's (margins at
@@ -369,6 +337,41 @@ fn gpt_oss_openai_mxfp4_experts_load_as_mlx_lms() {
     assert_eq!(prompt_logits(&published, &prompt), prompt_logits(&mlx_lm, &prompt));
     let ids = [323, 331, 156, 16, 132, 240, 318, 364, 414, 228, 258, 331, 506, 195, 235, 419];
     assert_eq!(greedy(&published, &[1, 2, 3], ids.len(), 2048), ids);
+}
+
+/// `lm`'s greedy continuation of `t1 t2 t3` is `want` (mlx-lm's), with the prompt prefilled whole
+/// and in chunks of 2.
+fn continues_as_mlx_lm(lm: &LoadedModel, want: &[u32]) {
+    assert_eq!(greedy(lm, &[1, 2, 3], want.len(), 2048), want);
+    assert_eq!(greedy(lm, &[1, 2, 3], want.len(), 2), want, "prefill in chunks of 2");
+}
+
+/// Mixtral as `mlx_lm.convert -q` writes it (`scripts/make_mlx_lm_fixture.py --arch mixtral
+/// --quantize affine`: every linear layer, the routers, the embedding and the head 4-bit in groups
+/// of 32; 4 experts stacked under `block_sparse_moe.switch_mlp`, 2 a token) greedily continues
+/// `t1 t2 t3` as mlx-lm does on the same quantised model (every top-1/top-2 margin at least 0.103
+/// in mlx-lm), with its experts kept quantised.
+#[test]
+fn mixtral_mlx_quantized_greedy_ids_equal_mlx_lm() {
+    let dir = fixture_with_tokenizer("mixtral_q4_mlx_lm");
+    let lm = load(dir.path(), Dtype::Float32);
+    let mut quantized = 0;
+    lm.model.visit("", &mut |name, role, _| {
+        quantized += (role == rmlx_lm::nn::Role::Quantization && name.contains("switch_mlp")) as usize;
+    });
+    assert!(quantized > 0, "the experts were dequantised at load");
+    continues_as_mlx_lm(&lm, &[373, 143, 252, 405, 153, 239, 135, 257, 220, 375, 465, 101, 432, 416, 419, 415]);
+}
+
+/// Mistral 4-bit as `mlx_lm.convert -q` writes it (`--arch mistral --quantize affine`: a window of
+/// 4 on layer 0, every linear layer, embedding and head 4-bit in groups of 32) greedily continues
+/// `t1 t2 t3` as mlx-lm does (margins at least 0.123); without the window mlx-lm's ids part from
+/// these at the fifth token.
+#[test]
+fn mistral_mlx_quantized_window_greedy_ids_equal_mlx_lm() {
+    let dir = fixture_with_tokenizer("mistral_q4_mlx_lm");
+    let lm = load(dir.path(), Dtype::Float32);
+    continues_as_mlx_lm(&lm, &[3, 210, 76, 433, 262, 441, 433, 259, 469, 435, 265, 68, 175, 146, 42, 338]);
 }
 
 #[test]
