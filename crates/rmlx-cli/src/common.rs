@@ -139,6 +139,7 @@ impl ModelArgs {
             allow_missing_tokenizer,
             quantized_matvec: self.quantized_matvec,
             step_capture: self.step_capture,
+            tensor_parallel: crate::parallel::tensor_parallel()?,
         })
     }
 

@@ -18,6 +18,7 @@ mod interrupt;
 mod launch;
 mod lora;
 mod lora_config;
+mod parallel;
 mod perplexity;
 mod serve;
 
@@ -74,12 +75,27 @@ fn main() {
     // The library reports through `tracing`: the server writes structured lines (it sets that up
     // itself); every other command prints the messages alone, as plain stderr lines, at `info`
     // unless `RMLX_LOG` says otherwise (`RMLX_LOG=debug` adds, for one, memory per training step).
+    // The ranks of a job other than 0 write nothing but errors and warnings (to `errors`).
+    let errors = match matches.subcommand_name().map_or(Ok(()), parallel::check_command) {
+        Ok(()) => parallel::quiet_unless_rank0(),
+        Err(e) => Err(e),
+    };
+    let errors = errors.unwrap_or_else(|e| {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    });
     if !matches!(cli.command, Command::Serve(_)) {
         use std::io::IsTerminal;
-        let filter = tracing_subscriber::EnvFilter::try_from_env("RMLX_LOG").unwrap_or_else(|_| "info".into());
+        use tracing_subscriber::fmt::writer::BoxMakeWriter;
+        // A job's other ranks report warnings and errors only (rank 0 reports progress).
+        let level = if parallel::job_rank() == 0 { "info" } else { "warn" };
+        let filter = tracing_subscriber::EnvFilter::try_from_env("RMLX_LOG").unwrap_or_else(|_| level.into());
         tracing_subscriber::fmt()
             .with_env_filter(filter)
-            .with_writer(std::io::stderr)
+            .with_writer(match errors.as_ref().and_then(|f| f.try_clone().ok()) {
+                Some(f) => BoxMakeWriter::new(std::sync::Mutex::new(f)),
+                None => BoxMakeWriter::new(std::io::stderr),
+            })
             .with_ansi(std::io::stderr().is_terminal())
             .without_time()
             .with_level(false)
@@ -111,7 +127,13 @@ fn main() {
         Command::BenchCollective(a) => bench_collective::run(a),
     });
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        match errors {
+            Some(mut f) => {
+                use std::io::Write;
+                let _ = writeln!(f, "error: {e:#}");
+            }
+            None => eprintln!("error: {e:#}"),
+        }
         std::process::exit(1);
     }
 }

@@ -53,3 +53,49 @@ fn bench_collective_outside_a_launch_says_how_to_run_it() {
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr.contains("rmlx launch -n 2 -- bench-collective"), "{stderr}");
 }
+
+/// `generate --json` of the default model: its token ids.
+fn token_ids(stdout: &str) -> Vec<u64> {
+    let v: Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout:?}"));
+    v["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+}
+
+#[test]
+fn generate_split_over_three_ranks_gives_the_tokens_of_one_process() {
+    let args =
+        ["generate", "--prompt", "Explain what photosynthesis is in simple terms.", "--max-tokens", "16", "--json"];
+    let one = rmlx(&args);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let whole = token_ids(&String::from_utf8_lossy(&one.stdout));
+    assert_eq!(whole.len(), 16);
+    // SmolLM2-135M's 9 query and 3 key/value heads, 1536 feed-forward features and 4-bit groups of
+    // 32 split over 3 ranks; rank 0 alone writes the result and progress.
+    let mut launch = vec!["launch", "-n", "3", "--backend", "ring", "--"];
+    launch.extend(args);
+    let out = rmlx(&launch);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let line = stdout.strip_prefix("[rank 0] ").unwrap_or_else(|| panic!("{stdout}"));
+    assert_eq!(token_ids(line), whole);
+    assert!(stderr.contains("[rank 0] rank 0 of 3 (ring): the model is split over the ranks"), "{stderr}");
+    assert!(!stderr.contains("[rank 1]") && !stderr.contains("[rank 2]"), "{stderr}");
+}
+
+#[test]
+fn heads_the_ranks_cannot_share_are_an_error_at_load() {
+    let out = rmlx(&["launch", "-n", "2", "--", "generate", "--prompt", "hi", "--max-tokens", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("tensor parallelism: 2 ranks cannot share 9 query heads and 3 key/value heads evenly"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn commands_that_do_not_split_refuse_to_run_as_ranks() {
+    let out = rmlx(&["launch", "-n", "2", "--", "serve", "--port", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("error: `rmlx serve` does not run as the ranks of a job yet"), "{stderr}");
+}

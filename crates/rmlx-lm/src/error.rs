@@ -53,6 +53,11 @@ pub enum Error {
     /// exited, stopped answering, or reported an error of its own.
     #[error("{backend} backend: {message}")]
     Backend { backend: String, message: String },
+    /// A model cannot be split over the ranks of a tensor-parallel job as asked (head or feature
+    /// counts the ranks do not divide, quantisation groups a split would cut, adapters on split
+    /// layers).
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
     /// Downloading a registry package (the default model, tokenizer files) failed.
     #[error("download {url}: {reason}")]
     Download { url: String, reason: String },

@@ -304,12 +304,13 @@ impl<'m> Generation<'m> {
         if self.sampler.config().takes_argmax_of_logits() && !self.lm.vocab.pads() {
             // One launch on MLX's CUDA backend for the ten operations below.
             if let Some([token, logprob, finite]) = crate::nn::cuda_sample::greedy(&logits)? {
-                return Ok(Step { token, logprob, finite });
+                return Ok(Step { token: self.lm.agreed(token)?, logprob, finite });
             }
         }
         let finite = rmlx::ops::isfinite(&logits)?.all(rmlx::Axes::All, false)?;
         let logits = self.lm.vocab.mask_logits(&logits)?;
         let (token, logprobs) = self.sampler.sample(&logits, &self.history)?;
+        let token = self.lm.agreed(token)?;
         let logprob = rmlx::ops::take_along_axis(&logprobs, &token.reshape(&[1, 1])?, Some(-1))?.reshape(&[1])?;
         Ok(Step { token, logprob, finite })
     }

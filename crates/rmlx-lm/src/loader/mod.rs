@@ -18,7 +18,7 @@ use crate::tokenizer::Tokenizer;
 use crate::vocab::VocabBounds;
 use crate::weights::Weights;
 use crate::{Error, Result};
-use rmlx::Dtype;
+use rmlx::{Array, Dtype};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -43,6 +43,9 @@ pub struct LoadOptions {
     /// Whether decoding steps on MLX's CUDA backend replay their layers as one captured launch
     /// (default: where they can).
     pub step_capture: crate::nn::StepCapture,
+    /// Split the model over these ranks (tensor parallelism: every rank of the group loads it
+    /// with the same options and holds its share; see [`crate::nn::TensorParallel`]).
+    pub tensor_parallel: Option<crate::nn::TensorParallel>,
 }
 
 /// A model ready to generate with.
@@ -66,6 +69,9 @@ pub struct LoadedModel {
     /// Embedding rows versus tokenizer ids: the id check every input goes through and the mask
     /// that keeps padding ids from being sampled.
     pub vocab: VocabBounds,
+    /// The ranks the model is split over, when it is (every rank generates in step with the
+    /// others and takes rank 0's sampled tokens).
+    pub tensor_parallel: Option<crate::nn::TensorParallel>,
 }
 
 impl LoadedModel {
@@ -74,10 +80,21 @@ impl LoadedModel {
         self.model.new_caches(None).iter().map(crate::cache::KvCache::window).collect()
     }
 
-    /// Bytes of one position's keys and values in one layer, in the compute dtype.
+    /// Bytes of one position's keys and values in one layer, in the compute dtype (this rank's
+    /// heads, under tensor parallelism).
     pub fn kv_bytes_per_layer_position(&self) -> usize {
         let cfg = self.model.config();
-        2 * cfg.kv_heads() as usize * cfg.head_dim() as usize * self.dtype.size()
+        let ranks = self.tensor_parallel.as_ref().map_or(1, |tp| tp.size());
+        let kv_heads = (cfg.kv_heads() as usize / ranks).max(1);
+        2 * kv_heads * cfg.head_dim() as usize * self.dtype.size()
+    }
+
+    /// Rank 0's `token` on every rank of a tensor-parallel model (lazy), else `token`.
+    pub(crate) fn agreed(&self, token: Array) -> Result<Array> {
+        match &self.tensor_parallel {
+            Some(tp) => tp.from_rank0(&token),
+            None => Ok(token),
+        }
     }
 }
 
@@ -126,6 +143,7 @@ pub(super) fn finish(
     b.dequantize_unserved = opts.dequantize.is_none() && on_cpu;
     b.quantized_matvec = opts.quantized_matvec;
     b.step_capture = opts.step_capture;
+    b.tensor_parallel = opts.tensor_parallel.clone();
     let model = models::build(&cfg, &mut b)?;
     let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
     crate::checkpoint::warn_unused(&unused_tensors, source);
@@ -173,6 +191,7 @@ pub(super) fn finish(
         source: source.to_path_buf(),
         unused_tensors,
         vocab,
+        tensor_parallel: opts.tensor_parallel.clone(),
     })
 }
 

@@ -8,7 +8,7 @@ use crate::config::ModelConfig;
 use crate::nn::cpu_layer::AttentionParts;
 use crate::nn::cuda_attention::{self, StepHeads};
 use crate::nn::cuda_fast::{self, HeadNorms};
-use crate::nn::{Builder, Linear, RmsNorm, Stacked};
+use crate::nn::{Builder, Linear, RmsNorm, Split, Stacked};
 use crate::Result;
 use rmlx::{ops, Array};
 
@@ -68,16 +68,29 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// `p.{q,k,v,o}_proj` and, with `qk_norm`, `p.{q,k}_norm`.
+    /// `p.{q,k,v,o}_proj` and, with `qk_norm`, `p.{q,k}_norm`. Under tensor parallelism the
+    /// layer keeps this rank's heads ([`Builder::rank_heads`]): their rows of q, k and v, their
+    /// columns of the output projection (which all-sums), their sinks.
     pub fn load(cfg: &ModelConfig, b: &mut Builder, p: &str, spec: AttentionSpec) -> Result<Self> {
         let (h, heads, kv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let share = b.rank_heads(heads, kv)?;
         let bias = spec.qkv_bias;
         let names = ["q_proj", "k_proj", "v_proj"].map(|n| format!("{p}.{n}"));
         let names = names.each_ref().map(String::as_str);
-        let (projections, qkv) = b.linear_group(&names, h, &[heads * d, kv * d, kv * d], bias)?;
+        let parallel = b.tensor_parallel.as_ref().is_some_and(|tp| tp.size() > 1);
+        let (q_rows, kv_rows) = (share.rows(false, d, parallel), share.rows(true, d, parallel));
+        let splits = [q_rows, kv_rows, kv_rows];
+        let (projections, qkv) = b.linear_group(&names, h, &[heads * d, kv * d, kv * d], bias, &splits)?;
         let [q_proj, k_proj, v_proj]: [Linear; 3] = projections.try_into().ok().expect("three layers");
-        let o_proj = b.linear(&format!("{p}.o_proj"), heads * d, h, spec.o_bias)?;
-        let sinks = spec.sinks.then(|| b.dense(&format!("{p}.sinks"), &[heads])).transpose()?.map(Sinks);
+        let o_proj = b.linear_split(&format!("{p}.o_proj"), heads * d, h, spec.o_bias, Split::Inputs)?;
+        let sinks = match spec.sinks {
+            true => {
+                let name = format!("{p}.sinks");
+                let sinks = b.dense(&name, &[heads])?;
+                Some(Sinks(b.split_bias(&name, sinks, Split::Outputs)?))
+            }
+            false => None,
+        };
         let mut norm = |name: &str| -> Result<Option<RmsNorm>> {
             spec.qk_norm.map(|plus_one| b.rms_norm(&format!("{p}.{name}"), d, cfg.rms_norm_eps, plus_one)).transpose()
         };
@@ -90,8 +103,8 @@ impl Attention {
             qkv,
             q_norm,
             k_norm,
-            heads,
-            kv_heads: kv,
+            heads: share.heads,
+            kv_heads: share.kv_heads,
             head_dim: d,
             scale: spec.scale,
             rope: spec.rope,

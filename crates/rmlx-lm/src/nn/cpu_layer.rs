@@ -50,7 +50,7 @@ impl Linear {
     /// 8-bit with biases, groups a multiple of 32, no adapter of any kind.
     pub(crate) fn packed(&self) -> Option<PackedLinear<'_>> {
         let LinearWeight::Quantized(q) = &self.weight else { return None };
-        let plain = self.lora.is_none() && !super::adapter_bank::has_row_adapters(&self.path);
+        let plain = self.lora.is_none() && self.reduce.is_none() && !super::adapter_bank::has_row_adapters(&self.path);
         let supported =
             q.mode == QuantMode::Affine && matches!(q.bits, 4 | 8) && q.group_size > 0 && q.group_size % 32 == 0;
         (plain && supported && q.biases.is_some()).then_some(PackedLinear {

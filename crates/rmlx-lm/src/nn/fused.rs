@@ -28,6 +28,9 @@ impl Linear {
 
     /// `residual + self(x)`.
     pub fn forward_add(&self, x: &Array, residual: &Array) -> Result<Array> {
+        if self.reduce.is_some() {
+            return Ok((residual + self.forward_fused(x)?)?);
+        }
         if let Some(weight) = self.fusable() {
             let f = Fused { residual: Some(residual), bias: self.bias.as_ref(), ..Fused::product(weight) };
             if let Some(y) = cuda_qmv::fused_matvec(x, &f)? {
@@ -40,18 +43,27 @@ impl Linear {
     /// `self(x)`: through the fused kernel where it serves (a decoding step's product, one
     /// launch a captured step can take), else as [`Linear::forward`].
     pub fn forward_fused(&self, x: &Array) -> Result<Array> {
-        if let Some(weight) = self.fusable() {
+        if let Some(weight) = self.kernel_weight() {
             let f = Fused { bias: self.bias.as_ref(), ..Fused::product(weight) };
             if let Some(y) = cuda_qmv::fused_matvec(x, &f)? {
-                return Ok(y);
+                return match &self.reduce {
+                    Some(tp) => tp.all_sum(&y),
+                    None => Ok(y),
+                };
             }
         }
         self.forward(x)
     }
 
     /// The weight the fused kernel may read for this layer: none with an adapter, under
-    /// [`QuantizedMatvec::Mlx`], or off the GPU.
+    /// [`QuantizedMatvec::Mlx`], off the GPU, or for a partial product that is all-summed over
+    /// the ranks of a tensor-parallel model (the residual and what follows need the sum).
     fn fusable(&self) -> Option<Matrix<'_>> {
+        self.kernel_weight().filter(|_| self.reduce.is_none())
+    }
+
+    /// The weight the fused kernel may read for this layer's own product (partial or not).
+    fn kernel_weight(&self) -> Option<Matrix<'_>> {
         let plain = self.lora.is_none()
             && self.matvec != QuantizedMatvec::Mlx
             && rmlx::current_device().kind == DeviceType::Gpu

@@ -25,6 +25,7 @@ mod head;
 mod lora;
 mod module;
 mod quantized_matvec;
+mod sharding;
 mod stacked;
 mod switch;
 
@@ -37,6 +38,7 @@ pub use lora::{training, with_dropout_key, with_training, Lora};
 pub(crate) use module::module_fields;
 pub use module::{join, Module, ModuleExt, Role};
 pub use quantized_matvec::QuantizedMatvec;
+pub use sharding::{HeadShare, Split, TensorParallel};
 pub use stacked::Stacked;
 pub use switch::{ExpertActivation, ExpertNames, SparseMoe, SwitchLinear, SwitchLora};
 
@@ -58,6 +60,11 @@ pub struct Linear {
     path: std::sync::Arc<str>,
     /// Which decoding products take rmlx's CUDA kernels ([`QuantizedMatvec`]).
     matvec: QuantizedMatvec,
+    /// Under tensor parallelism, the ranks this layer's partial output (it holds a share of the
+    /// input features) is all-summed over ([`Split::Inputs`]).
+    reduce: Option<TensorParallel>,
+    /// How the layer's weight is split over the ranks of a tensor-parallel model.
+    split: Split,
 }
 
 #[derive(Clone)]
@@ -91,8 +98,11 @@ impl Linear {
                 y = (y * (m / &norm)?.astype(x.dtype())?)?;
             }
         }
-        match &self.bias {
-            Some(b) => Ok((&y + b)?),
+        if let Some(b) = &self.bias {
+            y = (&y + b)?;
+        }
+        match &self.reduce {
+            Some(tp) => tp.all_sum(&y),
             None => Ok(y),
         }
     }
@@ -111,7 +121,17 @@ impl Linear {
             Weight::Dense(w) => LinearWeight::Dense { wt: w.transpose()?, w },
             Weight::Quantized(q) => LinearWeight::Quantized(q),
         };
-        Ok(Linear { weight, bias, lora: None, input, output, path: path.into(), matvec })
+        Ok(Linear {
+            weight,
+            bias,
+            lora: None,
+            input,
+            output,
+            path: path.into(),
+            matvec,
+            reduce: None,
+            split: Split::Whole,
+        })
     }
 
     /// The base weight `[out, in]`, dequantised if it is quantised.
@@ -137,8 +157,20 @@ impl Linear {
         self.lora.as_ref()
     }
 
+    /// Whether the layer holds a share of its input features and all-sums its output over the
+    /// ranks of a tensor-parallel model.
+    pub fn is_reduced(&self) -> bool {
+        self.reduce.is_some()
+    }
+
     /// Attaches (or, with `None`, removes) an adapter; returns the previous one.
     pub fn set_lora(&mut self, lora: Option<Lora>) -> Result<Option<Lora>> {
+        if lora.is_some() && self.split != Split::Whole {
+            return Err(Error::TensorParallel(format!(
+                "`{}` is split over the ranks of a tensor-parallel model, which takes no adapters yet",
+                self.path
+            )));
+        }
         if let Some(l) = &lora {
             let (a, b) = (l.a.shape(), l.b.shape());
             if a.len() != 2 || b.len() != 2 || a[0] != self.input || b[1] != self.output || a[1] != b[0] {
@@ -411,6 +443,8 @@ pub struct Builder {
     pub quantized_matvec: QuantizedMatvec,
     /// Whether decoding steps replay their layers as one captured launch on MLX's CUDA backend.
     pub step_capture: StepCapture,
+    /// The ranks the model is split over (tensor parallelism), each building its share.
+    pub tensor_parallel: Option<TensorParallel>,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
     /// Parameters handed out so far (logical elements: quantised matrices count unpacked).
@@ -430,6 +464,7 @@ impl Builder {
             dequantize_unserved: false,
             quantized_matvec: QuantizedMatvec::default(),
             step_capture: StepCapture::default(),
+            tensor_parallel: None,
             built: Vec::new(),
             parameters: 0,
             quantized_kept: 0,
@@ -601,9 +636,29 @@ impl Builder {
 
     /// `prefix.weight` `[out, in]` and, when `bias`, `prefix.bias` `[out]`.
     pub fn linear(&mut self, prefix: &str, input: i32, output: i32, bias: bool) -> Result<Linear> {
-        let weight = self.checked(&format!("{prefix}.weight"), &[output, input])?;
-        let bias = if bias { Some(self.dense(&format!("{prefix}.bias"), &[output])?) } else { None };
-        Linear::built(weight, bias, (input, output), prefix, self.quantized_matvec)
+        self.linear_split(prefix, input, output, bias, Split::Whole)
+    }
+
+    /// [`Builder::linear`] of `(input, output)` features in the checkpoint, of which this rank
+    /// holds the part `split` gives it under tensor parallelism.
+    pub fn linear_split(&mut self, prefix: &str, input: i32, output: i32, bias: bool, split: Split) -> Result<Linear> {
+        let name = format!("{prefix}.weight");
+        let weight = self.take_shaped(&name, &[output, input])?;
+        let weight = self.split_weight(&name, weight, split)?;
+        let weight = self.convert(weight)?;
+        let bias = match bias {
+            true => {
+                let name = format!("{prefix}.bias");
+                let b = self.dense(&name, &[output])?;
+                Some(self.split_bias(&name, b, split)?)
+            }
+            false => None,
+        };
+        let dims = local_dims(&weight);
+        let mut linear = Linear::built(weight, bias, dims, prefix, self.quantized_matvec)?;
+        linear.reduce = self.reduction(split);
+        linear.split = if self.parallel().is_some() { split } else { Split::Whole };
+        Ok(linear)
     }
 
     /// `prefix.weight` `[vocab, hidden]`.
@@ -627,6 +682,12 @@ impl Builder {
     }
 }
 
+/// `(in, out)` features of a weight `[out, in]`.
+fn local_dims(w: &Weight) -> (i32, i32) {
+    let shape = w.shape();
+    (shape[shape.len() - 1], shape[shape.len() - 2])
+}
+
 /// SwiGLU feed-forward (`down(silu(gate(x)) · up(x))`) or, with `gelu`, GeGLU with tanh GELU.
 #[derive(Clone)]
 pub struct GatedMlp {
@@ -637,12 +698,13 @@ pub struct GatedMlp {
 }
 
 impl GatedMlp {
-    /// `prefix.{gate,up,down}_proj`.
+    /// `prefix.{gate,up,down}_proj`; under tensor parallelism each rank holds its share of the
+    /// intermediate features (gate and up by outputs, down by inputs).
     pub fn load(b: &mut Builder, prefix: &str, hidden: i32, intermediate: i32, gelu: bool) -> Result<Self> {
         Ok(Self {
-            gate: b.linear(&format!("{prefix}.gate_proj"), hidden, intermediate, false)?,
-            up: b.linear(&format!("{prefix}.up_proj"), hidden, intermediate, false)?,
-            down: b.linear(&format!("{prefix}.down_proj"), intermediate, hidden, false)?,
+            gate: b.linear_split(&format!("{prefix}.gate_proj"), hidden, intermediate, false, Split::Outputs)?,
+            up: b.linear_split(&format!("{prefix}.up_proj"), hidden, intermediate, false, Split::Outputs)?,
+            down: b.linear_split(&format!("{prefix}.down_proj"), intermediate, hidden, false, Split::Inputs)?,
             gelu,
         })
     }

@@ -4,7 +4,7 @@
 //! of the weights. Each layer keeps its own name, parameters and adapters: its weights are row
 //! ranges (views) of the stacked ones, so the weights are held once.
 
-use super::{adapter_bank, training, Builder, Linear, LinearWeight};
+use super::{adapter_bank, training, Builder, Linear, LinearWeight, Split};
 use crate::weights::Weight;
 use crate::Result;
 use rmlx::quantization::Quantized;
@@ -54,33 +54,49 @@ impl Builder {
     /// The layers `prefixes[i]` (`.weight` `[outputs[i], input]`, and `.bias` when `bias`), as
     /// [`Builder::linear`] builds them, and, when their weights are alike (all dense, or all
     /// quantised the same way), their stacked layer: the weights are then kept stacked and each
-    /// layer's are row ranges of them.
+    /// layer's are row ranges of them. Under tensor parallelism, layer `i` is split as
+    /// `splits[i]` (by its rows: this rank's rows of each, stacked).
     pub fn linear_group(
         &mut self,
         prefixes: &[&str],
         input: i32,
         outputs: &[i32],
         bias: bool,
+        splits: &[Split],
     ) -> Result<(Vec<Linear>, Option<Stacked>)> {
+        if splits.len() != prefixes.len() || splits.contains(&Split::Inputs) {
+            return Err(crate::Error::TensorParallel("a group of layers reading one input splits by outputs".into()));
+        }
         let mut weights = Vec::with_capacity(prefixes.len());
         let mut biases = Vec::with_capacity(prefixes.len());
-        for (p, &out) in prefixes.iter().zip(outputs) {
-            let w = self.take_shaped(&format!("{p}.weight"), &[out, input])?;
+        let mut local = Vec::with_capacity(prefixes.len());
+        for ((p, &out), &split) in prefixes.iter().zip(outputs).zip(splits) {
+            let name = format!("{p}.weight");
+            let w = self.take_shaped(&name, &[out, input])?;
+            let w = self.split_weight(&name, w, split)?;
+            local.push(w.shape()[0]);
             weights.push(self.converted(w)?);
             if bias {
-                let b = self.take_shaped(&format!("{p}.bias"), &[out])?;
-                biases.push(match self.converted(b)? {
+                let name = format!("{p}.bias");
+                let b = self.take_shaped(&name, &[out])?;
+                let b = match self.converted(b)? {
                     Weight::Dense(b) => b,
                     Weight::Quantized(q) => rmlx::quantization::dequantize(&q, Some(self.dtype))?,
-                });
+                };
+                biases.push(self.split_bias(&name, b, split)?);
             }
         }
+        let outputs = &local[..];
+        let parallel = self.parallel().is_some();
+        let split = |i: usize| if parallel { splits[i] } else { Split::Whole };
         let Some(stacked) = stack(&weights)? else {
             let mut layers = Vec::with_capacity(prefixes.len());
             for (i, w) in weights.into_iter().enumerate() {
                 let w = self.record(w);
                 let b = biases.get(i).map(|b| self.record_dense(b.clone()));
-                layers.push(Linear::built(w, b, (input, outputs[i]), prefixes[i], self.quantized_matvec)?);
+                let mut layer = Linear::built(w, b, (input, outputs[i]), prefixes[i], self.quantized_matvec)?;
+                layer.split = split(i);
+                layers.push(layer);
             }
             return Ok((layers, None));
         };
@@ -91,11 +107,13 @@ impl Builder {
             false => Some(self.record_dense(ops::concatenate(&biases.iter().collect::<Vec<_>>(), 0)?)),
         };
         let (mut layers, mut start) = (Vec::with_capacity(prefixes.len()), 0);
-        for (p, &out) in prefixes.iter().zip(outputs) {
+        for (i, (p, &out)) in prefixes.iter().zip(outputs).enumerate() {
             let end = start + out;
             let w = rows(&stacked, start, end)?;
             let b = stacked_bias.as_ref().map(|b| ops::slice(b, &[start], &[end], &[1])).transpose()?;
-            layers.push(Linear::built(w, b, (input, out), p, self.quantized_matvec)?);
+            let mut layer = Linear::built(w, b, (input, out), p, self.quantized_matvec)?;
+            layer.split = split(i);
+            layers.push(layer);
             start = end;
         }
         let weight_ids = layers.iter().map(Linear::weight_id).collect();

@@ -5,7 +5,7 @@
 //! (`gather_mm`, or `gather_qmm` for quantised experts, which stay quantised), the tokens sorted
 //! by expert when there are enough of them for the sort to pay.
 
-use super::{cuda_moe, Builder, Linear, Module, RmsNorm, Role};
+use super::{cuda_moe, Builder, Linear, Module, RmsNorm, Role, Split, TensorParallel};
 use crate::weights::Weight;
 use crate::{Error, Result};
 use rmlx::quantization::{gather_qmm, Quantized};
@@ -181,6 +181,9 @@ pub struct SparseMoe {
     activation: ExpertActivation,
     /// The stacked experts' folder under the feed-forward (`switch_mlp`, gpt-oss's `experts`).
     stacked: &'static str,
+    /// Under tensor parallelism, the ranks the experts' partial outputs are all-summed over (each
+    /// rank holds its share of every expert's intermediate features).
+    reduce: Option<TensorParallel>,
 }
 
 /// The experts' gated activation of `gate` and `up`.
@@ -226,7 +229,9 @@ impl ExpertNames {
 
 impl SparseMoe {
     /// The block's router `<prefix>.<router>` and its `experts` experts from `<prefix>.switch_mlp.*`
-    /// or `<prefix>.<experts>.<e>.<projection>`, each `hidden → intermediate → hidden`.
+    /// or `<prefix>.<experts>.<e>.<projection>`, each `hidden → intermediate → hidden`. Under tensor
+    /// parallelism every rank holds every expert's share of the intermediate features (the router
+    /// whole).
     pub fn load(
         b: &mut Builder,
         prefix: &str,
@@ -241,22 +246,29 @@ impl SparseMoe {
         let gate = b.linear(&format!("{prefix}.{}", names.router), hidden, experts, names.biases)?;
         let mut switch = |i: usize, shape: [i32; 2]| -> Result<SwitchLinear> {
             let projection = ["gate_proj", "up_proj", "down_proj"][i];
+            let split = if i == 2 { Split::Inputs } else { Split::Outputs };
             let stacked = format!("{prefix}.{}.{projection}.weight", names.stacked);
             let full = [experts, shape[0], shape[1]];
             let weight = if b.has(&stacked) {
-                b.checked(&stacked, &full)?
+                let w = b.take_shaped(&stacked, &full)?;
+                b.split_weight(&stacked, w, split)?
             } else {
                 let each = (0..experts)
                     .map(|e| {
                         let name = format!("{prefix}.{}.{e}.{}.weight", names.experts, names.projections[i]);
-                        b.take_shaped(&name, &shape)
+                        let w = b.take_shaped(&name, &shape)?;
+                        b.split_weight(&name, w, split)
                     })
                     .collect::<Result<Vec<_>>>()?;
-                let stacked = stack_experts(each)?;
-                b.convert(stacked)?
+                stack_experts(each)?
             };
+            let weight = b.convert(weight)?;
             let bias = match names.biases {
-                true => Some(b.dense(&format!("{prefix}.{}.{projection}.bias", names.stacked), &[experts, shape[0]])?),
+                true => {
+                    let name = format!("{prefix}.{}.{projection}.bias", names.stacked);
+                    let bias = b.dense(&name, &[experts, shape[0]])?;
+                    Some(b.split_bias(&name, bias, split)?)
+                }
                 false => None,
             };
             Ok(SwitchLinear { weight, bias, lora: None })
@@ -271,6 +283,7 @@ impl SparseMoe {
             norm_topk_prob,
             activation: names.activation,
             stacked: names.stacked,
+            reduce: b.reduction(Split::Inputs),
         })
     }
 
@@ -287,7 +300,11 @@ impl SparseMoe {
         }
         let y = self.experts(x, &chosen)?;
         let weighted = (y * scores.astype(x.dtype())?.expand_dims(-1)?)?;
-        Ok(weighted.sum(-2, false)?)
+        let y = weighted.sum(-2, false)?;
+        match &self.reduce {
+            Some(tp) => tp.all_sum(&y),
+            None => Ok(y),
+        }
     }
 
     /// `h + self(norm(h))` for the rows `h: [rows, hidden]`: a block's routed feed-forward half,
@@ -300,7 +317,8 @@ impl SparseMoe {
             [None, None, None] => Some(None),
             _ => None,
         };
-        if let (Some(biases), true) = (biases, layers.iter().all(|l| l.lora.is_none())) {
+        let plain = layers.iter().all(|l| l.lora.is_none()) && self.reduce.is_none();
+        if let (Some(biases), true) = (biases, plain) {
             let experts = cuda_moe::Experts {
                 gate: &self.gate_proj.weight,
                 up: &self.up_proj.weight,

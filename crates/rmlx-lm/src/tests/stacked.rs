@@ -50,7 +50,7 @@ fn stacked_product_equals_the_layers_and_declines_when_they_change() {
         let x = normal(&[3, 64], 99);
         for quantized in [None, Some((4, 4)), Some((8, 8))] {
             let mut b = Builder::new(weights(quantized), Dtype::Float32, false);
-            let (mut layers, stacked) = b.linear_group(&NAMES, 64, &OUTS, true).unwrap();
+            let (mut layers, stacked) = b.linear_group(&NAMES, 64, &OUTS, true, &[crate::nn::Split::Whole; 3]).unwrap();
             assert!(b.remaining().is_empty(), "every tensor taken: {:?}", b.remaining());
             let stacked = stacked.expect("alike layers are stacked");
             // Only the stacked arrays are evaluated at load: weight (+ scales, biases) and the bias.
@@ -92,7 +92,7 @@ fn stacked_product_equals_the_layers_and_declines_when_they_change() {
         }
         // Quantised with different bits: not stacked, and each layer as `Builder::linear` builds it.
         let mut b = Builder::new(weights(Some((4, 8))), Dtype::Float32, false);
-        let (layers, stacked) = b.linear_group(&NAMES, 64, &OUTS, true).unwrap();
+        let (layers, stacked) = b.linear_group(&NAMES, 64, &OUTS, true, &[crate::nn::Split::Whole; 3]).unwrap();
         assert!(stacked.is_none());
         let mut single = Builder::new(weights(Some((4, 8))), Dtype::Float32, false);
         for (layer, (name, out)) in layers.iter().zip(NAMES.iter().zip(OUTS)) {

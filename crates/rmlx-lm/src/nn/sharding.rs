@@ -1,0 +1,212 @@
+//! Tensor parallelism over MLX's distributed layer, as Megatron-LM lays it out and mlx-lm's
+//! `shard_linear` does it: in every block, the layers that read the residual stream (q/k/v, the
+//! feed-forward's gate and up, each expert's gate and up) keep 1/n of their output features on
+//! each rank, and the layers that write it back (the output projection, down, each expert's down)
+//! keep the matching 1/n of their input features, so that each rank's product is a partial sum
+//! and one all-sum makes the whole. Attention heads split with their rows: each rank attends with
+//! its own heads and keeps their cache. Norms, the embedding and the output head stay whole.
+//!
+//! A model is split while it is built: the [`Builder`](super::Builder) of a rank slices each
+//! tensor it hands out ([`Split`]), quantised ones along whole groups, and a layer split by inputs
+//! all-sums its output ([`super::Linear`]). Shapes that do not split evenly are a
+//! [`Error::TensorParallel`] naming the tensor, at load.
+
+use super::Builder;
+use crate::weights::Weight;
+use crate::{Error, Result};
+use rmlx::distributed::Group;
+use rmlx::quantization::Quantized;
+use rmlx::{ops, Array};
+use std::sync::Arc;
+
+/// The group of processes a model's layers are split over (the ranks of `rmlx launch`).
+#[derive(Clone, Debug)]
+pub struct TensorParallel {
+    group: Arc<Group>,
+}
+
+impl TensorParallel {
+    /// Splits models over `group`: each of its `size()` ranks holds 1/size of every split layer.
+    pub fn new(group: Group) -> Self {
+        Self { group: Arc::new(group) }
+    }
+
+    /// This process's rank (0 prints and serves).
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// How many ranks share the model.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// The group.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// The element-wise sum of `a` over the ranks (lazy).
+    pub(crate) fn all_sum(&self, a: &Array) -> Result<Array> {
+        Ok(self.group.all_sum(a)?)
+    }
+
+    /// Rank 0's `a` on every rank (lazy): every other rank contributes zeros to an all-sum. What
+    /// makes the ranks take rank 0's decisions (a sampled token) rather than trust that their
+    /// own, computed from the same numbers, agree.
+    pub fn from_rank0(&self, a: &Array) -> Result<Array> {
+        if self.size() == 1 {
+            return Ok(a.clone());
+        }
+        let own = if self.rank() == 0 { a.clone() } else { ops::zeros_like(a)? };
+        Ok(self.group.all_sum(&own)?)
+    }
+}
+
+/// Which part of a layer's weight `[…, out, in]` a rank holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// All of it (or there is one rank).
+    Whole,
+    /// Its share of the output features (rows), with their biases: the layer's output is its
+    /// share of the features.
+    Outputs,
+    /// The output features `start .. start + count` (a rank's key/value heads where ranks
+    /// outnumber them and share heads: see [`HeadShare`]).
+    Rows { start: i32, count: i32 },
+    /// Its share of the input features (columns): the layer's output is a partial sum the layer
+    /// all-sums; a bias is added on rank 0 only, so that the sum has it once.
+    Inputs,
+}
+
+/// The attention heads one rank holds: `heads / n` query heads and their key/value heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadShare {
+    pub heads: i32,
+    pub kv_heads: i32,
+    /// The first key/value head of this rank's.
+    pub first_kv_head: i32,
+}
+
+impl HeadShare {
+    /// The split of a projection whose rows are `head_dim` features per head: the query's or
+    /// (`kv`) the keys' and values'.
+    pub fn rows(&self, kv: bool, head_dim: i32, parallel: bool) -> Split {
+        match (parallel, kv) {
+            (false, _) => Split::Whole,
+            (true, false) => Split::Outputs,
+            (true, true) => Split::Rows { start: self.first_kv_head * head_dim, count: self.kv_heads * head_dim },
+        }
+    }
+}
+
+impl Builder {
+    /// The ranks the model is split over, when there are several.
+    pub(crate) fn parallel(&self) -> Option<&TensorParallel> {
+        self.tensor_parallel.as_ref().filter(|tp| tp.size() > 1)
+    }
+
+    /// The heads this rank attends with: `heads / n` query heads, and `kv_heads / n` key/value
+    /// heads or, where the ranks outnumber the key/value heads (and are a multiple of them), the
+    /// one their query heads read, held by every rank of its group (as vLLM does). Counts that do
+    /// not split so are an [`Error::TensorParallel`].
+    pub fn rank_heads(&self, heads: i32, kv_heads: i32) -> Result<HeadShare> {
+        let Some(tp) = self.parallel() else { return Ok(HeadShare { heads, kv_heads, first_kv_head: 0 }) };
+        let (n, r) = (tp.size() as i32, tp.rank() as i32);
+        let kv_split = kv_heads > 0 && (kv_heads % n == 0 || n % kv_heads == 0);
+        if heads % n != 0 || !kv_split || heads % kv_heads != 0 {
+            return Err(Error::TensorParallel(format!(
+                "{n} ranks cannot share {heads} query heads and {kv_heads} key/value heads evenly \
+                 (use a number of ranks that divides the query heads and divides or is a multiple \
+                 of the key/value heads)"
+            )));
+        }
+        let local_kv = (kv_heads / n).max(1);
+        Ok(HeadShare { heads: heads / n, kv_heads: local_kv, first_kv_head: r * kv_heads / n })
+    }
+
+    /// `count` features this rank holds of a layer split over the ranks (`Split::Outputs` or
+    /// `Split::Inputs`).
+    pub fn rank_features(&self, name: &str, count: i32, split: Split) -> Result<i32> {
+        Ok(self.range(name, count, split)?.map_or(count, |(_, len)| len))
+    }
+
+    /// The features `(start, len)` this rank holds of `count` under `split`; `None`: all.
+    fn range(&self, name: &str, count: i32, split: Split) -> Result<Option<(i32, i32)>> {
+        let Some(tp) = self.parallel() else { return Ok(None) };
+        let (n, r) = (tp.size() as i32, tp.rank() as i32);
+        match split {
+            Split::Whole => Ok(None),
+            Split::Rows { start, count: len } if start >= 0 && len > 0 && start + len <= count => {
+                Ok(Some((start, len)))
+            }
+            Split::Rows { start, count: len } => {
+                Err(Error::TensorParallel(format!("`{name}`: rows {start}..{} of {count}", start + len)))
+            }
+            Split::Outputs | Split::Inputs if count % n == 0 => Ok(Some((r * count / n, count / n))),
+            Split::Outputs | Split::Inputs => Err(Error::TensorParallel(format!(
+                "`{name}` has {count} features, which {n} ranks cannot share evenly"
+            ))),
+        }
+    }
+
+    /// This rank's part of the weight `name` (`[…, out, in]`, as taken from the checkpoint).
+    pub(crate) fn split_weight(&self, name: &str, w: Weight, split: Split) -> Result<Weight> {
+        let shape = w.shape();
+        let nd = shape.len() as i32;
+        let axis = match split {
+            Split::Inputs => nd - 1,
+            _ => (nd - 2).max(0),
+        };
+        let Some((start, len)) = self.range(name, shape[axis as usize], split)? else { return Ok(w) };
+        // A copy, so that the whole tensor the checkpoint's reader made is freed once read.
+        let cut = |a: &Array, start: i32, len: i32| -> Result<Array> {
+            Ok(ops::contiguous(&a.slice_axis(axis, start, start + len, 1)?)?)
+        };
+        Ok(match w {
+            Weight::Dense(a) => Weight::Dense(cut(&a, start, len)?),
+            Weight::Quantized(q) if split != Split::Inputs => Weight::Quantized(Quantized {
+                weight: cut(&q.weight, start, len)?,
+                scales: cut(&q.scales, start, len)?,
+                biases: q.biases.as_ref().map(|b| cut(b, start, len)).transpose()?,
+                ..q
+            }),
+            Weight::Quantized(q) => {
+                let (gs, bits) = (q.group_size as i64, q.bits as i64);
+                if len as i64 % gs != 0 || len as i64 * bits % 32 != 0 {
+                    return Err(Error::TensorParallel(format!(
+                        "`{name}`: its share of {len} input features would cut its quantisation groups of {gs}"
+                    )));
+                }
+                let packed = |f: i32| (f as i64 * bits / 32) as i32;
+                let groups = |f: i32| (f as i64 / gs) as i32;
+                Weight::Quantized(Quantized {
+                    weight: cut(&q.weight, packed(start), packed(len))?,
+                    scales: cut(&q.scales, groups(start), groups(len))?,
+                    biases: q.biases.as_ref().map(|b| cut(b, groups(start), groups(len))).transpose()?,
+                    ..q
+                })
+            }
+        })
+    }
+
+    /// This rank's part of the bias `name` (`[…, out]`) of a layer split as `split`: its features
+    /// when split by outputs, all of it on rank 0 and zeros elsewhere under `Split::Inputs`.
+    pub(crate) fn split_bias(&self, name: &str, bias: Array, split: Split) -> Result<Array> {
+        let Some(tp) = self.parallel() else { return Ok(bias) };
+        if split == Split::Inputs {
+            return Ok(if tp.rank() == 0 { bias } else { ops::zeros_like(&bias)? });
+        }
+        let axis = bias.ndim() as i32 - 1;
+        match self.range(name, bias.shape()[axis as usize], split)? {
+            Some((start, len)) => Ok(ops::contiguous(&bias.slice_axis(axis, start, start + len, 1)?)?),
+            None => Ok(bias),
+        }
+    }
+
+    /// The group a layer split as `split` all-sums its output over (`Split::Inputs` on several
+    /// ranks).
+    pub(crate) fn reduction(&self, split: Split) -> Option<TensorParallel> {
+        (split == Split::Inputs).then(|| self.parallel().cloned()).flatten()
+    }
+}
