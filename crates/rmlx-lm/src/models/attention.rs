@@ -123,8 +123,9 @@ impl Attention {
             None => None,
         };
         let sinks = self.sinks.as_ref().map(|s| &s.0);
-        if let (Some(y), None) = (&stacked, self.logit_softcap) {
-            if let Some(attention) = self.decode_attention(y, batch, &offset, cache, sinks)? {
+        if let Some(y) = &stacked {
+            let scores = cuda_attention::Scores { softcap: self.logit_softcap, sinks };
+            if let Some(attention) = self.decode_attention(y, batch, &offset, cache, scores)? {
                 return merge_heads(&attention);
             }
         }
@@ -215,15 +216,15 @@ impl Attention {
         Ok(cuda_fast::qkv_heads(y, batch, dims, norms, &rotation)?)
     }
 
-    /// A decoding step's heads, cache write and attention (`[B, Hq, 1, D]`, `sinks` joining each
-    /// head's softmax) from the stacked product `y` as one CUDA kernel, where it serves.
+    /// A decoding step's heads, cache write and attention (`[B, Hq, 1, D]`, its scores shaped by
+    /// `scores`) from the stacked product `y` as one CUDA kernel, where it serves.
     fn decode_attention(
         &self,
         y: &Array,
         batch: i32,
         offset: &Offset,
         cache: &mut KvCache,
-        sinks: Option<&Array>,
+        scores: cuda_attention::Scores,
     ) -> Result<Option<Array>> {
         let Ok(norms) = self.head_norms() else { return Ok(None) };
         let Some(rotation) = self.rope.rotation(self.head_dim, offset) else { return Ok(None) };
@@ -232,7 +233,7 @@ impl Attention {
         }
         let heads = (self.heads, self.kv_heads, self.head_dim);
         let step = StepHeads::Stacked { y, heads, norms, rotation: &rotation };
-        cuda_attention::kv_cache_attention(&step, cache, self.scale, sinks)
+        cuda_attention::kv_cache_attention(&step, cache, self.scale, scores)
     }
 }
 

@@ -310,13 +310,20 @@ pub(crate) fn cached_attention(
         if sinks.is_some() {
             return Err(crate::Error::InvalidParameter("attention with both soft-capping and sinks".into()));
         }
+        // On MLX's CUDA backend, one position: the cache write and the attention in one node.
+        let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
+        let scores = crate::nn::cuda_attention::Scores { softcap: Some(cap), sinks: None };
+        if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale, scores)? {
+            return Ok(attention);
+        }
         let (keys, values, mask) = cache.update(k, v)?;
         return softcapped_attention(q, &keys, &values, scale, cap, &mask);
     }
     if let Some(sinks) = sinks {
         // On MLX's CUDA backend, one position: the cache write and the attention in one node.
         let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
-        if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale, Some(sinks))? {
+        let scores = crate::nn::cuda_attention::Scores::sinks(Some(sinks));
+        if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale, scores)? {
             return Ok(attention);
         }
         let (keys, values, mask) = cache.update(k, v)?;
@@ -339,7 +346,7 @@ pub(crate) fn cached_attention(
     }
     // On MLX's CUDA backend, one position: the cache write and the attention in one node.
     let heads = crate::nn::cuda_attention::StepHeads::Ready { q, k, v };
-    if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale, None)? {
+    if let Some(attention) = crate::nn::cuda_attention::kv_cache_attention(&heads, cache, scale, Default::default())? {
         return Ok(attention);
     }
     let (keys, values, mask) = cache.update(k, v)?;

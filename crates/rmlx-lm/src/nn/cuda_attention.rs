@@ -9,7 +9,8 @@
 //! GPU a launch's gap. Here flash-decoding in one kernel: one block per (query head, sequence,
 //! chunk of 32 or more positions) scores its chunk, keeps the chunk's maximum, sum of exponentials
 //! and weighted values (float32), and the last block of a head to finish merges the chunks (with a
-//! sink logit per head joining the softmax there, gpt-oss's). The block holding the new position
+//! sink logit per head joining the softmax there, gpt-oss's; each score soft-capped where it is made,
+//! Gemma 2's). The block holding the new position
 //! makes the new key and value itself and one block per KV head writes them into the cache, so
 //! nothing waits for the write.
 
@@ -21,6 +22,23 @@ use crate::cache::{KvCache, Offset, Ring, RotatingCache, StandardCache};
 use rmlx::cuda::{self, CudaLaunch, InPlace, KernelArg, KernelNode, OVERLAP};
 use rmlx::{ops, Array, Dtype, Result};
 use std::sync::{Arc, LazyLock, Mutex};
+
+/// What shapes a head's scaled scores before their softmax, besides the cache: Gemma 2's soft cap
+/// on each score, gpt-oss's sink logit per head ([`Scores::default`]: neither).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scores<'a> {
+    /// Each scaled score `s` becomes `cap · tanh(s / cap)` (Gemma 2's `attn_logit_softcapping`).
+    pub softcap: Option<f32>,
+    /// `[Hq]`: each head's sink logit joins its softmax as a score with no value (gpt-oss).
+    pub sinks: Option<&'a Array>,
+}
+
+impl<'a> Scores<'a> {
+    /// Sink logits only.
+    pub fn sinks(sinks: Option<&'a Array>) -> Self {
+        Scores { softcap: None, sinks }
+    }
+}
 
 /// The largest cache the kernels take, in positions (a block's chunk, and the scores it keeps in
 /// shared memory, grow with the cache: 8,192 positions, 32 KB, at this size).
@@ -260,7 +278,7 @@ const SOURCE: &str = r#"
                 s += __shfl_xor_sync(0xffffffffu, s, o);
             }
             if (lane == 0 && j0 + u * WARPS < n) {
-                score[j0 + u * WARPS] = s;
+                score[j0 + u * WARPS] = CAPPED ? SOFTCAP * tanhf(s / SOFTCAP) : s;
             }
         }
     }
@@ -462,6 +480,8 @@ struct Shape {
     norm: bool,
     /// A sink logit per query head joins the softmax.
     sinks: bool,
+    /// The scores' soft cap (float bits; 0: none).
+    softcap: u32,
     /// The stacked heads' queries and keys multiplied by this before they turn (float bits; 1.0:
     /// not multiplied).
     qk_factor: u32,
@@ -526,8 +546,9 @@ impl StepHeads<'_> {
 /// rotating cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the
 /// query attends every slot written (at most `capacity`, which must not exceed the window).
 /// `done` (`[B·Hq]` uint32, zero) is the buffers' companion: the kernel counts finished chunks in
-/// it and leaves it zero. With `sinks` (`[Hq]`), each head's sink logit joins its softmax (as
-/// `fast::scaled_dot_product_attention_with_sinks` takes them). Returns `[attention ([B, Hq, 1,
+/// it and leaves it zero. With `scores.sinks` (`[Hq]`), each head's sink logit joins its softmax (as
+/// `fast::scaled_dot_product_attention_with_sinks` takes them); with `scores.softcap`, each scaled
+/// score is soft-capped first (as `models::softcapped_attention`). Returns `[attention ([B, Hq, 1,
 /// D]), keys', values', done']`.
 ///
 /// The buffers are the caller's alone ([`InPlace::Owned`]): `keys'`, `values'` and `done'` are
@@ -541,8 +562,9 @@ pub fn cache_attention(
     position: &Offset,
     ring: Option<Ring>,
     scale: f32,
-    sinks: Option<&Array>,
+    scores: Scores,
 ) -> Result<Option<[Array; 4]>> {
+    let sinks = scores.sinks;
     let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
     let cs = keys.shape();
     let tracer = match heads {
@@ -566,6 +588,7 @@ pub fn cache_attention(
         && done.shape() == [batch * hq]
         && done.dtype() == Dtype::Uint32
         && sinks.is_none_or(|s| s.shape() == [hq] && !s.is_tracer())
+        && scores.softcap.is_none_or(|cap| cap.is_finite() && cap > 0.0)
         && match (position, ring) {
             (Offset::Uniform(p), None) => *p < cs[2] as usize,
             (Offset::Uniform(p), Some(r)) => {
@@ -600,6 +623,7 @@ pub fn cache_attention(
         stacked,
         norm,
         sinks: sinks.is_some(),
+        softcap: scores.softcap.map_or(0, f32::to_bits),
         qk_factor: qk_factor.to_bits(),
         scale: scale.to_bits(),
         eps: f32::to_bits(eps),
@@ -643,7 +667,7 @@ pub fn standard_cache_attention(
     heads: &StepHeads,
     cache: &mut StandardCache,
     scale: f32,
-    sinks: Option<&Array>,
+    scores: Scores,
 ) -> crate::Result<Option<Array>> {
     let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
     if !on_cuda() {
@@ -651,7 +675,7 @@ pub fn standard_cache_attention(
     }
     cache.reserve_for([batch, hkv, 1, d], dtype)?;
     let buffers = [&mut cache.keys, &mut cache.values, &mut cache.done];
-    let attention = attend_buffers(heads, buffers, batch * hq, (cache.offset, None), scale, sinks)?;
+    let attention = attend_buffers(heads, buffers, batch * hq, (cache.offset, None), scale, scores)?;
     if attention.is_some() {
         cache.offset += 1;
     }
@@ -666,7 +690,7 @@ pub fn rotating_cache_attention(
     heads: &StepHeads,
     cache: &mut RotatingCache,
     scale: f32,
-    sinks: Option<&Array>,
+    scores: Scores,
 ) -> crate::Result<Option<Array>> {
     let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
     if !on_cuda() {
@@ -679,7 +703,7 @@ pub fn rotating_cache_attention(
     }
     let ring = Some(cache.ring());
     let buffers = [&mut cache.keys, &mut cache.values, &mut cache.done];
-    let attention = attend_buffers(heads, buffers, batch * hq, (cache.offset, ring), scale, sinks)?;
+    let attention = attend_buffers(heads, buffers, batch * hq, (cache.offset, ring), scale, scores)?;
     if attention.is_some() {
         cache.advance();
     }
@@ -695,14 +719,14 @@ fn attend_buffers(
     counts: i32,
     (position, ring): (usize, Option<Ring>),
     scale: f32,
-    sinks: Option<&Array>,
+    scores: Scores,
 ) -> crate::Result<Option<Array>> {
     if done.as_ref().is_none_or(|a| a.shape() != [counts]) {
         *done = Some(ops::zeros(&[counts], Dtype::Uint32)?);
     }
     let lent = [keys.take(), values.take(), done.take()];
     let [k, v, c] = lent.map(|a| a.expect("allocated by the caller"));
-    match cache_attention(heads, (&k, &v, &c), &Offset::Uniform(position), ring, scale, sinks) {
+    match cache_attention(heads, (&k, &v, &c), &Offset::Uniform(position), ring, scale, scores) {
         Ok(Some([attention, k, v, c])) => {
             (*keys, *values, *done) = (Some(k), Some(v), Some(c));
             Ok(Some(attention))
@@ -720,11 +744,11 @@ pub fn kv_cache_attention(
     heads: &StepHeads,
     cache: &mut KvCache,
     scale: f32,
-    sinks: Option<&Array>,
+    scores: Scores,
 ) -> crate::Result<Option<Array>> {
     match cache {
-        KvCache::Standard(c) => standard_cache_attention(heads, c, scale, sinks),
-        KvCache::Rotating(c) => rotating_cache_attention(heads, c, scale, sinks),
+        KvCache::Standard(c) => standard_cache_attention(heads, c, scale, scores),
+        KvCache::Rotating(c) => rotating_cache_attention(heads, c, scale, scores),
         KvCache::Batch(_) => Ok(None),
     }
 }
@@ -737,6 +761,7 @@ fn source(s: &Shape) -> String {
          constexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool PER_ROW = {};\nconstexpr bool STACKED = {};\nconstexpr bool NORM = {};\n\
          constexpr bool SINKS = {};\nconstexpr bool SCALED = {};\nconstexpr float QK_FACTOR = {:e}f;\n\
+         constexpr bool CAPPED = {};\nconstexpr float SOFTCAP = {:e}f;\n\
          constexpr int WINDOW = {};\nconstexpr int KEEP = {};\nconstexpr int CHUNK = {};\nconstexpr int NT = {THREADS};\nconstexpr int BATCH = 8;\n\
          constexpr int STAGE_BYTES = {STAGE_BYTES};\n{STAGING}\
          extern \"C\" __global__ void __launch_bounds__({THREADS}) rmlx_decode_attention(const T* a0, \
@@ -752,6 +777,8 @@ fn source(s: &Shape) -> String {
         s.sinks,
         s.qk_factor != 1f32.to_bits(),
         f32::from_bits(s.qk_factor),
+        s.softcap != 0,
+        if s.softcap != 0 { f32::from_bits(s.softcap) } else { 1.0 },
         s.window,
         s.keep,
         s.chunk(),

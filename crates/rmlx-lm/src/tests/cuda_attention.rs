@@ -9,7 +9,9 @@
 //! bit, over hundreds of steps of one cache. Where MLX has no CUDA backend the launch must decline.
 
 use crate::cache::{KvCache, Offset, StandardCache};
-use crate::nn::cuda_attention::{cache_attention, rotating_cache_attention, standard_cache_attention, StepHeads};
+use crate::nn::cuda_attention::{
+    cache_attention, rotating_cache_attention, standard_cache_attention, Scores, StepHeads,
+};
 use crate::nn::cuda_fast::{qkv_heads, HeadNorms, Rotation};
 use rmlx::fast::{self, AttentionMask, GpuBackend};
 use rmlx::{ops, random, Array, Device, Dtype};
@@ -65,7 +67,7 @@ fn cache_attention_matches_the_composed_step() {
             }
             let done = ops::zeros(&[b * hq], Dtype::Uint32).unwrap();
             let heads = StepHeads::Ready { q: &q, k: &k, v: &v };
-            let got = cache_attention(&heads, (&keys, &values, &done), &pos, None, scale, None).unwrap();
+            let got = cache_attention(&heads, (&keys, &values, &done), &pos, None, scale, Scores::default()).unwrap();
             let Some([attention, new_keys, new_values, new_done]) = got else {
                 assert!(!cuda, "{what}: declined on MLX's CUDA backend");
                 continue;
@@ -103,7 +105,7 @@ fn cache_attention_matches_the_composed_step() {
         let (q, k) = (normal(&[1, 2, 1, 32], 1), normal(&[1, 2, 1, 32], 2));
         let (flat, done) = (normal(&[2, 64], 3), ops::zeros(&[2], Dtype::Uint32).unwrap());
         let heads = StepHeads::Ready { q: &q, k: &k, v: &k };
-        assert!(cache_attention(&heads, (&flat, &flat, &done), &Offset::Uniform(0), None, 1.0, None)
+        assert!(cache_attention(&heads, (&flat, &flat, &done), &Offset::Uniform(0), None, 1.0, Scores::default())
             .unwrap()
             .is_none());
     });
@@ -138,14 +140,15 @@ fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
                         let scale = 1.0 / (d as f32).sqrt();
                         let stacked =
                             StepHeads::Stacked { y: &y, heads: (hq, hkv, d), norms: norms(), rotation: &rotation };
-                        let got = standard_cache_attention(&stacked, &mut fused, scale, None).unwrap();
+                        let got = standard_cache_attention(&stacked, &mut fused, scale, Scores::default()).unwrap();
                         let Some(got) = got else {
                             assert!(!cuda, "declined on MLX's CUDA backend");
                             return;
                         };
                         let [q, k, v] = qkv_heads(&y, batch, (hq, hkv, d), norms(), &rotation).unwrap().unwrap();
                         let ready = StepHeads::Ready { q: &q, k: &k, v: &v };
-                        let want = standard_cache_attention(&ready, &mut split, scale, None).unwrap().unwrap();
+                        let want =
+                            standard_cache_attention(&ready, &mut split, scale, Scores::default()).unwrap().unwrap();
                         // Check some steps whole; evaluate the rest as a decoding loop would.
                         if position % 37 == 0 || (30..=34).contains(&position) || position >= 296 {
                             let what = format!("{hq}/{hkv}×{d} {dtype:?} norm {norm} at {position}");
@@ -205,8 +208,13 @@ fn ring_cache_attention_matches_the_composed_step() {
                     let (q, k, v) = (rows(1, hq), rows(1, hkv), rows(1, hkv));
                     let what = format!("case {i}, after a prompt of {prompt}, step {step}");
                     let KvCache::Rotating(r) = &mut fused else { unreachable!() };
-                    let got =
-                        rotating_cache_attention(&StepHeads::Ready { q: &q, k: &k, v: &v }, r, scale, None).unwrap();
+                    let got = rotating_cache_attention(
+                        &StepHeads::Ready { q: &q, k: &k, v: &v },
+                        r,
+                        scale,
+                        Scores::default(),
+                    )
+                    .unwrap();
                     let Some(got) = got else {
                         assert!(!cuda, "{what}: declined on MLX's CUDA backend");
                         return;
@@ -277,7 +285,8 @@ fn sinks_and_the_attention_factor_attend_as_the_composed_step() {
                 let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &offset, factor };
                 let step = StepHeads::Stacked { y: &y, heads: (hq, hkv, d), norms: None, rotation: &rotation };
                 let got = rmlx::with_device(device, || {
-                    crate::nn::cuda_attention::kv_cache_attention(&step, &mut fused, scale, Some(&sinks)).unwrap()
+                    crate::nn::cuda_attention::kv_cache_attention(&step, &mut fused, scale, Scores::sinks(Some(&sinks)))
+                        .unwrap()
                 });
                 let Some(got) = got else {
                     assert!(!cuda, "{what}: declined on MLX's CUDA backend");
@@ -308,6 +317,55 @@ fn sinks_and_the_attention_factor_attend_as_the_composed_step() {
                 let diff = max_abs_diff(&got, &want);
                 assert!(diff <= tolerance, "{what}: attention differs by {diff}");
                 assert!(max_abs_diff(&got, &plain) > 0.1, "{what}: the sinks change little");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, if cuda { 2 * 2 * 40 } else { 0 });
+}
+
+/// Gemma 2's step: each scaled score soft-capped (`cap · tanh(s / cap)`) before the softmax,
+/// against the same step composed on the CPU (the cache updated, `models::softcapped_attention`):
+/// over an unbounded cache and a ring of 16 slots, past the ring's length, heads of 256 as Gemma
+/// 2's, in float32 and bfloat16. Queries scaled so that scores reach beyond the cap: it changes
+/// the result (by more than 0.05 somewhere at every step from the third).
+#[test]
+fn soft_capped_scores_attend_as_the_composed_step() {
+    let cuda = fast::gpu_backend() == Some(GpuBackend::Cuda);
+    let device = if cuda { Device::gpu() } else { Device::cpu() };
+    let (hq, hkv, d, cap) = (8, 4, 256, 5.0f32);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut checked = 0;
+    for (dtype, tolerance) in [(Dtype::Float32, 2e-5), (Dtype::Bfloat16, 5e-2)] {
+        for window in [None, Some(16)] {
+            let cache =
+                || window.map_or_else(|| KvCache::Standard(StandardCache::default()), |w| KvCache::rotating(w, 0));
+            let (mut fused, mut composed) = (cache(), cache());
+            for position in 0..40usize {
+                let what = format!("{dtype:?}, window {window:?}, position {position}");
+                let seed = 500 + position as u64;
+                let q = (normal(&[1, hq, 1, d], seed) * 8.0).unwrap().astype(dtype).unwrap();
+                let k = normal(&[1, hkv, 1, d], seed + 1000).astype(dtype).unwrap();
+                let v = normal(&[1, hkv, 1, d], seed + 2000).astype(dtype).unwrap();
+                let step = StepHeads::Ready { q: &q, k: &k, v: &v };
+                let scores = Scores { softcap: Some(cap), sinks: None };
+                let got = rmlx::with_device(device, || {
+                    crate::nn::cuda_attention::kv_cache_attention(&step, &mut fused, scale, scores).unwrap()
+                });
+                let Some(got) = got else {
+                    assert!(!cuda, "{what}: declined on MLX's CUDA backend");
+                    return;
+                };
+                let (want, plain) = rmlx::with_device(Device::cpu(), || {
+                    let (keys, values, mask) = composed.update(&k, &v).unwrap();
+                    let capped = crate::models::softcapped_attention(&q, &keys, &values, scale, cap, &mask).unwrap();
+                    let plain = fast::scaled_dot_product_attention(&q, &keys, &values, scale, mask.as_attention());
+                    (capped.astype(dtype).unwrap(), plain.unwrap())
+                });
+                let diff = max_abs_diff(&got, &want);
+                assert!(diff <= tolerance, "{what}: attention differs by {diff}");
+                // (One key takes all the weight, capped or not.)
+                assert!(position < 2 || max_abs_diff(&got, &plain) > 0.05, "{what}: the cap changes little");
                 checked += 1;
             }
         }
