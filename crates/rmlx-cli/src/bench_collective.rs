@@ -34,6 +34,14 @@ pub fn run(a: Args) -> Result<()> {
     };
     let backend: Backend = name.parse()?;
     let group = Group::init(backend, true).with_context(|| format!("joining the {name} group"))?;
+    // Every backend but NCCL sums host memory: its collectives run on the CPU.
+    match backend {
+        Backend::Nccl => measure(&a, &group, &name),
+        _ => rmlx::with_device(rmlx::Device::cpu(), || measure(&a, &group, &name)),
+    }
+}
+
+fn measure(a: &Args, group: &Group, name: &str) -> Result<()> {
     let (rank, n) = (group.rank(), group.size());
     // Rank r contributes r + 1 everywhere: every element of the sum is n (n + 1) / 2.
     let want = (n * (n + 1) / 2) as f32;

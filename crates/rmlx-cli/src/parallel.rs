@@ -69,5 +69,5 @@ pub fn tensor_parallel() -> Result<Option<TensorParallel>> {
     let backend: Backend = name.parse()?;
     let group = Group::init(backend, true).with_context(|| format!("joining the {name} group of this job"))?;
     tracing::info!("rank {} of {} ({name}): the model is split over the ranks", group.rank(), group.size());
-    Ok(Some(JOINED.get_or_init(|| TensorParallel::new(group)).clone()))
+    Ok(Some(JOINED.get_or_init(|| TensorParallel::new(group, backend)).clone()))
 }

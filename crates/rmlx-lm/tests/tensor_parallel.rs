@@ -85,7 +85,7 @@ fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
 #[test]
 #[ignore = "a rank of two_ranks_split_every_fixture"]
 fn tensor_parallel_rank() {
-    let tp = TensorParallel::new(Group::init(Backend::Ring, true).unwrap());
+    let tp = TensorParallel::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring);
     assert_eq!(tp.size(), 2);
     for &name in WITH_REFERENCE.iter().chain(MLX_LM) {
         let dir = fixture_with_tokenizer(name);

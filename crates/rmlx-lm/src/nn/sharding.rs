@@ -14,7 +14,7 @@
 use super::Builder;
 use crate::weights::Weight;
 use crate::{Error, Result};
-use rmlx::distributed::Group;
+use rmlx::distributed::{Backend, Group};
 use rmlx::quantization::Quantized;
 use rmlx::{ops, Array};
 use std::sync::Arc;
@@ -23,12 +23,16 @@ use std::sync::Arc;
 #[derive(Clone, Debug)]
 pub struct TensorParallel {
     group: Arc<Group>,
+    /// Whether the collectives run on the CPU: every backend but NCCL sums host memory (MLX's
+    /// ring on a GPU stream fails inside CUDA graph capture and aborts the process).
+    on_cpu: bool,
 }
 
 impl TensorParallel {
-    /// Splits models over `group`: each of its `size()` ranks holds 1/size of every split layer.
-    pub fn new(group: Group) -> Self {
-        Self { group: Arc::new(group) }
+    /// Splits models over `group`, which `backend` joined: each of its `size()` ranks holds
+    /// 1/size of every split layer.
+    pub fn new(group: Group, backend: Backend) -> Self {
+        Self { group: Arc::new(group), on_cpu: backend != Backend::Nccl }
     }
 
     /// This process's rank (0 prints and serves).
@@ -48,7 +52,10 @@ impl TensorParallel {
 
     /// The element-wise sum of `a` over the ranks (lazy).
     pub(crate) fn all_sum(&self, a: &Array) -> Result<Array> {
-        Ok(self.group.all_sum(a)?)
+        match self.on_cpu {
+            true => Ok(rmlx::with_device(rmlx::Device::cpu(), || self.group.all_sum(a))?),
+            false => Ok(self.group.all_sum(a)?),
+        }
     }
 
     /// Rank 0's `a` on every rank (lazy): every other rank contributes zeros to an all-sum. What
@@ -58,8 +65,11 @@ impl TensorParallel {
         if self.size() == 1 {
             return Ok(a.clone());
         }
-        let own = if self.rank() == 0 { a.clone() } else { ops::zeros_like(a)? };
-        Ok(self.group.all_sum(&own)?)
+        // As int32 or float32, which every backend sums (token ids come as uint32).
+        let dtype = a.dtype();
+        let wide = if dtype.is_floating() { rmlx::Dtype::Float32 } else { rmlx::Dtype::Int32 };
+        let own = if self.rank() == 0 { a.astype(wide)? } else { ops::zeros(a.shape(), wide)? };
+        self.all_sum(&own)?.astype(dtype).map_err(Into::into)
     }
 }
 
