@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Context, Result};
 use rmlx::distributed::{Backend, Group};
-use rmlx_lm::nn::TensorParallel;
+use rmlx_lm::Ranks;
 use std::sync::OnceLock;
 
 /// The backend of the job this process is a rank of, if any.
@@ -60,8 +60,8 @@ pub fn quiet_unless_rank0() -> Result<Option<std::fs::File>> {
 
 /// The tensor-parallel group of the job this process is a rank of (joined on first use), or
 /// `None` outside a job.
-pub fn tensor_parallel() -> Result<Option<TensorParallel>> {
-    static JOINED: OnceLock<TensorParallel> = OnceLock::new();
+pub fn tensor_parallel() -> Result<Option<Ranks>> {
+    static JOINED: OnceLock<Ranks> = OnceLock::new();
     let Some(name) = job_backend() else { return Ok(None) };
     if let Some(tp) = JOINED.get() {
         return Ok(Some(tp.clone()));
@@ -69,5 +69,5 @@ pub fn tensor_parallel() -> Result<Option<TensorParallel>> {
     let backend: Backend = name.parse()?;
     let group = Group::init(backend, true).with_context(|| format!("joining the {name} group of this job"))?;
     tracing::info!("rank {} of {} ({name}): the model is split over the ranks", group.rank(), group.size());
-    Ok(Some(JOINED.get_or_init(|| TensorParallel::new(group, backend)).clone()))
+    Ok(Some(JOINED.get_or_init(|| Ranks::new(group, backend)).clone()))
 }

@@ -54,6 +54,7 @@ pub(crate) mod models;
 pub mod nn;
 pub mod profile;
 pub mod progress;
+pub mod ranks;
 #[cfg(feature = "download")]
 pub mod registry;
 pub mod roofline;
@@ -76,4 +77,5 @@ pub use error::{Error, Result};
 pub use generate::{CancelHandle, FinishReason, GenerateOptions, Generation, Metrics, Token};
 pub use loader::{LoadOptions, LoadedModel};
 pub use models::Model;
+pub use ranks::Ranks;
 pub use vocab::VocabBounds;

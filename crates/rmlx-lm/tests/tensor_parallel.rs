@@ -11,7 +11,7 @@ mod common;
 use common::{fixture_dir, fixture_with_tokenizer, floats, ids, reference};
 use rmlx::distributed::{Backend, Group};
 use rmlx::{Array, Dtype};
-use rmlx_lm::nn::TensorParallel;
+use rmlx_lm::Ranks;
 use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -47,7 +47,7 @@ const MLX_LM: &[&str] = &["mistral_q4_mlx_lm", "mixtral_q4_mlx_lm", "phi3_mlx_lm
 /// 32 intermediate features, half a quantisation group of 32.
 const UNSPLITTABLE: &[&str] = &["qwen3_moe_q4", "gpt_oss_mxfp4_mlx_lm"];
 
-fn load(dir: &std::path::Path, tp: Option<&TensorParallel>) -> rmlx_lm::Result<LoadedModel> {
+fn load(dir: &std::path::Path, tp: Option<&Ranks>) -> rmlx_lm::Result<LoadedModel> {
     let opts = LoadOptions {
         dtype: Some(Dtype::Float32),
         dequantize: Some(false),
@@ -85,7 +85,7 @@ fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
 #[test]
 #[ignore = "a rank of two_ranks_split_every_fixture"]
 fn tensor_parallel_rank() {
-    let tp = TensorParallel::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring);
+    let tp = Ranks::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring);
     assert_eq!(tp.size(), 2);
     for &name in WITH_REFERENCE.iter().chain(MLX_LM) {
         let dir = fixture_with_tokenizer(name);

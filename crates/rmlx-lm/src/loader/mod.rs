@@ -44,8 +44,8 @@ pub struct LoadOptions {
     /// (default: where they can).
     pub step_capture: crate::nn::StepCapture,
     /// Split the model over these ranks (tensor parallelism: every rank of the group loads it
-    /// with the same options and holds its share; see [`crate::nn::TensorParallel`]).
-    pub tensor_parallel: Option<crate::nn::TensorParallel>,
+    /// with the same options and holds its share; see [`crate::Ranks`]).
+    pub tensor_parallel: Option<crate::Ranks>,
 }
 
 /// A model ready to generate with.
@@ -71,7 +71,7 @@ pub struct LoadedModel {
     pub vocab: VocabBounds,
     /// The ranks the model is split over, when it is (every rank generates in step with the
     /// others and takes rank 0's sampled tokens).
-    pub tensor_parallel: Option<crate::nn::TensorParallel>,
+    pub tensor_parallel: Option<crate::Ranks>,
 }
 
 impl LoadedModel {

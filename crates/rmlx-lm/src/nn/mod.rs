@@ -38,10 +38,11 @@ pub use lora::{training, with_dropout_key, with_training, Lora};
 pub(crate) use module::module_fields;
 pub use module::{join, Module, ModuleExt, Role};
 pub use quantized_matvec::QuantizedMatvec;
-pub use sharding::{HeadShare, Split, TensorParallel};
+pub use sharding::{HeadShare, Split};
 pub use stacked::Stacked;
 pub use switch::{ExpertActivation, ExpertNames, SparseMoe, SwitchLinear, SwitchLora};
 
+use crate::ranks::Ranks;
 use crate::weights::{Weight, Weights};
 use crate::{Error, Result};
 use rmlx::quantization::{dequantize, quantized_matmul, QuantMode, Quantized};
@@ -62,7 +63,7 @@ pub struct Linear {
     matvec: QuantizedMatvec,
     /// Under tensor parallelism, the ranks this layer's partial output (it holds a share of the
     /// input features) is all-summed over ([`Split::Inputs`]).
-    reduce: Option<TensorParallel>,
+    reduce: Option<Ranks>,
     /// How the layer's weight is split over the ranks of a tensor-parallel model.
     split: Split,
 }
@@ -444,7 +445,7 @@ pub struct Builder {
     /// Whether decoding steps replay their layers as one captured launch on MLX's CUDA backend.
     pub step_capture: StepCapture,
     /// The ranks the model is split over (tensor parallelism), each building its share.
-    pub tensor_parallel: Option<TensorParallel>,
+    pub tensor_parallel: Option<Ranks>,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
     /// Parameters handed out so far (logical elements: quantised matrices count unpacked).

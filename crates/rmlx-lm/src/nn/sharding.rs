@@ -12,66 +12,11 @@
 //! [`Error::TensorParallel`] naming the tensor, at load.
 
 use super::Builder;
+use crate::ranks::Ranks;
 use crate::weights::Weight;
 use crate::{Error, Result};
-use rmlx::distributed::{Backend, Group};
 use rmlx::quantization::Quantized;
 use rmlx::{ops, Array};
-use std::sync::Arc;
-
-/// The group of processes a model's layers are split over (the ranks of `rmlx launch`).
-#[derive(Clone, Debug)]
-pub struct TensorParallel {
-    group: Arc<Group>,
-    /// Whether the collectives run on the CPU: every backend but NCCL sums host memory (MLX's
-    /// ring on a GPU stream fails inside CUDA graph capture and aborts the process).
-    on_cpu: bool,
-}
-
-impl TensorParallel {
-    /// Splits models over `group`, which `backend` joined: each of its `size()` ranks holds
-    /// 1/size of every split layer.
-    pub fn new(group: Group, backend: Backend) -> Self {
-        Self { group: Arc::new(group), on_cpu: backend != Backend::Nccl }
-    }
-
-    /// This process's rank (0 prints and serves).
-    pub fn rank(&self) -> usize {
-        self.group.rank()
-    }
-
-    /// How many ranks share the model.
-    pub fn size(&self) -> usize {
-        self.group.size()
-    }
-
-    /// The group.
-    pub fn group(&self) -> &Group {
-        &self.group
-    }
-
-    /// The element-wise sum of `a` over the ranks (lazy).
-    pub(crate) fn all_sum(&self, a: &Array) -> Result<Array> {
-        match self.on_cpu {
-            true => Ok(rmlx::with_device(rmlx::Device::cpu(), || self.group.all_sum(a))?),
-            false => Ok(self.group.all_sum(a)?),
-        }
-    }
-
-    /// Rank 0's `a` on every rank (lazy): every other rank contributes zeros to an all-sum. What
-    /// makes the ranks take rank 0's decisions (a sampled token) rather than trust that their
-    /// own, computed from the same numbers, agree.
-    pub fn from_rank0(&self, a: &Array) -> Result<Array> {
-        if self.size() == 1 {
-            return Ok(a.clone());
-        }
-        // As int32 or float32, which every backend sums (token ids come as uint32).
-        let dtype = a.dtype();
-        let wide = if dtype.is_floating() { rmlx::Dtype::Float32 } else { rmlx::Dtype::Int32 };
-        let own = if self.rank() == 0 { a.astype(wide)? } else { ops::zeros(a.shape(), wide)? };
-        self.all_sum(&own)?.astype(dtype).map_err(Into::into)
-    }
-}
 
 /// Which part of a layer's weight `[…, out, in]` a rank holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,7 +57,7 @@ impl HeadShare {
 
 impl Builder {
     /// The ranks the model is split over, when there are several.
-    pub(crate) fn parallel(&self) -> Option<&TensorParallel> {
+    pub(crate) fn parallel(&self) -> Option<&Ranks> {
         self.tensor_parallel.as_ref().filter(|tp| tp.size() > 1)
     }
 
@@ -216,7 +161,7 @@ impl Builder {
 
     /// The group a layer split as `split` all-sums its output over (`Split::Inputs` on several
     /// ranks).
-    pub(crate) fn reduction(&self, split: Split) -> Option<TensorParallel> {
+    pub(crate) fn reduction(&self, split: Split) -> Option<Ranks> {
         (split == Split::Inputs).then(|| self.parallel().cloned()).flatten()
     }
 }

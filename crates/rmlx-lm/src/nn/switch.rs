@@ -5,7 +5,8 @@
 //! (`gather_mm`, or `gather_qmm` for quantised experts, which stay quantised), the tokens sorted
 //! by expert when there are enough of them for the sort to pay.
 
-use super::{cuda_moe, Builder, Linear, Module, RmsNorm, Role, Split, TensorParallel};
+use super::{cuda_moe, Builder, Linear, Module, RmsNorm, Role, Split};
+use crate::ranks::Ranks;
 use crate::weights::Weight;
 use crate::{Error, Result};
 use rmlx::quantization::{gather_qmm, Quantized};
@@ -183,7 +184,7 @@ pub struct SparseMoe {
     stacked: &'static str,
     /// Under tensor parallelism, the ranks the experts' partial outputs are all-summed over (each
     /// rank holds its share of every expert's intermediate features).
-    reduce: Option<TensorParallel>,
+    reduce: Option<Ranks>,
 }
 
 /// The experts' gated activation of `gate` and `up`.

@@ -1,0 +1,62 @@
+//! The ranks of a job started by `rmlx launch` as the library sees them: MLX's group, which
+//! device its collectives run on, and the two collectives the models and the trainer need (an
+//! all-sum, and rank 0's value everywhere).
+
+use crate::Result;
+use rmlx::distributed::{Backend, Group};
+use rmlx::{ops, Array};
+use std::sync::Arc;
+
+/// The ranks of a job (`rmlx launch`) working on one model: split over them (tensor
+/// parallelism) or each training on its share of every batch (data parallelism).
+#[derive(Clone, Debug)]
+pub struct Ranks {
+    group: Arc<Group>,
+    /// Whether the collectives run on the CPU: every backend but NCCL sums host memory (MLX's
+    /// ring on a GPU stream fails inside CUDA graph capture and aborts the process).
+    on_cpu: bool,
+}
+
+impl Ranks {
+    /// The ranks of `group`, which `backend` joined.
+    pub fn new(group: Group, backend: Backend) -> Self {
+        Self { group: Arc::new(group), on_cpu: backend != Backend::Nccl }
+    }
+
+    /// This process's rank (0 prints and serves).
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// How many ranks there are.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// The group.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// The element-wise sum of `a` over the ranks (lazy).
+    pub fn all_sum(&self, a: &Array) -> Result<Array> {
+        match self.on_cpu {
+            true => Ok(rmlx::with_device(rmlx::Device::cpu(), || self.group.all_sum(a))?),
+            false => Ok(self.group.all_sum(a)?),
+        }
+    }
+
+    /// Rank 0's `a` on every rank (lazy): every other rank contributes zeros to an all-sum. What
+    /// makes the ranks take rank 0's decisions (a sampled token) rather than trust that their
+    /// own, computed from the same numbers, agree.
+    pub fn from_rank0(&self, a: &Array) -> Result<Array> {
+        if self.size() == 1 {
+            return Ok(a.clone());
+        }
+        // As int32 or float32, which every backend sums (token ids come as uint32).
+        let dtype = a.dtype();
+        let wide = if dtype.is_floating() { rmlx::Dtype::Float32 } else { rmlx::Dtype::Int32 };
+        let own = if self.rank() == 0 { a.astype(wide)? } else { ops::zeros(a.shape(), wide)? };
+        self.all_sum(&own)?.astype(dtype).map_err(Into::into)
+    }
+}
