@@ -44,6 +44,10 @@ pub struct ModelArgs {
     /// graph every step); `off` builds every step's graph
     #[arg(long, default_value = "on", value_parser = parse_step_capture)]
     pub step_capture: StepCapture,
+    /// Under `rmlx launch`, every rank loads the whole model (data parallelism) instead of its
+    /// share of it (tensor parallelism). Set by the command, not a flag.
+    #[arg(skip)]
+    pub data_parallel: bool,
 }
 
 fn parse_step_capture(s: &str) -> Result<StepCapture> {
@@ -139,7 +143,11 @@ impl ModelArgs {
             allow_missing_tokenizer,
             quantized_matvec: self.quantized_matvec,
             step_capture: self.step_capture,
-            tensor_parallel: crate::parallel::tensor_parallel()?,
+            // The ranks of a job split the model, unless they train it data-parallel.
+            tensor_parallel: match self.data_parallel {
+                true => None,
+                false => crate::parallel::ranks()?,
+            },
         })
     }
 

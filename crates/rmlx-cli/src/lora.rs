@@ -269,7 +269,8 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     // load there unless `--keep-quantized` asks for QLoRA.
     let on_cpu = rmlx::default_device().kind == rmlx::DeviceType::Cpu;
     let dequantize = a.model.dequantize || (on_cpu && !a.model.keep_quantized);
-    let base = ModelArgs { adapter_path: None, dequantize, ..a.model.clone() };
+    // Under `rmlx launch`, every rank trains the whole model on its share of each batch.
+    let base = ModelArgs { adapter_path: None, dequantize, data_parallel: true, ..a.model.clone() };
     let mut lm = base.load()?;
     let tokenize = |d: &Option<tuner::Dataset>| -> Result<Vec<Sequence>> {
         d.as_ref().map_or(Ok(Vec::new()), |d| Ok(d.tokenize(&lm.tokenizer, &lm.chat_template)?))
@@ -333,6 +334,7 @@ pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
                 seed: a.seed as u64,
                 adapter_dir: Some(adapter_dir.clone()),
                 resume: None,
+                data_parallel: crate::parallel::ranks()?,
             },
             resume_from: a.resume_adapter_file.clone(),
             peft_base_model: (a.adapter_format == "peft").then(|| lm.source.display().to_string()),

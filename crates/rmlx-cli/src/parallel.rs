@@ -24,12 +24,12 @@ pub fn job_rank() -> usize {
 /// Refuses, inside a job, the commands that do not run over several ranks yet: every rank would
 /// hold the whole model and do the same work (or serve the same port).
 pub fn check_command(name: &str) -> Result<()> {
-    const SPLIT: [&str; 4] = ["generate", "perplexity", "bench", "bench-collective"];
-    if job_backend().is_some() && !SPLIT.contains(&name) {
+    const AS_RANKS: [&str; 5] = ["generate", "perplexity", "bench", "lora", "bench-collective"];
+    if job_backend().is_some() && !AS_RANKS.contains(&name) {
         bail!(
             "`rmlx {name}` does not run as the ranks of a job yet; under `rmlx launch`, {} split their model \
-             over the ranks",
-            SPLIT[..3].join(", ")
+             over the ranks and lora trains data-parallel",
+            AS_RANKS[..3].join(", ")
         );
     }
     Ok(())
@@ -58,9 +58,9 @@ pub fn quiet_unless_rank0() -> Result<Option<std::fs::File>> {
     Ok(Some(saved))
 }
 
-/// The tensor-parallel group of the job this process is a rank of (joined on first use), or
-/// `None` outside a job.
-pub fn tensor_parallel() -> Result<Option<Ranks>> {
+/// The ranks of the job this process is one of (its group joined on first use), or `None`
+/// outside a job.
+pub fn ranks() -> Result<Option<Ranks>> {
     static JOINED: OnceLock<Ranks> = OnceLock::new();
     let Some(name) = job_backend() else { return Ok(None) };
     if let Some(tp) = JOINED.get() {
@@ -68,6 +68,6 @@ pub fn tensor_parallel() -> Result<Option<Ranks>> {
     }
     let backend: Backend = name.parse()?;
     let group = Group::init(backend, true).with_context(|| format!("joining the {name} group of this job"))?;
-    tracing::info!("rank {} of {} ({name}): the model is split over the ranks", group.rank(), group.size());
+    tracing::info!("rank {} of {} ({name})", group.rank(), group.size());
     Ok(Some(JOINED.get_or_init(|| Ranks::new(group, backend)).clone()))
 }

@@ -795,3 +795,81 @@ fn experts_take_adapters_as_mlx_lm_names_them() {
     assert!(!out.status.success() && err.contains("DoRA has no form for a mixture of experts"), "{err}");
     let _ = std::fs::remove_dir_all(&w);
 }
+
+/// `rmlx lora` arguments training `model` on `data` into `adapters` for 8 iterations of `batch`
+/// examples, reporting every 4 as JSON.
+fn short_training<'a>(model: &'a Path, data: &'a Path, adapters: &'a Path, batch: &'a str) -> Vec<&'a str> {
+    let mut args = vec!["lora", "--model", s(model), "--dtype", "float32", "--train", "--data", s(data)];
+    // Plain SGD with small steps: the two runs add their float32 sums in different orders, and
+    // Adam (which turns the rounding noise of gradients that are zero in exact arithmetic into
+    // whole steps) or large steps on this random model (losses of 11) grow that apart.
+    args.extend(["--adapter-path", s(adapters), "--iters", "8", "--batch-size", batch, "--optimizer", "sgd"]);
+    args.extend(["--learning-rate", "2e-3"]);
+    args.extend(["--steps-per-report", "4", "--steps-per-eval", "8", "--val-batches", "-1", "--json"]);
+    args
+}
+
+/// The JSON report lines of `stdout` (rank 0's, under `rmlx launch`).
+fn reports(stdout: &[u8]) -> Vec<Value> {
+    let text = String::from_utf8_lossy(stdout);
+    text.lines().map(|l| serde_json::from_str(l.strip_prefix("[rank 0] ").unwrap_or(l)).unwrap()).collect()
+}
+
+#[test]
+fn data_parallel_training_over_two_ranks_is_the_training_of_one_process() {
+    let w = workspace("data-parallel");
+    let (model, data) = (w.join("model"), w.join("data"));
+    // Examples of 4 to 12 tokens: the two ranks' halves of a batch hold different numbers of loss
+    // targets, which weigh their gradients.
+    let lines: Vec<String> = (0..24)
+        .map(|i| {
+            let words: Vec<String> = (0..4 + i % 9).map(|k| format!("t{}", (i * 7 + 3 * k) % 60 + 2)).collect();
+            json!({"text": words.join(" ")}).to_string()
+        })
+        .collect();
+    std::fs::write(data.join("train.jsonl"), lines.join("\n") + "\n").unwrap();
+    let (one, two) = (w.join("one"), w.join("two"));
+    let single = rmlx(&short_training(&model, &data, &one, "4"));
+    assert!(single.status.success(), "{}", String::from_utf8_lossy(&single.stderr));
+    let mut launch = vec!["launch", "-n", "2", "--backend", "ring", "--"];
+    launch.extend(short_training(&model, &data, &two, "4"));
+    let split = rmlx(&launch);
+    let stderr = String::from_utf8_lossy(&split.stderr);
+    assert!(split.status.success(), "{stderr}");
+    assert!(!String::from_utf8_lossy(&split.stdout).contains("[rank 1]"), "rank 1 reported");
+    // The same losses, targets counted over the whole batch, and validation.
+    let (a, b) = (reports(&single.stdout), reports(&split.stdout));
+    assert_eq!(a.len(), b.len(), "{a:?}\n{b:?}");
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x["iter"], y["iter"]);
+        assert_eq!(x["trained_tokens"], y["trained_tokens"]);
+        for key in ["train_loss", "val_loss"] {
+            if let (Some(p), Some(q)) = (x[key].as_f64(), y[key].as_f64()) {
+                assert!((p - q).abs() < 1e-5 * p.abs().max(1.0), "{key} at {}: {p} vs {q}", x["iter"]);
+            }
+        }
+    }
+    assert!(a.iter().any(|r| r["trained_tokens"].as_u64().is_some()), "{a:?}");
+    // The same adapters (written by rank 0 alone).
+    let read = |dir: &Path| rmlx::io::load_safetensors(dir.join("adapters.safetensors")).unwrap().arrays;
+    let (wa, wb) = (read(&one), read(&two));
+    assert_eq!(wa.len(), wb.len());
+    let mut moved = 0.0f32;
+    for (name, x) in &wa {
+        let (x, y) = (x.to_vec::<f32>().unwrap(), wb[name].to_vec::<f32>().unwrap());
+        let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max);
+        assert!(d < 1e-5, "{name} differs by {d}");
+        if name.ends_with("lora_b") {
+            moved = moved.max(x.iter().map(|v| v.abs()).fold(0.0, f32::max));
+        }
+    }
+    assert!(moved > 1e-3, "the adapters did not train ({moved})");
+    // A batch the ranks cannot share evenly is refused before training.
+    let mut launch = vec!["launch", "-n", "2", "--backend", "ring", "--"];
+    launch.extend(short_training(&model, &data, &two, "3"));
+    let out = rmlx(&launch);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("batch size 3 does not split over 2 data-parallel ranks"), "{err}");
+    let _ = std::fs::remove_dir_all(&w);
+}

@@ -58,6 +58,7 @@ fn lora_training_lowers_the_validation_loss_and_adapters_round_trip() {
         seed: 3,
         adapter_dir: Some(out.path().to_path_buf()),
         resume: None,
+        data_parallel: None,
     };
     let mut opt = Optimizer::new(OptimizerKind::adam(), Schedule::Constant(1e-2));
     let mut reports = Vec::new();

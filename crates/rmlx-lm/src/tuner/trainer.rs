@@ -51,6 +51,11 @@ pub struct TrainConfig {
     /// Where to continue from (a checkpoint's [`TrainState`]); the model must hold that
     /// checkpoint's weights already.
     pub resume: Option<TrainState>,
+    /// Train data-parallel over these ranks (`rmlx launch`): each takes its stride of every batch
+    /// (sequences `rank, rank + n, …`), the gradients are averaged over the ranks weighted by
+    /// their loss targets (the whole batch's gradient), every rank applies the same update, and
+    /// rank 0 alone writes adapters and checkpoints. `batch_size` must be a multiple of the ranks.
+    pub data_parallel: Option<crate::Ranks>,
 }
 
 /// Where a run stands, written beside each checkpoint (`NNNNNNN_state.safetensors`) so that a
@@ -132,6 +137,7 @@ impl Default for TrainConfig {
             seed: 0,
             adapter_dir: None,
             resume: None,
+            data_parallel: None,
         }
     }
 }
@@ -228,6 +234,17 @@ pub fn train(
     if cfg.grad_accumulation_steps == 0 {
         return Err(crate::Error::InvalidParameter("grad_accumulation_steps must be positive".into()));
     }
+    let ranks = cfg.data_parallel.as_ref().filter(|r| r.size() > 1);
+    if let Some(r) = ranks {
+        if !cfg.batch_size.is_multiple_of(r.size()) {
+            return Err(crate::Error::InvalidParameter(format!(
+                "batch size {} does not split over {} data-parallel ranks: use a multiple of {}",
+                cfg.batch_size,
+                r.size(),
+                r.size()
+            )));
+        }
+    }
     // `adapters.safetensors` and, when the state resumes exactly (no gradient pending),
     // `state.safetensors` beside it; at a checkpoint also `NNNNNNN_adapters.safetensors` and
     // `NNNNNNN_state.safetensors`.
@@ -238,6 +255,9 @@ pub fn train(
                 report: &mut dyn FnMut(&Report)|
      -> Result<()> {
         let Some(dir) = &cfg.adapter_dir else { return Ok(()) };
+        if cfg.data_parallel.as_ref().is_some_and(|r| r.rank() != 0) {
+            return Ok(());
+        }
         let mut paths = vec![dir.join(adapters::WEIGHTS)];
         if checkpoint {
             paths.push(dir.join(format!("{it:07}_adapters.safetensors")));
@@ -296,7 +316,17 @@ pub fn train(
         }
         let b = queue.pop().expect("an epoch has at least one batch");
         let seqs: Vec<&Sequence> = batches[b].iter().map(|&i| &train[i]).collect();
-        let batch = Batch::new(&seqs, cfg.max_seq_length);
+        // Data-parallel: this rank's stride of the batch, and every rank's loss targets (each
+        // rank's gradient weighs its share of the batch's targets).
+        let mine = match ranks {
+            Some(r) => seqs.iter().skip(r.rank()).step_by(r.size()).copied().collect(),
+            None => seqs.clone(),
+        };
+        let batch = Batch::new(&mine, cfg.max_seq_length);
+        let (batch_loss_tokens, batch_real_tokens) = match ranks {
+            Some(r) => data_parallel_shares(&seqs, r, cfg.max_seq_length),
+            None => (batch.loss_tokens(), batch.real_tokens()),
+        };
         if batch.truncated() {
             report(&Report::Truncated { iter: it, longest: batch.longest, max_seq_length: cfg.max_seq_length });
         }
@@ -309,6 +339,13 @@ pub fn train(
             Some(c) => c.call_with_copies(model, &batch, &key, &copies),
             None => crate::nn::with_dropout_key(key.clone(), || loss_and_grad(model, trainable, &batch)),
         })?;
+        let step = match ranks {
+            Some(r) => {
+                let weight = batch.loss_tokens() as f32 / batch_loss_tokens.max(1) as f32;
+                average_over_ranks(step, r, weight)?
+            }
+            None => step,
+        };
         // Gradients are summed over `grad_accumulation_steps` batches (in their parameters' dtype),
         // then averaged into one update.
         let grads = match accumulated.take() {
@@ -374,9 +411,9 @@ pub fn train(
         report(&Report::Step { iter: it, iters: cfg.iters });
         window_loss += step.loss.item::<f32>()? as f64;
         window_steps += 1;
-        window_tokens += batch.loss_tokens();
-        window_all += batch.real_tokens();
-        trained_tokens += batch.loss_tokens();
+        window_tokens += batch_loss_tokens;
+        window_all += batch_real_tokens;
+        trained_tokens += batch_loss_tokens;
         if it % cfg.steps_per_report == 0 || it == cfg.iters {
             let secs = window_start.elapsed().as_secs_f64();
             report(&Report::Train {
@@ -419,6 +456,51 @@ pub fn train(
 }
 
 /// Sets [`Lora::kernels`](crate::nn::Lora::kernels) on every adapter of `model`.
+/// The loss targets and real tokens of the whole batch `seqs` as the ranks split it by stride
+/// (each rank counts every rank's share: they weigh the ranks' gradients).
+fn data_parallel_shares(seqs: &[&Sequence], ranks: &crate::Ranks, max_seq_length: usize) -> (usize, usize) {
+    (0..ranks.size())
+        .map(|r| {
+            let part: Vec<&Sequence> = seqs.iter().skip(r).step_by(ranks.size()).copied().collect();
+            let b = Batch::new(&part, max_seq_length);
+            (b.loss_tokens(), b.real_tokens())
+        })
+        .fold((0, 0), |(l, a), (bl, ba)| (l + bl, a + ba))
+}
+
+/// The whole batch's loss and gradients from each rank's on its share (`weight`: its share of
+/// the batch's loss targets): `Σ_r weight_r · x_r` over the ranks, the gradients summed as one
+/// float32 buffer (one all-sum a step), in the parameters' order.
+fn average_over_ranks(
+    step: super::loss::LossAndGrad,
+    ranks: &crate::Ranks,
+    weight: f32,
+) -> Result<super::loss::LossAndGrad> {
+    let names: Vec<String> = in_block_order(&step.grads).into_iter().cloned().collect();
+    let mut flat = Vec::with_capacity(names.len() + 1);
+    flat.push((&step.loss.astype(rmlx::Dtype::Float32)? * weight)?.reshape(&[1])?);
+    for n in &names {
+        flat.push((&step.grads[n].astype(rmlx::Dtype::Float32)?.flatten()? * weight)?);
+    }
+    let sizes: Vec<i32> = flat.iter().map(|a| a.size() as i32).collect();
+    let summed = ranks.all_sum(&rmlx::ops::concatenate(&flat.iter().collect::<Vec<_>>(), 0)?)?;
+    let cuts: Vec<i32> = sizes
+        .iter()
+        .scan(0, |at, s| {
+            *at += s;
+            Some(*at)
+        })
+        .collect();
+    let mut parts = rmlx::ops::split_at(&summed, &cuts[..cuts.len() - 1], 0)?.into_iter();
+    let loss = parts.next().expect("the loss").reshape(&[])?.astype(step.loss.dtype())?;
+    let mut grads = HashMap::with_capacity(names.len());
+    for (n, part) in names.into_iter().zip(parts) {
+        let g = &step.grads[&n];
+        grads.insert(n.clone(), part.reshape(g.shape())?.astype(g.dtype())?);
+    }
+    Ok(super::loss::LossAndGrad { loss, ntoks: step.ntoks, grads, params: step.params })
+}
+
 fn set_lora_kernels(model: &mut dyn Model, on: bool) -> Result<()> {
     let mut failure = None;
     model.visit_linears("", &mut |_, linear| {
