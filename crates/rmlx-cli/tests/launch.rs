@@ -94,8 +94,8 @@ fn heads_the_ranks_cannot_share_are_an_error_at_load() {
 
 #[test]
 fn commands_that_do_not_split_refuse_to_run_as_ranks() {
-    let out = rmlx(&["launch", "-n", "2", "--", "serve", "--port", "0"]);
+    let out = rmlx(&["launch", "-n", "2", "--", "chat"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("error: `rmlx serve` does not run as the ranks of a job yet"), "{stderr}");
+    assert!(stderr.contains("error: `rmlx chat` does not run as the ranks of a job yet"), "{stderr}");
 }

@@ -59,4 +59,21 @@ impl Ranks {
         let own = if self.rank() == 0 { a.astype(wide)? } else { ops::zeros(a.shape(), wide)? };
         self.all_sum(&own)?.astype(dtype).map_err(Into::into)
     }
+
+    /// Rank 0's `bytes` on every rank (the others pass `None`); a blocking exchange of two
+    /// all-sums (the length, then the bytes), for the decisions rank 0 makes alone.
+    pub fn broadcast_bytes(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
+        let own = if self.rank() == 0 { bytes.unwrap_or_default() } else { &[] };
+        let len = self.from_rank0(&Array::from_slice(&[own.len() as i32], &[1])?)?;
+        let len = len.to_vec::<i32>()?[0].max(0) as usize;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let values: Vec<i32> = match self.rank() {
+            0 => own.iter().map(|&b| b as i32).collect(),
+            _ => vec![0; len],
+        };
+        let got = self.from_rank0(&Array::from_slice(&values, &[len as i32])?)?.to_vec::<i32>()?;
+        Ok(got.into_iter().map(|v| v as u8).collect())
+    }
 }

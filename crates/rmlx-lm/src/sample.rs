@@ -40,7 +40,7 @@ use rmlx::{ops, random, Array, Dtype};
 ///
 /// The filters only matter when `temperature > 0`; the logit processors (bias, repetition penalty)
 /// apply to greedy decoding too.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplerConfig {
     /// Softmax temperature; `0` means greedy (argmax) decoding.
     pub temperature: f32,

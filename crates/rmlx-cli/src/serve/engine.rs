@@ -5,7 +5,7 @@
 
 use super::api::{ApiError, TokenLogprob};
 use rmlx_lm::chat::Message;
-use rmlx_lm::engine::{Engine, EngineOptions, Request, SeqId, Update, Usage};
+use rmlx_lm::engine::{Engine, EngineOptions, Lockstep, Request, SeqId, Update, Usage};
 use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -123,16 +123,17 @@ pub fn run(
     stats: Arc<Stats>,
 ) -> rmlx_lm::Result<()> {
     let max_batch = opts.max_batch.max(1);
-    let mut engine = Engine::new(lm, opts);
+    // Over the ranks of a tensor-parallel model, the other ranks follow this engine's decisions.
+    let mut engine = Lockstep::new(Engine::new(lm, opts), lm.tensor_parallel.clone());
     for (name, path) in &start.adapters {
-        load_adapter(lm, &mut engine, name, path)?;
+        load_adapter(lm, engine.engine_mut(), name, path)?;
     }
     if start.warm_up {
         let begun = std::time::Instant::now();
         tracing::info!(
             "warming up: one pass over every batch size up to {max_batch}, so that the GPU kernels are ready"
         );
-        let steps = engine.warm_up()?;
+        let steps = engine.engine_mut().warm_up()?;
         tracing::info!(steps, seconds = begun.elapsed().as_secs_f64(), "warmed up");
     }
     let _ = start.ready.send(());
@@ -140,26 +141,26 @@ pub fn run(
     let mut busy = false;
     loop {
         while let Ok(c) = control.try_recv() {
-            manage(lm, &mut engine, c);
+            manage(lm, engine.engine_mut(), c);
         }
-        if engine.is_idle() && std::mem::take(&mut busy) {
+        if engine.engine().is_idle() && std::mem::take(&mut busy) {
             give_back_idle_memory(&stats);
         }
-        if engine.is_idle() {
+        if engine.engine().is_idle() {
             // Idle: wait for a job, looking at the control queue now and then.
             match jobs.recv_timeout(std::time::Duration::from_millis(50)) {
                 Ok(job) => admit(lm, &mut engine, &mut live, job, &stats),
                 Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => return Ok(()),
+                Err(RecvTimeoutError::Disconnected) => return engine.stop(),
             }
         }
         // Take only what a free row of the batch can start; the rest waits in the bounded queue
         // (`--max-queue`: 503 when it is full).
-        while engine.load().0 + engine.load().1 < max_batch {
+        while engine.engine().load().0 + engine.engine().load().1 < max_batch {
             match jobs.try_recv() {
                 Ok(job) => admit(lm, &mut engine, &mut live, job, &stats),
                 Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) if engine.is_idle() => return Ok(()),
+                Err(TryRecvError::Disconnected) if engine.engine().is_idle() => return engine.stop(),
                 Err(TryRecvError::Disconnected) => break,
             }
         }
@@ -180,10 +181,11 @@ pub fn run(
         for u in updates {
             route(lm, &mut engine, &mut live, u, &stats);
         }
-        stats.running.store(engine.load().0, Ordering::Relaxed);
-        stats.peak_batch.fetch_max(engine.load().0, Ordering::Relaxed);
-        stats.kv_bytes.store(engine.kv_bytes() as u64, Ordering::Relaxed);
-        stats.prompt_cache_bytes.store(engine.prompt_cache_usage().0 as u64, Ordering::Relaxed);
+        let e = engine.engine();
+        stats.running.store(e.load().0, Ordering::Relaxed);
+        stats.peak_batch.fetch_max(e.load().0, Ordering::Relaxed);
+        stats.kv_bytes.store(e.kv_bytes() as u64, Ordering::Relaxed);
+        stats.prompt_cache_bytes.store(e.prompt_cache_usage().0 as u64, Ordering::Relaxed);
         stats.peak_memory.fetch_max(rmlx::memory::peak_memory() as u64, Ordering::Relaxed);
         stats.active_memory.store(rmlx::memory::active_memory() as u64, Ordering::Relaxed);
         stats.mlx_cache_bytes.store(rmlx::memory::cache_memory() as u64, Ordering::Relaxed);
@@ -236,7 +238,7 @@ fn manage(lm: &LoadedModel, engine: &mut Engine, c: Control) {
 }
 
 /// Encodes a job's prompt and submits it; refusals go back to the handler as 400s.
-fn admit(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>, job: Job, stats: &Stats) {
+fn admit(lm: &LoadedModel, engine: &mut Lockstep, live: &mut HashMap<SeqId, Live>, job: Job, stats: &Stats) {
     stats.queued.fetch_sub(1, Ordering::Relaxed);
     let prompt = match &job.prompt {
         Prompt::Chat(messages) => lm.chat_prompt(messages),
@@ -269,7 +271,7 @@ fn admit(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>,
     }
 }
 
-fn route(lm: &LoadedModel, engine: &mut Engine, live: &mut HashMap<SeqId, Live>, u: Update, stats: &Stats) {
+fn route(lm: &LoadedModel, engine: &mut Lockstep, live: &mut HashMap<SeqId, Live>, u: Update, stats: &Stats) {
     let (seq, event) = match u {
         Update::Started { .. } => return,
         Update::Token { seq, id, text, logprob, top } => {

@@ -27,6 +27,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args as ClapArgs;
 use engine::{Control, Job, Stats};
+use rmlx_lm::engine::EngineOptions;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -187,6 +188,20 @@ pub fn run(a: Args) -> Result<()> {
             "adapters need the native backend, and {model_id} is served by {backend}"
         );
     }
+    if let Some(lm) = model.as_native() {
+        if let Some(ranks) = lm.tensor_parallel.as_ref().filter(|r| r.size() > 1) {
+            anyhow::ensure!(
+                a.adapters.is_empty() && !a.allow_adapter_loading,
+                "adapters are not served over the ranks of a tensor-parallel model yet"
+            );
+            if ranks.rank() != 0 {
+                // Rank 0 serves HTTP; this rank computes its share of every step rank 0 decides.
+                let (options, warm_up) = engine_options(&a, lm, None);
+                let engine = rmlx_lm::engine::Engine::new(lm, options);
+                return Ok(rmlx_lm::engine::Lockstep::follow(engine, ranks, warm_up)?);
+            }
+        }
+    }
     let adapter_roots = a
         .adapter_dirs
         .iter()
@@ -241,26 +256,45 @@ pub fn run(a: Args) -> Result<()> {
         interface::run(model, queue, stats);
         return http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?;
     };
+    let (options, warm_up) = engine_options(&a, lm, Some(&stats));
+    let start = engine::Start { adapters: a.adapters.clone(), warm_up, ready };
+    let served = engine::run(lm, queue, control_queue, options, start, stats);
+    if let Err(e) = served {
+        // Only start-up can fail (loading the adapters, checked above, or the warm-up): nothing
+        // was served.
+        anyhow::bail!("starting the engine: {e}");
+    }
+    http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
+}
+
+/// The engine's options from the flags and the model (every rank of a tensor-parallel model
+/// derives the same ones), and whether it warms up first; with `stats`, the weights and the key
+/// and value budget are recorded there and the derived budget is reported.
+fn engine_options(a: &Args, lm: &rmlx_lm::LoadedModel, stats: Option<&Stats>) -> (EngineOptions, bool) {
     let context = a.context.or(lm.model.config().max_position_embeddings).unwrap_or(32768).max(1);
     let gb = |g: f64| (g.max(0.0) * 1e9) as usize;
     let weights: usize = {
         use rmlx_lm::nn::ModuleExt;
         lm.model.parameters("").iter().map(|(_, w)| w.nbytes()).sum()
     };
-    stats.weights_bytes.store(weights as u64, Ordering::Relaxed);
     let max_kv_bytes = match a.max_kv_gb {
         Some(g) => gb(g),
         None => {
             let derived = rmlx_lm::engine::device_kv_budget(weights, gb(a.prompt_cache_gb));
-            eprintln!(
-                "keys and values of the running batch: up to {:.2} GB (from the device's memory; --max-kv-gb sets it)",
-                derived as f64 / 1e9
-            );
+            if stats.is_some() {
+                eprintln!(
+                    "keys and values of the running batch: up to {:.2} GB (from the device's memory; --max-kv-gb sets it)",
+                    derived as f64 / 1e9
+                );
+            }
             derived
         }
     };
-    stats.kv_budget.store(max_kv_bytes as u64, Ordering::Relaxed);
-    let options = rmlx_lm::engine::EngineOptions {
+    if let Some(stats) = stats {
+        stats.weights_bytes.store(weights as u64, Ordering::Relaxed);
+        stats.kv_budget.store(max_kv_bytes as u64, Ordering::Relaxed);
+    }
+    let options = EngineOptions {
         max_batch: a.max_batch,
         prefill_tokens: a.prefill_step,
         prefill_batch: a.prefill_batch,
@@ -274,14 +308,7 @@ pub fn run(a: Args) -> Result<()> {
         "off" => false,
         _ => rmlx::default_device().kind == rmlx::DeviceType::Gpu,
     };
-    let start = engine::Start { adapters: a.adapters.clone(), warm_up, ready };
-    let served = engine::run(lm, queue, control_queue, options, start, stats);
-    if let Err(e) = served {
-        // Only start-up can fail (loading the adapters, checked above, or the warm-up): nothing
-        // was served.
-        anyhow::bail!("starting the engine: {e}");
-    }
-    http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?
+    (options, warm_up)
 }
 
 fn router(shared: Arc<Shared>, body_timeout: std::time::Duration) -> Router {

@@ -18,7 +18,17 @@ pub struct Server {
 
 impl Server {
     pub fn start(extra: &[&str]) -> Server {
+        Self::start_as(&[], extra)
+    }
+
+    /// A server whose model is split over `ranks` processes (`rmlx launch` over the ring).
+    pub fn launch(ranks: usize, extra: &[&str]) -> Server {
+        Self::start_as(&["launch", "-n", &ranks.to_string(), "--backend", "ring", "--"], extra)
+    }
+
+    fn start_as(launch: &[&str], extra: &[&str]) -> Server {
         let mut child = Command::new(RMLX)
+            .args(launch)
             .args(["serve", "--port", "0"])
             .args(extra)
             .stdin(Stdio::null())

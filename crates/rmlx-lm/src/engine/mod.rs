@@ -40,6 +40,7 @@
 //! ```
 
 mod budget;
+mod lockstep;
 mod prefill;
 mod prompt_cache;
 mod sampling;
@@ -47,6 +48,7 @@ mod sequence;
 mod warm_up;
 
 pub use budget::{device_kv_budget, kv_budget};
+pub use lockstep::Lockstep;
 pub use prompt_cache::PromptCache;
 
 use crate::cache::{BatchCache, KvCache};

@@ -129,6 +129,8 @@ pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Arra
         let lp = if any_processed { ops::concatenate(&rows_lp.iter().collect::<Vec<_>>(), 0)? } else { shared };
         (ops::concatenate(&tokens.iter().collect::<Vec<_>>(), 0)?, lp)
     };
+    // Every rank of a tensor-parallel model takes rank 0's tokens.
+    let tokens = lm.agreed(tokens)?;
     let chosen = ops::take_along_axis(&logprobs, &tokens.astype(Dtype::Int32)?.reshape(&[rows, 1])?, Some(-1))?;
     let wanted: Vec<usize> = seqs.iter().map(|s| s.top_logprobs).collect();
     let k = wanted.iter().copied().max().unwrap_or(0).min(logprobs.shape()[1] as usize) as i32;

@@ -1,0 +1,158 @@
+//! The engine as every rank of a tensor-parallel model runs it: in lockstep. Each rank holds a
+//! share of every layer, so every forward pass needs them all. Rank 0 decides alone (which
+//! requests join, which are cancelled, when the batch is aborted) and, before each step, sends the
+//! decisions taken since the last one to the other ranks ([`Ranks::broadcast_bytes`]); they apply
+//! them to their own engine ([`Lockstep::follow`]) and step with it. Given the same decisions the
+//! engines make the same batches and forward passes, and every sampled token is rank 0's
+//! (`LoadedModel::agreed`), so they stay the same engine. With one rank, [`Lockstep`] is the
+//! engine itself.
+
+use super::{Engine, Request, SeqId, Update};
+use crate::generate::GenerateOptions;
+use crate::ranks::Ranks;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// A decision of rank 0's, as the other ranks apply it.
+#[derive(Debug, Serialize, Deserialize)]
+enum Decision {
+    Submit {
+        prompt: Vec<u32>,
+        options: GenerateOptions,
+        top_logprobs: usize,
+    },
+    Cancel(SeqId),
+    Abort,
+    /// Every rank steps its engine.
+    Step,
+    /// Serving ended: the other ranks return.
+    Stop,
+}
+
+/// An [`Engine`] whose changes reach the other ranks of a tensor-parallel model.
+pub struct Lockstep<'m> {
+    engine: Engine<'m>,
+    /// The ranks, when there are several (this is rank 0).
+    ranks: Option<Ranks>,
+    /// Decisions not sent yet.
+    pending: Vec<Decision>,
+}
+
+impl<'m> Lockstep<'m> {
+    /// Rank 0's engine (or the only rank's) over `ranks`.
+    pub fn new(engine: Engine<'m>, ranks: Option<Ranks>) -> Self {
+        Self { engine, ranks: ranks.filter(|r| r.size() > 1), pending: Vec::new() }
+    }
+
+    /// The engine, for what does not change it.
+    pub fn engine(&self) -> &Engine<'m> {
+        &self.engine
+    }
+
+    /// The engine, for what only rank 0 may change without telling (adapters and warm-up have
+    /// their own rules: see [`Lockstep::refuse_under_ranks`]).
+    pub fn engine_mut(&mut self) -> &mut Engine<'m> {
+        &mut self.engine
+    }
+
+    /// `Err` naming `what` when the engine runs over several ranks, which it does not support yet.
+    pub fn refuse_under_ranks(&self, what: &str) -> Result<()> {
+        match &self.ranks {
+            Some(r) => Err(Error::TensorParallel(format!("{what} is not supported over {} ranks yet", r.size()))),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Engine::submit`]. Over several ranks a request with a grammar or an adapter is refused
+    /// (not supported there yet), and one without a seed gets one here, so that every rank samples
+    /// the same way.
+    pub fn submit(&mut self, mut request: Request) -> Result<SeqId> {
+        if self.ranks.is_some() {
+            if request.grammar.is_some() {
+                self.refuse_under_ranks("structured output (a grammar)")?;
+            }
+            if request.adapter.is_some() {
+                self.refuse_under_ranks("generating with an adapter")?;
+            }
+            let seed = request.options.sampler.seed.get_or_insert_with(clock_seed);
+            tracing::trace!(seed, "request seeded for every rank");
+            self.pending.push(Decision::Submit {
+                prompt: request.prompt.clone(),
+                options: request.options.clone(),
+                top_logprobs: request.top_logprobs,
+            });
+        }
+        self.engine.submit(request)
+    }
+
+    /// [`Engine::cancel`].
+    pub fn cancel(&mut self, seq: SeqId) {
+        if self.ranks.is_some() {
+            self.pending.push(Decision::Cancel(seq));
+        }
+        self.engine.cancel(seq)
+    }
+
+    /// [`Engine::abort`].
+    pub fn abort(&mut self) -> Vec<Update> {
+        if self.ranks.is_some() {
+            self.pending.push(Decision::Abort);
+        }
+        self.engine.abort()
+    }
+
+    /// Sends the decisions so far, then [`Engine::step`] on every rank.
+    pub fn step(&mut self) -> Result<Vec<Update>> {
+        self.send(Decision::Step)?;
+        self.engine.step()
+    }
+
+    /// Tells the other ranks that serving ended (they return from [`Lockstep::follow`]).
+    pub fn stop(&mut self) -> Result<()> {
+        self.send(Decision::Stop)
+    }
+
+    fn send(&mut self, last: Decision) -> Result<()> {
+        let Some(ranks) = &self.ranks else { return Ok(()) };
+        self.pending.push(last);
+        let bytes = serde_json::to_vec(&std::mem::take(&mut self.pending)).expect("decisions serialise");
+        ranks.broadcast_bytes(Some(&bytes)).map(drop)
+    }
+
+    /// A rank other than 0: applies rank 0's decisions to `engine` and steps with it until rank 0
+    /// stops. With `warm_up`, first [`Engine::warm_up`] (rank 0 warms up as well).
+    pub fn follow(mut engine: Engine<'_>, ranks: &Ranks, warm_up: bool) -> Result<()> {
+        if warm_up {
+            engine.warm_up()?;
+        }
+        loop {
+            let bytes = ranks.broadcast_bytes(None)?;
+            let decisions: Vec<Decision> = serde_json::from_slice(&bytes)
+                .map_err(|e| Error::TensorParallel(format!("rank 0 sent decisions this rank cannot read: {e}")))?;
+            for d in decisions {
+                match d {
+                    Decision::Submit { prompt, options, top_logprobs } => {
+                        // A refusal here is rank 0's refusal too (same engine, same request).
+                        let request = Request { prompt, options, top_logprobs, ..Request::default() };
+                        let _ = engine.submit(request);
+                    }
+                    Decision::Cancel(seq) => engine.cancel(seq),
+                    Decision::Abort => drop(engine.abort()),
+                    Decision::Step => {
+                        if engine.step().is_err() {
+                            // Rank 0's step failed the same way: it aborts, and says so next.
+                            engine.abort();
+                        }
+                    }
+                    Decision::Stop => return Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// A seed from the clock, for a request that gives none.
+fn clock_seed() -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    now.as_nanos() as u64 ^ 0x9E37_79B9_7F4A_7C15
+}
