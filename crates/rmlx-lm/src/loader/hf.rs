@@ -5,7 +5,7 @@ use super::{family, finish, LoadOptions, LoadedModel};
 use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::tokenizer::Tokenizer;
-use crate::weights::{Weight, Weights};
+use crate::weights::{TensorSource, Weight, Weights};
 use crate::{Error, Result};
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype};
@@ -124,12 +124,21 @@ fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
     for f in &files {
         let header = crate::safetensors_header::check_file(f)?;
         let st = rmlx::io::load_safetensors(f)?;
+        let data_start = data_section(f)?;
+        let path = std::sync::Arc::new(f.clone());
         for t in header {
             let a =
                 st.arrays.get(&t.name).filter(|a| a.shape() == t.shape.as_slice()).ok_or_else(|| Error::Corrupt {
                     path: f.display().to_string(),
                     reason: format!("MLX did not read tensor `{}` as its header describes it ({:?})", t.name, t.shape),
                 })?;
+            let source = TensorSource {
+                path: path.clone(),
+                offset: data_start + t.data_offsets.0,
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+            };
+            weights.set_source(t.name.clone(), source);
             weights.insert(t.name, Weight::Dense(a.clone()));
         }
     }
@@ -143,6 +152,16 @@ fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
         );
     }
     Ok(weights)
+}
+
+/// Where the data section of the safetensors file `f` starts (after its 8-byte header length and
+/// the header, which `check_file` validated).
+fn data_section(f: &Path) -> Result<u64> {
+    use std::io::Read;
+    let mut prefix = [0u8; 8];
+    let mut file = std::fs::File::open(f).map_err(|e| Error::io(f, e))?;
+    file.read_exact(&mut prefix).map_err(|e| Error::io(f, e))?;
+    Ok(8 + u64::from_le_bytes(prefix))
 }
 
 /// Multimodal and wrapped checkpoints keep the text model under `language_model.`: bring those
@@ -166,6 +185,7 @@ fn normalize_names(w: &mut Weights) {
         };
         let t = w.take_opt(&name).expect("listed");
         if let Some(new) = renamed {
+            w.rename_source(&name, &new);
             w.insert(new, t);
         } else if !(name.starts_with("vision_tower.")
             || name.starts_with("multi_modal_projector.")

@@ -569,6 +569,7 @@ impl Builder {
 
     /// Puts a tensor (rewritten by a family's hook) where the layers will take it.
     pub fn insert(&mut self, name: &str, w: Weight) {
+        self.weights.forget_source(name);
         self.weights.insert(name, w);
     }
 

@@ -114,16 +114,24 @@ impl Builder {
             _ => (nd - 2).max(0),
         };
         let Some((start, len)) = self.range(name, shape[axis as usize], split)? else { return Ok(w) };
-        // A copy, so that the whole tensor the checkpoint's reader made is freed once read.
-        let cut = |a: &Array, start: i32, len: i32| -> Result<Array> {
+        // This rank's part read from the file alone where the tensor is the file's (`part_name`
+        // names the file's tensor of `a`), else the whole tensor read and a copy of the part kept.
+        let prefix = name.strip_suffix(".weight").unwrap_or(name);
+        let cut = |a: &Array, part_name: &str, start: i32, len: i32| -> Result<Array> {
+            if let Some(source) = self.weights.source(part_name).filter(|s| s.shape == a.shape()) {
+                if let Some(part) = crate::weights::read_part(source, axis as usize, start, len)? {
+                    return Ok(part);
+                }
+            }
             Ok(ops::contiguous(&a.slice_axis(axis, start, start + len, 1)?)?)
         };
+        let (weight, scales, biases) = (name.to_string(), format!("{prefix}.scales"), format!("{prefix}.biases"));
         Ok(match w {
-            Weight::Dense(a) => Weight::Dense(cut(&a, start, len)?),
+            Weight::Dense(a) => Weight::Dense(cut(&a, &weight, start, len)?),
             Weight::Quantized(q) if split != Split::Inputs => Weight::Quantized(Quantized {
-                weight: cut(&q.weight, start, len)?,
-                scales: cut(&q.scales, start, len)?,
-                biases: q.biases.as_ref().map(|b| cut(b, start, len)).transpose()?,
+                weight: cut(&q.weight, &weight, start, len)?,
+                scales: cut(&q.scales, &scales, start, len)?,
+                biases: q.biases.as_ref().map(|b| cut(b, &biases, start, len)).transpose()?,
                 ..q
             }),
             Weight::Quantized(q) => {
@@ -136,9 +144,9 @@ impl Builder {
                 let packed = |f: i32| (f as i64 * bits / 32) as i32;
                 let groups = |f: i32| (f as i64 / gs) as i32;
                 Weight::Quantized(Quantized {
-                    weight: cut(&q.weight, packed(start), packed(len))?,
-                    scales: cut(&q.scales, groups(start), groups(len))?,
-                    biases: q.biases.as_ref().map(|b| cut(b, groups(start), groups(len))).transpose()?,
+                    weight: cut(&q.weight, &weight, packed(start), packed(len))?,
+                    scales: cut(&q.scales, &scales, groups(start), groups(len))?,
+                    biases: q.biases.as_ref().map(|b| cut(b, &biases, groups(start), groups(len))).transpose()?,
                     ..q
                 })
             }
