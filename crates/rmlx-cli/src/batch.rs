@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::backend::{ClassifyOptions, LanguageModel, Prompt};
 use rmlx_lm::chat::Message;
-use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
+use rmlx_lm::engine::{Engine, EngineOptions, Lockstep, Request, Update};
 use rmlx_lm::grammar::Grammar;
 use rmlx_lm::progress::Progress;
 use rmlx_lm::{GenerateOptions, LoadedModel};
@@ -115,15 +115,19 @@ pub fn run(a: Args) -> Result<()> {
     let base = a.sampling.checked_config()?;
     let lines = read_lines(&a.prompts)?;
     let mut model = a.model.open(&a.backend)?;
+    let options = EngineOptions { max_batch: a.max_batch, prefill_batch: a.prefill_batch, ..EngineOptions::default() };
+    // Over the ranks of a tensor-parallel model, rank 0 runs the batch and writes the results;
+    // the others compute their share of each step it decides.
+    if let Some(ranks) = model.as_native().and_then(|lm| lm.tensor_parallel.clone()).filter(|r| r.rank() != 0) {
+        let lm = model.as_native().expect("native");
+        return Ok(Lockstep::follow(Engine::new(lm, options), &ranks, false)?);
+    }
     let mut out = Output::new(&a, &lines)?;
     let Some(lm) = model.as_native() else {
         through_interface(&a, model.as_mut(), &lines, &base, &mut out)?;
         return out.finish();
     };
-    let mut engine = Engine::new(
-        lm,
-        EngineOptions { max_batch: a.max_batch, prefill_batch: a.prefill_batch, ..EngineOptions::default() },
-    );
+    let mut engine = Lockstep::new(Engine::new(lm, options), lm.tensor_parallel.clone());
     let start = std::time::Instant::now();
     rmlx::memory::reset_peak_memory();
     let (mut prompt_tokens, mut cached_tokens, mut generated) = (0, 0, 0);
@@ -165,7 +169,7 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     let mut texts = vec![String::new(); lines.len()];
-    while !engine.is_idle() {
+    while !engine.engine().is_idle() {
         for update in engine.step()? {
             match update {
                 Update::Token { seq, text, top, .. } => {
@@ -202,6 +206,7 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
     }
+    engine.stop()?;
     progress.finish();
     // The whole batch, prefill included, after loading.
     let secs = start.elapsed().as_secs_f64();

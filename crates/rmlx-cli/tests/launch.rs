@@ -99,3 +99,29 @@ fn commands_that_do_not_split_refuse_to_run_as_ranks() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("error: `rmlx chat` does not run as the ranks of a job yet"), "{stderr}");
 }
+
+#[test]
+fn batch_split_over_three_ranks_writes_the_results_of_one_process() {
+    let dir = std::env::temp_dir().join(format!("rmlx-launch-batch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prompts = dir.join("prompts.jsonl");
+    let lines = [
+        r#"{"prompt": "Name a colour.", "max_tokens": 8}"#,
+        r#"{"prompt": "Say hi.", "temperature": 0.7, "seed": 3}"#,
+        r#"{"messages": [{"role": "user", "content": "What is 2+2?"}]}"#,
+    ];
+    std::fs::write(&prompts, lines.join("\n") + "\n").unwrap();
+    let args = ["batch", "--prompts", prompts.to_str().unwrap(), "--max-tokens", "12"];
+    let one = rmlx(&args);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let mut launch = vec!["launch", "-n", "3", "--backend", "ring", "--"];
+    launch.extend(args);
+    let split = rmlx(&launch);
+    let stdout = String::from_utf8_lossy(&split.stdout);
+    assert!(split.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&split.stderr));
+    // Rank 0 alone writes, in input order, what one process writes.
+    let want: Vec<String> = String::from_utf8_lossy(&one.stdout).lines().map(|l| format!("[rank 0] {l}")).collect();
+    assert_eq!(want.len(), 3);
+    assert_eq!(stdout.lines().collect::<Vec<_>>(), want);
+    let _ = std::fs::remove_dir_all(&dir);
+}
