@@ -158,12 +158,6 @@ impl Linear {
         self.lora.as_ref()
     }
 
-    /// Whether the layer holds a share of its input features and all-sums its output over the
-    /// ranks of a tensor-parallel model.
-    pub fn is_reduced(&self) -> bool {
-        self.reduce.is_some()
-    }
-
     /// Attaches (or, with `None`, removes) an adapter; returns the previous one.
     pub fn set_lora(&mut self, lora: Option<Lora>) -> Result<Option<Lora>> {
         if lora.is_some() && self.split != Split::Whole {
