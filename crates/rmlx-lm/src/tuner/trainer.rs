@@ -455,7 +455,6 @@ pub fn train(
     Ok(TrainSummary { iterations: it, trained_tokens, last_val_loss: last_val, interrupted: false })
 }
 
-/// Sets [`Lora::kernels`](crate::nn::Lora::kernels) on every adapter of `model`.
 /// The loss targets and real tokens of the whole batch `seqs` as the ranks split it by stride
 /// (each rank counts every rank's share: they weigh the ranks' gradients).
 fn data_parallel_shares(seqs: &[&Sequence], ranks: &crate::Ranks, max_seq_length: usize) -> (usize, usize) {
@@ -501,6 +500,7 @@ fn average_over_ranks(
     Ok(super::loss::LossAndGrad { loss, ntoks: step.ntoks, grads, params: step.params })
 }
 
+/// Sets [`Lora::kernels`](crate::nn::Lora::kernels) on every adapter of `model`.
 fn set_lora_kernels(model: &mut dyn Model, on: bool) -> Result<()> {
     let mut failure = None;
     model.visit_linears("", &mut |_, linear| {
