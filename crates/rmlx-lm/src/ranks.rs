@@ -9,6 +9,19 @@ use std::sync::Arc;
 
 /// The ranks of a job (`rmlx launch`) working on one model: split over them (tensor
 /// parallelism) or each training on its share of every batch (data parallelism).
+///
+/// ```
+/// use rmlx::distributed::{Backend, Group};
+/// use rmlx_lm::Ranks;
+/// // Outside a job: a group of one, whose collectives give back their input.
+/// let ranks = Ranks::new(Group::init(Backend::Any, false)?, Backend::Any);
+/// assert_eq!((ranks.rank(), ranks.size()), (0, 1));
+/// let x = rmlx::Array::from_slice(&[1.5f32, -2.0], &[2])?;
+/// assert_eq!(ranks.all_sum(&x)?.to_vec::<f32>()?, [1.5, -2.0]);
+/// assert_eq!(ranks.from_rank0(&x)?.to_vec::<f32>()?, [1.5, -2.0]);
+/// assert_eq!(ranks.broadcast_bytes(Some(b"step"))?, b"step");
+/// # Ok::<(), rmlx_lm::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct Ranks {
     group: Arc<Group>,
