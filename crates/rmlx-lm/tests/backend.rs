@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{fixture_with_tokenizer, floats, ids, reference, TempDir};
+use common::{fixture_with_tokenizer, floats, ids, max_abs_diff, reference, TempDir};
 use rmlx_lm::backend::{self, Backend, BackendChoice, ClassifyOptions, LanguageModel, ModelInfo, Prompt};
 use rmlx_lm::{Error, FinishReason, GenerateOptions, LoadOptions};
 use std::path::Path;
@@ -13,11 +13,6 @@ use std::sync::Arc;
 fn native(dir: &Path) -> Box<dyn LanguageModel> {
     let opts = "native".parse::<BackendChoice>().unwrap();
     rmlx_lm::backend::load_with(dir, &opts, &LoadOptions::default()).unwrap()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// Prompt prefixes of different lengths classified together: each row's logits are transformers'

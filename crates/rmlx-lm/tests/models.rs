@@ -7,8 +7,8 @@
 
 mod common;
 
-use common::{fixture_with_tokenizer, floats, ids, reference};
-use rmlx::{Array, Dtype};
+use common::{fixture_with_tokenizer, floats, ids, ids_array, max_abs_diff, reference};
+use rmlx::Dtype;
 use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
 use serde_json::Value;
 
@@ -24,16 +24,6 @@ fn dtype_of(name: &str) -> Dtype {
         "float16" => Dtype::Float16,
         other => panic!("unexpected dtype {other}"),
     }
-}
-
-fn ids_array(ids: &[u32]) -> Array {
-    let v: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
-    Array::from_slice(&v, &[1, v.len() as i32]).unwrap()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// Logits of the whole prompt in one forward pass.

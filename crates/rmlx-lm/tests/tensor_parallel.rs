@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{fixture_dir, fixture_with_tokenizer, floats, ids, reference};
+use common::{fixture_dir, fixture_with_tokenizer, floats, ids, ids_array, max_abs_diff, reference};
 use rmlx::distributed::{Backend, Group};
 use rmlx::{Array, Dtype};
 use rmlx_lm::Ranks;
@@ -55,16 +55,6 @@ fn load(dir: &std::path::Path, tp: Option<&Ranks>) -> rmlx_lm::Result<LoadedMode
         ..LoadOptions::default()
     };
     rmlx_lm::loader::load(dir, &opts)
-}
-
-fn ids_array(ids: &[u32]) -> Array {
-    let v: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
-    Array::from_slice(&v, &[1, v.len() as i32]).unwrap()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// The prompt's logits in one pass, then one token at a time through fresh caches.

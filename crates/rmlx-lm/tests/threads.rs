@@ -6,8 +6,8 @@
 
 mod common;
 
-use common::{fixture_with_tokenizer, ids, reference};
-use rmlx::{Array, Dtype};
+use common::{fixture_with_tokenizer, ids, ids_array, reference};
+use rmlx::Dtype;
 use rmlx_lm::{LoadOptions, LoadedModel};
 use std::sync::Arc;
 use std::thread;
@@ -15,11 +15,6 @@ use std::thread;
 const THREADS: usize = 8;
 /// Forward passes per thread (`RMLX_STRESS_PASSES` overrides, for longer soak runs).
 const PASSES: usize = 100;
-
-fn ids_array(ids: &[u32]) -> Array {
-    let v: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
-    Array::from_slice(&v, &[1, v.len() as i32]).unwrap()
-}
 
 /// Last-position logits of `prompt` in one forward pass, as float32.
 fn last_logits(lm: &LoadedModel, prompt: &[u32]) -> Vec<f32> {

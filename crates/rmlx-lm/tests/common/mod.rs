@@ -109,3 +109,15 @@ pub fn floats(v: &Value) -> Vec<f32> {
 pub fn tf32() -> bool {
     rmlx::default_device().kind == rmlx::DeviceType::Gpu && std::env::var("MLX_ENABLE_TF32").map_or(true, |v| v != "0")
 }
+
+/// Token ids as one int32 row `[1, L]`.
+pub fn ids_array(ids: &[u32]) -> rmlx::Array {
+    let v: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+    rmlx::Array::from_slice(&v, &[1, v.len() as i32]).unwrap()
+}
+
+/// The largest element-wise difference of two equally long lists.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
