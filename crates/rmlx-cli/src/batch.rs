@@ -116,9 +116,9 @@ pub fn run(a: Args) -> Result<()> {
     let lines = read_lines(&a.prompts)?;
     let mut model = a.model.open(&a.backend)?;
     let options = EngineOptions { max_batch: a.max_batch, prefill_batch: a.prefill_batch, ..EngineOptions::default() };
-    // Over the ranks of a tensor-parallel model, rank 0 runs the batch and writes the results;
+    // Over the ranks of a split model, rank 0 runs the batch and writes the results;
     // the others compute their share of each step it decides.
-    if let Some(ranks) = model.as_native().and_then(|lm| lm.tensor_parallel.clone()).filter(|r| r.rank() != 0) {
+    if let Some(ranks) = model.as_native().and_then(|lm| lm.ranks().cloned()).filter(|r| r.rank() != 0) {
         let lm = model.as_native().expect("native");
         return Ok(Lockstep::follow(Engine::new(lm, options), &ranks, false)?);
     }
@@ -127,7 +127,7 @@ pub fn run(a: Args) -> Result<()> {
         through_interface(&a, model.as_mut(), &lines, &base, &mut out)?;
         return out.finish();
     };
-    let mut engine = Lockstep::new(Engine::new(lm, options), lm.tensor_parallel.clone());
+    let mut engine = Lockstep::new(Engine::new(lm, options), lm.ranks().cloned());
     let start = std::time::Instant::now();
     rmlx::memory::reset_peak_memory();
     let (mut prompt_tokens, mut cached_tokens, mut generated) = (0, 0, 0);

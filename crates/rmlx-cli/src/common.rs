@@ -44,6 +44,11 @@ pub struct ModelArgs {
     /// graph every step); `off` builds every step's graph
     #[arg(long, default_value = "on", value_parser = parse_step_capture)]
     pub step_capture: StepCapture,
+    /// Under `rmlx launch`: split the model by blocks (each rank holds a run of consecutive
+    /// blocks and passes its output to the next: pipeline parallelism, for models too large for
+    /// one device; needs `--backend ring`) instead of splitting every block (tensor parallelism)
+    #[arg(long)]
+    pub pipeline: bool,
     /// Under `rmlx launch`, every rank loads the whole model (data parallelism) instead of its
     /// share of it (tensor parallelism). Set by the command, not a flag.
     #[arg(skip)]
@@ -119,6 +124,7 @@ impl ModelArgs {
             ("--dequantize", self.dequantize),
             ("--quantized-matvec", self.quantized_matvec != QuantizedMatvec::default()),
             ("--step-capture", self.step_capture != StepCapture::default()),
+            ("--pipeline", self.pipeline),
         ];
         if let Some((flag, _)) = native_only.iter().find(|(_, set)| *set) {
             let by = match &choice {
@@ -132,6 +138,14 @@ impl ModelArgs {
     }
 
     fn options(&self, allow_missing_tokenizer: bool) -> Result<LoadOptions> {
+        // The ranks of a job split the model, unless they train it data-parallel.
+        let ranks = match self.data_parallel {
+            true => None,
+            false => crate::parallel::ranks()?,
+        };
+        if self.pipeline && ranks.is_none() {
+            bail!("--pipeline splits a model over the ranks of `rmlx launch`, and this process is not one of them");
+        }
         Ok(LoadOptions {
             dtype: self.dtype.as_deref().map(parse_dtype).transpose()?,
             dequantize: match (self.keep_quantized, self.dequantize) {
@@ -143,11 +157,8 @@ impl ModelArgs {
             allow_missing_tokenizer,
             quantized_matvec: self.quantized_matvec,
             step_capture: self.step_capture,
-            // The ranks of a job split the model, unless they train it data-parallel.
-            tensor_parallel: match self.data_parallel {
-                true => None,
-                false => crate::parallel::ranks()?,
-            },
+            tensor_parallel: ranks.clone().filter(|_| !self.pipeline),
+            pipeline_parallel: ranks.filter(|_| self.pipeline),
         })
     }
 
@@ -156,7 +167,13 @@ impl ModelArgs {
     pub fn load_with(&self, allow_missing_tokenizer: bool) -> Result<LoadedModel> {
         let path = self.path()?;
         let opts = self.options(allow_missing_tokenizer)?;
-        rmlx_lm::loader::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+        let loaded = rmlx_lm::loader::load(&path, &opts).map_err(|e| match e {
+            rmlx_lm::Error::TensorParallel(_) => {
+                anyhow::anyhow!("{e}; `--pipeline` splits the model by blocks instead")
+            }
+            e => e.into(),
+        });
+        loaded.with_context(|| format!("loading {}", path.display()))
     }
 
     /// [`ModelArgs::load_with`] where Ctrl-C during the default model's first download stops it

@@ -90,6 +90,42 @@ fn heads_the_ranks_cannot_share_are_an_error_at_load() {
         stderr.contains("tensor parallelism: 2 ranks cannot share 9 query heads and 3 key/value heads evenly"),
         "{stderr}"
     );
+    assert!(stderr.contains("; `--pipeline` splits the model by blocks instead"), "{stderr}");
+}
+
+#[test]
+fn generate_pipelined_over_two_ranks_gives_the_tokens_of_one_process() {
+    let args =
+        ["generate", "--prompt", "Explain what photosynthesis is in simple terms.", "--max-tokens", "16", "--json"];
+    let one = rmlx(&args);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let whole = token_ids(&String::from_utf8_lossy(&one.stdout));
+    // Two ranks cannot share SmolLM2-135M's 9 heads, but can its 30 blocks: 15 each.
+    let mut launch = vec!["launch", "-n", "2", "--"];
+    launch.extend(args);
+    launch.push("--pipeline");
+    let out = rmlx(&launch);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let line = stdout.strip_prefix("[rank 0] ").unwrap_or_else(|| panic!("{stdout}"));
+    assert_eq!(token_ids(line), whole);
+}
+
+#[test]
+fn pipeline_outside_a_job_or_to_train_is_an_error() {
+    let out = rmlx(&["generate", "--pipeline", "--prompt", "hi", "--max-tokens", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr
+            .contains("error: --pipeline splits a model over the ranks of `rmlx launch`, and this process is not one"),
+        "{stderr}"
+    );
+    let dir = std::env::temp_dir().join(format!("rmlx-launch-blocks-{}", std::process::id()));
+    let out = rmlx(&["launch", "-n", "2", "--", "lora", "--pipeline", "--train", "--data", dir.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--pipeline: the ranks of `rmlx lora` train data-parallel"), "{stderr}");
 }
 
 #[test]
@@ -114,14 +150,18 @@ fn batch_split_over_three_ranks_writes_the_results_of_one_process() {
     let args = ["batch", "--prompts", prompts.to_str().unwrap(), "--max-tokens", "12"];
     let one = rmlx(&args);
     assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
-    let mut launch = vec!["launch", "-n", "3", "--backend", "ring", "--"];
-    launch.extend(args);
-    let split = rmlx(&launch);
-    let stdout = String::from_utf8_lossy(&split.stdout);
-    assert!(split.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&split.stderr));
-    // Rank 0 alone writes, in input order, what one process writes.
+    // Rank 0 alone writes, in input order, what one process writes: split by tensors or by
+    // blocks (3 runs of 10).
     let want: Vec<String> = String::from_utf8_lossy(&one.stdout).lines().map(|l| format!("[rank 0] {l}")).collect();
     assert_eq!(want.len(), 3);
-    assert_eq!(stdout.lines().collect::<Vec<_>>(), want);
+    for how in [None, Some("--pipeline")] {
+        let mut launch = vec!["launch", "-n", "3", "--backend", "ring", "--"];
+        launch.extend(args);
+        launch.extend(how);
+        let split = rmlx(&launch);
+        let stdout = String::from_utf8_lossy(&split.stdout);
+        assert!(split.status.success(), "{how:?}: {stdout}\n{}", String::from_utf8_lossy(&split.stderr));
+        assert_eq!(stdout.lines().collect::<Vec<_>>(), want, "{how:?}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

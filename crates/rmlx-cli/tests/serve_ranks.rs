@@ -60,4 +60,25 @@ fn a_server_split_over_three_ranks_answers_as_one_process() {
     assert_eq!(status, 400, "{reply}");
     assert!(reply.to_string().contains("structured output (a grammar) is not supported over 3 ranks yet"), "{reply}");
     assert_eq!(chat(&split, &asks[0]), answers[0]);
+    drop(split);
+    // Split by blocks (two runs of 15): the same answers, alone and batched.
+    let piped = Server::launch(2, &["--warm-up", "off", "--pipeline"]);
+    for (body, want) in asks.iter().zip(&answers) {
+        assert_eq!(&chat(&piped, body), want, "{body}");
+    }
+    let handles: Vec<_> = asks
+        .iter()
+        .cloned()
+        .map(|body| {
+            let addr = piped.addr.clone();
+            std::thread::spawn(move || support::post(&addr, "/v1/chat/completions", &body))
+        })
+        .collect();
+    for (h, want) in handles.into_iter().zip(&answers) {
+        let (status, reply) = h.join().unwrap();
+        assert_eq!(status, 200, "{reply}");
+        let got = reply["choices"][0]["message"]["content"].as_str().unwrap();
+        let n = got.len().min(want.len()).min(8);
+        assert_eq!(&got[..n], &want[..n], "{reply}");
+    }
 }

@@ -58,6 +58,10 @@ pub enum Error {
     /// layers).
     #[error("tensor parallelism: {0}")]
     TensorParallel(String),
+    /// A model cannot be split by blocks over the ranks of a job as asked (more ranks than blocks,
+    /// a backend without send and receive).
+    #[error("pipeline parallelism: {0}")]
+    Pipeline(String),
     /// Downloading a registry package (the default model, tokenizer files) failed.
     #[error("download {url}: {reason}")]
     Download { url: String, reason: String },

@@ -25,15 +25,25 @@ use std::sync::Arc;
 #[derive(Clone, Debug)]
 pub struct Ranks {
     group: Arc<Group>,
-    /// Whether the collectives run on the CPU: every backend but NCCL sums host memory (MLX's
-    /// ring on a GPU stream fails inside CUDA graph capture and aborts the process).
-    on_cpu: bool,
+    /// The backend the group was joined with.
+    backend: Backend,
 }
 
 impl Ranks {
     /// The ranks of `group`, which `backend` joined.
     pub fn new(group: Group, backend: Backend) -> Self {
-        Self { group: Arc::new(group), on_cpu: backend != Backend::Nccl }
+        Self { group: Arc::new(group), backend }
+    }
+
+    /// Whether the collectives run on the CPU: every backend but NCCL sums host memory (MLX's
+    /// ring on a GPU stream fails inside CUDA graph capture and aborts the process).
+    fn on_cpu(&self) -> bool {
+        self.backend != Backend::Nccl
+    }
+
+    /// The backend the group was joined with.
+    pub fn backend(&self) -> Backend {
+        self.backend
     }
 
     /// This process's rank (0 prints and serves).
@@ -53,9 +63,25 @@ impl Ranks {
 
     /// The element-wise sum of `a` over the ranks (lazy).
     pub fn all_sum(&self, a: &Array) -> Result<Array> {
-        match self.on_cpu {
-            true => Ok(rmlx::with_device(rmlx::Device::cpu(), || self.group.all_sum(a))?),
-            false => Ok(self.group.all_sum(a)?),
+        self.on_collective_device(|| self.group.all_sum(a))
+    }
+
+    /// Sends `a` to rank `dst` (lazy: evaluating the result completes the send). MLX's NCCL
+    /// backend has none.
+    pub fn send(&self, a: &Array, dst: usize) -> Result<Array> {
+        self.on_collective_device(|| self.group.send(a, dst))
+    }
+
+    /// Receives an array of `shape` and `dtype` from rank `src` (lazy).
+    pub fn recv(&self, shape: &[i32], dtype: rmlx::Dtype, src: usize) -> Result<Array> {
+        self.on_collective_device(|| self.group.recv(shape, dtype, src))
+    }
+
+    /// `op` on the device the collectives run on.
+    fn on_collective_device(&self, op: impl FnOnce() -> rmlx::Result<Array>) -> Result<Array> {
+        match self.on_cpu() {
+            true => Ok(rmlx::with_device(rmlx::Device::cpu(), op)?),
+            false => Ok(op()?),
         }
     }
 

@@ -13,9 +13,6 @@ use rmlx::distributed::{Backend, Group};
 use rmlx::{Array, Dtype};
 use rmlx_lm::Ranks;
 use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
-use std::io::Read;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 /// Native fixtures with transformers references: split, they must still match them.
 const WITH_REFERENCE: &[&str] = &[
@@ -135,61 +132,8 @@ fn tensor_parallel_rank() {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[test]
 fn two_ranks_split_every_fixture() {
-    let dir = common::TempDir::new("tp-ring");
-    let hostfile = dir.path().join("hosts.json");
-    let hosts = format!("[[\"127.0.0.1:{}\"], [\"127.0.0.1:{}\"]]", free_port(), free_port());
-    std::fs::write(&hostfile, hosts).unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<_> = (0..2)
-        .map(|rank| {
-            Command::new(&exe)
-                .args(["--ignored", "--exact", "tensor_parallel_rank", "--nocapture", "--test-threads", "1"])
-                .env("MLX_RANK", rank.to_string())
-                .env("MLX_WORLD_SIZE", "2")
-                .env("MLX_HOSTFILE", &hostfile)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    // Read both ranks' output while they run (a full pipe would stall a rank and its peer).
-    let readers: Vec<_> = children
-        .iter_mut()
-        .map(|c| {
-            let (mut out, mut err) = (c.stdout.take().unwrap(), c.stderr.take().unwrap());
-            std::thread::spawn(move || {
-                let (mut o, mut e) = (String::new(), String::new());
-                out.read_to_string(&mut o).unwrap();
-                err.read_to_string(&mut e).unwrap();
-                (o, e)
-            })
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut statuses = [None, None];
-    while statuses.iter().any(Option::is_none) && Instant::now() < deadline {
-        for (s, c) in statuses.iter_mut().zip(&mut children) {
-            if s.is_none() {
-                *s = c.try_wait().unwrap();
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for c in &mut children {
-        let _ = c.kill();
-    }
-    for (rank, (status, reader)) in statuses.iter().zip(readers).enumerate() {
-        let (out, err) = reader.join().unwrap();
-        assert!(status.is_some_and(|s| s.success()), "rank {rank}: {status:?}\n{out}\n{err}");
-        for name in WITH_REFERENCE.iter().chain(MLX_LM).chain(UNSPLITTABLE) {
-            assert!(out.contains(&format!("ok {name}\n")), "rank {rank} did not check {name}:\n{out}\n{err}");
-        }
-    }
+    let names: Vec<&str> = WITH_REFERENCE.iter().chain(MLX_LM).chain(UNSPLITTABLE).copied().collect();
+    common::ranks::run_ranks("tensor_parallel_rank", 2, &names);
 }

@@ -124,7 +124,7 @@ pub fn run(
 ) -> rmlx_lm::Result<()> {
     let max_batch = opts.max_batch.max(1);
     // Over the ranks of a tensor-parallel model, the other ranks follow this engine's decisions.
-    let mut engine = Lockstep::new(Engine::new(lm, opts), lm.tensor_parallel.clone());
+    let mut engine = Lockstep::new(Engine::new(lm, opts), lm.ranks().cloned());
     for (name, path) in &start.adapters {
         load_adapter(lm, engine.engine_mut(), name, path)?;
     }

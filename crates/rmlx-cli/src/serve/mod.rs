@@ -189,10 +189,10 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     if let Some(lm) = model.as_native() {
-        if let Some(ranks) = lm.tensor_parallel.as_ref().filter(|r| r.size() > 1) {
+        if let Some(ranks) = lm.ranks() {
             anyhow::ensure!(
                 a.adapters.is_empty() && !a.allow_adapter_loading,
-                "adapters are not served over the ranks of a tensor-parallel model yet"
+                "adapters are not served over the ranks of a split model yet"
             );
             if ranks.rank() != 0 {
                 // Rank 0 serves HTTP; this rank computes its share of every step rank 0 decides.

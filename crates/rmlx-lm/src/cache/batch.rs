@@ -234,6 +234,11 @@ impl BatchCache {
         self.keys.iter().chain(self.values.iter()).collect()
     }
 
+    /// The key and value buffers.
+    pub(super) fn buffers_mut(&mut self) -> [&mut Option<Array>; 2] {
+        [&mut self.keys, &mut self.values]
+    }
+
     /// Appends `k, v: [rows, H, L, D]`; returns the visible keys and values and the mask of the
     /// `L` new queries: causal, without the padding, within the window. A padding query sees
     /// itself only, so that no row of the softmax is empty.

@@ -165,6 +165,23 @@ impl KvCache {
         };
         k.iter().chain(v.iter()).collect()
     }
+
+    /// Makes the arrays held wait for `done` (lazy): evaluating them evaluates it too. The caches
+    /// of a pipeline stage wait for the whole pipeline's output, so that whichever a rank
+    /// evaluates, its caches or the output, it takes part in the same collectives as the others.
+    pub fn wait_for(&mut self, done: &Array) -> Result<()> {
+        let buffers = match self {
+            KvCache::Standard(c) => [&mut c.keys, &mut c.values],
+            KvCache::Rotating(c) => [&mut c.keys, &mut c.values],
+            KvCache::Batch(c) => c.buffers_mut(),
+        };
+        for buffer in buffers {
+            if let Some(a) = buffer.as_ref() {
+                *buffer = Some(ops::depends(&[a], &[done])?.remove(0));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn dim(a: &Array, i: usize) -> i32 {

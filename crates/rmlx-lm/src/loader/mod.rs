@@ -46,6 +46,9 @@ pub struct LoadOptions {
     /// Split the model over these ranks (tensor parallelism: every rank of the group loads it
     /// with the same options and holds its share; see [`crate::Ranks`]).
     pub tensor_parallel: Option<crate::Ranks>,
+    /// Split the model's blocks over these ranks instead (pipeline parallelism: each rank holds a
+    /// run of consecutive blocks; see [`crate::nn::pipeline`]).
+    pub pipeline_parallel: Option<crate::Ranks>,
 }
 
 /// A model ready to generate with.
@@ -72,6 +75,8 @@ pub struct LoadedModel {
     /// The ranks the model is split over, when it is (every rank generates in step with the
     /// others and takes rank 0's sampled tokens).
     pub tensor_parallel: Option<crate::Ranks>,
+    /// The ranks whose pipeline the model's blocks are split over, when they are (as above).
+    pub pipeline_parallel: Option<crate::Ranks>,
 }
 
 impl LoadedModel {
@@ -89,10 +94,16 @@ impl LoadedModel {
         2 * kv_heads * cfg.head_dim() as usize * self.dtype.size()
     }
 
-    /// Rank 0's `token` on every rank of a tensor-parallel model (lazy), else `token`.
+    /// The ranks the model is split over (by tensors or by blocks), when it is: they run every
+    /// step together.
+    pub fn ranks(&self) -> Option<&crate::Ranks> {
+        self.tensor_parallel.as_ref().or(self.pipeline_parallel.as_ref()).filter(|r| r.size() > 1)
+    }
+
+    /// Rank 0's `token` on every rank of a split model (lazy), else `token`.
     pub(crate) fn agreed(&self, token: Array) -> Result<Array> {
-        match &self.tensor_parallel {
-            Some(tp) => tp.from_rank0(&token),
+        match self.ranks() {
+            Some(ranks) => ranks.from_rank0(&token),
             None => Ok(token),
         }
     }
@@ -144,6 +155,12 @@ pub(super) fn finish(
     b.quantized_matvec = opts.quantized_matvec;
     b.step_capture = opts.step_capture;
     b.tensor_parallel = opts.tensor_parallel.clone();
+    if let Some(ranks) = &opts.pipeline_parallel {
+        if opts.tensor_parallel.is_some() {
+            return Err(Error::Pipeline("a model is split by tensors or by blocks, not both".into()));
+        }
+        b.set_stage(crate::nn::pipeline::Stage::of(ranks, cfg.num_hidden_layers)?);
+    }
     let model = models::build(&cfg, &mut b)?;
     let unused_tensors = crate::checkpoint::unused_tensors(&b.remaining());
     crate::checkpoint::warn_unused(&unused_tensors, source);
@@ -192,6 +209,7 @@ pub(super) fn finish(
         unused_tensors,
         vocab,
         tensor_parallel: opts.tensor_parallel.clone(),
+        pipeline_parallel: opts.pipeline_parallel.clone(),
     })
 }
 

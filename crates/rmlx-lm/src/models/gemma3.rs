@@ -118,7 +118,10 @@ pub struct Model {
     cfg: ModelConfig,
     embed_tokens: Embedding,
     embed_scale: Array,
+    /// The blocks of `stage`.
     layers: Vec<Block>,
+    /// Which blocks these are: all, or a pipeline stage's.
+    stage: crate::nn::pipeline::Stage,
     norm: RmsNorm,
     lm_head: Option<Linear>,
     /// The decoding step's layers as one launch, on MLX's CUDA backend.
@@ -144,7 +147,9 @@ impl Model {
         b: &mut Builder,
         spec: fn(&ModelConfig, usize) -> Result<AttentionSpec>,
     ) -> Result<Self> {
-        let layers = (0..cfg.num_hidden_layers)
+        let layers = b
+            .stage(cfg.num_hidden_layers)
+            .layers()
             .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), spec(cfg, i)?))
             .collect::<Result<_>>()?;
         // transformers rounds the scale to the weights' dtype before multiplying.
@@ -153,6 +158,7 @@ impl Model {
             embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
             embed_scale,
             layers,
+            stage: b.stage(cfg.num_hidden_layers),
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, true)?,
             lm_head: output_head(cfg, b)?,
             steps: CapturedSteps::new(b.step_capture),
@@ -165,7 +171,7 @@ impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let (batch, length) = super::token_grid(ids)?;
         let h = (self.embed_tokens.forward(&ids.reshape(&[batch * length])?)? * &self.embed_scale)?;
-        let h = super::decoder_layers(&self.steps, &self.layers, &h, caches, batch, Block::forward)?;
+        let h = super::decoder_layers(&self.steps, &self.stage, &self.layers, &h, caches, batch, Block::forward)?;
         Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 
@@ -188,7 +194,7 @@ impl super::Model for Model {
     }
 
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
-        super::layer_caches(&self.cfg, context_limit)
+        super::layer_caches(&self.cfg, &self.stage, context_limit)
     }
 
     fn config(&self) -> &ModelConfig {

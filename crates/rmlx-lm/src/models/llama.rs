@@ -176,7 +176,9 @@ impl Decoder<Block> {
                  (as transformers and mlx-lm do); use model_type `mistral` for a window on every layer"
             );
         }
-        let layers = (0..cfg.num_hidden_layers)
+        let layers = b
+            .stage(cfg.num_hidden_layers)
+            .layers()
             .map(|i| Block::load(cfg, b, &format!("model.layers.{i}"), spec(cfg)?))
             .collect::<Result<_>>()?;
         Decoder::new(cfg, b, layers)

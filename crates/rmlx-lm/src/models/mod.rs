@@ -16,6 +16,7 @@ pub mod spec;
 use crate::cache::{KvCache, Offset};
 use crate::config::{llama3_rope_divisors, ModelConfig, RopeScaling};
 use crate::nn::cuda_fast::Rotation;
+use crate::nn::pipeline::Stage;
 use crate::nn::{Builder, Module};
 use crate::Result;
 use rmlx::fast::{self, RopeFreqs};
@@ -103,11 +104,12 @@ pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
     (spec.build)(cfg, b)
 }
 
-/// One cache per layer of `cfg`: a layer with a sliding window ([`ModelConfig::layer_window`])
+/// One cache per layer of `cfg` that `stage` holds: a layer with a sliding window ([`ModelConfig::layer_window`])
 /// keeps the window (or `context_limit`, when smaller); another is bounded by `context_limit`
 /// (keeping the first 4 positions) or unbounded.
-pub(crate) fn layer_caches(cfg: &ModelConfig, context_limit: Option<usize>) -> Vec<KvCache> {
-    (0..cfg.num_hidden_layers)
+pub(crate) fn layer_caches(cfg: &ModelConfig, stage: &Stage, context_limit: Option<usize>) -> Vec<KvCache> {
+    stage
+        .layers()
         .map(|i| match (cfg.layer_window(i), context_limit) {
             (Some(window), limit) => KvCache::bounded(window.min(limit.unwrap_or(usize::MAX)), 0),
             (None, Some(n)) => KvCache::bounded(n, 4),
@@ -266,22 +268,26 @@ pub(crate) fn merge_heads(x: &Array) -> Result<Array> {
 
 /// The decoder blocks in turn over the rows `h` (of `batch` sequences), each checkpointed where
 /// training asks for it, as one captured launch where `steps` serves a decoding step
-/// ([`crate::nn::CapturedSteps::layers`]).
+/// ([`crate::nn::CapturedSteps::layers`]). On a pipeline `stage`, the blocks it holds, between
+/// the previous stage's output and the whole pipeline's ([`Stage::receive`], [`Stage::pass_on`]).
 pub(crate) fn decoder_layers<B: crate::nn::Module + Clone + 'static>(
     steps: &crate::nn::CapturedSteps,
+    stage: &Stage,
     blocks: &[B],
     h: &Array,
     caches: &mut [KvCache],
     batch: i32,
     forward: fn(&B, &Array, i32, &mut KvCache) -> Result<Array>,
 ) -> Result<Array> {
-    steps.layers(h, caches, |h, caches| {
+    let h = stage.receive(h)?;
+    let h = steps.layers(&h, caches, |h, caches| {
         let mut h = h.clone();
         for (block, cache) in blocks.iter().zip(caches.iter_mut()) {
             h = crate::nn::checkpointed(block, &h, cache, move |b, x, c| forward(b, x, batch, c))?;
         }
         Ok(h)
-    })
+    })?;
+    stage.pass_on(&h, caches)
 }
 
 /// `(B, L)` of token ids `[B, L]`. The blocks work on the rows `[B·L, hidden]` of all sequences,

@@ -211,7 +211,11 @@ impl Decoder<Block> {
     /// The model of `family` from `model.*` / `lm_head.*` tensors.
     pub(crate) fn load(cfg: &ModelConfig, b: &mut Builder, family: &Family) -> Result<Self> {
         let moe = MoeConfig::of(cfg)?;
-        let layers = (0..cfg.num_hidden_layers).map(|i| Block::load(cfg, &moe, family, b, i)).collect::<Result<_>>()?;
+        let layers = b
+            .stage(cfg.num_hidden_layers)
+            .layers()
+            .map(|i| Block::load(cfg, &moe, family, b, i))
+            .collect::<Result<_>>()?;
         Decoder::new(cfg, b, layers)
     }
 }

@@ -24,6 +24,7 @@ mod grad_checkpoint;
 mod head;
 mod lora;
 mod module;
+pub mod pipeline;
 mod quantized_matvec;
 mod sharding;
 mod stacked;
@@ -440,6 +441,8 @@ pub struct Builder {
     pub step_capture: StepCapture,
     /// The ranks the model is split over (tensor parallelism), each building its share.
     pub tensor_parallel: Option<Ranks>,
+    /// The blocks this process builds, on a stage of a pipeline ([`Builder::set_stage`]).
+    stage: Option<pipeline::Stage>,
     /// Every array handed to a layer so far (to evaluate them all at load).
     built: Vec<Array>,
     /// Parameters handed out so far (logical elements: quantised matrices count unpacked).
@@ -460,6 +463,7 @@ impl Builder {
             quantized_matvec: QuantizedMatvec::default(),
             step_capture: StepCapture::default(),
             tensor_parallel: None,
+            stage: None,
             built: Vec::new(),
             parameters: 0,
             quantized_kept: 0,
@@ -492,6 +496,27 @@ impl Builder {
     /// Whether the checkpoint has a tensor.
     pub fn has(&self, name: &str) -> bool {
         self.weights.contains(name)
+    }
+
+    /// Builds the blocks of `stage` alone: the other blocks' tensors are dropped unread.
+    pub fn set_stage(&mut self, stage: pipeline::Stage) {
+        let others: Vec<String> = self
+            .weights
+            .names()
+            .filter(|n| crate::models::block_path(n).is_some_and(|(i, _)| !stage.layers().contains(&i)))
+            .map(str::to_string)
+            .collect();
+        for name in others {
+            self.weights.forget_source(&name);
+            self.weights.take_opt(&name);
+        }
+        self.stage = Some(stage);
+    }
+
+    /// The blocks to build of a model of `layers`: all of them, or those of the pipeline stage
+    /// [`Builder::set_stage`] gave.
+    pub fn stage(&self, layers: usize) -> pipeline::Stage {
+        self.stage.clone().unwrap_or_else(|| pipeline::Stage::whole(layers))
     }
 
     /// The tensors not taken so far.

@@ -3,6 +3,8 @@
 //! their transformers reference outputs.
 #![allow(dead_code)]
 
+pub mod ranks;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 

@@ -1,0 +1,135 @@
+//! Pipeline parallelism over MLX's ring backend, two and three processes on this machine: each
+//! rank holds a run of consecutive blocks of every native fixture model, and its logits (the
+//! prompt in one pass, then one token at a time through the caches), greedy tokens and perplexity
+//! must be exactly those of the whole model in one process: every block computes what it would
+//! whole, and the last stage's output reaches every rank unchanged. Quantised models whose layers
+//! tensor parallelism cannot cut split by blocks too; more ranks than blocks is an error.
+
+mod common;
+
+use common::{fixture_with_tokenizer, ids_array, max_abs_diff};
+use rmlx::distributed::{Backend, Group};
+use rmlx::{Array, Dtype};
+use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel, Ranks};
+
+/// Every native fixture, its blocks (2 to 6: runs of one to three blocks a rank).
+const FIXTURES: &[(&str, usize)] = &[
+    ("llama_gqa", 2),
+    ("llama_gqa_q4", 2),
+    ("llama_mqa_untied", 3),
+    ("mistral", 2),
+    ("mistral_window", 2),
+    ("mistral_q4_mlx_lm", 2),
+    ("qwen2", 2),
+    ("qwen2_window", 2),
+    ("qwen3", 2),
+    ("qwen3_q4", 2),
+    ("phi3", 2),
+    ("phi3_q4", 2),
+    ("phi3_mlx_lm", 2),
+    ("gemma2", 4),
+    ("gemma2_q4", 4),
+    ("gemma3_text", 6),
+    ("gemma3_text_pattern", 6),
+    ("gemma3_multimodal_prefix", 6),
+    ("qwen3_moe", 3),
+    ("qwen3_moe_q4", 3),
+    ("mixtral", 2),
+    ("mixtral_q4_mlx_lm", 2),
+    ("gpt_oss", 2),
+    ("gpt_oss_mlx_lm", 2),
+    ("gpt_oss_mxfp4_mlx_lm", 2),
+];
+
+fn load(dir: &std::path::Path, pipeline: Option<&Ranks>) -> rmlx_lm::Result<LoadedModel> {
+    let opts = LoadOptions {
+        dtype: Some(Dtype::Float32),
+        dequantize: Some(false),
+        pipeline_parallel: pipeline.cloned(),
+        ..LoadOptions::default()
+    };
+    rmlx_lm::loader::load(dir, &opts)
+}
+
+/// The prompt's logits in one pass, then one token at a time through fresh caches.
+fn logits(lm: &LoadedModel, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    let read = |a: Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+    let whole = read(lm.model.forward(&ids_array(prompt), &mut lm.model.new_caches(None)).unwrap());
+    let mut caches = lm.model.new_caches(None);
+    let steps = prompt.iter().flat_map(|&t| read(lm.model.forward(&ids_array(&[t]), &mut caches).unwrap())).collect();
+    (whole, steps)
+}
+
+fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, prefill_chunk: 5, ..GenerateOptions::default() };
+    lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
+}
+
+/// One rank's checks, each fixture printing `ok <name>`; run by the tests below as every rank.
+#[test]
+#[ignore = "a rank of the pipeline tests below"]
+fn pipeline_rank() {
+    let ranks = Ranks::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring);
+    let (n, r) = (ranks.size(), ranks.rank());
+    for &(name, blocks) in FIXTURES {
+        let dir = fixture_with_tokenizer(name);
+        if blocks < n {
+            match load(dir.path(), Some(&ranks)) {
+                Err(rmlx_lm::Error::Pipeline(why)) => {
+                    assert_eq!(
+                        why,
+                        format!("{n} ranks cannot share a pipeline of {blocks} blocks (at most one rank a block)")
+                    )
+                }
+                Err(e) => panic!("{name}: another error: {e}"),
+                Ok(_) => panic!("{name}: {blocks} blocks split over {n} ranks"),
+            }
+            println!("ok {name}");
+            continue;
+        }
+        let whole = load(dir.path(), None).unwrap();
+        let split = load(dir.path(), Some(&ranks)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // Runs as even as they can be, the first ranks one block longer.
+        let held = blocks / n + usize::from(r < blocks % n);
+        assert_eq!(split.model.new_caches(None).len(), held, "{name}: caches of rank {r}");
+        assert_eq!(
+            split.layer_windows(),
+            whole.layer_windows()[..]
+                .iter()
+                .skip(r * (blocks / n) + r.min(blocks % n))
+                .take(held)
+                .copied()
+                .collect::<Vec<_>>(),
+            "{name}"
+        );
+        assert!(
+            split.weight_bytes < whole.weight_bytes,
+            "{name}: {} of {} bytes",
+            split.weight_bytes,
+            whole.weight_bytes
+        );
+        let prompt: Vec<u32> = (0..12u32).map(|i| (i * 7 + 3) % 30).collect();
+        let (split_whole, split_steps) = logits(&split, &prompt);
+        let (one_whole, one_steps) = logits(&whole, &prompt);
+        assert_eq!(max_abs_diff(&split_whole, &one_whole), 0.0, "{name}: logits");
+        assert_eq!(max_abs_diff(&split_steps, &one_steps), 0.0, "{name}: logits through the caches");
+        assert_eq!(greedy(&split, &prompt, 8), greedy(&whole, &prompt, 8), "{name}: greedy tokens");
+        let nll = |lm| rmlx_lm::generate::negative_log_likelihood(lm, &prompt, 4).unwrap();
+        assert_eq!(nll(&split), nll(&whole), "{name}: negative log-likelihood");
+        println!("ok {name}");
+    }
+}
+
+fn names() -> Vec<&'static str> {
+    FIXTURES.iter().map(|&(name, _)| name).collect()
+}
+
+#[test]
+fn two_ranks_pipeline_every_fixture() {
+    common::ranks::run_ranks("pipeline_rank", 2, &names());
+}
+
+#[test]
+fn three_ranks_pipeline_every_fixture_with_three_blocks() {
+    common::ranks::run_ranks("pipeline_rank", 3, &names());
+}
