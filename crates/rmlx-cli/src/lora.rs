@@ -235,7 +235,10 @@ const DEFAULT_NUM_LAYERS: i64 = 16;
 pub fn run(mut a: Args, matches: Option<ArgMatches>) -> Result<()> {
     let yaml = apply_config(&mut a, matches.as_ref())?;
     ensure!(a.train || a.test, "nothing to do: pass --train, --test or both");
-    ensure!(!a.model.pipeline, "--pipeline: the ranks of `rmlx lora` train data-parallel, each holding the whole model");
+    ensure!(
+        !a.model.pipeline,
+        "--pipeline: the ranks of `rmlx lora` train data-parallel, each holding the whole model"
+    );
     let fine_tune_type = match a.fine_tune_type.as_str() {
         "lora" => FineTuneType::Lora,
         "dora" => FineTuneType::Dora,

@@ -60,8 +60,8 @@ enum Command {
     Inspect(inspect::Args),
     /// The inference backends (native, mlx-lm) and whether each can run here or a given model.
     Backends(backends::Args),
-    /// Start an rmlx command as several ranks on this machine (MLX's ring or NCCL), each rank's
-    /// output prefixed, all stopped when one fails.
+    /// Start an rmlx command as several ranks, on this machine or the hosts of a hostfile (MLX's
+    /// ring or NCCL), each rank's output prefixed, all stopped when one fails.
     Launch(launch::Args),
     /// Time MLX's all-sum between the ranks of a launched job, per message size.
     BenchCollective(bench_collective::Args),

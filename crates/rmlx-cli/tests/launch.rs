@@ -165,3 +165,102 @@ fn batch_split_over_three_ranks_writes_the_results_of_one_process() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn a_hostfile_of_this_machine_runs_one_rank_on_each_host() {
+    let dir = std::env::temp_dir().join(format!("rmlx-launch-hosts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let hostfile = dir.join("hosts.json");
+    // mlx.launch's object form: the backend and environment come from the file.
+    let hosts = r#"{"backend": "ring", "envs": ["RMLX_LOG=info"],
+        "hosts": [{"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]}"#;
+    std::fs::write(&hostfile, hosts).unwrap();
+    let args = ["generate", "--prompt", "Name a colour.", "--max-tokens", "8", "--json"];
+    let one = rmlx(&args);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let port = free_port().to_string();
+    let mut launch = vec!["launch", "--hostfile", hostfile.to_str().unwrap(), "--starting-port", &port, "--"];
+    launch.extend(args);
+    launch.push("--pipeline");
+    let out = rmlx(&launch);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(token_ids(stdout.strip_prefix("[rank 0] ").unwrap()), token_ids(&String::from_utf8_lossy(&one.stdout)));
+    assert!(stderr.contains("[rank 0] rank 0 of 2 (ring)"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn remote_hosts_are_reached_by_ssh() {
+    // An `ssh` first on PATH that logs how it was called and runs the command here.
+    let dir = std::env::temp_dir().join(format!("rmlx-launch-ssh-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("ssh.log");
+    let ssh = dir.join("ssh");
+    let script = format!(
+        "#!/bin/sh\necho \"$1 $2 $3 $4\" >> '{}'\nfor last; do :; done\nexec /bin/sh -c \"$last\"\n",
+        log.display()
+    );
+    std::fs::write(&ssh, script).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ssh, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let hostfile = dir.join("hosts.json");
+    std::fs::write(&hostfile, r#"[{"ssh": "node-a", "ips": ["127.0.0.1"]}, {"ssh": "node-b", "ips": ["127.0.0.1"]}]"#)
+        .unwrap();
+    let path = format!("{}:{}", dir.display(), std::env::var("PATH").unwrap());
+    let port = free_port().to_string();
+    let out = Command::new(RMLX)
+        .args(["launch", "--hostfile", hostfile.to_str().unwrap(), "-n", "2", "--starting-port", &port, "--"])
+        .args(["bench-collective", "--sizes", "8", "--iters", "2", "--json"])
+        .env("PATH", path)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // Two ranks on each host: four in one ring, rank 0 reporting.
+    let row: Value = serde_json::from_str(stdout.trim().strip_prefix("[rank 0] ").unwrap()).unwrap();
+    assert_eq!((row["backend"].as_str(), row["ranks"].as_u64()), (Some("ring"), Some(4)), "{row}");
+    let mut calls: Vec<String> = std::fs::read_to_string(&log).unwrap().lines().map(str::to_string).collect();
+    calls.sort();
+    let want = [
+        "-tt -o LogLevel=QUIET node-a",
+        "-tt -o LogLevel=QUIET node-a",
+        "-tt -o LogLevel=QUIET node-b",
+        "-tt -o LogLevel=QUIET node-b",
+    ];
+    assert_eq!(calls, want);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hostfile_mistakes_are_errors_naming_them() {
+    let dir = std::env::temp_dir().join(format!("rmlx-launch-badhosts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        ("[]", "the hostfile lists no hosts"),
+        (r#"{"hosts": "node1"}"#, "not a hostfile (a JSON list of"),
+        (r#"[{"ssh": "node1"}]"#, "host `node1` has no \"ips\": the ring backend needs the address it listens on"),
+        (
+            r#"{"backend": "jaccl", "hosts": [{"ssh": "node1", "ips": ["10.0.0.1"]}]}"#,
+            "backend `jaccl`: rmlx launches `ring` and `nccl` jobs",
+        ),
+        (
+            r#"{"envs": ["NOVALUE"], "hosts": [{"ssh": "node1", "ips": ["10.0.0.1"]}]}"#,
+            "`NOVALUE` in \"envs\" is not NAME=VALUE",
+        ),
+    ];
+    for (i, (text, want)) in cases.iter().enumerate() {
+        let hostfile = dir.join(format!("hosts{i}.json"));
+        std::fs::write(&hostfile, text).unwrap();
+        let out = rmlx(&["launch", "--hostfile", hostfile.to_str().unwrap(), "--", "bench-collective"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{text}: {stderr}");
+        assert!(stderr.contains(want), "{text}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
