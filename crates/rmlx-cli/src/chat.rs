@@ -13,7 +13,7 @@ use crate::interrupt::{self, Replying};
 use anyhow::Result;
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
-use rmlx_lm::engine::{Engine, EngineOptions, Request, Update, Usage};
+use rmlx_lm::engine::{Engine, EngineOptions, Lockstep, Request, Update, Usage};
 use rmlx_lm::{FinishReason, GenerateOptions, LanguageModel, LoadedModel};
 use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
@@ -53,8 +53,17 @@ pub fn run(a: Args) -> Result<()> {
     );
     if let Some(lm) = model.as_native() {
         // One sequence at a time; the prompt cache holds the conversation so far.
-        let mut engine = Engine::new(lm, EngineOptions { max_batch: 1, ..EngineOptions::default() });
-        converse(&a, &mut |messages, out| reply(lm, &mut engine, messages, &opts, out))
+        let engine = Engine::new(lm, EngineOptions { max_batch: 1, ..EngineOptions::default() });
+        // Over the ranks of a split model, rank 0 converses; the others compute their share of
+        // every step it decides, and leave Ctrl-C to it.
+        if let Some(ranks) = lm.ranks().filter(|r| r.rank() != 0) {
+            interrupt::ignore()?;
+            return Ok(Lockstep::follow(engine, ranks, false)?);
+        }
+        let mut engine = Lockstep::new(engine, lm.ranks().cloned());
+        let talked = converse(&a, &mut |messages, out| reply(lm, &mut engine, messages, &opts, out));
+        engine.stop()?;
+        talked
     } else {
         converse(&a, &mut |messages, out| reply_streamed(model.as_mut(), messages, &opts, out))
     }
@@ -174,7 +183,7 @@ fn reply_streamed(
 /// Ctrl-C stopped it), the token counts and the time from the first token to the last.
 fn reply(
     lm: &LoadedModel,
-    engine: &mut Engine,
+    engine: &mut Lockstep,
     messages: &[Message],
     opts: &GenerateOptions,
     out: &mut impl Write,

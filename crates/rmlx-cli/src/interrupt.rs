@@ -59,6 +59,12 @@ pub fn install() -> std::io::Result<()> {
     set_handler(on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t)
 }
 
+/// Ignores SIGINT from now on: a rank that follows rank 0 (which alone answers Ctrl-C) under
+/// `rmlx launch`, where a terminal's Ctrl-C reaches every rank.
+pub fn ignore() -> std::io::Result<()> {
+    set_handler(libc::SIG_IGN)
+}
+
 /// Runs `load` with Ctrl-C stopping downloads cleanly (see [`on_sigint_loading`]), then puts the
 /// default SIGINT disposition back.
 pub fn while_loading<T>(load: impl FnOnce() -> T) -> std::io::Result<T> {

@@ -24,12 +24,13 @@ pub fn job_rank() -> usize {
 /// Refuses, inside a job, the commands that do not run over several ranks yet: every rank would
 /// hold the whole model and do the same work (or serve the same port).
 pub fn check_command(name: &str) -> Result<()> {
-    const AS_RANKS: [&str; 7] = ["generate", "perplexity", "bench", "serve", "batch", "lora", "bench-collective"];
+    const AS_RANKS: [&str; 8] =
+        ["generate", "chat", "perplexity", "bench", "serve", "batch", "lora", "bench-collective"];
     if job_backend().is_some() && !AS_RANKS.contains(&name) {
         bail!(
             "`rmlx {name}` does not run as the ranks of a job yet; under `rmlx launch`, {} split their model \
              over the ranks and lora trains data-parallel",
-            AS_RANKS[..5].join(", ")
+            AS_RANKS[..6].join(", ")
         );
     }
     Ok(())

@@ -130,10 +130,42 @@ fn pipeline_outside_a_job_or_to_train_is_an_error() {
 
 #[test]
 fn commands_that_do_not_split_refuse_to_run_as_ranks() {
-    let out = rmlx(&["launch", "-n", "2", "--", "chat"]);
+    let out = rmlx(&["launch", "-n", "2", "--", "inspect", "--prompt", "hi"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("error: `rmlx chat` does not run as the ranks of a job yet"), "{stderr}");
+    assert!(stderr.contains("error: `rmlx inspect` does not run as the ranks of a job yet"), "{stderr}");
+}
+
+/// `rmlx chat`'s standard output for `input` on its standard input.
+fn chat(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(RMLX)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn chat_over_the_ranks_answers_as_one_process() {
+    // Two turns (the second reusing the first's keys and values), a reset, a third, then /exit.
+    let input = "What is 2+2?\nAnd 3+3?\n/reset\nName a colour.\n/exit\n";
+    let one = chat(&["chat", "--max-tokens", "12"], input);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let want: Vec<String> = String::from_utf8_lossy(&one.stdout).lines().map(|l| format!("[rank 0] {l}")).collect();
+    assert_eq!(want.len(), 3, "{want:?}");
+    // Split by tensors over 3 ranks, by blocks over 2: rank 0 reads the launcher's input.
+    for how in [&["launch", "-n", "3", "--", "chat"][..], &["launch", "-n", "2", "--", "chat", "--pipeline"]] {
+        let out = chat(&[how, &["--max-tokens", "12"]].concat(), input);
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{how:?}: {stdout}\n{stderr}");
+        assert_eq!(stdout.lines().collect::<Vec<_>>(), want, "{how:?}");
+        assert!(!stderr.contains("stopping rank"), "{how:?}: the other ranks ended with rank 0: {stderr}");
+    }
 }
 
 #[test]

@@ -64,8 +64,15 @@ fn plan(a: &Args) -> Result<Vec<hosts::RankPlan>> {
     layout.plan()
 }
 
-/// Starts one rank: here, its ring host list in a file of `dir`; elsewhere, through ssh.
-fn spawn(exe: &std::path::Path, command: &[String], plan: &hosts::RankPlan, dir: &std::path::Path) -> Result<Child> {
+/// Starts one rank: here, its ring host list in a file of `dir`; elsewhere, through ssh. Rank 0
+/// reads the launcher's standard input (`rmlx chat`), the others none.
+fn spawn(
+    exe: &std::path::Path,
+    command: &[String],
+    rank: usize,
+    plan: &hosts::RankPlan,
+    dir: &std::path::Path,
+) -> Result<Child> {
     let mut cmd = match &plan.remote {
         None => {
             let mut cmd = Command::new(exe);
@@ -101,11 +108,8 @@ fn spawn(exe: &std::path::Path, command: &[String], plan: &hosts::RankPlan, dir:
         Some(host) => format!("ssh {host}"),
         None => exe.display().to_string(),
     };
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("running {what}"))
+    let stdin = if rank == 0 { Stdio::inherit() } else { Stdio::null() };
+    cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().with_context(|| format!("running {what}"))
 }
 
 enum Event {
@@ -130,6 +134,9 @@ fn forward(reader: impl std::io::Read + Send + 'static, rank: usize, err: bool, 
     });
 }
 
+/// How long the other ranks may run on once rank 0 has ended.
+const RANK0_GRACE: Duration = Duration::from_secs(10);
+
 pub fn run(a: Args) -> Result<()> {
     let exe = std::env::current_exe().context("finding the rmlx binary")?;
     let plans = plan(&a)?;
@@ -139,7 +146,7 @@ pub fn run(a: Args) -> Result<()> {
     let (tx, rx) = mpsc::channel();
     let mut children: Vec<Child> = Vec::new();
     for (rank, plan) in plans.iter().enumerate() {
-        let mut child = match spawn(&exe, &a.command, plan, &dir) {
+        let mut child = match spawn(&exe, &a.command, rank, plan, &dir) {
             Ok(c) => c,
             Err(e) => {
                 stop(&mut children);
@@ -151,6 +158,12 @@ pub fn run(a: Args) -> Result<()> {
         children.push(child);
     }
     drop(tx);
+    // A terminal's Ctrl-C reaches every rank, which answer it (`rmlx chat`'s rank 0 stops its
+    // reply; the others of a chat ignore it; other commands end, failing the job): the launcher
+    // waits for them rather than dying first and taking them all down.
+    // SAFETY: setting a signal's disposition to ignored.
+    unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
+    let mut rank0_ended: Option<std::time::Instant> = None;
     let (mut open, mut status) = (2 * n, vec![None; n]);
     let mut failed: Option<(usize, std::process::ExitStatus)> = None;
     let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
@@ -170,10 +183,31 @@ pub fn run(a: Args) -> Result<()> {
             if status[rank].is_none() {
                 if let Some(s) = children[rank].try_wait()? {
                     status[rank] = Some(s);
-                    if !s.success() && failed.is_none() {
+                    // Once rank 0 has succeeded, the others' ends do not fail the job (a chat
+                    // ended by Ctrl-C at its prompt leaves them to find their peer gone).
+                    let after_rank0 = status[0].is_some_and(|s| s.success());
+                    if !s.success() && failed.is_none() && !after_rank0 {
                         failed = Some((rank, s));
                         // One rank gone: the others would wait for it forever.
                         stop(&mut children);
+                    }
+                }
+            }
+        }
+        // Rank 0 leads every command: once it has ended, the others have nothing left to do.
+        if status[0].is_some() && status.iter().any(Option::is_none) {
+            let since = *rank0_ended.get_or_insert_with(std::time::Instant::now);
+            if since.elapsed() > RANK0_GRACE {
+                let left: Vec<String> = (0..n).filter(|&r| status[r].is_none()).map(|r| r.to_string()).collect();
+                eprintln!(
+                    "rmlx launch: rank 0 ended {}s ago; stopping rank(s) {} still running",
+                    RANK0_GRACE.as_secs(),
+                    left.join(", ")
+                );
+                stop(&mut children);
+                for rank in 0..n {
+                    if status[rank].is_none() {
+                        status[rank] = Some(children[rank].wait()?);
                     }
                 }
             }
