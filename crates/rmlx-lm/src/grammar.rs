@@ -27,7 +27,7 @@ use rmlx::Array;
 use std::sync::Arc;
 
 /// What the output must be.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Grammar {
     /// Any JSON object (OpenAI's `json_object`).
     JsonObject,

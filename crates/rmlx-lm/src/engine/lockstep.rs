@@ -9,6 +9,7 @@
 
 use super::{Engine, Request, SeqId, Update};
 use crate::generate::GenerateOptions;
+use crate::grammar::Grammar;
 use crate::ranks::Ranks;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -20,6 +21,7 @@ enum Decision {
         prompt: Vec<u32>,
         options: GenerateOptions,
         top_logprobs: usize,
+        grammar: Option<Grammar>,
     },
     Cancel(SeqId),
     Abort,
@@ -63,14 +65,12 @@ impl<'m> Lockstep<'m> {
         }
     }
 
-    /// [`Engine::submit`]. Over several ranks a request with a grammar or an adapter is refused
-    /// (not supported there yet), and one without a seed gets one here, so that every rank samples
-    /// the same way.
+    /// [`Engine::submit`]. Over several ranks a request with an adapter is refused (not
+    /// supported there yet), and one without a seed gets one here, so that every rank samples the
+    /// same way; a grammar goes to every rank, which all mask the same logits and end the
+    /// sequence where it completes.
     pub fn submit(&mut self, mut request: Request) -> Result<SeqId> {
         if self.ranks.is_some() {
-            if request.grammar.is_some() {
-                self.refuse_under_ranks("structured output (a grammar)")?;
-            }
             if request.adapter.is_some() {
                 self.refuse_under_ranks("generating with an adapter")?;
             }
@@ -80,6 +80,7 @@ impl<'m> Lockstep<'m> {
                 prompt: request.prompt.clone(),
                 options: request.options.clone(),
                 top_logprobs: request.top_logprobs,
+                grammar: request.grammar.clone(),
             });
         }
         self.engine.submit(request)
@@ -131,9 +132,9 @@ impl<'m> Lockstep<'m> {
                 .map_err(|e| Error::TensorParallel(format!("rank 0 sent decisions this rank cannot read: {e}")))?;
             for d in decisions {
                 match d {
-                    Decision::Submit { prompt, options, top_logprobs } => {
+                    Decision::Submit { prompt, options, top_logprobs, grammar } => {
                         // A refusal here is rank 0's refusal too (same engine, same request).
-                        let request = Request { prompt, options, top_logprobs, ..Request::default() };
+                        let request = Request { prompt, options, top_logprobs, grammar, ..Request::default() };
                         let _ = engine.submit(request);
                     }
                     Decision::Cancel(seq) => engine.cancel(seq),
