@@ -49,6 +49,10 @@ pub struct ModelArgs {
     /// one device; needs `--backend ring`) instead of splitting every block (tensor parallelism)
     #[arg(long)]
     pub pipeline: bool,
+    /// Under `rmlx launch` (tensor parallelism): keep the embedding and output head whole on
+    /// every rank, instead of each rank holding its share of their vocabulary rows
+    #[arg(long)]
+    pub whole_vocabulary: bool,
     /// Under `rmlx launch`, every rank loads the whole model (data parallelism) instead of its
     /// share of it (tensor parallelism). Set by the command, not a flag.
     #[arg(skip)]
@@ -125,6 +129,7 @@ impl ModelArgs {
             ("--quantized-matvec", self.quantized_matvec != QuantizedMatvec::default()),
             ("--step-capture", self.step_capture != StepCapture::default()),
             ("--pipeline", self.pipeline),
+            ("--whole-vocabulary", self.whole_vocabulary),
         ];
         if let Some((flag, _)) = native_only.iter().find(|(_, set)| *set) {
             let by = match &choice {
@@ -158,6 +163,7 @@ impl ModelArgs {
             quantized_matvec: self.quantized_matvec,
             step_capture: self.step_capture,
             tensor_parallel: ranks.clone().filter(|_| !self.pipeline),
+            whole_vocabulary: self.whole_vocabulary,
             pipeline_parallel: ranks.filter(|_| self.pipeline),
         })
     }

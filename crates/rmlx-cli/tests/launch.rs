@@ -130,7 +130,7 @@ fn pipeline_outside_a_job_or_to_train_is_an_error() {
 
 #[test]
 fn commands_that_do_not_split_refuse_to_run_as_ranks() {
-    let out = rmlx(&["launch", "-n", "2", "--", "inspect", "--prompt", "hi"]);
+    let out = rmlx(&["launch", "-n", "2", "--", "inspect", "--prompt", "hi", "--out", "keys.npy"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("error: `rmlx inspect` does not run as the ranks of a job yet"), "{stderr}");

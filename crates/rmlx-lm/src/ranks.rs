@@ -66,6 +66,11 @@ impl Ranks {
         self.on_collective_device(|| self.group.all_sum(a))
     }
 
+    /// Every rank's `a` concatenated along the first axis, in rank order (lazy).
+    pub fn all_gather(&self, a: &Array) -> Result<Array> {
+        self.on_collective_device(|| self.group.all_gather(a))
+    }
+
     /// Sends `a` to rank `dst` (lazy: evaluating the result completes the send). MLX's NCCL
     /// backend has none.
     pub fn send(&self, a: &Array, dst: usize) -> Result<Array> {

@@ -45,10 +45,16 @@ const MLX_LM: &[&str] = &["mistral_q4_mlx_lm", "mixtral_q4_mlx_lm", "phi3_mlx_lm
 const UNSPLITTABLE: &[&str] = &["qwen3_moe_q4", "gpt_oss_mxfp4_mlx_lm"];
 
 fn load(dir: &std::path::Path, tp: Option<&Ranks>) -> rmlx_lm::Result<LoadedModel> {
+    load_with(dir, tp, false)
+}
+
+/// With `whole_vocabulary`, the embedding and head stay whole on every rank.
+fn load_with(dir: &std::path::Path, tp: Option<&Ranks>, whole_vocabulary: bool) -> rmlx_lm::Result<LoadedModel> {
     let opts = LoadOptions {
         dtype: Some(Dtype::Float32),
         dequantize: Some(false),
         tensor_parallel: tp.cloned(),
+        whole_vocabulary,
         ..LoadOptions::default()
     };
     rmlx_lm::loader::load(dir, &opts)
@@ -95,6 +101,17 @@ fn tensor_parallel_rank() {
         };
         let (split_whole, split_steps) = logits(&split, &prompt);
         let (one_whole, one_steps) = logits(&whole, &prompt);
+        // Every fixture's vocabulary splits over two ranks: each holds half the embedding's rows
+        // (and the head's), so less than with them whole; the logits are the same either way.
+        let whole_vocab = load_with(dir.path(), Some(&tp), true).unwrap();
+        assert!(
+            split.weight_bytes < whole_vocab.weight_bytes,
+            "{name}: {} vs {}",
+            split.weight_bytes,
+            whole_vocab.weight_bytes
+        );
+        let (wv_whole, _) = logits(&whole_vocab, &prompt);
+        assert!(max_abs_diff(&wv_whole, &split_whole) < 1e-4, "{name}: vocabulary split or whole");
         // The split model adds its halves in another order: float32 rounding apart, which some
         // models amplify (gpt-oss's float32 logits are 1.3e-4 from float64's): twice what the
         // reference measured between float32 and float64, at least 1e-4.

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 enum Decision {
     Submit {
         prompt: Vec<u32>,
-        options: GenerateOptions,
+        options: Box<GenerateOptions>,
         top_logprobs: usize,
         grammar: Option<Grammar>,
     },
@@ -78,7 +78,7 @@ impl<'m> Lockstep<'m> {
             tracing::trace!(seed, "request seeded for every rank");
             self.pending.push(Decision::Submit {
                 prompt: request.prompt.clone(),
-                options: request.options.clone(),
+                options: Box::new(request.options.clone()),
                 top_logprobs: request.top_logprobs,
                 grammar: request.grammar.clone(),
             });
@@ -134,6 +134,7 @@ impl<'m> Lockstep<'m> {
                 match d {
                     Decision::Submit { prompt, options, top_logprobs, grammar } => {
                         // A refusal here is rank 0's refusal too (same engine, same request).
+                        let options = *options;
                         let request = Request { prompt, options, top_logprobs, grammar, ..Request::default() };
                         let _ = engine.submit(request);
                     }

@@ -46,6 +46,11 @@ pub struct LoadOptions {
     /// Split the model over these ranks (tensor parallelism: every rank of the group loads it
     /// with the same options and holds its share; see [`crate::Ranks`]).
     pub tensor_parallel: Option<crate::Ranks>,
+    /// Under tensor parallelism, keep the embedding and output head whole on every rank. By
+    /// default each rank holds its share of their vocabulary rows (where the ranks divide the
+    /// vocabulary): a token's lookup becomes one all-sum and its logits one all-gather, and each
+    /// rank reads 1/n of the head a step.
+    pub whole_vocabulary: bool,
     /// Split the model's blocks over these ranks instead (pipeline parallelism: each rank holds a
     /// run of consecutive blocks; see [`crate::nn::pipeline`]).
     pub pipeline_parallel: Option<crate::Ranks>,
@@ -155,6 +160,7 @@ pub(super) fn finish(
     b.quantized_matvec = opts.quantized_matvec;
     b.step_capture = opts.step_capture;
     b.tensor_parallel = opts.tensor_parallel.clone();
+    b.whole_vocabulary = opts.whole_vocabulary;
     if let Some(ranks) = &opts.pipeline_parallel {
         if opts.tensor_parallel.is_some() {
             return Err(Error::Pipeline("a model is split by tensors or by blocks, not both".into()));

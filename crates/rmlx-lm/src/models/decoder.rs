@@ -53,7 +53,7 @@ impl<B: DecoderBlock> Decoder<B> {
 /// `lm_head` when the checkpoint has one or the config says it is not tied; else the embedding.
 pub(crate) fn output_head(cfg: &ModelConfig, b: &mut Builder) -> Result<Option<Linear>> {
     if b.has("lm_head.weight") || !cfg.tied() {
-        return Ok(Some(b.linear("lm_head", cfg.hidden_size, cfg.vocab_size, false)?));
+        return Ok(Some(b.output_head("lm_head", cfg.hidden_size, cfg.vocab_size)?));
     }
     Ok(None)
 }

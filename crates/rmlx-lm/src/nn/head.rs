@@ -20,10 +20,12 @@ pub enum Head<'a> {
 
 impl Head<'_> {
     /// The head's own layer or the embedding if `lm_head` is `None` and adapter-free; `None` when
-    /// `lm_head` carries an adapter (its gradient is not the transpose of its weight alone).
+    /// `lm_head` carries an adapter (its gradient is not the transpose of its weight alone) or the
+    /// ranks of a tensor-parallel model share its rows.
     pub fn of<'a>(lm_head: Option<&'a Linear>, embedding: &'a Embedding) -> Option<Head<'a>> {
         match lm_head {
-            Some(l) if l.lora.is_some() => None,
+            Some(l) if l.lora.is_some() || l.gather.is_some() => None,
+            None if embedding.is_split() => None,
             Some(l) => Some(Head::Linear(l)),
             None => Some(Head::Tied(embedding)),
         }

@@ -67,6 +67,9 @@ pub struct Linear {
     reduce: Option<Ranks>,
     /// How the layer's weight is split over the ranks of a tensor-parallel model.
     split: Split,
+    /// Under tensor parallelism, the ranks whose outputs (each its share of the output features,
+    /// in rank order) make the layer's output: the output head split by vocabulary.
+    gather: Option<Ranks>,
 }
 
 #[derive(Clone)]
@@ -103,9 +106,10 @@ impl Linear {
         if let Some(b) = &self.bias {
             y = (&y + b)?;
         }
-        match &self.reduce {
-            Some(tp) => tp.all_sum(&y),
-            None => Ok(y),
+        match (&self.reduce, &self.gather) {
+            (Some(tp), _) => tp.all_sum(&y),
+            (None, Some(tp)) => sharding::gather_last_axis(tp, &y),
+            (None, None) => Ok(y),
         }
     }
 
@@ -133,6 +137,7 @@ impl Linear {
             matvec,
             reduce: None,
             split: Split::Whole,
+            gather: None,
         })
     }
 
@@ -272,24 +277,44 @@ pub struct Embedding {
     matvec: QuantizedMatvec,
     weight: Weight,
     dtype: Dtype,
+    /// Under tensor parallelism, the vocabulary rows this rank holds (`weight` is those rows).
+    share: Option<sharding::VocabShare>,
 }
 
 impl Embedding {
-    /// Looks up `ids: [...]` → `[..., hidden]`.
+    /// Looks up `ids: [...]` → `[..., hidden]`. Split by vocabulary, each rank looks up the ids
+    /// among its rows (zeros for the others) and the ranks' rows are summed.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
+        let Some(share) = &self.share else { return self.rows(ids) };
+        let (local, held) = share.local_ids(ids)?;
+        let rows = ops::r#where(&held.expand_dims(-1)?, &self.rows(&local)?, &Array::scalar_as(0.0, self.dtype)?)?;
+        share.ranks.all_sum(&rows)
+    }
+
+    /// Rows `ids` of the weight held.
+    fn rows(&self, ids: &Array) -> Result<Array> {
         match &self.weight {
             Weight::Dense(w) => Ok(w.take(ids, Some(0))?),
             Weight::Quantized(q) => quantized_rows(q, ids, self.dtype),
         }
     }
 
-    /// `x Eᵀ`: the tied output head.
+    /// `x Eᵀ`: the tied output head (split by vocabulary, each rank's logits gathered).
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        match &self.weight {
-            Weight::Dense(w) => Ok(x.matmul(&w.transpose()?)?),
-            Weight::Quantized(q) if training() => dequantized_matmul(x, q),
-            Weight::Quantized(q) => quantized_product(x, q, self.matvec),
+        let y = match &self.weight {
+            Weight::Dense(w) => x.matmul(&w.transpose()?)?,
+            Weight::Quantized(q) if training() => dequantized_matmul(x, q)?,
+            Weight::Quantized(q) => quantized_product(x, q, self.matvec)?,
+        };
+        match &self.share {
+            Some(share) => sharding::gather_last_axis(&share.ranks, &y),
+            None => Ok(y),
         }
+    }
+
+    /// Whether the ranks of a tensor-parallel model share its rows.
+    pub fn is_split(&self) -> bool {
+        self.share.is_some()
     }
 }
 
@@ -441,6 +466,9 @@ pub struct Builder {
     pub step_capture: StepCapture,
     /// The ranks the model is split over (tensor parallelism), each building its share.
     pub tensor_parallel: Option<Ranks>,
+    /// Under tensor parallelism, keep the embedding and the output head whole on every rank
+    /// rather than split by vocabulary rows ([`Builder::vocab_share`]).
+    pub whole_vocabulary: bool,
     /// The blocks this process builds, on a stage of a pipeline ([`Builder::set_stage`]).
     stage: Option<pipeline::Stage>,
     /// Every array handed to a layer so far (to evaluate them all at load).
@@ -463,6 +491,7 @@ impl Builder {
             quantized_matvec: QuantizedMatvec::default(),
             step_capture: StepCapture::default(),
             tensor_parallel: None,
+            whole_vocabulary: false,
             stage: None,
             built: Vec::new(),
             parameters: 0,
@@ -682,10 +711,28 @@ impl Builder {
         Ok(linear)
     }
 
-    /// `prefix.weight` `[vocab, hidden]`.
+    /// `prefix.weight` `[vocab, hidden]` (this rank's rows of it, where a tensor-parallel model
+    /// splits its vocabulary: [`Builder::vocab_share`]).
     pub fn embedding(&mut self, prefix: &str, vocab: i32, hidden: i32) -> Result<Embedding> {
-        let weight = self.checked(&format!("{prefix}.weight"), &[vocab, hidden])?;
-        Ok(Embedding { matvec: self.quantized_matvec, weight, dtype: self.dtype })
+        let name = format!("{prefix}.weight");
+        let share = self.vocab_share(vocab);
+        let weight = self.take_shaped(&name, &[vocab, hidden])?;
+        let weight = match &share {
+            Some(s) => self.split_weight(&name, weight, Split::Rows { start: s.start, count: s.count })?,
+            None => weight,
+        };
+        let weight = self.convert(weight)?;
+        Ok(Embedding { matvec: self.quantized_matvec, weight, dtype: self.dtype, share })
+    }
+
+    /// The output head `prefix` (`[vocab, hidden]`): whole, or this rank's rows of it and the
+    /// ranks' logits gathered where a tensor-parallel model splits its vocabulary.
+    pub fn output_head(&mut self, prefix: &str, hidden: i32, vocab: i32) -> Result<Linear> {
+        let Some(share) = self.vocab_share(vocab) else { return self.linear(prefix, hidden, vocab, false) };
+        let split = Split::Rows { start: share.start, count: share.count };
+        let mut head = self.linear_split(prefix, hidden, vocab, false, split)?;
+        head.gather = Some(share.ranks);
+        Ok(head)
     }
 
     /// `prefix.weight` `[dim]` as an RMSNorm; `plus_one` stores `1 + w` (Gemma's parametrisation),

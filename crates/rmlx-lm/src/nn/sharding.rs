@@ -55,7 +55,52 @@ impl HeadShare {
     }
 }
 
+/// The vocabulary rows `start .. start + count` of the embedding and output head one rank holds.
+#[derive(Clone, Debug)]
+pub struct VocabShare {
+    pub start: i32,
+    pub count: i32,
+    pub ranks: Ranks,
+}
+
+impl VocabShare {
+    /// `ids` as rows of this share (0 where outside it) and whether each is inside.
+    pub(crate) fn local_ids(&self, ids: &Array) -> Result<(Array, Array)> {
+        let local = ids.astype(rmlx::Dtype::Int32)?.subtract(&Array::scalar(self.start))?;
+        let held = local.greater_equal(&Array::scalar(0i32))?.logical_and(&local.less(&Array::scalar(self.count))?)?;
+        Ok((ops::r#where(&held, &local, &Array::scalar(0i32))?, held))
+    }
+}
+
+/// The ranks' `y` `[..., f]` side by side along the last axis, in rank order: `[..., n · f]`.
+pub(crate) fn gather_last_axis(ranks: &Ranks, y: &Array) -> Result<Array> {
+    let n = ranks.size() as i32;
+    let shape = y.shape().to_vec();
+    let f = *shape.last().unwrap_or(&1);
+    let rows: i32 = shape[..shape.len().saturating_sub(1)].iter().product();
+    // MLX gathers along the first axis: [n · rows, f] → [rows, n, f] → [..., n · f].
+    let all = ranks.all_gather(&y.reshape(&[rows, f])?)?;
+    let all = all.reshape(&[n, rows, f])?.transpose_axes(&[1, 0, 2])?;
+    let mut out = shape;
+    if let Some(last) = out.last_mut() {
+        *last = n * f;
+    }
+    Ok(all.reshape(&out)?)
+}
+
 impl Builder {
+    /// This rank's rows of a vocabulary of `vocab` tokens, where the ranks of a tensor-parallel
+    /// model split the embedding and output head by vocabulary (unless the builder keeps them
+    /// whole, or the ranks do not divide `vocab`).
+    pub(crate) fn vocab_share(&self, vocab: i32) -> Option<VocabShare> {
+        let tp = self.parallel()?;
+        let n = tp.size() as i32;
+        if self.whole_vocabulary || vocab % n != 0 {
+            return None;
+        }
+        Some(VocabShare { start: tp.rank() as i32 * (vocab / n), count: vocab / n, ranks: tp.clone() })
+    }
+
     /// The ranks the model is split over, when there are several.
     pub(crate) fn parallel(&self) -> Option<&Ranks> {
         self.tensor_parallel.as_ref().filter(|tp| tp.size() > 1)
