@@ -27,12 +27,27 @@ pub struct Ranks {
     group: Arc<Group>,
     /// The backend the group was joined with.
     backend: Backend,
+    /// Whether data goes from rank to rank by send and receive (else by collectives only).
+    send_recv: bool,
 }
 
 impl Ranks {
     /// The ranks of `group`, which `backend` joined.
     pub fn new(group: Group, backend: Backend) -> Self {
-        Self { group: Arc::new(group), backend }
+        Self { group: Arc::new(group), backend, send_recv: backend != Backend::Nccl }
+    }
+
+    /// These ranks passing data from one to another by all-sums only, as they must over MLX's
+    /// NCCL backend (which has no send or receive); a pipeline's stages then hand over their
+    /// output in one all-sum each ([`crate::nn::pipeline`]).
+    pub fn without_send_recv(mut self) -> Self {
+        self.send_recv = false;
+        self
+    }
+
+    /// Whether data goes from rank to rank by send and receive.
+    pub fn has_send_recv(&self) -> bool {
+        self.send_recv
     }
 
     /// Whether the collectives run on the CPU: every backend but NCCL sums host memory (MLX's

@@ -3,7 +3,8 @@
 //! prompt in one pass, then one token at a time through the caches), greedy tokens and perplexity
 //! must be exactly those of the whole model in one process: every block computes what it would
 //! whole, and the last stage's output reaches every rank unchanged. Quantised models whose layers
-//! tensor parallelism cannot cut split by blocks too; more ranks than blocks is an error.
+//! tensor parallelism cannot cut split by blocks too; more ranks than blocks is an error. The
+//! stages hand over by send and receive, or by all-sums alone (as over NCCL).
 
 mod common;
 
@@ -69,7 +70,18 @@ fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
 #[test]
 #[ignore = "a rank of the pipeline tests below"]
 fn pipeline_rank() {
-    let ranks = Ranks::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring);
+    check_every_fixture(Ranks::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring));
+}
+
+/// The same, the stages handing over by all-sums only (as over NCCL, which has no send or receive).
+#[test]
+#[ignore = "a rank of the pipeline tests below"]
+fn pipeline_rank_collectives_only() {
+    let ranks = Ranks::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring).without_send_recv();
+    check_every_fixture(ranks);
+}
+
+fn check_every_fixture(ranks: Ranks) {
     let (n, r) = (ranks.size(), ranks.rank());
     for &(name, blocks) in FIXTURES {
         let dir = fixture_with_tokenizer(name);
@@ -132,4 +144,9 @@ fn two_ranks_pipeline_every_fixture() {
 #[test]
 fn three_ranks_pipeline_every_fixture_with_three_blocks() {
     common::ranks::run_ranks("pipeline_rank", 3, &names());
+}
+
+#[test]
+fn three_ranks_hand_over_by_all_sums_alone() {
+    common::ranks::run_ranks("pipeline_rank_collectives_only", 3, &names());
 }

@@ -1,23 +1,22 @@
 //! Pipeline parallelism over MLX's distributed layer, for models whose blocks do not fit one
 //! device: each rank of a job holds a run of consecutive decoder blocks (rank 0 the first ones),
-//! the hidden states go from each rank to the next by send and receive, and the last rank's
-//! output reaches every rank in one all-sum (the others add zeros), so that every rank applies the
-//! final norm and the output head (held whole by every rank, as the embedding is) and the ranks
-//! sample as one. A token still passes through every block in turn: one sequence decodes no faster
-//! than on one device, but each rank holds and reads only its blocks and their caches.
+//! each stage's output becomes the next stage's input, and the last stage's output reaches every
+//! rank, so that every rank applies the final norm and the output head (held whole by every rank,
+//! as the embedding is) and the ranks sample as one. A token still passes through every block in
+//! turn: one sequence decodes no faster than on one device, but each rank holds and reads only its
+//! blocks and their caches.
 //!
-//! Send and receive need a backend that has them: MLX's ring (TCP, CPUs or GPUs, one host or
-//! several); its NCCL backend has none.
+//! The hand-over: by send and receive where the backend has them (MLX's ring: TCP, CPUs or GPUs,
+//! one host or several), then one all-sum of the last stage's output (the others add zeros); over
+//! NCCL, which has no send or receive, one all-sum per stage, every rank adding zeros but the stage
+//! whose output it is ([`Ranks::without_send_recv`]).
 
 use crate::cache::KvCache;
 use crate::ranks::Ranks;
 use crate::{Error, Result};
-use rmlx::distributed::Backend;
 use rmlx::{ops, Array};
 use std::ops::Range;
 
-/// The decoder blocks this process holds and runs, and the ranks of the pipeline they are a stage
-/// of (none: the whole model in one process).
 #[derive(Clone, Debug)]
 pub struct Stage {
     layers: Range<usize>,
@@ -31,8 +30,8 @@ impl Stage {
     }
 
     /// This rank's share of `layers` blocks split over `ranks`: consecutive runs as even as they
-    /// can be, the first `layers % n` ranks holding one more. More ranks than blocks, or a backend
-    /// without send and receive, is an [`Error::Pipeline`].
+    /// can be, the first `layers % n` ranks holding one more. More ranks than blocks is an
+    /// [`Error::Pipeline`].
     ///
     /// ```
     /// use rmlx::distributed::{Backend, Group};
@@ -46,13 +45,6 @@ impl Stage {
         let (n, r) = (ranks.size(), ranks.rank());
         if n == 1 {
             return Ok(Stage::whole(layers));
-        }
-        if ranks.backend() == Backend::Nccl {
-            return Err(Error::Pipeline(
-                "the pipeline passes hidden states from rank to rank by send and receive, which MLX's \
-                 NCCL backend does not have: launch the ranks with `--backend ring`"
-                    .into(),
-            ));
         }
         if n > layers {
             return Err(Error::Pipeline(format!(
@@ -69,33 +61,57 @@ impl Stage {
     }
 
     /// The input of this stage's blocks for rows shaped as `h` (the embedded tokens): `h` on the
-    /// first stage, else what the previous rank sends (lazy).
+    /// first stage, else the previous stage's output (lazy): received from it, or, without send
+    /// and receive, the all-sum of every earlier stage's hand-over in turn, this rank adding zeros.
     pub fn receive(&self, h: &Array) -> Result<Array> {
-        match &self.ranks {
-            Some(ranks) if ranks.rank() > 0 => ranks.recv(h.shape(), h.dtype(), ranks.rank() - 1),
-            _ => Ok(h.clone()),
+        let Some(ranks) = self.ranks.as_ref().filter(|r| r.rank() > 0) else { return Ok(h.clone()) };
+        if ranks.has_send_recv() {
+            return ranks.recv(h.shape(), h.dtype(), ranks.rank() - 1);
         }
+        let mut handed: Option<Array> = None;
+        for _ in 0..ranks.rank() {
+            handed = Some(ranks.all_sum(&zeros_after(h, handed.as_ref())?)?);
+        }
+        Ok(handed.expect("an earlier stage"))
     }
 
     /// The output of the whole pipeline on every rank, given this stage's output `h` (lazy): sent
     /// on to the next rank, then the last rank's output summed with everyone else's zeros (which
-    /// wait for the send, so that no rank enters the sum before passing its part on). This
+    /// wait for the send, so that no rank enters the sum before passing its part on); without send
+    /// and receive, this stage's all-sum and every later one's. This
     /// stage's `caches` wait for it ([`KvCache::wait_for`]): a rank that evaluates only its caches
     /// (a prefill chunk) still sends, receives and sums with the others.
     pub fn pass_on(&self, h: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let Some(ranks) = &self.ranks else { return Ok(h.clone()) };
         let next = ranks.rank() + 1;
-        let out = match next == ranks.size() {
-            true => ranks.all_sum(h)?,
-            false => {
+        let out = match (next == ranks.size(), ranks.has_send_recv()) {
+            (true, _) => ranks.all_sum(h)?,
+            (false, true) => {
                 let sent = ranks.send(h, next)?;
-                let zeros = ops::depends(&[&ops::zeros_like(h)?], &[&sent])?.remove(0);
-                ranks.all_sum(&zeros)?
+                ranks.all_sum(&zeros_after(h, Some(&sent))?)?
+            }
+            // This stage's hand-over, then the later stages', each waiting for the one before.
+            (false, false) => {
+                let mut handed = ranks.all_sum(h)?;
+                for _ in next..ranks.size() {
+                    handed = ranks.all_sum(&zeros_after(h, Some(&handed))?)?;
+                }
+                handed
             }
         };
         for cache in caches {
             cache.wait_for(&out)?;
         }
         Ok(out)
+    }
+}
+
+/// Zeros shaped as `like`, evaluated only after `after` (so that the collectives of a rank run in
+/// the order every other rank runs them).
+fn zeros_after(like: &Array, after: Option<&Array>) -> Result<Array> {
+    let zeros = ops::zeros_like(like)?;
+    match after {
+        Some(a) => Ok(ops::depends(&[&zeros], &[a])?.remove(0)),
+        None => Ok(zeros),
     }
 }
