@@ -46,7 +46,7 @@ pub struct ModelArgs {
     pub step_capture: StepCapture,
     /// Under `rmlx launch`: split the model by blocks (each rank holds a run of consecutive
     /// blocks and passes its output to the next: pipeline parallelism, for models too large for
-    /// one device; needs `--backend ring`) instead of splitting every block (tensor parallelism)
+    /// one device) instead of splitting every block (tensor parallelism)
     #[arg(long)]
     pub pipeline: bool,
     /// Under `rmlx launch` (tensor parallelism): keep the embedding and output head whole on
