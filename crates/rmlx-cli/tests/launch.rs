@@ -129,6 +129,21 @@ fn pipeline_outside_a_job_or_to_train_is_an_error() {
 }
 
 #[test]
+fn adapters_over_the_ranks_are_refused() {
+    for how in [None, Some("--pipeline")] {
+        let mut args = vec!["launch", "-n", "3", "--", "generate", "--prompt", "hi", "--adapter-path", "./adapters"];
+        args.extend(how);
+        let out = rmlx(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("--adapter-path: adapters are not applied over the 3 ranks of a split model yet"),
+            "{how:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
 fn commands_that_do_not_split_refuse_to_run_as_ranks() {
     let out = rmlx(&["launch", "-n", "2", "--", "inspect", "--prompt", "hi", "--out", "keys.npy"]);
     let stderr = String::from_utf8_lossy(&out.stderr);

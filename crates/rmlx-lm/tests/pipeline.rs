@@ -61,6 +61,17 @@ fn logits(lm: &LoadedModel, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
     (whole, steps)
 }
 
+/// The block a parameter is of (`model.layers.<i>.…`).
+fn block_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+}
+
+fn parameter_names(lm: &LoadedModel) -> Vec<String> {
+    let mut names = Vec::new();
+    lm.model.visit("", &mut |n, _, _| names.push(n.to_string()));
+    names
+}
+
 fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
     let opts = GenerateOptions { max_tokens: n, ignore_eos: true, prefill_chunk: 5, ..GenerateOptions::default() };
     lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
@@ -120,6 +131,11 @@ fn check_every_fixture(ranks: Ranks) {
             split.weight_bytes,
             whole.weight_bytes
         );
+        // The blocks held keep their checkpoint names (`model.layers.<i>.…` with i of the whole).
+        let first = r * (blocks / n) + r.min(blocks % n);
+        let in_stage = |p: &String| block_of(p).is_none_or(|i| (first..first + held).contains(&i));
+        let held_names: Vec<String> = parameter_names(&whole).into_iter().filter(in_stage).collect();
+        assert_eq!(parameter_names(&split), held_names, "{name}");
         let prompt: Vec<u32> = (0..12u32).map(|i| (i * 7 + 3) % 30).collect();
         let (split_whole, split_steps) = logits(&split, &prompt);
         let (one_whole, one_steps) = logits(&whole, &prompt);

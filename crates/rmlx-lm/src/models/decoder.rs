@@ -7,7 +7,7 @@
 use super::{layer_caches, BLOCKS};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::pipeline::Stage;
+use crate::nn::pipeline::{Blocks, Stage};
 use crate::nn::{Builder, CapturedSteps, Embedding, Head, Linear, Module, RmsNorm};
 use crate::Result;
 use rmlx::Array;
@@ -25,7 +25,7 @@ pub struct Decoder<B> {
     cfg: ModelConfig,
     embed_tokens: Embedding,
     /// The blocks of `stage`.
-    layers: Vec<B>,
+    layers: Blocks<B>,
     /// Which blocks these are: all, or a pipeline stage's.
     stage: Stage,
     norm: RmsNorm,
@@ -40,7 +40,7 @@ impl<B: DecoderBlock> Decoder<B> {
     pub fn new(cfg: &ModelConfig, b: &mut Builder, layers: Vec<B>) -> Result<Self> {
         Ok(Self {
             embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
-            layers,
+            layers: Blocks::new(b.stage(cfg.num_hidden_layers).layers().start, layers),
             stage: b.stage(cfg.num_hidden_layers),
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, false)?,
             lm_head: output_head(cfg, b)?,

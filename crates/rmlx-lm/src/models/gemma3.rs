@@ -119,7 +119,7 @@ pub struct Model {
     embed_tokens: Embedding,
     embed_scale: Array,
     /// The blocks of `stage`.
-    layers: Vec<Block>,
+    layers: crate::nn::pipeline::Blocks<Block>,
     /// Which blocks these are: all, or a pipeline stage's.
     stage: crate::nn::pipeline::Stage,
     norm: RmsNorm,
@@ -157,7 +157,7 @@ impl Model {
         Ok(Self {
             embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
             embed_scale,
-            layers,
+            layers: crate::nn::pipeline::Blocks::new(b.stage(cfg.num_hidden_layers).layers().start, layers),
             stage: b.stage(cfg.num_hidden_layers),
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, true)?,
             lm_head: output_head(cfg, b)?,

@@ -115,3 +115,59 @@ fn zeros_after(like: &Array, after: Option<&Array>) -> Result<Array> {
         None => Ok(zeros),
     }
 }
+
+/// A run of consecutive decoder blocks, each named by its index in the whole model (`first + i`):
+/// all of a model's blocks, or a pipeline stage's, whose parameters keep their checkpoint names.
+#[derive(Clone)]
+pub struct Blocks<B> {
+    first: usize,
+    list: Vec<B>,
+}
+
+impl<B> Blocks<B> {
+    /// `list`, the first of them block `first` of the model.
+    pub fn new(first: usize, list: Vec<B>) -> Self {
+        Blocks { first, list }
+    }
+
+    /// The name of the `i`-th block held under `prefix`.
+    fn name(&self, prefix: &str, i: usize) -> String {
+        crate::nn::join(prefix, &(self.first + i).to_string())
+    }
+}
+
+impl<B> std::ops::Deref for Blocks<B> {
+    type Target = [B];
+    fn deref(&self) -> &[B] {
+        &self.list
+    }
+}
+
+impl<B: crate::nn::Module> crate::nn::Module for Blocks<B> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, crate::nn::Role, &Array)) {
+        for (i, m) in self.list.iter().enumerate() {
+            m.visit(&self.name(prefix, i), f);
+        }
+    }
+
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Array)) {
+        for i in 0..self.list.len() {
+            let name = self.name(prefix, i);
+            self.list[i].visit_mut(&name, f);
+        }
+    }
+
+    fn visit_linears(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut crate::nn::Linear)) {
+        for i in 0..self.list.len() {
+            let name = self.name(prefix, i);
+            self.list[i].visit_linears(&name, f);
+        }
+    }
+
+    fn visit_switches(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut crate::nn::SwitchLinear)) {
+        for i in 0..self.list.len() {
+            let name = self.name(prefix, i);
+            self.list[i].visit_switches(&name, f);
+        }
+    }
+}
