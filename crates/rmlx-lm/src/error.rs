@@ -59,7 +59,7 @@ pub enum Error {
     #[error("tensor parallelism: {0}")]
     TensorParallel(String),
     /// A model cannot be split by blocks over the ranks of a job as asked (more ranks than blocks,
-    /// a backend without send and receive).
+    /// or split by tensors too).
     #[error("pipeline parallelism: {0}")]
     Pipeline(String),
     /// Downloading a registry package (the default model, tokenizer files) failed.

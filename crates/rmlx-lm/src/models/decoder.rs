@@ -7,7 +7,7 @@
 use super::{layer_caches, BLOCKS};
 use crate::cache::KvCache;
 use crate::config::ModelConfig;
-use crate::nn::pipeline::{Blocks, Stage};
+use crate::nn::pipeline::Blocks;
 use crate::nn::{Builder, CapturedSteps, Embedding, Head, Linear, Module, RmsNorm};
 use crate::Result;
 use rmlx::Array;
@@ -24,10 +24,8 @@ pub trait DecoderBlock: Module + Clone + Send + 'static {
 pub struct Decoder<B> {
     cfg: ModelConfig,
     embed_tokens: Embedding,
-    /// The blocks of `stage`.
+    /// All blocks, or a pipeline stage's.
     layers: Blocks<B>,
-    /// Which blocks these are: all, or a pipeline stage's.
-    stage: Stage,
     norm: RmsNorm,
     lm_head: Option<Linear>,
     /// The decoding step's layers as one launch, on MLX's CUDA backend.
@@ -40,8 +38,7 @@ impl<B: DecoderBlock> Decoder<B> {
     pub fn new(cfg: &ModelConfig, b: &mut Builder, layers: Vec<B>) -> Result<Self> {
         Ok(Self {
             embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
-            layers: Blocks::new(b.stage(cfg.num_hidden_layers).layers().start, layers),
-            stage: b.stage(cfg.num_hidden_layers),
+            layers: Blocks::new(b.stage(cfg.num_hidden_layers), layers),
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, false)?,
             lm_head: output_head(cfg, b)?,
             steps: CapturedSteps::new(b.step_capture),
@@ -62,7 +59,7 @@ impl<B: DecoderBlock> super::Model for Decoder<B> {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let (batch, length) = super::token_grid(ids)?;
         let h = self.embed_tokens.forward(&ids.reshape(&[batch * length])?)?;
-        let h = super::decoder_layers(&self.steps, &self.stage, &self.layers, &h, caches, batch, B::forward)?;
+        let h = super::decoder_layers(&self.steps, &self.layers, &h, caches, batch, B::forward)?;
         Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 
@@ -78,7 +75,7 @@ impl<B: DecoderBlock> super::Model for Decoder<B> {
     }
 
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
-        layer_caches(&self.cfg, &self.stage, context_limit)
+        layer_caches(&self.cfg, self.layers.stage(), context_limit)
     }
 
     fn config(&self) -> &ModelConfig {

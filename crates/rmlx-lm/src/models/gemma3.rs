@@ -118,10 +118,8 @@ pub struct Model {
     cfg: ModelConfig,
     embed_tokens: Embedding,
     embed_scale: Array,
-    /// The blocks of `stage`.
+    /// All blocks, or a pipeline stage's.
     layers: crate::nn::pipeline::Blocks<Block>,
-    /// Which blocks these are: all, or a pipeline stage's.
-    stage: crate::nn::pipeline::Stage,
     norm: RmsNorm,
     lm_head: Option<Linear>,
     /// The decoding step's layers as one launch, on MLX's CUDA backend.
@@ -157,8 +155,7 @@ impl Model {
         Ok(Self {
             embed_tokens: b.embedding("model.embed_tokens", cfg.vocab_size, cfg.hidden_size)?,
             embed_scale,
-            layers: crate::nn::pipeline::Blocks::new(b.stage(cfg.num_hidden_layers).layers().start, layers),
-            stage: b.stage(cfg.num_hidden_layers),
+            layers: crate::nn::pipeline::Blocks::new(b.stage(cfg.num_hidden_layers), layers),
             norm: b.rms_norm("model.norm", cfg.hidden_size, cfg.rms_norm_eps, true)?,
             lm_head: output_head(cfg, b)?,
             steps: CapturedSteps::new(b.step_capture),
@@ -171,7 +168,7 @@ impl super::Model for Model {
     fn forward_hidden(&self, ids: &Array, caches: &mut [KvCache]) -> Result<Array> {
         let (batch, length) = super::token_grid(ids)?;
         let h = (self.embed_tokens.forward(&ids.reshape(&[batch * length])?)? * &self.embed_scale)?;
-        let h = super::decoder_layers(&self.steps, &self.stage, &self.layers, &h, caches, batch, Block::forward)?;
+        let h = super::decoder_layers(&self.steps, &self.layers, &h, caches, batch, Block::forward)?;
         Ok(self.norm.forward(&h)?.reshape(&[batch, length, self.cfg.hidden_size])?)
     }
 
@@ -194,7 +191,7 @@ impl super::Model for Model {
     }
 
     fn new_caches(&self, context_limit: Option<usize>) -> Vec<KvCache> {
-        super::layer_caches(&self.cfg, &self.stage, context_limit)
+        super::layer_caches(&self.cfg, self.layers.stage(), context_limit)
     }
 
     fn config(&self) -> &ModelConfig {

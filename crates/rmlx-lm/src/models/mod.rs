@@ -104,9 +104,9 @@ pub fn build(cfg: &ModelConfig, b: &mut Builder) -> Result<Box<dyn Model>> {
     (spec.build)(cfg, b)
 }
 
-/// One cache per layer of `cfg` that `stage` holds: a layer with a sliding window ([`ModelConfig::layer_window`])
-/// keeps the window (or `context_limit`, when smaller); another is bounded by `context_limit`
-/// (keeping the first 4 positions) or unbounded.
+/// One cache per layer of `cfg` that `stage` holds: a layer with a sliding window
+/// ([`ModelConfig::layer_window`]) keeps the window (or `context_limit`, when smaller); another is
+/// bounded by `context_limit` (keeping the first 4 positions) or unbounded.
 pub(crate) fn layer_caches(cfg: &ModelConfig, stage: &Stage, context_limit: Option<usize>) -> Vec<KvCache> {
     stage
         .layers()
@@ -268,17 +268,17 @@ pub(crate) fn merge_heads(x: &Array) -> Result<Array> {
 
 /// The decoder blocks in turn over the rows `h` (of `batch` sequences), each checkpointed where
 /// training asks for it, as one captured launch where `steps` serves a decoding step
-/// ([`crate::nn::CapturedSteps::layers`]). On a pipeline `stage`, the blocks it holds, between
-/// the previous stage's output and the whole pipeline's ([`Stage::receive`], [`Stage::pass_on`]).
+/// ([`crate::nn::CapturedSteps::layers`]). The blocks of a pipeline stage run between the previous
+/// stage's output and the whole pipeline's ([`Stage::receive`], [`Stage::pass_on`]).
 pub(crate) fn decoder_layers<B: crate::nn::Module + Clone + 'static>(
     steps: &crate::nn::CapturedSteps,
-    stage: &Stage,
-    blocks: &[B],
+    blocks: &crate::nn::pipeline::Blocks<B>,
     h: &Array,
     caches: &mut [KvCache],
     batch: i32,
     forward: fn(&B, &Array, i32, &mut KvCache) -> Result<Array>,
 ) -> Result<Array> {
+    let stage = blocks.stage();
     let h = stage.receive(h)?;
     let h = steps.layers(&h, caches, |h, caches| {
         let mut h = h.clone();

@@ -116,23 +116,29 @@ fn zeros_after(like: &Array, after: Option<&Array>) -> Result<Array> {
     }
 }
 
-/// A run of consecutive decoder blocks, each named by its index in the whole model (`first + i`):
-/// all of a model's blocks, or a pipeline stage's, whose parameters keep their checkpoint names.
+/// The decoder blocks a process holds: all of a model's, or a pipeline stage's, each named by its
+/// index in the whole model (its parameters keep their checkpoint names).
 #[derive(Clone)]
 pub struct Blocks<B> {
-    first: usize,
+    stage: Stage,
     list: Vec<B>,
 }
 
 impl<B> Blocks<B> {
-    /// `list`, the first of them block `first` of the model.
-    pub fn new(first: usize, list: Vec<B>) -> Self {
-        Blocks { first, list }
+    /// The blocks `list` of `stage`.
+    pub fn new(stage: Stage, list: Vec<B>) -> Self {
+        debug_assert_eq!(stage.layers().len(), list.len());
+        Blocks { stage, list }
+    }
+
+    /// Which blocks these are.
+    pub fn stage(&self) -> &Stage {
+        &self.stage
     }
 
     /// The name of the `i`-th block held under `prefix`.
     fn name(&self, prefix: &str, i: usize) -> String {
-        crate::nn::join(prefix, &(self.first + i).to_string())
+        crate::nn::join(prefix, &(self.stage.layers().start + i).to_string())
     }
 }
 

@@ -4,7 +4,9 @@
 //! each rank, and the layers that write it back (the output projection, down, each expert's down)
 //! keep the matching 1/n of their input features, so that each rank's product is a partial sum
 //! and one all-sum makes the whole. Attention heads split with their rows: each rank attends with
-//! its own heads and keeps their cache. Norms, the embedding and the output head stay whole.
+//! its own heads and keeps their cache. Norms stay whole; the embedding and the output head are
+//! split by vocabulary rows (a lookup all-sums the ranks' rows, the logits are all-gathered), as
+//! vLLM does, unless the builder keeps them whole.
 //!
 //! A model is split while it is built: the [`Builder`](super::Builder) of a rank slices each
 //! tensor it hands out ([`Split`]), quantised ones along whole groups, and a layer split by inputs
