@@ -1,5 +1,6 @@
-//! The engine as every rank of a tensor-parallel model runs it: in lockstep. Each rank holds a
-//! share of every layer, so every forward pass needs them all. Rank 0 decides alone (which
+//! The engine as every rank of a split model runs it: in lockstep. Each rank holds a share of
+//! every layer (tensor parallelism) or some of the blocks (a pipeline), so every forward pass
+//! needs them all. Rank 0 decides alone (which
 //! requests join, which are cancelled, when the batch is aborted) and, before each step, sends the
 //! decisions taken since the last one to the other ranks ([`Ranks::broadcast_bytes`]); they apply
 //! them to their own engine ([`Lockstep::follow`]) and step with it. Given the same decisions the
@@ -31,7 +32,7 @@ enum Decision {
     Stop,
 }
 
-/// An [`Engine`] whose changes reach the other ranks of a tensor-parallel model.
+/// An [`Engine`] whose changes reach the other ranks of a split model.
 pub struct Lockstep<'m> {
     engine: Engine<'m>,
     /// The ranks, when there are several (this is rank 0).
