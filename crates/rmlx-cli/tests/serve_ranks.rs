@@ -21,6 +21,27 @@ fn question(text: &str, extra: Value) -> Value {
     body
 }
 
+/// `asks` sent together: batched by rank 0, every rank stepping the same batch, each answered and
+/// starting as `answers` (greedy rows batched with others keep their tokens up to float rounding).
+fn asked_at_once(server: &Server, asks: &[Value], answers: &[String]) {
+    let handles: Vec<_> = asks
+        .iter()
+        .cloned()
+        .map(|body| {
+            let addr = server.addr.clone();
+            std::thread::spawn(move || support::post(&addr, "/v1/chat/completions", &body))
+        })
+        .collect();
+    for (h, want) in handles.into_iter().zip(answers) {
+        let (status, reply) = h.join().unwrap();
+        assert_eq!(status, 200, "{reply}");
+        let got = reply["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(!got.is_empty() && reply["choices"][0]["finish_reason"].is_string(), "{reply}");
+        let n = got.len().min(want.len()).min(8);
+        assert_eq!(&got[..n], &want[..n], "{reply}");
+    }
+}
+
 #[test]
 fn a_server_split_over_three_ranks_answers_as_one_process() {
     let one = Server::start(&["--warm-up", "off"]);
@@ -35,24 +56,7 @@ fn a_server_split_over_three_ranks_answers_as_one_process() {
         assert!(!want.is_empty());
         assert_eq!(&chat(&split, body), want, "{body}");
     }
-    // Several at once: batched together by rank 0, every rank stepping the same batch.
-    let handles: Vec<_> = asks
-        .iter()
-        .cloned()
-        .map(|body| {
-            let addr = split.addr.clone();
-            std::thread::spawn(move || support::post(&addr, "/v1/chat/completions", &body))
-        })
-        .collect();
-    for (h, want) in handles.into_iter().zip(&answers) {
-        let (status, reply) = h.join().unwrap();
-        assert_eq!(status, 200, "{reply}");
-        let got = reply["choices"][0]["message"]["content"].as_str().unwrap();
-        assert!(!got.is_empty() && reply["choices"][0]["finish_reason"].is_string(), "{reply}");
-        // Greedy rows batched with others keep their tokens up to float rounding: compare the start.
-        let n = got.len().min(want.len()).min(8);
-        assert_eq!(&got[..n], &want[..n], "{reply}");
-    }
+    asked_at_once(&split, &asks, &answers);
     // Structured output: every rank masks with the grammar and ends where it completes.
     let schema = json!({"type": "json_schema", "json_schema": {"name": "a", "schema": {
         "type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}}, "required": ["colour"]}}});
@@ -68,19 +72,5 @@ fn a_server_split_over_three_ranks_answers_as_one_process() {
     for (body, want) in asks.iter().zip(&answers) {
         assert_eq!(&chat(&piped, body), want, "{body}");
     }
-    let handles: Vec<_> = asks
-        .iter()
-        .cloned()
-        .map(|body| {
-            let addr = piped.addr.clone();
-            std::thread::spawn(move || support::post(&addr, "/v1/chat/completions", &body))
-        })
-        .collect();
-    for (h, want) in handles.into_iter().zip(&answers) {
-        let (status, reply) = h.join().unwrap();
-        assert_eq!(status, 200, "{reply}");
-        let got = reply["choices"][0]["message"]["content"].as_str().unwrap();
-        let n = got.len().min(want.len()).min(8);
-        assert_eq!(&got[..n], &want[..n], "{reply}");
-    }
+    asked_at_once(&piped, &asks, &answers);
 }

@@ -8,10 +8,11 @@
 
 mod common;
 
-use common::{fixture_with_tokenizer, ids_array, max_abs_diff};
+use common::ranks::{greedy, logits};
+use common::{fixture_with_tokenizer, max_abs_diff};
 use rmlx::distributed::{Backend, Group};
-use rmlx::{Array, Dtype};
-use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel, Ranks};
+use rmlx::Dtype;
+use rmlx_lm::{LoadOptions, LoadedModel, Ranks};
 
 /// Every native fixture, its blocks (2 to 6: runs of one to three blocks a rank).
 const FIXTURES: &[(&str, usize)] = &[
@@ -52,15 +53,6 @@ fn load(dir: &std::path::Path, pipeline: Option<&Ranks>) -> rmlx_lm::Result<Load
     rmlx_lm::loader::load(dir, &opts)
 }
 
-/// The prompt's logits in one pass, then one token at a time through fresh caches.
-fn logits(lm: &LoadedModel, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
-    let read = |a: Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
-    let whole = read(lm.model.forward(&ids_array(prompt), &mut lm.model.new_caches(None)).unwrap());
-    let mut caches = lm.model.new_caches(None);
-    let steps = prompt.iter().flat_map(|&t| read(lm.model.forward(&ids_array(&[t]), &mut caches).unwrap())).collect();
-    (whole, steps)
-}
-
 /// The block a parameter is of (`model.layers.<i>.…`).
 fn block_of(name: &str) -> Option<usize> {
     name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
@@ -70,11 +62,6 @@ fn parameter_names(lm: &LoadedModel) -> Vec<String> {
     let mut names = Vec::new();
     lm.model.visit("", &mut |n, _, _| names.push(n.to_string()));
     names
-}
-
-fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, prefill_chunk: 5, ..GenerateOptions::default() };
-    lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
 }
 
 /// One rank's checks, each fixture printing `ok <name>`; run by the tests below as every rank.
@@ -113,16 +100,11 @@ fn check_every_fixture(ranks: Ranks) {
         let whole = load(dir.path(), None).unwrap();
         let split = load(dir.path(), Some(&ranks)).unwrap_or_else(|e| panic!("{name}: {e}"));
         // Runs as even as they can be, the first ranks one block longer.
-        let held = blocks / n + usize::from(r < blocks % n);
+        let (first, held) = (r * (blocks / n) + r.min(blocks % n), blocks / n + usize::from(r < blocks % n));
         assert_eq!(split.model.new_caches(None).len(), held, "{name}: caches of rank {r}");
         assert_eq!(
             split.layer_windows(),
-            whole.layer_windows()[..]
-                .iter()
-                .skip(r * (blocks / n) + r.min(blocks % n))
-                .take(held)
-                .copied()
-                .collect::<Vec<_>>(),
+            whole.layer_windows()[..].iter().skip(first).take(held).copied().collect::<Vec<_>>(),
             "{name}"
         );
         assert!(
@@ -132,7 +114,6 @@ fn check_every_fixture(ranks: Ranks) {
             whole.weight_bytes
         );
         // The blocks held keep their checkpoint names (`model.layers.<i>.…` with i of the whole).
-        let first = r * (blocks / n) + r.min(blocks % n);
         let in_stage = |p: &String| block_of(p).is_none_or(|i| (first..first + held).contains(&i));
         let held_names: Vec<String> = parameter_names(&whole).into_iter().filter(in_stage).collect();
         assert_eq!(parameter_names(&split), held_names, "{name}");

@@ -8,11 +8,12 @@
 
 mod common;
 
-use common::{fixture_dir, fixture_with_tokenizer, floats, ids, ids_array, max_abs_diff, reference};
+use common::ranks::{greedy, logits};
+use common::{fixture_dir, fixture_with_tokenizer, floats, ids, max_abs_diff, reference};
 use rmlx::distributed::{Backend, Group};
-use rmlx::{Array, Dtype};
+use rmlx::Dtype;
 use rmlx_lm::Ranks;
-use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
+use rmlx_lm::{LoadOptions, LoadedModel};
 
 /// Native fixtures with transformers references: split, they must still match them.
 const WITH_REFERENCE: &[&str] = &[
@@ -60,20 +61,6 @@ fn load_with(dir: &std::path::Path, tp: Option<&Ranks>, whole_vocabulary: bool) 
     rmlx_lm::loader::load(dir, &opts)
 }
 
-/// The prompt's logits in one pass, then one token at a time through fresh caches.
-fn logits(lm: &LoadedModel, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
-    let read = |a: Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
-    let whole = read(lm.model.forward(&ids_array(prompt), &mut lm.model.new_caches(None)).unwrap());
-    let mut caches = lm.model.new_caches(None);
-    let steps = prompt.iter().flat_map(|&t| read(lm.model.forward(&ids_array(&[t]), &mut caches).unwrap())).collect();
-    (whole, steps)
-}
-
-fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, prefill_chunk: 5, ..GenerateOptions::default() };
-    lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
-}
-
 /// One rank's checks, each fixture printing `ok <name>`; run only by `two_ranks_split_every_fixture`.
 #[test]
 #[ignore = "a rank of two_ranks_split_every_fixture"]
@@ -84,7 +71,7 @@ fn tensor_parallel_rank() {
         let dir = fixture_with_tokenizer(name);
         let whole = load(dir.path(), None).unwrap();
         let split = load(dir.path(), Some(&tp)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        // Split: this rank holds less than the whole (the norms, embedding and head stay whole).
+        // Split: this rank holds less than the whole (the norms stay whole).
         assert!(
             split.weight_bytes < whole.weight_bytes,
             "{name}: {} of {} bytes",

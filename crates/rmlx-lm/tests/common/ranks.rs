@@ -1,7 +1,10 @@
 //! Jobs of several ranks over MLX's ring backend on this machine, for the tests of split models:
 //! the test binary runs one of its own ignored tests as every rank, with the environment `rmlx
-//! launch` sets, and checks that every rank succeeded and printed `ok <name>` for each name.
+//! launch` sets, and checks that every rank succeeded and printed `ok <name>` for each name; and
+//! what each rank computes to compare a split model with the whole one.
 
+use rmlx::{Array, Dtype};
+use rmlx_lm::{GenerateOptions, LoadedModel};
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -64,4 +67,20 @@ pub fn run_ranks(rank_test: &str, n: usize, names: &[&str]) {
             assert!(out.contains(&format!("ok {name}\n")), "rank {rank} did not check {name}:\n{out}\n{err}");
         }
     }
+}
+
+/// The prompt's logits in one pass, then one token at a time through fresh caches.
+pub fn logits(lm: &LoadedModel, prompt: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    let read = |a: Array| a.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+    let whole = read(lm.model.forward(&super::ids_array(prompt), &mut lm.model.new_caches(None)).unwrap());
+    let mut caches = lm.model.new_caches(None);
+    let steps =
+        prompt.iter().flat_map(|&t| read(lm.model.forward(&super::ids_array(&[t]), &mut caches).unwrap())).collect();
+    (whole, steps)
+}
+
+/// `n` greedy tokens after `prompt` (prefilled 5 tokens a chunk), end of sequence ignored.
+pub fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, prefill_chunk: 5, ..GenerateOptions::default() };
+    lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
 }
