@@ -120,7 +120,7 @@ pub fn run(a: Args) -> Result<()> {
     // the others compute their share of each step it decides.
     if let Some(ranks) = model.as_native().and_then(|lm| lm.ranks().cloned()).filter(|r| r.rank() != 0) {
         let lm = model.as_native().expect("native");
-        return Ok(Lockstep::follow(Engine::new(lm, options), &ranks, false)?);
+        return Ok(Lockstep::follow(Engine::new(lm, options), &ranks)?);
     }
     let mut out = Output::new(&a, &lines)?;
     let Some(lm) = model.as_native() else {

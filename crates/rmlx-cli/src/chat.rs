@@ -58,7 +58,7 @@ pub fn run(a: Args) -> Result<()> {
         // every step it decides, and leave Ctrl-C to it.
         if let Some(ranks) = lm.ranks().filter(|r| r.rank() != 0) {
             interrupt::ignore()?;
-            return Ok(Lockstep::follow(engine, ranks, false)?);
+            return Ok(Lockstep::follow(engine, ranks)?);
         }
         let mut engine = Lockstep::new(engine, lm.ranks().cloned());
         let talked = converse(&a, &mut |messages, out| reply(lm, &mut engine, messages, &opts, out));

@@ -82,9 +82,6 @@ impl ModelArgs {
     /// stops a first download cleanly.
     pub fn load(&self) -> Result<LoadedModel> {
         let mut lm = self.load_interruptible(false)?;
-        if let (Some(_), Some(ranks)) = (&self.adapter_path, lm.ranks()) {
-            bail!("--adapter-path: adapters are not applied over the {} ranks of a split model yet", ranks.size());
-        }
         if let Some(dir) = &self.adapter_path {
             let cfg = rmlx_lm::tuner::adapters::load(lm.model.as_mut(), dir, lm.dtype)
                 .with_context(|| format!("loading the adapters of {}", dir.display()))?;

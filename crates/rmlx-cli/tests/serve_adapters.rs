@@ -1,7 +1,8 @@
 //! LoRA adapters per request in `rmlx serve` (the default model, real HTTP): requests for two
 //! adapters and for the base model, sent together, each return what `rmlx generate
 //! --adapter-path` returns; `/v1/models` lists the adapters; vLLM's load and unload endpoints work
-//! behind `--allow-adapter-loading` and do not exist without it.
+//! behind `--allow-adapter-loading` and do not exist without it. Over the ranks of a split model
+//! (`rmlx launch`), each rank adds its share of every adapter and the answers are one process's.
 
 mod support;
 
@@ -38,14 +39,23 @@ const PROMPT: &str = "Say something about cats.";
 
 /// `rmlx generate --json`'s text for the chat prompt, with an adapter folder or without.
 fn generate(adapter: Option<&Path>) -> String {
+    generate_as(&[], adapter)
+}
+
+/// [`generate`] run as `launch` (`rmlx launch … --` and what follows `generate`), whose rank 0
+/// writes the result.
+fn generate_as(launch: &[&str], adapter: Option<&Path>) -> String {
+    let (prefix, split) = launch.split_at(launch.iter().position(|a| *a == "--").map_or(0, |i| i + 1));
     let mut cmd = Command::new(RMLX);
-    cmd.args(["generate", "--prompt", PROMPT, "--max-tokens", "10", "--json"]);
+    cmd.args(prefix).args(["generate", "--prompt", PROMPT, "--max-tokens", "10", "--json"]).args(split);
     if let Some(a) = adapter {
         cmd.arg("--adapter-path").arg(a);
     }
     let out = cmd.stdin(Stdio::null()).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice::<Value>(&out.stdout).unwrap()["text"].as_str().unwrap().to_string()
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.strip_prefix("[rank 0] ").unwrap_or(&stdout);
+    serde_json::from_str::<Value>(line).unwrap()["text"].as_str().unwrap().to_string()
 }
 
 fn chat(addr: &str, model: &str) -> (u16, Value) {
@@ -141,5 +151,48 @@ fn adapters_are_chosen_per_request_and_loaded_while_serving() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("reading the adapter `x`"), "{err}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Over the ranks of a split model, by tensors (3 ranks) and by blocks (2 ranks, warming up
+/// first): `generate --adapter-path` and the server's adapters, chosen per request, loaded and
+/// unloaded while serving, give one process's text; a folder no rank can read is refused as in one
+/// process, and the server goes on.
+#[test]
+fn adapters_over_the_ranks_of_a_split_model() {
+    let root = std::env::temp_dir().join(format!("rmlx-serve-adapters-ranks-{}", std::process::id()));
+    let (a, b) = (train(&root, "a", "5e-3"), train(&root, "b", "2e-2"));
+    let expected = [generate(None), generate(Some(&a)), generate(Some(&b))];
+    assert!(expected[0] != expected[1] && expected[1] != expected[2], "the adapters change the text: {expected:?}");
+    for (n, split) in [("3", None), ("2", Some("--pipeline"))] {
+        let launch: Vec<&str> = ["launch", "-n", n, "--"].into_iter().chain(split).collect();
+        assert_eq!(generate_as(&launch, Some(&a)), expected[1], "{launch:?}");
+
+        let arg_a = format!("a={}", a.display());
+        let warm_up = if split.is_some() { "on" } else { "off" };
+        let mut extra = vec!["--adapter", &arg_a, "--allow-adapter-loading", "--warm-up", warm_up];
+        extra.extend(split);
+        let server = Server::launch(n.parse().unwrap(), &extra);
+        let models = [MODEL, "a"];
+        let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+            let handles: Vec<_> = models.iter().map(|m| s.spawn(|| chat(&server.addr, m))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for ((model, (status, v)), want) in models.iter().zip(&answers).zip(&expected) {
+            assert_eq!((*status, text(v)), (200, want.as_str()), "{launch:?}, model {model}");
+        }
+        let load = json!({"lora_name": "b", "lora_path": b});
+        assert_eq!(server.request("POST", "/v1/load_lora_adapter", Some(&load), &[]).0, 200);
+        let unload = json!({"lora_name": "a"});
+        assert_eq!(server.request("POST", "/v1/unload_lora_adapter", Some(&unload), &[]).0, 200);
+        let (status, v) = chat(&server.addr, "b");
+        assert_eq!((status, text(&v)), (200, expected[2].as_str()), "{launch:?}");
+        assert_eq!(chat(&server.addr, "a").0, 404);
+        let (status, v) = server.post("/v1/load_lora_adapter", &json!({"lora_name": "d", "lora_path": "/etc"}));
+        assert_eq!(status, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("not an adapter folder"), "{v}");
+        let (status, v) = chat(&server.addr, MODEL);
+        assert_eq!((status, text(&v)), (200, expected[0].as_str()), "{launch:?}");
+    }
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -54,14 +54,18 @@ pub enum Error {
     #[error("{backend} backend: {message}")]
     Backend { backend: String, message: String },
     /// A model cannot be split over the ranks of a tensor-parallel job as asked (head or feature
-    /// counts the ranks do not divide, quantisation groups a split would cut, adapters on split
-    /// layers).
+    /// counts the ranks do not divide, quantisation groups a split would cut, fully fine-tuned
+    /// weights over split layers).
     #[error("tensor parallelism: {0}")]
     TensorParallel(String),
     /// A model cannot be split by blocks over the ranks of a job as asked (more ranks than blocks,
     /// or split by tensors too).
     #[error("pipeline parallelism: {0}")]
     Pipeline(String),
+    /// The ranks of a split model could not stay in step: one could not read rank 0's decisions,
+    /// or not every rank could load an adapter.
+    #[error("over the ranks of a split model: {0}")]
+    Ranks(String),
     /// Downloading a registry package (the default model, tokenizer files) failed.
     #[error("download {url}: {reason}")]
     Download { url: String, reason: String },

@@ -119,6 +119,18 @@ impl Ranks {
         self.all_sum(&own)?.astype(dtype).map_err(Into::into)
     }
 
+    /// The ranks that report `failed` (a blocking exchange: every rank calls it with its own),
+    /// so that all of them take the same path after a step only some may fail (reading a file).
+    pub fn failed_ranks(&self, failed: bool) -> Result<Vec<usize>> {
+        if self.size() == 1 {
+            return Ok(if failed { vec![0] } else { Vec::new() });
+        }
+        let mut own = vec![0i32; self.size()];
+        own[self.rank()] = i32::from(failed);
+        let all = self.all_sum(&Array::from_slice(&own, &[self.size() as i32])?)?.to_vec::<i32>()?;
+        Ok(all.iter().enumerate().filter(|(_, &f)| f != 0).map(|(r, _)| r).collect())
+    }
+
     /// Rank 0's `bytes` on every rank (the others pass `None`); a blocking exchange of two
     /// all-sums (the length, then the bytes), for the decisions rank 0 makes alone.
     pub fn broadcast_bytes(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>> {

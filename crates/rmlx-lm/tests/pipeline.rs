@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::ranks::{greedy, logits};
+use common::ranks::{attach_adapters, greedy, logits, AdapterForm};
 use common::{fixture_with_tokenizer, max_abs_diff};
 use rmlx::distributed::{Backend, Group};
 use rmlx::Dtype;
@@ -146,4 +146,44 @@ fn three_ranks_pipeline_every_fixture_with_three_blocks() {
 #[test]
 fn three_ranks_hand_over_by_all_sums_alone() {
     common::ranks::run_ranks("pipeline_rank_collectives_only", 3, &names());
+}
+
+/// Adapters trained on the whole model, loaded by the stages of a pipeline: (fixture, form,
+/// blocks adapted from the end), so that some stages hold adapted blocks and others not.
+const ADAPTED: &[(&str, AdapterForm, usize)] = &[
+    ("llama_mqa_untied", AdapterForm::Peft, 1),
+    ("qwen3_moe", AdapterForm::Lora, 2),
+    ("gemma2_q4", AdapterForm::Lora, 2),
+    ("gemma3_text", AdapterForm::Dora, 4),
+];
+
+/// One rank's checks of [`ADAPTED`]: every stage reads its own blocks' adapters from the whole
+/// model's file, and the logits are exactly the whole adapted model's.
+#[test]
+#[ignore = "a rank of three_ranks_pipeline_adapted_models"]
+fn pipeline_adapters_rank() {
+    let ranks = Ranks::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring);
+    for (i, &(name, form, num_layers)) in ADAPTED.iter().enumerate() {
+        let dir = fixture_with_tokenizer(name);
+        let adapters = common::TempDir::new("adapters");
+        let mut whole = load(dir.path(), None).unwrap();
+        let prompt: Vec<u32> = (0..10u32).map(|i| (i * 5 + 2) % 30).collect();
+        let (base, _) = logits(&whole, &prompt);
+        attach_adapters(&mut whole, adapters.path(), form, num_layers, i as u64 + 1);
+        let (adapted, adapted_steps) = logits(&whole, &prompt);
+        assert!(max_abs_diff(&base, &adapted) > 1e-3, "{name}: the adapters change nothing");
+        let mut split = load(dir.path(), Some(&ranks)).unwrap();
+        rmlx_lm::tuner::adapters::load(split.model.as_mut(), adapters.path(), Dtype::Float32)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (split_logits, split_steps) = logits(&split, &prompt);
+        assert_eq!(max_abs_diff(&split_logits, &adapted), 0.0, "{name} ({form:?}): logits");
+        assert_eq!(max_abs_diff(&split_steps, &adapted_steps), 0.0, "{name} ({form:?}): through the caches");
+        println!("ok {name}");
+    }
+}
+
+#[test]
+fn three_ranks_pipeline_adapted_models() {
+    let names: Vec<&str> = ADAPTED.iter().map(|a| a.0).collect();
+    common::ranks::run_ranks("pipeline_adapters_rank", 3, &names);
 }

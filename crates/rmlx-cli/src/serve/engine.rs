@@ -104,14 +104,8 @@ struct Live {
     logprobs: bool,
 }
 
-/// Reads an adapter folder and loads it into the engine under `name`.
-pub fn load_adapter(lm: &LoadedModel, engine: &mut Engine, name: &str, path: &std::path::Path) -> rmlx_lm::Result<()> {
-    let layers = rmlx_lm::tuner::adapters::read(lm.model.as_ref(), path, lm.dtype)?;
-    engine.load_adapter(name, layers)
-}
-
 /// Serves jobs until every sender is gone. Runs on the evaluation thread. `adapters` are loaded
-/// first (they were checked by [`load_adapter`] at start-up); `control` loads and unloads more.
+/// first (every rank read them once at start-up); `control` loads and unloads more, on every rank.
 /// With `warm_up`, the engine first runs [`Engine::warm_up`]; then `ready` is told that requests
 /// may come.
 pub fn run(
@@ -126,14 +120,14 @@ pub fn run(
     // Over the ranks of a tensor-parallel model, the other ranks follow this engine's decisions.
     let mut engine = Lockstep::new(Engine::new(lm, opts), lm.ranks().cloned());
     for (name, path) in &start.adapters {
-        load_adapter(lm, engine.engine_mut(), name, path)?;
+        engine.load_adapter_dir(name, path)?;
     }
     if start.warm_up {
         let begun = std::time::Instant::now();
         tracing::info!(
             "warming up: one pass over every batch size up to {max_batch}, so that the GPU kernels are ready"
         );
-        let steps = engine.engine_mut().warm_up()?;
+        let steps = engine.warm_up()?;
         tracing::info!(steps, seconds = begun.elapsed().as_secs_f64(), "warmed up");
     }
     let _ = start.ready.send(());
@@ -141,7 +135,7 @@ pub fn run(
     let mut busy = false;
     loop {
         while let Ok(c) = control.try_recv() {
-            manage(lm, engine.engine_mut(), c);
+            manage(&mut engine, c);
         }
         if engine.engine().is_idle() && std::mem::take(&mut busy) {
             give_back_idle_memory(&stats);
@@ -207,10 +201,10 @@ fn give_back_idle_memory(stats: &Stats) {
 }
 
 /// Loads or unloads an adapter; the reply says whether it worked.
-fn manage(lm: &LoadedModel, engine: &mut Engine, c: Control) {
+fn manage(engine: &mut Lockstep, c: Control) {
     let (result, reply) = match c {
         Control::Load { name, path, reply } => {
-            let r = load_adapter(lm, engine, &name, &path);
+            let r = engine.load_adapter_dir(&name, &path);
             if let Err(e) = &r {
                 tracing::warn!(adapter = %name, path = %path.display(), error = %e, "load adapter failed");
             } else {

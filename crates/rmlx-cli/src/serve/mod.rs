@@ -189,17 +189,12 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     if let Some(lm) = model.as_native() {
-        if let Some(ranks) = lm.ranks() {
-            anyhow::ensure!(
-                a.adapters.is_empty() && !a.allow_adapter_loading,
-                "adapters are not served over the ranks of a split model yet"
-            );
-            if ranks.rank() != 0 {
-                // Rank 0 serves HTTP; this rank computes its share of every step rank 0 decides.
-                let (options, warm_up) = engine_options(&a, lm, None);
-                let engine = rmlx_lm::engine::Engine::new(lm, options);
-                return Ok(rmlx_lm::engine::Lockstep::follow(engine, ranks, warm_up)?);
-            }
+        if let Some(ranks) = lm.ranks().filter(|r| r.rank() != 0) {
+            // Rank 0 serves HTTP; this rank computes its share of every step rank 0 decides
+            // (adapters and warm-up included).
+            let (options, _) = engine_options(&a, lm, None);
+            let engine = rmlx_lm::engine::Engine::new(lm, options);
+            return Ok(rmlx_lm::engine::Lockstep::follow(engine, ranks)?);
         }
     }
     let adapter_roots = a

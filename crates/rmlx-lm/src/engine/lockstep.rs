@@ -14,6 +14,7 @@ use crate::grammar::Grammar;
 use crate::ranks::Ranks;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 
 /// A decision of rank 0's, as the other ranks apply it.
 #[derive(Debug, Serialize, Deserialize)]
@@ -23,8 +24,17 @@ enum Decision {
         options: Box<GenerateOptions>,
         top_logprobs: usize,
         grammar: Option<Grammar>,
+        adapter: Option<String>,
     },
     Cancel(SeqId),
+    /// Every rank reads its share of the adapter folder, then they agree whether all could.
+    LoadAdapter {
+        name: String,
+        dir: PathBuf,
+    },
+    UnloadAdapter(String),
+    /// Every rank runs [`Engine::warm_up`].
+    WarmUp,
     Abort,
     /// Every rank steps its engine.
     Step,
@@ -52,29 +62,40 @@ impl<'m> Lockstep<'m> {
         &self.engine
     }
 
-    /// The engine, for what only rank 0 may change without telling (adapters and warm-up have
-    /// their own rules: see [`Lockstep::refuse_under_ranks`]).
-    pub fn engine_mut(&mut self) -> &mut Engine<'m> {
-        &mut self.engine
-    }
-
-    /// `Err` naming `what` when the engine runs over several ranks, which it does not support yet.
-    pub fn refuse_under_ranks(&self, what: &str) -> Result<()> {
-        match &self.ranks {
-            Some(r) => Err(Error::TensorParallel(format!("{what} is not supported over {} ranks yet", r.size()))),
-            None => Ok(()),
+    /// [`Engine::warm_up`] on every rank.
+    pub fn warm_up(&mut self) -> Result<usize> {
+        if self.ranks.is_some() {
+            self.send(Decision::WarmUp)?;
         }
+        self.engine.warm_up()
     }
 
-    /// [`Engine::submit`]. Over several ranks a request with an adapter is refused (not
-    /// supported there yet), and one without a seed gets one here, so that every rank samples the
-    /// same way; a grammar goes to every rank, which all mask the same logits and end the
-    /// sequence where it completes.
+    /// [`Engine::load_adapter_dir`] on every rank, each reading its share of the folder (which
+    /// must be at the same path for every rank). Loaded everywhere or nowhere: where some rank
+    /// cannot read it, the others unload it again and the error names those ranks.
+    pub fn load_adapter_dir(&mut self, name: &str, dir: &Path) -> Result<()> {
+        let Some(ranks) = self.ranks.clone() else { return self.engine.load_adapter_dir(name, dir) };
+        self.send(Decision::LoadAdapter { name: name.to_string(), dir: dir.to_path_buf() })?;
+        let loaded = self.engine.load_adapter_dir(name, dir);
+        agree_on_adapter(&mut self.engine, &ranks, name, loaded)
+    }
+
+    /// [`Engine::unload_adapter`] on every rank.
+    pub fn unload_adapter(&mut self, name: &str) -> Result<()> {
+        self.engine.unload_adapter(name)?;
+        if self.ranks.is_some() {
+            // Every rank's engine is this one: it unloads the same way.
+            self.pending.push(Decision::UnloadAdapter(name.to_string()));
+        }
+        Ok(())
+    }
+
+    /// [`Engine::submit`]. Over several ranks a request without a seed gets one here, so that
+    /// every rank samples the same way; a grammar goes to every rank, which all mask the same
+    /// logits and end the sequence where it completes; an adapter is named, each rank adding its
+    /// share of it.
     pub fn submit(&mut self, mut request: Request) -> Result<SeqId> {
         if self.ranks.is_some() {
-            if request.adapter.is_some() {
-                self.refuse_under_ranks("generating with an adapter")?;
-            }
             let seed = request.options.sampler.seed.get_or_insert_with(clock_seed);
             tracing::trace!(seed, "request seeded for every rank");
             self.pending.push(Decision::Submit {
@@ -82,6 +103,7 @@ impl<'m> Lockstep<'m> {
                 options: Box::new(request.options.clone()),
                 top_logprobs: request.top_logprobs,
                 grammar: request.grammar.clone(),
+                adapter: request.adapter.clone(),
             });
         }
         self.engine.submit(request)
@@ -122,23 +144,30 @@ impl<'m> Lockstep<'m> {
     }
 
     /// A rank other than 0: applies rank 0's decisions to `engine` and steps with it until rank 0
-    /// stops. With `warm_up`, first [`Engine::warm_up`] (rank 0 warms up as well).
-    pub fn follow(mut engine: Engine<'_>, ranks: &Ranks, warm_up: bool) -> Result<()> {
-        if warm_up {
-            engine.warm_up()?;
-        }
+    /// stops.
+    pub fn follow(mut engine: Engine<'_>, ranks: &Ranks) -> Result<()> {
         loop {
             let bytes = ranks.broadcast_bytes(None)?;
             let decisions: Vec<Decision> = serde_json::from_slice(&bytes)
-                .map_err(|e| Error::TensorParallel(format!("rank 0 sent decisions this rank cannot read: {e}")))?;
+                .map_err(|e| Error::Ranks(format!("rank 0 sent decisions this rank cannot read: {e}")))?;
             for d in decisions {
                 match d {
-                    Decision::Submit { prompt, options, top_logprobs, grammar } => {
+                    Decision::Submit { prompt, options, top_logprobs, grammar, adapter } => {
                         // A refusal here is rank 0's refusal too (same engine, same request).
                         let options = *options;
-                        let request = Request { prompt, options, top_logprobs, grammar, ..Request::default() };
+                        let request = Request { prompt, options, top_logprobs, grammar, adapter };
                         let _ = engine.submit(request);
                     }
+                    Decision::LoadAdapter { name, dir } => {
+                        let loaded = engine.load_adapter_dir(&name, &dir);
+                        if let Err(e) = &loaded {
+                            tracing::error!(adapter = %name, dir = %dir.display(), "cannot load the adapter: {e}");
+                        }
+                        // Rank 0 answers the client; this rank only keeps in step.
+                        let _ = agree_on_adapter(&mut engine, ranks, &name, loaded);
+                    }
+                    Decision::UnloadAdapter(name) => drop(engine.unload_adapter(&name)),
+                    Decision::WarmUp => drop(engine.warm_up()?),
                     Decision::Cancel(seq) => engine.cancel(seq),
                     Decision::Abort => drop(engine.abort()),
                     Decision::Step => {
@@ -152,6 +181,22 @@ impl<'m> Lockstep<'m> {
             }
         }
     }
+}
+
+/// After every rank tried to load the adapter `name` (`loaded`): whether all of them could. If
+/// not, the ranks that did unload it, and the error is this rank's own or names the others.
+fn agree_on_adapter(engine: &mut Engine<'_>, ranks: &Ranks, name: &str, loaded: Result<()>) -> Result<()> {
+    let failed = ranks.failed_ranks(loaded.is_err())?;
+    if failed.is_empty() {
+        return Ok(());
+    }
+    loaded?;
+    engine.unload_adapter(name)?;
+    let failed: Vec<String> = failed.iter().map(ToString::to_string).collect();
+    Err(Error::Ranks(format!(
+        "rank(s) {} could not load the adapter `{name}` (their logs say why): no rank holds it",
+        failed.join(", ")
+    )))
 }
 
 /// A seed from the clock, for a request that gives none.

@@ -210,6 +210,14 @@ impl<'m> Engine<'m> {
         self.adapters.insert(name, layers).map(drop)
     }
 
+    /// Reads the adapter folder `dir` (mlx-lm's or PEFT's layout: see
+    /// [`crate::tuner::adapters::read`]) and loads it under `name`, as
+    /// [`Engine::load_adapter`] does; a split model's rank reads its share of it.
+    pub fn load_adapter_dir(&mut self, name: &str, dir: &std::path::Path) -> Result<()> {
+        let layers = crate::tuner::adapters::read(self.lm.model.as_ref(), dir, self.lm.dtype)?;
+        self.load_adapter(name, layers)
+    }
+
     /// Unloads the adapter `name`. Refused while a request that names it waits or runs.
     pub fn unload_adapter(&mut self, name: &str) -> Result<()> {
         let slot =

@@ -39,7 +39,7 @@ pub use lora::{training, with_dropout_key, with_training, Lora};
 pub(crate) use module::module_fields;
 pub use module::{join, Module, ModuleExt, Role};
 pub use quantized_matvec::QuantizedMatvec;
-pub use sharding::{HeadShare, Split};
+pub use sharding::{FeatureShare, HeadShare, Split};
 pub use stacked::Stacked;
 pub use switch::{ExpertActivation, ExpertNames, SparseMoe, SwitchLinear, SwitchLora};
 
@@ -65,8 +65,9 @@ pub struct Linear {
     /// Under tensor parallelism, the ranks this layer's partial output (it holds a share of the
     /// input features) is all-summed over ([`Split::Inputs`]).
     reduce: Option<Ranks>,
-    /// How the layer's weight is split over the ranks of a tensor-parallel model.
-    split: Split,
+    /// Under tensor parallelism, the features of the whole layer this rank's weight holds (what
+    /// an adapter is cut to).
+    share: Option<FeatureShare>,
     /// Under tensor parallelism, the ranks whose outputs (each its share of the output features,
     /// in rank order) make the layer's output: the output head split by vocabulary.
     gather: Option<Ranks>,
@@ -99,7 +100,7 @@ impl Linear {
                 // DoRA: every output row rescaled to the learned magnitude over the norm of the
                 // adapted weight (a constant for the gradient, as in mlx-lm).
                 let adapted = (self.dense_weight()? + lora.delta()?)?.astype(Dtype::Float32)?;
-                let norm = ops::stop_gradient(&ops::square(&adapted)?.sum(-1, false)?.sqrt()?)?;
+                let norm = ops::stop_gradient(&self.row_norms(&adapted)?)?;
                 y = (y * (m / &norm)?.astype(x.dtype())?)?;
             }
         }
@@ -136,7 +137,7 @@ impl Linear {
             path: path.into(),
             matvec,
             reduce: None,
-            split: Split::Whole,
+            share: None,
             gather: None,
         })
     }
@@ -159,6 +160,11 @@ impl Linear {
         (self.input, self.output)
     }
 
+    /// Under tensor parallelism, the features of the whole layer this rank holds.
+    pub fn share(&self) -> Option<FeatureShare> {
+        self.share
+    }
+
     /// The adapter, if one is attached.
     pub fn lora(&self) -> Option<&Lora> {
         self.lora.as_ref()
@@ -166,12 +172,6 @@ impl Linear {
 
     /// Attaches (or, with `None`, removes) an adapter; returns the previous one.
     pub fn set_lora(&mut self, lora: Option<Lora>) -> Result<Option<Lora>> {
-        if lora.is_some() && self.split != Split::Whole {
-            return Err(Error::TensorParallel(format!(
-                "`{}` is split over the ranks of a tensor-parallel model, which takes no adapters yet",
-                self.path
-            )));
-        }
         if let Some(l) = &lora {
             let (a, b) = (l.a.shape(), l.b.shape());
             if a.len() != 2 || b.len() != 2 || a[0] != self.input || b[1] != self.output || a[1] != b[0] {
@@ -203,7 +203,33 @@ impl Linear {
 
     /// The row norms of the base weight (a fresh DoRA adapter's magnitudes), in float32.
     pub fn weight_norms(&self) -> Result<Array> {
-        Ok(ops::square(&self.dense_weight()?.astype(Dtype::Float32)?)?.sum(-1, false)?.sqrt()?)
+        self.row_norms(&self.dense_weight()?.astype(Dtype::Float32)?)
+    }
+
+    /// The norms of the rows of `w` `[out, in]`, a weight of this layer's shape: of the whole
+    /// layer's rows where this rank holds a share of their input features (the ranks' squares
+    /// summed).
+    fn row_norms(&self, w: &Array) -> Result<Array> {
+        let squares = ops::square(w)?.sum(-1, false)?;
+        let squares = match &self.reduce {
+            Some(tp) => tp.all_sum(&squares)?,
+            None => squares,
+        };
+        Ok(squares.sqrt()?)
+    }
+
+    /// This rank's part of the adapter array `<layer>.<what>` (`lora_a`, `lora_b` or DoRA's `m`)
+    /// trained on the whole layer: the rows of `A` or columns of `B` (and magnitudes) of the
+    /// features it holds under tensor parallelism; `a` itself otherwise.
+    pub fn adapter_part(&self, what: &str, a: &Array) -> Result<Array> {
+        let Some(share) = &self.share else { return Ok(a.clone()) };
+        let name = join(&self.path, what);
+        match what {
+            "lora_a" => share.cut(&name, a, Some(0), None),
+            "lora_b" => share.cut(&name, a, None, Some(1)),
+            "m" => share.cut(&name, a, None, Some(0)),
+            _ => Ok(a.clone()),
+        }
     }
 }
 
@@ -707,7 +733,7 @@ impl Builder {
         let dims = local_dims(&weight);
         let mut linear = Linear::built(weight, bias, dims, prefix, self.quantized_matvec)?;
         linear.reduce = self.reduction(split);
-        linear.split = if self.parallel().is_some() { split } else { Split::Whole };
+        linear.share = self.feature_share(&name, (input, output), split)?;
         Ok(linear)
     }
 

@@ -57,6 +57,37 @@ impl HeadShare {
     }
 }
 
+/// The features of a layer's checkpoint shape one rank holds, `start .. start + len` of `of`:
+/// what an adapter trained on the whole layer is cut to ([`FeatureShare::cut`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FeatureShare {
+    /// Whether the share is of the input features (`Split::Inputs`) or of the outputs.
+    pub inputs: bool,
+    pub start: i32,
+    pub len: i32,
+    /// The whole layer's count of those features.
+    pub of: i32,
+}
+
+impl FeatureShare {
+    /// This rank's part of `a`, an array trained on the whole layer `name` whose input features
+    /// run along `input_axis` and output features along `output_axis` (`None`: it has none), or
+    /// an error naming it when that axis is not the whole layer's.
+    pub fn cut(&self, name: &str, a: &Array, input_axis: Option<i32>, output_axis: Option<i32>) -> Result<Array> {
+        let Some(axis) = (if self.inputs { input_axis } else { output_axis }) else { return Ok(a.clone()) };
+        let found = a.shape().get(axis as usize).copied();
+        if found != Some(self.of) {
+            let what = if self.inputs { "input" } else { "output" };
+            return Err(Error::InvalidParameter(format!(
+                "`{name}` has shape {:?}, not {} {what} features along axis {axis} as its layer",
+                a.shape(),
+                self.of
+            )));
+        }
+        Ok(ops::contiguous(&a.slice_axis(axis, self.start, self.start + self.len, 1)?)?)
+    }
+}
+
 /// The vocabulary rows `start .. start + count` of the embedding and output head one rank holds.
 #[derive(Clone, Debug)]
 pub struct VocabShare {
@@ -150,6 +181,21 @@ impl Builder {
                 "`{name}` has {count} features, which {n} ranks cannot share evenly"
             ))),
         }
+    }
+
+    /// The features this rank holds of a layer `name` of `(input, output)` features in the
+    /// checkpoint split as `split`; `None`: all of them.
+    pub(crate) fn feature_share(
+        &self,
+        name: &str,
+        (input, output): (i32, i32),
+        split: Split,
+    ) -> Result<Option<FeatureShare>> {
+        let (inputs, of) = match split {
+            Split::Inputs => (true, input),
+            _ => (false, output),
+        };
+        Ok(self.range(name, of, split)?.map(|(start, len)| FeatureShare { inputs, start, len, of }))
     }
 
     /// This rank's part of the weight `name` (`[…, out, in]`, as taken from the checkpoint).

@@ -86,16 +86,17 @@ impl Builder {
                 biases.push(self.split_bias(&name, b, split)?);
             }
         }
+        let shares = (prefixes.iter().zip(outputs).zip(splits))
+            .map(|((p, &out), &split)| self.feature_share(&format!("{p}.weight"), (input, out), split))
+            .collect::<Result<Vec<_>>>()?;
         let outputs = &local[..];
-        let parallel = self.parallel().is_some();
-        let split = |i: usize| if parallel { splits[i] } else { Split::Whole };
         let Some(stacked) = stack(&weights)? else {
             let mut layers = Vec::with_capacity(prefixes.len());
             for (i, w) in weights.into_iter().enumerate() {
                 let w = self.record(w);
                 let b = biases.get(i).map(|b| self.record_dense(b.clone()));
                 let mut layer = Linear::built(w, b, (input, outputs[i]), prefixes[i], self.quantized_matvec)?;
-                layer.split = split(i);
+                layer.share = shares[i];
                 layers.push(layer);
             }
             return Ok((layers, None));
@@ -112,7 +113,7 @@ impl Builder {
             let w = rows(&stacked, start, end)?;
             let b = stacked_bias.as_ref().map(|b| ops::slice(b, &[start], &[end], &[1])).transpose()?;
             let mut layer = Linear::built(w, b, (input, out), p, self.quantized_matvec)?;
-            layer.split = split(i);
+            layer.share = shares[i];
             layers.push(layer);
             start = end;
         }

@@ -5,7 +5,7 @@
 //! (`gather_mm`, or `gather_qmm` for quantised experts, which stay quantised), the tokens sorted
 //! by expert when there are enough of them for the sort to pay.
 
-use super::{cuda_moe, Builder, Linear, Module, RmsNorm, Role, Split};
+use super::{cuda_moe, Builder, FeatureShare, Linear, Module, RmsNorm, Role, Split};
 use crate::ranks::Ranks;
 use crate::weights::Weight;
 use crate::{Error, Result};
@@ -24,6 +24,9 @@ pub struct SwitchLinear {
     /// A bias per expert `[E, out]` (gpt-oss).
     bias: Option<Array>,
     lora: Option<SwitchLora>,
+    /// Under tensor parallelism, the features of every expert this rank holds (what an adapter
+    /// is cut to).
+    share: Option<FeatureShare>,
 }
 
 /// One low-rank adapter per expert: `y += scale · (x Aₑᵀ) Bₑᵀ` for the token's expert `e`, with
@@ -97,6 +100,18 @@ impl SwitchLinear {
     /// The adapters, if any.
     pub fn lora(&self) -> Option<&SwitchLora> {
         self.lora.as_ref()
+    }
+
+    /// This rank's part of the adapter array `<layer>.<what>` (`lora_a` `[E, r, in]`, `lora_b`
+    /// `[E, out, r]`) trained on the whole layer: the features it holds under tensor parallelism.
+    pub fn adapter_part(&self, path: &str, what: &str, a: &Array) -> Result<Array> {
+        let Some(share) = &self.share else { return Ok(a.clone()) };
+        let name = format!("{path}.{what}");
+        match what {
+            "lora_a" => share.cut(&name, a, Some(2), None),
+            "lora_b" => share.cut(&name, a, None, Some(1)),
+            _ => Ok(a.clone()),
+        }
     }
 
     /// Attaches (or with `None` removes) adapters, returning the previous ones; factors of other
@@ -272,7 +287,8 @@ impl SparseMoe {
                 }
                 false => None,
             };
-            Ok(SwitchLinear { weight, bias, lora: None })
+            let share = b.feature_share(&stacked, (shape[1], shape[0]), split)?;
+            Ok(SwitchLinear { weight, bias, lora: None, share })
         };
         Ok(SparseMoe {
             gate_proj: switch(0, [intermediate, hidden])?,

@@ -5,12 +5,12 @@
 //! to a temporary name and renamed, so a reader never sees half a file.
 
 use super::lora::{apply_lora, lora_parameter_names, LoraConfig};
-use crate::models::Model;
+use crate::models::{block_path, Model};
 use crate::nn::{ModuleExt, Role};
 use crate::{Error, Result};
 use rmlx::{Array, Dtype};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
 /// The adapter weights file of a folder.
@@ -184,6 +184,7 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
     if phi3 {
         crate::models::phi3::split_fused_adapters(model.config(), &mut arrays)?;
     }
+    let arrays = rank_part(model, arrays, config.fine_tune_type == FineTuneType::Full)?;
     if config.fine_tune_type != FineTuneType::Full {
         let expected = lora_parameter_names(model);
         if let Some(missing) = expected.iter().find(|n| !arrays.contains_key(*n)) {
@@ -198,6 +199,63 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<AdapterCo
         .collect::<Result<_>>()?;
     model.update("", new)?;
     Ok(config)
+}
+
+/// The blocks of the model `model` holds: all of them, or a pipeline stage's.
+pub(crate) fn held_blocks(model: &dyn Model) -> BTreeSet<usize> {
+    let mut held = BTreeSet::new();
+    model.visit("", &mut |name, _, _| {
+        if let Some((block, _)) = block_path(name) {
+            held.insert(block);
+        }
+    });
+    held
+}
+
+/// Whether the array or layer `name` belongs to a block of the model that another stage of a
+/// pipeline holds (not to one this model holds, nor to none the model has).
+pub(crate) fn held_elsewhere(model: &dyn Model, held: &BTreeSet<usize>, name: &str) -> bool {
+    let blocks = model.config().num_hidden_layers;
+    block_path(name).is_some_and(|(block, _)| block < blocks && !held.contains(&block))
+}
+
+/// The arrays of an adapter file trained on the whole model, as this rank of a split model
+/// holds them: those of its pipeline stage's blocks, each cut to its layer's features under
+/// tensor parallelism ([`crate::nn::Linear::adapter_part`]). `full`: the file holds fully
+/// fine-tuned weights, which a tensor-parallel rank does not cut (fuse them into a model).
+fn rank_part(
+    model: &mut dyn Model,
+    mut arrays: BTreeMap<String, Array>,
+    full: bool,
+) -> Result<BTreeMap<String, Array>> {
+    let held = held_blocks(model);
+    arrays.retain(|name, _| !held_elsewhere(model, &held, name));
+    let mut split = false;
+    let mut failure = Ok(());
+    let mut cut = |path: &str, part: &mut dyn FnMut(&str, &Array) -> Result<Array>| {
+        for what in ["lora_a", "lora_b", "m"] {
+            if let Some(a) = arrays.get_mut(&format!("{path}.{what}")) {
+                match part(what, a) {
+                    Ok(p) => *a = p,
+                    Err(e) => failure = Err(e),
+                }
+            }
+        }
+    };
+    model.visit_linears("", &mut |path, linear| {
+        split |= linear.share().is_some();
+        cut(path, &mut |what, a| linear.adapter_part(what, a));
+    });
+    model.visit_switches("", &mut |path, switch| cut(path, &mut |what, a| switch.adapter_part(path, what, a)));
+    failure?;
+    if full && split {
+        return Err(Error::TensorParallel(
+            "fully fine-tuned weights are not split over the ranks of a tensor-parallel model: fuse them \
+             into a model folder (`rmlx fuse`) and load that"
+                .into(),
+        ));
+    }
+    Ok(arrays)
 }
 
 /// The adapters of an adapter folder (mlx-lm's or PEFT's layout), layer name → factors, without

@@ -131,7 +131,9 @@ fn attach(
             )));
         }
     }
-    if adapted.is_empty() {
+    // A pipeline stage may hold none of the blocks adapted: the others do.
+    let stage = super::adapters::held_blocks(model).len() < blocks;
+    if adapted.is_empty() && !stage {
         return Err(Error::InvalidParameter("no linear layer was selected for LoRA".into()));
     }
     Ok(adapted)

@@ -98,21 +98,21 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
             return;
         }
         let lora = match (a, b) {
-            (Some(a), Some(b)) => a
-                .transpose()
-                .and_then(|a| a.astype(dtype))
-                .and_then(|a| Ok((a, b.transpose()?.astype(dtype)?)))
-                .and_then(|(a, b)| {
-                    let magnitude = m.as_ref().map(|m| m.astype(Dtype::Float32)).transpose()?;
-                    Ok(Lora { a, b, scale, dropout: 0.0, magnitude, kernels: false })
-                }),
+            (Some(a), Some(b)) => (|| -> Result<Lora> {
+                let (a, b) = (a.transpose()?.astype(dtype)?, b.transpose()?.astype(dtype)?);
+                // A tensor-parallel rank's share of the layer's features.
+                let (a, b) = (linear.adapter_part("lora_a", &a)?, linear.adapter_part("lora_b", &b)?);
+                let magnitude = m.as_ref().map(|m| m.astype(Dtype::Float32)).transpose()?;
+                let magnitude = magnitude.map(|m| linear.adapter_part("m", &m)).transpose()?;
+                Ok(Lora { a, b, scale, dropout: 0.0, magnitude, kernels: false })
+            })(),
             _ => {
                 failure =
                     Some(Error::MissingTensor(format!("{PREFIX}{path}.lora_A/lora_B (in {})", weights_path.display())));
                 return;
             }
         };
-        match lora.map_err(Error::from).and_then(|l| linear.set_lora(Some(l))) {
+        match lora.and_then(|l| linear.set_lora(Some(l))) {
             Ok(_) => {
                 attached.insert(path.to_string());
             }
@@ -122,7 +122,10 @@ pub fn load(model: &mut dyn Model, dir: &Path, dtype: Dtype) -> Result<LoraConfi
     if let Some(e) = failure {
         return Err(e);
     }
-    if let Some(unknown) = modules.keys().find(|m| !attached.contains(*m)) {
+    // A pipeline stage holds some of the blocks: the others' modules are its peers'.
+    let held = super::adapters::held_blocks(model);
+    let unknown = modules.keys().find(|m| !attached.contains(*m) && !super::adapters::held_elsewhere(model, &held, m));
+    if let Some(unknown) = unknown {
         return Err(Error::Config(format!("{}: `{unknown}` is no linear layer of this model", weights_path.display())));
     }
     check_targets(&cfg, &modules, model, r as usize).map_err(bad)?;

@@ -84,3 +84,61 @@ pub fn greedy(lm: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
     let opts = GenerateOptions { max_tokens: n, ignore_eos: true, prefill_chunk: 5, ..GenerateOptions::default() };
     lm.generate(prompt, &opts).unwrap().map(|t| t.unwrap().id).collect()
 }
+
+/// The form of the adapters [`attach_adapters`] writes.
+#[derive(Clone, Copy, Debug)]
+pub enum AdapterForm {
+    /// mlx-lm's LoRA layout.
+    Lora,
+    /// mlx-lm's layout with DoRA's magnitudes.
+    Dora,
+    /// PEFT's LoRA layout.
+    Peft,
+}
+
+/// Attaches adapters of `form` to `whole` (rank 4, scale 2, on the last `num_layers` blocks)
+/// with non-zero random factors (and magnitudes) drawn from `seed`, and writes them into `dir`:
+/// the whole model adapted, to compare a split one loading the folder with.
+pub fn attach_adapters(
+    whole: &mut LoadedModel,
+    dir: &std::path::Path,
+    form: AdapterForm,
+    num_layers: usize,
+    seed: u64,
+) {
+    use rmlx_lm::nn::{ModuleExt, Role};
+    use rmlx_lm::tuner::adapters::{self, AdapterConfig, FineTuneType};
+    let config = rmlx_lm::tuner::LoraConfig { rank: 4, scale: 2.0, dropout: 0.0, keys: None };
+    let model = whole.model.as_mut();
+    match form {
+        AdapterForm::Dora => rmlx_lm::tuner::apply_dora(model, Some(num_layers), &config, Dtype::Float32, seed),
+        _ => rmlx_lm::tuner::apply_lora(model, Some(num_layers), &config, Dtype::Float32, seed),
+    }
+    .unwrap();
+    // Fresh adapters leave the model unchanged (B = 0): trained ones do not.
+    let mut changed = std::collections::HashMap::new();
+    for (i, (name, role)) in model.roles("").into_iter().enumerate() {
+        let current = model.parameters("").into_iter().find(|(n, _)| *n == name).unwrap().1;
+        let key = rmlx::random::key(seed * 1000 + i as u64).unwrap();
+        let noise = rmlx::random::normal(current.shape(), Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
+        match role {
+            Role::LoraB => drop(changed.insert(name, (noise * 0.05).unwrap())),
+            Role::DoraMagnitude => {
+                drop(changed.insert(name, (&current * ((noise * 0.1).unwrap() + 1.0).unwrap()).unwrap()))
+            }
+            _ => {}
+        }
+    }
+    model.update("", changed).unwrap();
+    match form {
+        AdapterForm::Peft => drop(rmlx_lm::tuner::peft::save(model, dir, "base").unwrap()),
+        AdapterForm::Lora | AdapterForm::Dora => {
+            let fine_tune_type =
+                if matches!(form, AdapterForm::Dora) { FineTuneType::Dora } else { FineTuneType::Lora };
+            let cfg = AdapterConfig { fine_tune_type, num_layers: Some(num_layers), lora: config };
+            adapters::save_config(dir, &cfg, &Default::default()).unwrap();
+            let names = rmlx_lm::tuner::lora_parameter_names(model);
+            adapters::save_weights(model, &names, &dir.join(adapters::WEIGHTS)).unwrap();
+        }
+    }
+}
