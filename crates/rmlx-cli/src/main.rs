@@ -11,6 +11,7 @@ mod bench_collective;
 mod bench_kernels;
 mod chat;
 mod common;
+mod convert;
 mod fuse;
 mod generate;
 mod inspect;
@@ -51,6 +52,9 @@ enum Command {
     Lora(lora::Args),
     /// Merge LoRA adapters into the base weights and write a Hugging Face folder.
     Fuse(fuse::Args),
+    /// Convert a Hugging Face folder or GGUF file to an MLX folder: quantise (-q, mlx_lm.convert's
+    /// flags), dequantise (-d) or cast (--dtype).
+    Convert(convert::Args),
     /// Serve the model over HTTP with OpenAI's API (chat and text completions, streamed or not).
     Serve(serve::Args),
     /// Complete every prompt of a jsonl file, batched (or, with --classify, report each prompt's
@@ -119,6 +123,7 @@ fn main() {
         Command::BenchKernels(a) => bench_kernels::run(a),
         Command::Lora(a) => lora::run(a, lora_matches),
         Command::Fuse(a) => fuse::run(a),
+        Command::Convert(a) => convert::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Batch(a) => batch::run(a),
         Command::Inspect(a) => inspect::run(a),

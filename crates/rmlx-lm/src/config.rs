@@ -465,17 +465,21 @@ impl ModelConfig {
         self.quantization.as_ref().or(self.quantization_config.as_ref()).filter(|q| q.get("bits").is_some())
     }
 
-    /// `(group_size, bits)` of the tensor `prefix` (`model.layers.0.mlp.up_proj`): the
-    /// `quantization` block's, a per-tensor entry overriding them (defaults 64 and 4); `None`
-    /// without a block. A value that is not an integer is an error.
-    /// The quantisation mode of layer `prefix` (`affine`, `mxfp4`, `mxfp8`, `nvfp4`): its entry's
-    /// `mode`, else the block's, else `affine`.
+    /// The quantisation mode of layer `prefix` (`affine`, `mxfp4`, `mxfp8`, `nvfp4`): the block's
+    /// (else `affine`), or where the layer has an entry of its own, the entry's (else `affine`:
+    /// mlx-lm quantises such a layer with the entry's settings alone, so a router kept at 8 bits
+    /// in an `mxfp4` model is affine).
     pub fn quantization_mode_of(&self, prefix: &str) -> Option<String> {
         let block = self.quantization_block()?;
-        let mode = |v: &Value| v.get("mode").and_then(Value::as_str).map(str::to_string);
-        Some(block.get(prefix).and_then(mode).or_else(|| mode(block)).unwrap_or_else(|| "affine".into()))
+        let own = block.get(prefix).filter(|e| e.is_object()).unwrap_or(block);
+        Some(own.get("mode").and_then(Value::as_str).unwrap_or("affine").to_string())
     }
 
+    /// `(group_size, bits)` of the tensor `prefix` (`model.layers.0.mlp.up_proj`): the
+    /// `quantization` block's (defaults 64 and 4), or where the layer has an entry of its own,
+    /// the entry's, what it leaves out at its mode's defaults (affine 64 and 4, `mxfp4` 32 and 4,
+    /// `nvfp4` 16 and 4, `mxfp8` 32 and 8), as mlx-lm reads it; `None` without a block. A value
+    /// that is not an integer is an error.
     pub fn quantization_of(&self, prefix: &str) -> Result<Option<(i32, i32)>> {
         let Some(block) = self.quantization_block() else { return Ok(None) };
         let get = |v: &Value, k: &str| -> Result<Option<i32>> {
@@ -488,10 +492,17 @@ impl ModelConfig {
                     .ok_or_else(|| Error::Config(format!("quantization `{k}` must be an integer, got {x}"))),
             }
         };
-        let (gs, bits) = (get(block, "group_size")?.unwrap_or(64), get(block, "bits")?.unwrap_or(4));
         Ok(Some(match block.get(prefix) {
-            Some(o @ Value::Object(_)) => (get(o, "group_size")?.unwrap_or(gs), get(o, "bits")?.unwrap_or(bits)),
-            _ => (gs, bits),
+            Some(o @ Value::Object(_)) => {
+                let (gs, bits) = match o.get("mode").and_then(Value::as_str).unwrap_or("affine") {
+                    "mxfp4" => (32, 4),
+                    "nvfp4" => (16, 4),
+                    "mxfp8" => (32, 8),
+                    _ => (64, 4),
+                };
+                (get(o, "group_size")?.unwrap_or(gs), get(o, "bits")?.unwrap_or(bits))
+            }
+            _ => (get(block, "group_size")?.unwrap_or(64), get(block, "bits")?.unwrap_or(4)),
         }))
     }
 }

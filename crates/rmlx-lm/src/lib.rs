@@ -43,6 +43,7 @@ pub(crate) mod cache_dir;
 pub mod chat;
 pub(crate) mod checkpoint;
 pub(crate) mod config;
+pub mod convert;
 pub mod engine;
 pub mod error;
 pub mod generate;

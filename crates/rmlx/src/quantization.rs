@@ -10,9 +10,10 @@ use crate::{Array, Dtype, Error, Result};
 use rmlx_sys::ffi;
 
 /// A quantization format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum QuantMode {
     /// `w ≈ scale · q + bias` per group; bits 1, 2, 3, 4, 5, 6 or 8; group size 32, 64 or 128.
+    #[default]
     Affine,
     /// OCP MX FP4 (group 32, shared power-of-two scale).
     Mxfp4,
@@ -23,7 +24,8 @@ pub enum QuantMode {
 }
 
 impl QuantMode {
-    fn name(self) -> &'static str {
+    /// MLX's name of the mode (`affine`, `mxfp4`, `mxfp8`, `nvfp4`), as configs write it.
+    pub fn name(self) -> &'static str {
         match self {
             QuantMode::Affine => "affine",
             QuantMode::Mxfp4 => "mxfp4",

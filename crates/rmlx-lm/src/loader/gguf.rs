@@ -16,6 +16,33 @@ use std::path::Path;
 
 /// Loads a `.gguf` file.
 pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let GgufCheckpoint { config, weights, tokenizer, template } = read(path, opts.progress)?;
+    let cfg = crate::models::spec::parse_config(config)?;
+    let (bos, eos) = (tokenizer.bos_token().map(str::to_string), tokenizer.eos_token().map(str::to_string));
+    let template = match template {
+        Some(src) => ChatTemplate::new(&src, bos.as_deref(), eos.as_deref())?,
+        None => ChatTemplate::fallback(family(&cfg)?, bos.as_deref(), eos.as_deref())?,
+    };
+    // GGUF has no compute dtype. On the CPU float32: rmlx's packed products there are exact in it
+    // (bfloat16 rounds activations to 8 bits for the products of a decoding step); elsewhere
+    // bfloat16.
+    let on_cpu = rmlx::current_device().kind == rmlx::DeviceType::Cpu;
+    let dtype = opts.dtype.unwrap_or(if on_cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
+    finish(cfg, weights, tokenizer, template, dtype, opts, path)
+}
+
+/// What a GGUF file holds, as a Hugging Face checkpoint would: the configuration, the tensors
+/// under Hugging Face names (llama.cpp's changes undone), the tokenizer (with the family's
+/// end-of-turn markers among its end ids) and the chat template's source, if the file has one.
+pub(crate) struct GgufCheckpoint {
+    pub config: Value,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+    pub template: Option<String>,
+}
+
+/// Reads a `.gguf` file (with a progress bar over its tensors when `progress`).
+pub(crate) fn read(path: &Path, progress: bool) -> Result<GgufCheckpoint> {
     let file = GgufFile::open(path)?;
     let arch = file
         .get("general.architecture")
@@ -38,7 +65,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         kv_heads: raw["num_key_value_heads"].as_u64().unwrap_or(1) as usize,
     };
 
-    let bar = Progress::new(opts.progress, "reading GGUF tensors", file.tensors().len() as u64);
+    let bar = Progress::new(progress, "reading GGUF tensors", file.tensors().len() as u64);
     let mut weights = Weights::new();
     // A tensor of RoPE frequency factors, as the configuration's list.
     let factors = |info| match file.load(info)? {
@@ -79,15 +106,10 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         raw["vocab_size"] = json!(rows);
     }
     raw["tie_word_embeddings"] = json!(!weights.contains("lm_head.weight"));
-    let cfg = crate::models::spec::parse_config(raw)?;
 
     let vocab = crate::tokenizer::gguf_vocab(&file)?;
     let mut tokenizer = Tokenizer::from_gguf_vocab(&vocab)?;
-    let (bos, eos) = (tokenizer.bos_token().map(str::to_string), tokenizer.eos_token().map(str::to_string));
-    let template = match file.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
-        Some(src) => ChatTemplate::new(src, bos.as_deref(), eos.as_deref())?,
-        None => ChatTemplate::fallback(family(&cfg)?, bos.as_deref(), eos.as_deref())?,
-    };
+    let template = file.get("tokenizer.chat_template").and_then(MetaValue::as_str).map(str::to_string);
     // End-of-turn markers the family's generation_config would list (gpt-oss: the reply's end and
     // a tool call's).
     for marker in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|return|>", "<|call|>"] {
@@ -95,12 +117,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             tokenizer.add_eos_id(id);
         }
     }
-    // GGUF has no compute dtype. On the CPU float32: rmlx's packed products there are exact in it
-    // (bfloat16 rounds activations to 8 bits for the products of a decoding step); elsewhere
-    // bfloat16.
-    let on_cpu = rmlx::current_device().kind == rmlx::DeviceType::Cpu;
-    let dtype = opts.dtype.unwrap_or(if on_cpu { Dtype::Float32 } else { Dtype::Bfloat16 });
-    finish(cfg, weights, tokenizer, template, dtype, opts, path)
+    Ok(GgufCheckpoint { config: raw, weights, tokenizer, template })
 }
 
 /// The Hugging Face config a GGUF's metadata describes.

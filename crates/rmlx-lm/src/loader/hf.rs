@@ -118,7 +118,9 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
+/// Every tensor of the folder's safetensors files, as stored (dense), each with where its bytes
+/// lie in its file.
+pub(crate) fn read_weights(dir: &Path, progress: bool) -> Result<Weights> {
     let files = shard_files(dir)?;
     let mut weights = Weights::new();
     for f in &files {

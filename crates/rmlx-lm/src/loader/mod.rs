@@ -133,6 +133,14 @@ pub fn load(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<LoadedModel> {
     hf::load_dir(path, opts)
 }
 
+pub(crate) use gguf::{read as read_gguf, GgufCheckpoint};
+pub(crate) use hf::read_weights as read_safetensors_dir;
+
+/// Whether `path` is a GGUF file (by its magic bytes or its extension).
+pub(crate) fn is_gguf_file(path: &Path) -> Result<bool> {
+    Ok(path.is_file() && (is_gguf(path)? || path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))))
+}
+
 /// Whether a file starts with GGUF's magic bytes.
 fn is_gguf(path: &Path) -> Result<bool> {
     use std::io::Read;

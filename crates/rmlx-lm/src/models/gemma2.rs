@@ -47,6 +47,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         config: gguf_config,
     }),
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
+    mlx_lm: super::spec::MLX_LM_AS_IS,
 };
 
 /// llama.cpp's `gemma2.*` metadata: the window (every other layer from the first, as llama.cpp

@@ -32,7 +32,28 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         config: gguf_config,
     }),
     build: |cfg, b| Ok(Box::new(Model::load(cfg, b)?)),
+    mlx_lm: super::spec::MlxLmLayout { sanitize: mlx_lm_names, quantization: |_| None },
 };
+
+/// mlx-lm holds the multimodal checkpoint's text model under `language_model.` (its own
+/// `model.` and `lm_head.` inside), whichever of transformers' two layouts the checkpoint has.
+fn mlx_lm_names(cfg: &ModelConfig, t: &mut super::spec::Tensors) -> Result<()> {
+    if cfg.model_type != "gemma3" {
+        return Ok(());
+    }
+    for name in t.keys().cloned().collect::<Vec<_>>() {
+        let renamed = if let Some(rest) = name.strip_prefix("model.language_model.") {
+            format!("language_model.model.{rest}")
+        } else if name.starts_with("lm_head.") || name.starts_with("model.") {
+            format!("language_model.{name}")
+        } else {
+            continue;
+        };
+        let a = t.remove(&name).expect("listed");
+        t.insert(renamed, a);
+    }
+    Ok(())
+}
 
 /// llama.cpp stores Gemma's norm weights as `1 + w`.
 pub(super) fn gguf_fix_up(name: &str, w: Weight, _: &HeadCounts) -> Result<Weight> {

@@ -75,7 +75,25 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         config: gguf_config,
     }),
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
+    mlx_lm: spec::MlxLmLayout { sanitize: mlx_lm_layout, quantization: router_at_8_bits },
 };
+
+/// Only checkpoints in mlx-lm's layout (experts' gate and up apart) convert: transformers' fused
+/// and MXFP4 experts are rewritten at load, not yet by `rmlx convert`.
+fn mlx_lm_layout(_: &ModelConfig, t: &mut spec::Tensors) -> Result<()> {
+    match t.keys().find(|n| n.contains(".gate_up_proj")) {
+        Some(n) => Err(crate::Error::Config(format!(
+            "`{n}`: gpt-oss's fused experts (transformers' layout) are not converted yet; rmlx loads \
+             the checkpoint as it is, and converts gpt-oss in mlx-lm's layout"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// mlx-lm keeps gpt-oss's routers at 8 bits in groups of 64.
+fn router_at_8_bits(path: &str) -> Option<Value> {
+    path.ends_with("router").then(|| json!({"group_size": 64, "bits": 8}))
+}
 
 /// llama.cpp's `gpt-oss.*` metadata: the experts (`expert_count`, `expert_used_count`, their width
 /// `expert_feed_forward_length`), the window, and YaRN (`rope.scaling.factor` and

@@ -47,6 +47,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         config: gguf_config,
     }),
     build: |cfg, b| Ok(Box::new(Model::load(cfg, b)?)),
+    mlx_lm: super::spec::MLX_LM_AS_IS,
 };
 
 /// A window in the metadata (`llama.attention.sliding_window`, as llama.cpp writes Mistral's)

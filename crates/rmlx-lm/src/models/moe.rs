@@ -237,6 +237,11 @@ pub static QWEN3_MOE_SPEC: ArchitectureSpec = ArchitectureSpec {
         config: qwen3moe_gguf_config,
     }),
     build: |cfg, b| Ok(Box::new(Model::load(cfg, b, &QWEN3_MOE)?)),
+    mlx_lm: spec::MlxLmLayout {
+        sanitize: |_, t| spec::stack_experts(t, "mlp", &[]),
+        // mlx-lm keeps Qwen 3 MoE's routers at 8 bits in groups of 64.
+        quantization: |path| path.ends_with("mlp.gate").then(|| json!({"group_size": 64, "bits": 8})),
+    },
 };
 
 /// llama.cpp's `qwen3moe.expert_count`, `expert_used_count` and `expert_feed_forward_length`;
@@ -266,6 +271,12 @@ pub static MIXTRAL_SPEC: ArchitectureSpec = ArchitectureSpec {
     build: |cfg, b| {
         mixtral_from_llama_names(cfg, b)?;
         Ok(Box::new(Model::load(cfg, b, &MIXTRAL)?))
+    },
+    mlx_lm: spec::MlxLmLayout {
+        sanitize: |_, t| {
+            spec::stack_experts(t, "block_sparse_moe", &[("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")])
+        },
+        quantization: |_| None,
     },
 };
 

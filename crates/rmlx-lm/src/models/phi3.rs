@@ -127,6 +127,7 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         config: gguf_config,
     }),
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
+    mlx_lm: super::spec::MLX_LM_AS_IS,
 };
 
 /// What llama.cpp's `phi3.*` metadata says beyond the shared keys: the rotated features

@@ -36,4 +36,5 @@ pub static SPEC: ArchitectureSpec = ArchitectureSpec {
         config: spec::no_config,
     }),
     build: |cfg, b| Ok(Box::new(load(cfg, b)?)),
+    mlx_lm: super::spec::MLX_LM_AS_IS,
 };

@@ -9,7 +9,9 @@ use crate::config::{Architecture, ModelConfig};
 use crate::nn::Builder;
 use crate::weights::Weight;
 use crate::Result;
+use rmlx::Array;
 use serde_json::{Map, Value};
+use std::collections::BTreeMap;
 
 /// One architecture the native backend implements.
 pub struct ArchitectureSpec {
@@ -30,6 +32,50 @@ pub struct ArchitectureSpec {
     pub gguf: Option<GgufSpec>,
     /// Builds the model from the checkpoint's (Hugging Face–named) tensors.
     pub build: fn(&ModelConfig, &mut Builder) -> Result<Box<dyn Model>>,
+    /// How mlx-lm writes checkpoints of this architecture (what `rmlx convert` writes).
+    pub mlx_lm: MlxLmLayout,
+}
+
+/// Tensors by name, as a checkpoint holds them.
+pub type Tensors = BTreeMap<String, Array>;
+
+/// How mlx-lm lays out an architecture's checkpoint: its model's `sanitize` and
+/// `quant_predicate`, for `rmlx convert` to write what `mlx_lm.convert` writes.
+pub struct MlxLmLayout {
+    /// Hugging Face's tensors renamed or stacked as mlx-lm's model holds them, after the steps
+    /// every architecture shares (rotary frequencies, other towers and a tied head dropped).
+    pub sanitize: fn(&ModelConfig, &mut Tensors) -> Result<()>,
+    /// The quantisation the model fixes for the layer `path` (a router kept at 8 bits), as the
+    /// config entry mlx-lm writes for it; `None`: the conversion's own.
+    pub quantization: fn(&str) -> Option<Value>,
+}
+
+/// An architecture mlx-lm holds under Hugging Face's names, quantised as asked.
+pub const MLX_LM_AS_IS: MlxLmLayout = MlxLmLayout { sanitize: |_, _| Ok(()), quantization: |_| None };
+
+/// mlx-lm's stacking of a mixture's experts: every `<block>.<moe>.experts.<e>.<projection>.<part>`
+/// becomes one `<block>.<moe>.switch_mlp.<renamed>.<part>` `[E, …]`, with `renames` mapping the
+/// per-expert projections to mlx-lm's (Mixtral's `w1` → `gate_proj`; others keep their names).
+pub fn stack_experts(t: &mut Tensors, moe: &str, renames: &[(&str, &str)]) -> Result<()> {
+    let marker = format!(".{moe}.experts.");
+    let mut groups: BTreeMap<String, BTreeMap<usize, String>> = BTreeMap::new();
+    for name in t.keys() {
+        let Some((block, rest)) = name.split_once(&marker) else { continue };
+        let Some((e, leaf)) = rest.split_once('.') else { continue };
+        let Ok(e) = e.parse::<usize>() else { continue };
+        let (projection, part) = leaf.rsplit_once('.').unwrap_or((leaf, ""));
+        let renamed = renames.iter().find(|(from, _)| *from == projection).map_or(projection, |(_, to)| *to);
+        groups.entry(format!("{block}.{moe}.switch_mlp.{renamed}.{part}")).or_default().insert(e, name.clone());
+    }
+    for (stacked, experts) in groups {
+        if experts.keys().copied().ne(0..experts.len()) {
+            return Err(crate::Error::MissingTensor(format!("an expert of `{stacked}` (found {:?})", experts.keys())));
+        }
+        let arrays: Vec<Array> = experts.values().map(|n| t.remove(n).expect("listed")).collect();
+        let refs: Vec<&Array> = arrays.iter().collect();
+        t.insert(stacked, rmlx::ops::stack(&refs, 0)?);
+    }
+    Ok(())
 }
 
 /// The GGUF side of an architecture.
