@@ -27,10 +27,10 @@ fn the_default_model_converts_to_8_bits_and_generates() {
     let bpw = summary["bits_per_weight"].as_f64().unwrap();
     assert!((8.5..8.6).contains(&bpw), "{summary}");
     assert!(stderr.contains("wrote 694 tensors (211 quantised layers"), "{stderr}");
-    let config: Value =
-        serde_json::from_str(&std::fs::read_to_string(out_dir.join("config.json")).unwrap()).unwrap();
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["quantization"], serde_json::json!({"bits": 8, "group_size": 64, "mode": "affine"}));
-    let out = rmlx(&["generate", "--model", out_dir.to_str().unwrap(), "--prompt", "Hi", "--max-tokens", "4", "--json"]);
+    let out =
+        rmlx(&["generate", "--model", out_dir.to_str().unwrap(), "--prompt", "Hi", "--max-tokens", "4", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["token_ids"].as_array().unwrap().len(), 4, "{v}");

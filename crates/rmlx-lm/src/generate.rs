@@ -29,6 +29,9 @@ pub struct GenerateOptions {
     pub context_limit: Option<usize>,
     /// Keep going past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Quantise the key/value caches once they hold `start` positions (`--kv-bits`); `None`:
+    /// full precision.
+    pub kv_quantization: Option<crate::cache::KvQuantization>,
 }
 
 impl Default for GenerateOptions {
@@ -40,6 +43,7 @@ impl Default for GenerateOptions {
             prefill_chunk: 2048,
             context_limit: None,
             ignore_eos: false,
+            kv_quantization: None,
         }
     }
 }
@@ -211,6 +215,9 @@ impl<'m> Generation<'m> {
             return Err(Error::Prompt("the prompt is empty".into()));
         }
         opts.sampler.validate()?;
+        if let Some(q) = &opts.kv_quantization {
+            q.check()?;
+        }
         if opts.prefill_chunk == 0 {
             return Err(Error::InvalidParameter("prefill_chunk must be positive".into()));
         }
@@ -280,10 +287,22 @@ impl<'m> Generation<'m> {
         let (body, last) = prompt.split_at(prompt.len() - 1);
         for part in body.chunks(chunk) {
             self.lm.model.forward_hidden(&ids_array(part)?, &mut self.caches)?;
+            self.quantize_caches()?;
             let state: Vec<&Array> = self.caches.iter().flat_map(KvCache::state).collect();
             rmlx::eval(state)?;
         }
         self.queue(&ids_array(last)?)
+    }
+
+    /// After a forward pass, as mlx-lm does: the caches that reached
+    /// [`GenerateOptions::kv_quantization`]'s start are quantised.
+    fn quantize_caches(&mut self) -> Result<()> {
+        if let Some(q) = &self.opts.kv_quantization {
+            for c in &mut self.caches {
+                c.quantize(q)?;
+            }
+        }
+        Ok(())
     }
 
     /// Builds the step on `ids` and schedules its evaluation as the pending one.
@@ -298,6 +317,7 @@ impl<'m> Generation<'m> {
     /// computes the token, its log-probability and the finiteness check together.
     fn step(&mut self, ids: &Array) -> Result<Step> {
         let h = self.lm.model.forward_hidden(ids, &mut self.caches)?;
+        self.quantize_caches()?;
         let len = h.shape()[1];
         let logits = self.lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?;
         let logits = logits.reshape(&[1, -1])?;

@@ -72,7 +72,7 @@ impl<'m> AttentionInspector<'m> {
             .map(|(i, c)| {
                 let keys = match c {
                     KvCache::Standard(_) | KvCache::Rotating(_) => c.state().first().copied().cloned(),
-                    KvCache::Batch(_) => None,
+                    KvCache::Batch(_) | KvCache::Quantized(_) => None,
                 }
                 .ok_or_else(|| Error::InvalidParameter(format!("layer {i} holds no keys")))?;
                 if keys.shape().get(2).is_none_or(|&held| held < n) {

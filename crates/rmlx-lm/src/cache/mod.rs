@@ -13,8 +13,10 @@
 //! decode step can take over: the write position is `offset`, the valid length `offset + 1`.
 
 mod batch;
+mod quantized;
 
 pub use batch::{BatchCache, RowKv};
+pub use quantized::{quantized_attention, KvQuantization, Packed, QuantizedCache};
 
 use crate::Result;
 use rmlx::fast::AttentionMask;
@@ -56,6 +58,8 @@ pub enum KvCache {
     Rotating(RotatingCache),
     /// Several sequences of different lengths (continuous batching).
     Batch(BatchCache),
+    /// Kept quantised (`--kv-bits`), unbounded or bounded to a window.
+    Quantized(QuantizedCache),
 }
 
 /// Where the rotary embedding of a layer's new positions starts.
@@ -104,6 +108,7 @@ impl KvCache {
             KvCache::Standard(_) => KvCache::standard(),
             KvCache::Rotating(c) => KvCache::rotating(c.max_size, c.keep),
             KvCache::Batch(c) => KvCache::Batch(BatchCache::new(c.rows(), c.window())),
+            KvCache::Quantized(c) => KvCache::Quantized(QuantizedCache::new(c.quantization, c.window)),
         }
     }
 
@@ -114,6 +119,7 @@ impl KvCache {
             KvCache::Standard(c) => c.offset,
             KvCache::Rotating(c) => c.offset,
             KvCache::Batch(c) => c.width(),
+            KvCache::Quantized(c) => c.offset,
         }
     }
 
@@ -132,17 +138,55 @@ impl KvCache {
             KvCache::Standard(_) => None,
             KvCache::Rotating(c) => Some(c.max_size),
             KvCache::Batch(c) => c.window(),
+            KvCache::Quantized(c) => c.window.map(|(max_size, _)| max_size),
         }
     }
 
     /// Appends `k, v: [B, H, L, D]`; returns all visible keys and values and the mask for the `L`
-    /// new queries.
+    /// new queries. (A quantised cache's are unpacked here: attention reads them packed through
+    /// [`quantized_attention`] instead.)
     pub fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
         match self {
             KvCache::Standard(c) => c.update(k, v),
             KvCache::Rotating(c) => c.update(k, v),
             KvCache::Batch(c) => c.update(k, v),
+            KvCache::Quantized(c) => {
+                let (keys, values, mask) = c.update(k, v)?;
+                let q = c.quantization;
+                let unpack = |p: &Packed| rmlx::quantization::dequantize(&p.as_quantized(&q), Some(k.dtype()));
+                Ok((unpack(&keys)?, unpack(&values)?, mask))
+            }
         }
+    }
+
+    /// Quantises this cache as `q` says once it holds `q.start` positions or more (a batch's
+    /// caches stay as they are); a quantised one stays so.
+    pub fn quantize(&mut self, q: &KvQuantization) -> Result<()> {
+        if self.offset() < q.start {
+            return Ok(());
+        }
+        let converted = match self {
+            KvCache::Standard(c) => match (&c.keys, &c.values) {
+                (Some(k), Some(v)) => {
+                    let end = c.offset as i32;
+                    QuantizedCache::from_rows(*q, None, &positions(k, 0, end)?, &positions(v, 0, end)?, c.offset)?
+                }
+                _ => QuantizedCache::new(*q, None),
+            },
+            KvCache::Rotating(c) => {
+                let window = Some((c.max_size, c.keep));
+                match (&c.keys, &c.values) {
+                    (Some(k), Some(v)) => {
+                        let (k, v) = (c.temporal(k)?, c.temporal(v)?);
+                        QuantizedCache::from_rows(*q, window, &k, &v, c.offset)?
+                    }
+                    _ => QuantizedCache::new(*q, window),
+                }
+            }
+            KvCache::Batch(_) | KvCache::Quantized(_) => return Ok(()),
+        };
+        *self = KvCache::Quantized(converted);
+        Ok(())
     }
 
     /// Forgets everything (buffers are kept for reuse).
@@ -153,6 +197,7 @@ impl KvCache {
                 *c = RotatingCache::new(c.max_size, c.keep);
             }
             KvCache::Batch(c) => *c = BatchCache::new(c.rows(), c.window()),
+            KvCache::Quantized(c) => c.reset(),
         }
     }
 
@@ -162,6 +207,7 @@ impl KvCache {
             KvCache::Standard(c) => (&c.keys, &c.values),
             KvCache::Rotating(c) => (&c.keys, &c.values),
             KvCache::Batch(c) => return c.state(),
+            KvCache::Quantized(c) => return c.state(),
         };
         k.iter().chain(v.iter()).collect()
     }
@@ -174,6 +220,12 @@ impl KvCache {
             KvCache::Standard(c) => [&mut c.keys, &mut c.values],
             KvCache::Rotating(c) => [&mut c.keys, &mut c.values],
             KvCache::Batch(c) => c.buffers_mut(),
+            KvCache::Quantized(c) => {
+                for a in c.state_mut() {
+                    *a = ops::depends(&[&*a], &[done])?.remove(0);
+                }
+                return Ok(());
+            }
         };
         for buffer in buffers {
             if let Some(a) = buffer.as_ref() {
@@ -205,6 +257,25 @@ fn write_at(buf: &mut Option<Array>, new: &Array, at: i32) -> Result<Array> {
 /// The first `keep` positions followed by positions `start..end`.
 fn keep_and_tail(a: &Array, keep: i32, start: i32, end: i32) -> Result<Array> {
     Ok(ops::concatenate(&[&positions(a, 0, keep)?, &positions(a, start, end)?], 2)?)
+}
+
+/// The mask of `len` queries from position `q_start` over keys at positions `key_pos` (in
+/// order) in a window of `max_size` positions whose first `keep` stay visible.
+fn window_mask(max_size: usize, keep: usize, key_pos: &[i32], q_start: i32, len: usize) -> Result<Mask> {
+    // In 64 bits: a window of 2^31 or more must not wrap negative.
+    let window = max_size as i64;
+    let contiguous = key_pos.windows(2).all(|w| w[1] == w[0] + 1);
+    let q_last = q_start + len as i32 - 1;
+    if contiguous && i64::from(q_last - key_pos[0]) < window {
+        return Ok(Mask::Causal);
+    }
+    let keep = keep as i64;
+    let mut visible = Vec::with_capacity(len * key_pos.len());
+    for q in q_start..=q_last {
+        visible.extend(key_pos.iter().map(|&p| p <= q && (i64::from(q - p) < window || i64::from(p) < keep)));
+    }
+    let m = Array::from_slice(&visible, &[len as i32, key_pos.len() as i32])?;
+    Ok(Mask::Array(m))
 }
 
 /// The shape (`[B, H, L, D]`) and dtype of rows a buffer holds.
@@ -473,20 +544,7 @@ impl RotatingCache {
     }
 
     fn window_mask(&self, key_pos: &[i32], q_start: i32, len: usize) -> Result<Mask> {
-        // In 64 bits: a window of 2^31 or more must not wrap negative.
-        let window = self.max_size as i64;
-        let contiguous = key_pos.windows(2).all(|w| w[1] == w[0] + 1);
-        let q_last = q_start + len as i32 - 1;
-        if contiguous && i64::from(q_last - key_pos[0]) < window {
-            return Ok(Mask::Causal);
-        }
-        let keep = self.keep as i64;
-        let mut visible = Vec::with_capacity(len * key_pos.len());
-        for q in q_start..=q_last {
-            visible.extend(key_pos.iter().map(|&p| p <= q && (i64::from(q - p) < window || i64::from(p) < keep)));
-        }
-        let m = Array::from_slice(&visible, &[len as i32, key_pos.len() as i32])?;
-        Ok(Mask::Array(m))
+        window_mask(self.max_size, self.keep, key_pos, q_start, len)
     }
 
     fn update_in_place(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {

@@ -749,7 +749,7 @@ pub fn kv_cache_attention(
     match cache {
         KvCache::Standard(c) => standard_cache_attention(heads, c, scale, scores),
         KvCache::Rotating(c) => rotating_cache_attention(heads, c, scale, scores),
-        KvCache::Batch(_) => Ok(None),
+        KvCache::Batch(_) | KvCache::Quantized(_) => Ok(None),
     }
 }
 

@@ -109,7 +109,7 @@ impl CapturedSteps {
         let advanced = caches.iter().all(|c| match c {
             KvCache::Standard(s) => s.offset as i32 == offset + 1,
             KvCache::Rotating(r) => r.offset as i32 == offset + 1,
-            KvCache::Batch(_) => false,
+            KvCache::Batch(_) | KvCache::Quantized(_) => false,
         });
         let captured = match advanced {
             true => capture("rmlx_decode_step", &out, &varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?,
@@ -156,7 +156,7 @@ impl CapturedSteps {
                     let (Some(_), Some(_), Some(_)) = (&c.keys, &c.values, &c.done) else { return None };
                     c.next_slot().map(|_| (c.offset, c.capacity()))?
                 }
-                KvCache::Batch(_) => return None,
+                KvCache::Batch(_) | KvCache::Quantized(_) => return None,
             };
             if *offset.get_or_insert(position) != position {
                 return None;
@@ -174,7 +174,7 @@ fn varying(h: &Array, caches: &[KvCache]) -> Vec<Array> {
         let buffers = match cache {
             KvCache::Standard(c) => [&c.keys, &c.values, &c.done],
             KvCache::Rotating(c) => [&c.keys, &c.values, &c.done],
-            KvCache::Batch(_) => continue,
+            KvCache::Batch(_) | KvCache::Quantized(_) => continue,
         };
         v.extend(buffers.into_iter().flatten().cloned());
     }
@@ -190,7 +190,7 @@ fn replay(captured: &Captured, h: &Array, caches: &mut [KvCache], offset: i32) -
         match cache {
             KvCache::Standard(c) => c.offset += 1,
             KvCache::Rotating(c) => c.advance(),
-            KvCache::Batch(_) => {}
+            KvCache::Batch(_) | KvCache::Quantized(_) => {}
         }
     }
     Ok(out)

@@ -1,0 +1,300 @@
+//! A key/value cache kept quantised (`--kv-bits`), as mlx-lm's `QuantizedKVCache` keeps it: each
+//! position's key and value rows packed by MLX's affine quantize along the head dimension (`bits`
+//! 2–8, `group_size` 32/64/128: packed `uint32` words, a scale and a bias per group in the
+//! activations' dtype), written in place into buffers grown 256 positions at a time, and read by
+//! attention through quantised matrix products without unpacking the cache
+//! ([`quantized_attention`]). Unlike mlx-lm's, a cache bounded to a window (sliding-window layers,
+//! a context limit) quantises too: its positions are kept in temporal order, the oldest beyond
+//! the window (after the first `keep`) dropped at each update, and the new queries' mask says
+//! which keys each sees.
+
+use super::{dim, keep_and_tail, positions, window_mask, Mask, STEP};
+use crate::{Error, Result};
+use rmlx::quantization::{quantize, quantized_matmul, QuantMode, Quantized};
+use rmlx::{ops, Array, Dtype};
+
+/// How a cache is quantised, and from which position on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvQuantization {
+    /// Bits per element: 2, 3, 4, 5, 6 or 8.
+    pub bits: i32,
+    /// Elements sharing a scale and bias: 32, 64 or 128 (it must divide the head dimension).
+    pub group_size: i32,
+    /// A cache is quantised once it holds this many positions (mlx-lm's `quantized_kv_start`,
+    /// default 5000): shorter contexts keep full precision and the fast attention kernels.
+    pub start: usize,
+}
+
+impl KvQuantization {
+    /// mlx-lm's defaults for `bits`: groups of 64 from position 5000.
+    pub fn new(bits: i32) -> Self {
+        KvQuantization { bits, group_size: 64, start: 5000 }
+    }
+
+    /// `Err` naming what MLX's affine quantisation cannot do.
+    pub fn check(&self) -> Result<()> {
+        if !crate::checkpoint::QUANT_BITS.contains(&self.bits) {
+            return Err(Error::InvalidParameter(format!(
+                "--kv-bits {} is not supported (MLX quantises to {:?} bits)",
+                self.bits,
+                crate::checkpoint::QUANT_BITS
+            )));
+        }
+        if ![32, 64, 128].contains(&self.group_size) {
+            return Err(Error::InvalidParameter(format!(
+                "--kv-group-size {} is not supported (32, 64 or 128)",
+                self.group_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Packed rows: `[B, H, S, D·bits/32]` words, `[B, H, S, D/group]` scales and biases.
+#[derive(Clone)]
+pub struct Packed {
+    pub words: Array,
+    pub scales: Array,
+    pub biases: Array,
+}
+
+impl Packed {
+    fn map(&self, f: impl Fn(&Array) -> Result<Array>) -> Result<Packed> {
+        Ok(Packed { words: f(&self.words)?, scales: f(&self.scales)?, biases: f(&self.biases)? })
+    }
+
+    fn zip(&self, other: &Packed, f: impl Fn(&Array, &Array) -> Result<Array>) -> Result<Packed> {
+        Ok(Packed {
+            words: f(&self.words, &other.words)?,
+            scales: f(&self.scales, &other.scales)?,
+            biases: f(&self.biases, &other.biases)?,
+        })
+    }
+
+    /// The arrays, for evaluation.
+    pub fn arrays(&self) -> [&Array; 3] {
+        [&self.words, &self.scales, &self.biases]
+    }
+
+    /// As MLX's quantised matrix (`group_size`, `bits`, affine).
+    pub fn as_quantized(&self, q: &KvQuantization) -> Quantized {
+        Quantized {
+            weight: self.words.clone(),
+            scales: self.scales.clone(),
+            biases: Some(self.biases.clone()),
+            group_size: q.group_size,
+            bits: q.bits,
+            mode: QuantMode::Affine,
+        }
+    }
+}
+
+/// `rows: [B, H, L, D]` quantised along `D`.
+fn pack(rows: &Array, q: &KvQuantization) -> Result<Packed> {
+    let d = rows.shape().last().copied().unwrap_or(0);
+    if d % q.group_size != 0 {
+        return Err(Error::InvalidParameter(format!(
+            "--kv-group-size {} does not divide the head dimension {d}",
+            q.group_size
+        )));
+    }
+    let p = quantize(rows, q.group_size, q.bits, QuantMode::Affine)?;
+    Ok(Packed { words: p.weight, scales: p.scales, biases: p.biases.expect("affine quantisation has biases") })
+}
+
+/// One layer's quantised cache.
+pub struct QuantizedCache {
+    pub quantization: KvQuantization,
+    keys: Option<Packed>,
+    values: Option<Packed>,
+    /// Positions seen so far.
+    pub offset: usize,
+    /// `(max_size, keep)` of a cache bounded to a window; `None`: unbounded.
+    pub window: Option<(usize, usize)>,
+}
+
+impl QuantizedCache {
+    /// An empty cache (`window`: see [`QuantizedCache::window`]).
+    pub fn new(quantization: KvQuantization, window: Option<(usize, usize)>) -> Self {
+        QuantizedCache { quantization, keys: None, values: None, offset: 0, window }
+    }
+
+    /// The cache holding `offset` positions, `keys, values: [B, H, n, D]` in temporal order (for
+    /// a window, the first `keep` positions then the last `n - keep`), quantised.
+    pub fn from_rows(
+        quantization: KvQuantization,
+        window: Option<(usize, usize)>,
+        keys: &Array,
+        values: &Array,
+        offset: usize,
+    ) -> Result<Self> {
+        let (keys, values) = (pack(keys, &quantization)?, pack(values, &quantization)?);
+        Ok(QuantizedCache { quantization, keys: Some(keys), values: Some(values), offset, window })
+    }
+
+    /// The arrays held (to evaluate them with a step's output).
+    pub fn state(&self) -> Vec<&Array> {
+        self.keys.iter().chain(self.values.iter()).flat_map(Packed::arrays).collect()
+    }
+
+    /// The same arrays, mutably (see `KvCache::wait_for`).
+    pub(super) fn state_mut(&mut self) -> Vec<&mut Array> {
+        let mut out = Vec::new();
+        for p in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            out.extend([&mut p.words, &mut p.scales, &mut p.biases]);
+        }
+        out
+    }
+
+    /// Forgets everything.
+    pub fn reset(&mut self) {
+        *self = QuantizedCache::new(self.quantization, self.window);
+    }
+
+    /// Appends `k, v: [B, H, L, D]` (quantised here); returns every visible key and value,
+    /// packed, and the mask of the `L` new queries.
+    pub fn update(&mut self, k: &Array, v: &Array) -> Result<(Packed, Packed, Mask)> {
+        let (k, v) = (pack(k, &self.quantization)?, pack(v, &self.quantization)?);
+        match self.window {
+            None => self.append(&k, &v),
+            Some((max_size, keep)) => self.slide(&k, &v, max_size, keep),
+        }
+    }
+
+    /// Unbounded: written in place after the valid positions, the buffers grown by whole steps.
+    fn append(&mut self, k: &Packed, v: &Packed) -> Result<(Packed, Packed, Mask)> {
+        let (prev, len) = (self.offset as i32, dim(&k.words, 2));
+        let capacity = self.keys.as_ref().map_or(0, |p| dim(&p.words, 2));
+        if self.keys.is_none() || prev + len > capacity {
+            let extra = (len + STEP - 1) / STEP * STEP;
+            let grow = |old: Option<Packed>, like: &Packed| -> Result<Packed> {
+                like.map(|a| {
+                    let s = a.shape();
+                    let fresh = ops::zeros(&[s[0], s[1], extra, s[3]], a.dtype())?;
+                    Ok(fresh)
+                })
+                .and_then(|fresh| match old {
+                    Some(o) => o.zip(&fresh, |o, f| Ok(ops::concatenate(&[&positions(o, 0, prev)?, f], 2)?)),
+                    None => Ok(fresh),
+                })
+            };
+            self.keys = Some(grow(self.keys.take(), k)?);
+            self.values = Some(grow(self.values.take(), v)?);
+        }
+        let write = |buf: &Packed, new: &Packed| -> Result<Packed> {
+            buf.zip(new, |b, n| {
+                let s = b.shape();
+                Ok(ops::slice_update(b, n, &[0, 0, prev, 0], &[s[0], s[1], prev + len, s[3]], &[1, 1, 1, 1])?)
+            })
+        };
+        let keys = write(self.keys.as_ref().expect("allocated"), k)?;
+        let values = write(self.values.as_ref().expect("allocated"), v)?;
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        self.offset += len as usize;
+        let end = self.offset as i32;
+        let valid = |p: &Packed| p.map(|a| positions(a, 0, end));
+        Ok((valid(&keys)?, valid(&values)?, if len == 1 { Mask::None } else { Mask::Causal }))
+    }
+
+    /// Bounded to `max_size` positions: the kept ones (all but those each new query can no longer
+    /// see, the first `keep` always) in temporal order, then the new ones.
+    fn slide(&mut self, k: &Packed, v: &Packed, max_size: usize, keep: usize) -> Result<(Packed, Packed, Mask)> {
+        let len = dim(&k.words, 2) as usize;
+        let mut key_pos: Vec<i32> = Vec::new();
+        let (keys, values) = match (self.keys.take(), self.values.take()) {
+            (Some(ok), Some(ov)) => {
+                let n = dim(&ok.words, 2) as usize;
+                let target = (max_size - 1).max(keep);
+                let (ok, ov, first_tail) = if n > target {
+                    let (kp, start) = (keep as i32, (n - (target - keep)) as i32);
+                    let cut = |p: &Packed| p.map(|a| keep_and_tail(a, kp, start, n as i32));
+                    (cut(&ok)?, cut(&ov)?, self.offset - (target - keep))
+                } else {
+                    (ok, ov, self.offset - (n - keep.min(n)))
+                };
+                let held = keep.min(n);
+                key_pos.extend(0..held as i32);
+                key_pos.extend(first_tail as i32..self.offset as i32);
+                let cat = |a: &Packed, b: &Packed| a.zip(b, |x, y| Ok(ops::concatenate(&[x, y], 2)?));
+                (cat(&ok, k)?, cat(&ov, v)?)
+            }
+            _ => (k.clone(), v.clone()),
+        };
+        let start = self.offset as i32;
+        key_pos.extend(start..start + len as i32);
+        // One query sees every key held (the oldest was dropped to make room for it).
+        let mask = if len == 1 { Mask::None } else { window_mask(max_size, keep, &key_pos, start, len)? };
+        self.offset += len;
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        Ok((keys, values, mask))
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        self.state().iter().map(|a| a.nbytes()).sum()
+    }
+}
+
+/// `softmax(q kᵀ · scale [capped], masked [with sinks]) v` for `q: [B, Hq, L, D]` over packed
+/// `keys, values` of `Hkv` heads, as mlx-lm's quantised attention computes it: each group of
+/// query heads against its key/value head through two quantised products, the softmax in
+/// float32. Gemma 2's soft cap and gpt-oss's sinks too, which mlx-lm's does not take.
+pub fn quantized_attention(
+    q: &Array,
+    keys: &Packed,
+    values: &Packed,
+    quantization: &KvQuantization,
+    scale: f32,
+    mask: &Mask,
+    softcap: Option<f32>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    let (&[b, hq, l, d], hkv) = (q.shape(), dim(&keys.words, 1)) else {
+        return Err(Error::InvalidParameter(format!("attention takes [B, H, L, D] queries, not {:?}", q.shape())));
+    };
+    let repeats = hq / hkv;
+    let q = (q * scale)?.reshape(&[b, hkv, repeats, l, d])?;
+    let grouped = |p: &Packed| p.map(|a| Ok(a.expand_dims(2)?));
+    let (keys, values) = (grouped(keys)?.as_quantized(quantization), grouped(values)?.as_quantized(quantization));
+    let mut scores = quantized_matmul(&q, &keys, true)?;
+    if let Some(cap) = softcap {
+        scores = (ops::tanh(&(&scores / cap)?)? * cap)?;
+    }
+    let visible = match mask {
+        Mask::None => None,
+        Mask::Causal => {
+            let k = scores.shape()[4];
+            let qi = ops::arange((k - l) as f64, k as f64, 1.0, Dtype::Int32)?.reshape(&[l, 1])?;
+            let ki = ops::arange(0.0, k as f64, 1.0, Dtype::Int32)?.reshape(&[1, k])?;
+            Some(qi.greater_equal(&ki)?)
+        }
+        Mask::Array(m) => Some(m.clone()),
+    };
+    if let Some(m) = visible {
+        scores = ops::r#where(&m, &scores, &Array::scalar_as(lowest(scores.dtype()), scores.dtype())?)?;
+    }
+    let weights = match sinks {
+        None => ops::softmax(&scores, -1, true)?,
+        Some(s) => {
+            // The sink's logit joins each row's softmax and takes its share of the weight.
+            let s = s.astype(scores.dtype())?.reshape(&[1, hkv, repeats, 1, 1])?;
+            let s = ops::broadcast_to(&s, &[b, hkv, repeats, l, 1])?;
+            let with = ops::softmax(&ops::concatenate(&[&s, &scores], -1)?, -1, true)?;
+            let k = scores.shape()[4];
+            with.slice_axis(-1, 1, k + 1, 1)?
+        }
+    };
+    let out = quantized_matmul(&weights, &values, false)?;
+    Ok(out.reshape(&[b, hq, l, d])?)
+}
+
+/// The lowest finite value of a floating dtype (what masked scores become).
+fn lowest(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::Float16 => -65504.0,
+        Dtype::Bfloat16 => -3.389_531_389_251_535_5e38,
+        _ => f32::MIN as f64,
+    }
+}
