@@ -2,7 +2,7 @@
 //! per prompt in input order; `--classify` stops after each prompt and reports the next token's
 //! most likely values instead.
 
-use crate::common::{count, ModelArgs, SamplingArgs};
+use crate::common::{count, KvCacheArgs, ModelArgs, SamplingArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::backend::{ClassifyOptions, LanguageModel, Prompt};
@@ -22,6 +22,8 @@ use std::path::PathBuf;
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
     /// A jsonl file: one `{"prompt": "..."}` (encoded as is) or `{"messages": [...]}` (chat
     /// template) per line, optionally with `"id"`, `"max_tokens"`, `"temperature"`, `"seed"` and
     /// `"response_format"` (as OpenAI's, plus `{"type": "regex", "regex": …}` and `lark`).
@@ -115,7 +117,13 @@ pub fn run(a: Args) -> Result<()> {
     let base = a.sampling.checked_config()?;
     let lines = read_lines(&a.prompts)?;
     let mut model = a.model.open(&a.backend)?;
-    let options = EngineOptions { max_batch: a.max_batch, prefill_batch: a.prefill_batch, ..EngineOptions::default() };
+    let kv_quantization = a.kv_cache.quantization()?;
+    let options = EngineOptions {
+        max_batch: a.max_batch,
+        prefill_batch: a.prefill_batch,
+        kv_quantization,
+        ..EngineOptions::default()
+    };
     // Over the ranks of a split model, rank 0 runs the batch and writes the results;
     // the others compute their share of each step it decides.
     if let Some(ranks) = model.as_native().and_then(|lm| lm.ranks().cloned()).filter(|r| r.rank() != 0) {
@@ -331,6 +339,7 @@ fn through_interface(
                 sampler,
                 stop_strings: a.stop.clone(),
                 ignore_eos: a.ignore_eos,
+                kv_quantization: a.kv_cache.quantization()?,
                 ..GenerateOptions::default()
             };
             let prompts: Vec<Prompt> = members.iter().map(|&i| prompt(&lines[i])).collect();

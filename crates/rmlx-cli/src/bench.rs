@@ -7,16 +7,18 @@
 //! bandwidth, measured by a copy before the runs. `--json` also lists the greedy ids of the first
 //! run, so that two builds (or devices) can be checked to decode the same tokens.
 
-use crate::common::{count, gb, positive, ModelArgs};
+use crate::common::{count, gb, positive, KvCacheArgs, ModelArgs};
 use anyhow::Result;
 use clap::Args as ClapArgs;
-use rmlx_lm::{GenerateOptions, LoadedModel};
+use rmlx_lm::{GenerateOptions, KvQuantization, LoadedModel};
 
 #[derive(ClapArgs, Debug)]
 #[command(allow_negative_numbers = true)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
     /// Prompt tokens.
     #[arg(short = 'p', default_value_t = 512, value_parser = positive)]
     prompt_tokens: usize,
@@ -36,8 +38,8 @@ pub struct Args {
 }
 
 /// (TTFT seconds, decode tokens/s, the greedy token ids) of one run.
-fn run_once(lm: &LoadedModel, prompt: &[u32], n: usize) -> Result<(f64, f64, Vec<u32>)> {
-    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, ..GenerateOptions::default() };
+fn run_once(lm: &LoadedModel, prompt: &[u32], n: usize, kv: Option<KvQuantization>) -> Result<(f64, f64, Vec<u32>)> {
+    let opts = GenerateOptions { max_tokens: n, ignore_eos: true, kv_quantization: kv, ..GenerateOptions::default() };
     let mut g = lm.generate(prompt, &opts)?;
     let mut ids = Vec::with_capacity(n);
     for t in g.by_ref() {
@@ -61,11 +63,12 @@ pub fn run(a: Args) -> Result<()> {
     let prompt: Vec<u32> = (0..a.prompt_tokens).map(|i| (((i * 7919) % 50000 + 10) % vocab) as u32).collect();
     let bandwidth = rmlx_lm::roofline::measure_bandwidth()?;
     let floor = rmlx_lm::roofline::floor(&lm, a.prompt_tokens, a.gen_tokens, bandwidth);
-    run_once(&lm, &prompt, 8)?;
+    let kv = a.kv_cache.quantization()?;
+    run_once(&lm, &prompt, 8, kv)?;
     rmlx::memory::reset_peak_memory();
     let mut runs = Vec::new();
     for _ in 0..a.trials {
-        runs.push(run_once(&lm, &prompt, a.gen_tokens)?);
+        runs.push(run_once(&lm, &prompt, a.gen_tokens, kv)?);
     }
     let ttft = median(runs.iter().map(|r| r.0).collect());
     let decode = median(runs.iter().map(|r| r.1).collect());

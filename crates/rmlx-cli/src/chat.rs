@@ -8,7 +8,7 @@
 //! while generating) prints an error line and the session goes on without it. Ctrl-C stops the
 //! reply being generated; at the prompt it ends the session (see [`crate::interrupt`]).
 
-use crate::common::{count, gb, ModelArgs, SamplingArgs};
+use crate::common::{count, gb, KvCacheArgs, ModelArgs, SamplingArgs};
 use crate::interrupt::{self, Replying};
 use anyhow::Result;
 use clap::Args as ClapArgs;
@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
     /// Most tokens per reply.
     #[arg(long, short = 'm', default_value_t = 512, value_parser = count)]
     max_tokens: usize,
@@ -43,7 +45,8 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let sampler = a.sampling.checked_config()?;
     let mut model = a.model.open(&a.backend)?;
-    let opts = GenerateOptions { max_tokens: a.max_tokens, sampler, ..GenerateOptions::default() };
+    let kv_quantization = a.kv_cache.quantization()?;
+    let opts = GenerateOptions { max_tokens: a.max_tokens, sampler, kv_quantization, ..GenerateOptions::default() };
     interrupt::install()?;
     let info = model.info();
     eprintln!(
@@ -53,7 +56,7 @@ pub fn run(a: Args) -> Result<()> {
     );
     if let Some(lm) = model.as_native() {
         // One sequence at a time; the prompt cache holds the conversation so far.
-        let engine = Engine::new(lm, EngineOptions { max_batch: 1, ..EngineOptions::default() });
+        let engine = Engine::new(lm, EngineOptions { max_batch: 1, kv_quantization, ..EngineOptions::default() });
         // Over the ranks of a split model, rank 0 converses; the others compute their share of
         // every step it decides, and leave Ctrl-C to it.
         if let Some(ranks) = lm.ranks().filter(|r| r.rank() != 0) {

@@ -189,6 +189,32 @@ impl ModelArgs {
     }
 }
 
+/// The quantised key/value cache's flags (mlx-lm's).
+#[derive(Args, Clone, Debug, Default)]
+pub struct KvCacheArgs {
+    /// Keep the key/value cache quantised to this many bits (2, 3, 4, 5, 6 or 8; default: full
+    /// precision), from --quantized-kv-start positions on.
+    #[arg(long)]
+    pub kv_bits: Option<i32>,
+    /// Elements sharing a scale in the cache's quantisation (32, 64 or 128; it must divide the
+    /// head dimension).
+    #[arg(long, default_value_t = 64)]
+    pub kv_group_size: i32,
+    /// Quantise the cache once it holds this many positions.
+    #[arg(long, default_value_t = 5000)]
+    pub quantized_kv_start: usize,
+}
+
+impl KvCacheArgs {
+    /// The cache's quantisation, checked; `None` without --kv-bits.
+    pub fn quantization(&self) -> Result<Option<rmlx_lm::KvQuantization>> {
+        let Some(bits) = self.kv_bits else { return Ok(None) };
+        let q = rmlx_lm::KvQuantization { bits, group_size: self.kv_group_size, start: self.quantized_kv_start };
+        q.check()?;
+        Ok(Some(q))
+    }
+}
+
 /// The sampling flags.
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {

@@ -1,6 +1,6 @@
 //! `rmlx generate`: one prompt, the completion streamed to stdout (or one JSON object).
 
-use crate::common::{count, gb, positive, ModelArgs, SamplingArgs};
+use crate::common::{count, gb, positive, KvCacheArgs, ModelArgs, SamplingArgs};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
@@ -20,6 +20,8 @@ pub struct Args {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
     /// Encode the prompt as-is (default special tokens) instead of applying the chat template.
     #[arg(long)]
     raw: bool,
@@ -57,6 +59,7 @@ pub fn run(a: Args) -> Result<()> {
         sampler,
         stop_strings: a.stop.clone(),
         context_limit: a.context_limit,
+        kv_quantization: a.kv_cache.quantization()?,
         ..GenerateOptions::default()
     };
     let mut generation = if a.raw {

@@ -17,7 +17,7 @@ mod interface;
 mod listen;
 mod respond;
 
-use crate::common::{count, ModelArgs};
+use crate::common::{count, KvCacheArgs, ModelArgs};
 use anyhow::{Context, Result};
 use api::ApiError;
 use axum::extract::State;
@@ -40,6 +40,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    kv_cache: KvCacheArgs,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -143,6 +145,7 @@ struct Shared {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    a.kv_cache.quantization()?;
     let api_key = match &a.api_key_file {
         Some(p) => {
             let key =
@@ -297,6 +300,8 @@ fn engine_options(a: &Args, lm: &rmlx_lm::LoadedModel, stats: Option<&Stats>) ->
         max_kv_bytes: Some(max_kv_bytes),
         context: Some(context),
         pipelined: a.pipelined_decode,
+        // Checked when the server started.
+        kv_quantization: a.kv_cache.quantization().unwrap_or(None),
     };
     let warm_up = match a.warm_up.as_str() {
         "on" => true,

@@ -7,9 +7,12 @@
 //! finished sequence's keys and values can be copied out for a prompt cache
 //! ([`BatchCache::extract`]). This is mlx-lm's `BatchKVCache` design. A layer with a sliding window
 //! (Gemma 3's local layers) drops the positions no query can see any more, so that its memory
-//! stays bounded by the window however long the sequences grow.
+//! stays bounded by the window however long the sequences grow. With a quantisation
+//! ([`BatchCache::quantize`]) the keys and values are kept packed ([`Stored::Packed`]).
 
-use super::{grow, positions, rows_of, write_at, Mask, STEP};
+use super::quantized::KvQuantization;
+use super::stored::Stored;
+use super::{positions, Mask, STEP};
 use crate::{Error, Result};
 use rmlx::{ops, Array};
 use std::cell::RefCell;
@@ -56,19 +59,19 @@ fn memoized(key: Key, build: impl FnOnce() -> Result<Array>) -> Result<Array> {
     Ok(a)
 }
 
-/// One sequence's keys and values in one layer, `[1, kv_heads, n, head_dim]` each: its
-/// positions `start..start + n` (`start` > 0 where a sliding window dropped the earlier ones).
+/// One sequence's keys and values in one layer, `[1, kv_heads, n, head_dim]` each (or packed):
+/// its positions `start..start + n` (`start` > 0 where a sliding window dropped the earlier ones).
 #[derive(Clone)]
 pub struct RowKv {
-    pub keys: Array,
-    pub values: Array,
+    pub keys: Stored,
+    pub values: Stored,
     pub start: usize,
 }
 
 impl RowKv {
     /// Positions held.
     pub fn len(&self) -> usize {
-        self.keys.shape()[2] as usize
+        self.keys.dim(2) as usize
     }
 
     /// Whether no position is held.
@@ -85,14 +88,17 @@ impl RowKv {
                 self.start + self.len()
             ))
         })? as i32;
-        Ok(RowKv { keys: positions(&self.keys, 0, n)?, values: positions(&self.values, 0, n)?, start: self.start })
+        let before = |s: &Stored| s.map(|a| positions(a, 0, n));
+        Ok(RowKv { keys: before(&self.keys)?, values: before(&self.values)?, start: self.start })
     }
 }
 
-/// The keys and values of `rows` sequences, `[rows, kv_heads, capacity, head_dim]`.
+/// The keys and values of `rows` sequences, `[rows, kv_heads, capacity, head_dim]` (or packed).
 pub struct BatchCache {
-    keys: Option<Array>,
-    values: Option<Array>,
+    keys: Option<Stored>,
+    values: Option<Stored>,
+    /// How new keys and values are packed (`None`: kept at full precision).
+    quantization: Option<KvQuantization>,
     /// Per row, the leading positions (columns) that belong to no sequence.
     padding: Vec<i32>,
     /// Per row, its positions no longer held (dropped out of the sliding window): column `c` of
@@ -110,7 +116,8 @@ impl BatchCache {
     /// An empty batch of `rows` sequences, none of them started.
     pub fn new(rows: usize, window: Option<usize>) -> BatchCache {
         let window = window.map(|w| w.min(i32::MAX as usize) as i32);
-        BatchCache { keys: None, values: None, padding: vec![0; rows], shift: vec![0; rows], written: 0, window }
+        let (padding, shift) = (vec![0; rows], vec![0; rows]);
+        BatchCache { keys: None, values: None, quantization: None, padding, shift, written: 0, window }
     }
 
     /// One sequence whose positions so far are `prefix` (as [`BatchCache::extract`] returns
@@ -121,6 +128,7 @@ impl BatchCache {
         c.shift = vec![prefix.start as i32];
         c.keys = Some(prefix.keys.clone());
         c.values = Some(prefix.values.clone());
+        c.quantization = prefix.keys.quantization();
         c
     }
 
@@ -161,22 +169,38 @@ impl BatchCache {
             c.padding[i] = columns - held(prefix) + (padding[i] - width).max(0);
             c.shift[i] = prefix.as_ref().map_or(0, |p| p.start as i32);
         }
+        // Packed if any prefix is (the others packed alike).
+        c.quantization = prefixes.iter().flatten().find_map(|p| p.keys.quantization());
+        let stored = |s: &Stored| match &c.quantization {
+            Some(q) => s.packed(q),
+            None => Ok(s.clone()),
+        };
         let Some(like) = prefixes.iter().flatten().next() else { return Ok(c) };
-        let row = |prefix: &Option<RowKv>, pick: fn(&RowKv) -> &Array| -> Result<Array> {
-            let s = pick(like).shape();
-            let zeros = ops::zeros(&[1, s[1], columns - held(prefix), s[3]], pick(like).dtype())?;
+        let like = (stored(&like.keys)?, stored(&like.values)?);
+        let row = |prefix: &Option<RowKv>, values: bool| -> Result<Stored> {
+            let zeros = if values { &like.1 } else { &like.0 }.zeros(1, columns - held(prefix))?;
             Ok(match prefix {
-                Some(p) if held(prefix) == columns => pick(p).clone(),
-                Some(p) => ops::concatenate(&[&zeros, pick(p)], 2)?,
+                Some(p) => {
+                    let own = stored(if values { &p.values } else { &p.keys })?;
+                    if held(prefix) == columns {
+                        own
+                    } else {
+                        zeros.zip(&own, |z, o| Ok(ops::concatenate(&[z, o], 2)?))?
+                    }
+                }
                 None => zeros,
             })
         };
-        let stack = |pick: fn(&RowKv) -> &Array| -> Result<Array> {
-            let rows = prefixes.iter().map(|p| row(p, pick)).collect::<Result<Vec<_>>>()?;
-            Ok(ops::concatenate(&rows.iter().collect::<Vec<_>>(), 0)?)
+        let stack = |values: bool| -> Result<Stored> {
+            let rows = prefixes.iter().map(|p| row(p, values)).collect::<Result<Vec<_>>>()?;
+            let mut all = rows[0].clone();
+            for r in &rows[1..] {
+                all = all.zip(r, |a, b| Ok(ops::concatenate(&[a, b], 0)?))?;
+            }
+            Ok(all)
         };
-        c.keys = Some(stack(|p| &p.keys)?);
-        c.values = Some(stack(|p| &p.values)?);
+        c.keys = Some(stack(false)?);
+        c.values = Some(stack(true)?);
         c.written = columns;
         Ok(c)
     }
@@ -226,23 +250,40 @@ impl BatchCache {
 
     /// Bytes held by the buffers.
     pub fn nbytes(&self) -> usize {
-        self.keys.iter().chain(self.values.iter()).map(Array::nbytes).sum()
+        self.keys.iter().chain(self.values.iter()).map(Stored::nbytes).sum()
     }
 
     /// The arrays held.
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        self.keys.iter().chain(self.values.iter()).flat_map(Stored::arrays).collect()
     }
 
-    /// The key and value buffers.
-    pub(super) fn buffers_mut(&mut self) -> [&mut Option<Array>; 2] {
-        [&mut self.keys, &mut self.values]
+    /// The arrays held, mutably.
+    pub(super) fn state_mut(&mut self) -> Vec<&mut Array> {
+        self.keys.iter_mut().chain(self.values.iter_mut()).flat_map(Stored::arrays_mut).collect()
     }
 
-    /// Appends `k, v: [rows, H, L, D]`; returns the visible keys and values and the mask of the
-    /// `L` new queries: causal, without the padding, within the window. A padding query sees
-    /// itself only, so that no row of the softmax is empty.
-    pub fn update(&mut self, k: &Array, v: &Array) -> Result<(Array, Array, Mask)> {
+    /// The quantisation new keys and values are packed with, if any.
+    pub fn quantization(&self) -> Option<KvQuantization> {
+        self.quantization
+    }
+
+    /// Packs the batch's keys and values as `q` says from now on, once it has `q.start` columns
+    /// written (a packed batch stays so).
+    pub fn quantize(&mut self, q: &KvQuantization) -> Result<()> {
+        if self.quantization.is_some() || (self.written as usize) < q.start {
+            return Ok(());
+        }
+        self.keys = self.keys.as_ref().map(|s| s.packed(q)).transpose()?;
+        self.values = self.values.as_ref().map(|s| s.packed(q)).transpose()?;
+        self.quantization = Some(*q);
+        Ok(())
+    }
+
+    /// Appends `k, v: [rows, H, L, D]`; returns the visible keys and values (packed in a
+    /// quantised batch) and the mask of the `L` new queries: causal, without the padding, within
+    /// the window. A padding query sees itself only, so that no row of the softmax is empty.
+    pub fn update(&mut self, k: &Array, v: &Array) -> Result<(Stored, Stored, Mask)> {
         if k.shape()[0] as usize != self.rows() {
             return Err(Error::InvalidParameter(format!(
                 "a batch cache of {} rows got keys for {} sequences",
@@ -258,17 +299,35 @@ impl BatchCache {
             }
         }
         let (start, len) = (self.written, k.shape()[2]);
-        let capacity = self.keys.as_ref().map_or(0, |b| b.shape()[2]);
+        let (k, v) = (Stored::new(k, self.quantization.as_ref())?, Stored::new(v, self.quantization.as_ref())?);
+        let capacity = self.keys.as_ref().map_or(0, |b| b.dim(2));
         if self.keys.is_none() || start + len > capacity {
             let extra = (len + STEP - 1) / STEP * STEP;
-            self.keys = Some(grow(self.keys.take(), rows_of(k), start, extra)?);
-            self.values = Some(grow(self.values.take(), rows_of(v), start, extra)?);
+            let rows = self.rows() as i32;
+            let grow = |old: Option<Stored>, like: &Stored| -> Result<Stored> {
+                let fresh = like.zeros(rows, extra)?;
+                match old {
+                    Some(o) => o.zip(&fresh, |o, f| Ok(ops::concatenate(&[&positions(o, 0, start)?, f], 2)?)),
+                    None => Ok(fresh),
+                }
+            };
+            self.keys = Some(grow(self.keys.take(), &k)?);
+            self.values = Some(grow(self.values.take(), &v)?);
         }
         let end = start + len;
-        let keys = positions(&write_at(&mut self.keys, k, start)?, 0, end)?;
-        let values = positions(&write_at(&mut self.values, v, start)?, 0, end)?;
+        let write = |buf: &Stored, new: &Stored| -> Result<Stored> {
+            buf.zip(new, |b, n| {
+                let s = b.shape();
+                Ok(ops::slice_update(b, n, &[0, 0, start, 0], &[s[0], s[1], end, s[3]], &[1, 1, 1, 1])?)
+            })
+        };
+        let keys = write(self.keys.as_ref().expect("allocated"), &k)?;
+        let values = write(self.values.as_ref().expect("allocated"), &v)?;
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
         self.written = end;
-        Ok((keys, values, self.mask(start, len)?))
+        let visible = |s: &Stored| s.map(|a| positions(a, 0, end));
+        Ok((visible(&keys)?, visible(&values)?, self.mask(start, len)?))
     }
 
     fn mask(&self, start: i32, len: i32) -> Result<Mask> {
@@ -297,11 +356,14 @@ impl BatchCache {
     fn drop_columns(&mut self, n: i32, len: i32) -> Result<()> {
         let room = (len + STEP - 1) / STEP * STEP;
         let end = self.written;
-        let keep = |b: &Option<Array>| -> Result<Option<Array>> {
+        let keep = |b: &Option<Stored>| -> Result<Option<Stored>> {
             let Some(b) = b else { return Ok(None) };
-            let s = b.shape();
-            let zeros = ops::zeros(&[s[0], s[1], room, s[3]], b.dtype())?;
-            Ok(Some(ops::concatenate(&[&positions(b, n, end)?, &zeros], 2)?))
+            let kept = b.map(|a| {
+                let s = a.shape();
+                let zeros = ops::zeros(&[s[0], s[1], room, s[3]], a.dtype())?;
+                Ok(ops::concatenate(&[&positions(a, n, end)?, &zeros], 2)?)
+            })?;
+            Ok(Some(kept))
         };
         self.keys = keep(&self.keys)?;
         self.values = keep(&self.values)?;
@@ -321,17 +383,22 @@ impl BatchCache {
         self.padding = keep.iter().map(|&r| self.padding[r]).collect();
         self.shift = keep.iter().map(|&r| self.shift[r]).collect();
         if keep.is_empty() {
+            let quantization = self.quantization;
             *self = BatchCache::new(0, self.window());
+            self.quantization = quantization;
             return Ok(());
         }
         let idx: Vec<i32> = keep.iter().map(|&r| r as i32).collect();
         let idx = Array::from_slice(&idx, &[idx.len() as i32])?;
         let trim = self.padding.iter().copied().min().unwrap_or(0);
         let end = self.written;
-        let pick = |b: &Option<Array>| -> Result<Option<Array>> {
+        let pick = |b: &Option<Stored>| -> Result<Option<Stored>> {
             let Some(b) = b else { return Ok(None) };
-            let b = b.take(&idx, Some(0))?;
-            Ok(Some(if trim > 0 { positions(&b, trim, end)? } else { b }))
+            let picked = b.map(|a| {
+                let a = a.take(&idx, Some(0))?;
+                Ok(if trim > 0 { positions(&a, trim, end)? } else { a })
+            })?;
+            Ok(Some(picked))
         };
         self.keys = pick(&self.keys)?;
         self.values = pick(&self.values)?;
@@ -344,27 +411,41 @@ impl BatchCache {
 
     /// Appends the rows of `other` after this batch's, padding whichever batch is shorter on the
     /// left so that both write at the same position.
-    pub fn extend(&mut self, other: BatchCache) -> Result<()> {
+    pub fn extend(&mut self, mut other: BatchCache) -> Result<()> {
         if other.rows() == 0 {
             return Ok(());
         }
         if self.rows() == 0 {
+            let quantization = self.quantization;
             *self = other;
+            if let Some(q) = quantization {
+                self.quantization = None;
+                self.quantize(&KvQuantization { start: 0, ..q })?;
+            }
             return Ok(());
+        }
+        // Both packed if either is.
+        match (self.quantization, other.quantization) {
+            (Some(q), None) => other.quantize(&KvQuantization { start: 0, ..q })?,
+            (None, Some(q)) => self.quantize(&KvQuantization { start: 0, ..q })?,
+            _ => {}
         }
         let (Some(mk), Some(mv), Some(ok), Some(ov)) = (&self.keys, &self.values, &other.keys, &other.values) else {
             return Err(Error::InvalidParameter("a batch cache joined before its first update".into()));
         };
         let width = self.written.max(other.written);
         let room = STEP;
-        let align = |b: &Array, written: i32| -> Result<Array> {
-            let used = positions(b, 0, written)?;
-            let s = used.shape();
-            let zeros = |n: i32| ops::zeros(&[s[0], s[1], n, s[3]], b.dtype());
-            Ok(ops::concatenate(&[&zeros(width - written)?, &used, &zeros(room)?], 2)?)
+        let align = |b: &Stored, written: i32| -> Result<Stored> {
+            b.map(|a| {
+                let used = positions(a, 0, written)?;
+                let s = used.shape();
+                let zeros = |n: i32| ops::zeros(&[s[0], s[1], n, s[3]], a.dtype());
+                Ok(ops::concatenate(&[&zeros(width - written)?, &used, &zeros(room)?], 2)?)
+            })
         };
-        let keys = ops::concatenate(&[&align(mk, self.written)?, &align(ok, other.written)?], 0)?;
-        let values = ops::concatenate(&[&align(mv, self.written)?, &align(ov, other.written)?], 0)?;
+        let rows = |a: &Stored, b: &Stored| a.zip(b, |x, y| Ok(ops::concatenate(&[x, y], 0)?));
+        let keys = rows(&align(mk, self.written)?, &align(ok, other.written)?)?;
+        let values = rows(&align(mv, self.written)?, &align(ov, other.written)?)?;
         let (shift_mine, shift_theirs) = (width - self.written, width - other.written);
         self.padding.iter_mut().for_each(|p| *p += shift_mine);
         self.padding.extend(other.padding.iter().map(|p| p + shift_theirs));
@@ -388,9 +469,11 @@ impl BatchCache {
         }
         // An elementwise op writes a new buffer; a slice, `contiguous` or `copy` could share the
         // batch's (a row of a one-head cache is already contiguous).
-        let cut = |b: &Array| -> Result<Array> {
-            let row = positions(&b.slice_axis(0, r, r + 1, 1)?, pad, self.written)?;
-            Ok((&row * Array::scalar_as(1.0, row.dtype())?)?)
+        let cut = |b: &Stored| -> Result<Stored> {
+            b.map(|a| {
+                let row = positions(&a.slice_axis(0, r, r + 1, 1)?, pad, self.written)?;
+                Ok((&row * Array::scalar_as(1.0, row.dtype())?)?)
+            })
         };
         Ok(Some(RowKv { keys: cut(k)?, values: cut(v)?, start: self.shift[row] as usize }))
     }

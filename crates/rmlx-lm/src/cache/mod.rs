@@ -14,9 +14,11 @@
 
 mod batch;
 mod quantized;
+mod stored;
 
 pub use batch::{BatchCache, RowKv};
-pub use quantized::{quantized_attention, KvQuantization, Packed, QuantizedCache};
+pub use quantized::{pack, quantized_attention, KvQuantization, Packed, QuantizedCache};
+pub use stored::Stored;
 
 use crate::Result;
 use rmlx::fast::AttentionMask;
@@ -149,19 +151,36 @@ impl KvCache {
         match self {
             KvCache::Standard(c) => c.update(k, v),
             KvCache::Rotating(c) => c.update(k, v),
-            KvCache::Batch(c) => c.update(k, v),
+            KvCache::Batch(c) => {
+                let (keys, values, mask) = c.update(k, v)?;
+                Ok((keys.unpacked(k.dtype())?, values.unpacked(k.dtype())?, mask))
+            }
             KvCache::Quantized(c) => {
                 let (keys, values, mask) = c.update(k, v)?;
-                let q = c.quantization;
-                let unpack = |p: &Packed| rmlx::quantization::dequantize(&p.as_quantized(&q), Some(k.dtype()));
-                Ok((unpack(&keys)?, unpack(&values)?, mask))
+                Ok((keys.unpack(k.dtype())?, values.unpack(k.dtype())?, mask))
             }
         }
     }
 
-    /// Quantises this cache as `q` says once it holds `q.start` positions or more (a batch's
-    /// caches stay as they are); a quantised one stays so.
+    /// For a quantised cache (or batch): appends `k, v` and returns the visible keys and values
+    /// packed, with the mask of the new queries; `None` for a full-precision one (left as it was).
+    pub fn update_packed(&mut self, k: &Array, v: &Array) -> Result<Option<(Packed, Packed, Mask)>> {
+        match self {
+            KvCache::Quantized(c) => Ok(Some(c.update(k, v)?)),
+            KvCache::Batch(c) if c.quantization().is_some() => match c.update(k, v)? {
+                (Stored::Packed(keys), Stored::Packed(values), mask) => Ok(Some((keys, values, mask))),
+                _ => unreachable!("a quantised batch packs what it is given"),
+            },
+            _ => Ok(None),
+        }
+    }
+
+    /// Quantises this cache as `q` says once it holds `q.start` positions or more; a quantised
+    /// one stays so.
     pub fn quantize(&mut self, q: &KvQuantization) -> Result<()> {
+        if let KvCache::Batch(c) = self {
+            return c.quantize(q);
+        }
         if self.offset() < q.start {
             return Ok(());
         }
@@ -219,9 +238,13 @@ impl KvCache {
         let buffers = match self {
             KvCache::Standard(c) => [&mut c.keys, &mut c.values],
             KvCache::Rotating(c) => [&mut c.keys, &mut c.values],
-            KvCache::Batch(c) => c.buffers_mut(),
-            KvCache::Quantized(c) => {
-                for a in c.state_mut() {
+            KvCache::Batch(_) | KvCache::Quantized(_) => {
+                let arrays = match self {
+                    KvCache::Batch(c) => c.state_mut(),
+                    KvCache::Quantized(c) => c.state_mut(),
+                    _ => unreachable!(),
+                };
+                for a in arrays {
                     *a = ops::depends(&[&*a], &[done])?.remove(0);
                 }
                 return Ok(());

@@ -31,6 +31,13 @@ impl KvQuantization {
         KvQuantization { bits, group_size: 64, start: 5000 }
     }
 
+    /// What `full` bytes of keys and values in `dtype` take packed: `bits` per element, and a
+    /// scale and a bias in `dtype` per group.
+    pub fn packed_bytes(&self, full: usize, dtype: Dtype) -> usize {
+        let elements = full / dtype.size();
+        elements * self.bits as usize / 8 + elements / self.group_size as usize * 2 * dtype.size()
+    }
+
     /// `Err` naming what MLX's affine quantisation cannot do.
     pub fn check(&self) -> Result<()> {
         if !crate::checkpoint::QUANT_BITS.contains(&self.bits) {
@@ -50,24 +57,29 @@ impl KvQuantization {
     }
 }
 
-/// Packed rows: `[B, H, S, D·bits/32]` words, `[B, H, S, D/group]` scales and biases.
+/// Packed rows: `[B, H, S, D·bits/32]` words, `[B, H, S, D/group]` scales and biases, and how
+/// they were packed.
 #[derive(Clone)]
 pub struct Packed {
     pub words: Array,
     pub scales: Array,
     pub biases: Array,
+    pub quantization: KvQuantization,
 }
 
 impl Packed {
-    fn map(&self, f: impl Fn(&Array) -> Result<Array>) -> Result<Packed> {
-        Ok(Packed { words: f(&self.words)?, scales: f(&self.scales)?, biases: f(&self.biases)? })
+    /// `f` on each of the three arrays (which share their first three axes).
+    pub fn map(&self, f: impl Fn(&Array) -> Result<Array>) -> Result<Packed> {
+        Ok(Packed { words: f(&self.words)?, scales: f(&self.scales)?, biases: f(&self.biases)?, ..self.clone() })
     }
 
-    fn zip(&self, other: &Packed, f: impl Fn(&Array, &Array) -> Result<Array>) -> Result<Packed> {
+    /// `f` on each of the three arrays and the matching one of `other`.
+    pub fn zip(&self, other: &Packed, f: impl Fn(&Array, &Array) -> Result<Array>) -> Result<Packed> {
         Ok(Packed {
             words: f(&self.words, &other.words)?,
             scales: f(&self.scales, &other.scales)?,
             biases: f(&self.biases, &other.biases)?,
+            ..self.clone()
         })
     }
 
@@ -76,21 +88,31 @@ impl Packed {
         [&self.words, &self.scales, &self.biases]
     }
 
-    /// As MLX's quantised matrix (`group_size`, `bits`, affine).
-    pub fn as_quantized(&self, q: &KvQuantization) -> Quantized {
+    /// The arrays, mutably.
+    pub fn arrays_mut(&mut self) -> [&mut Array; 3] {
+        [&mut self.words, &mut self.scales, &mut self.biases]
+    }
+
+    /// As MLX's quantised matrix.
+    pub fn as_quantized(&self) -> Quantized {
         Quantized {
             weight: self.words.clone(),
             scales: self.scales.clone(),
             biases: Some(self.biases.clone()),
-            group_size: q.group_size,
-            bits: q.bits,
+            group_size: self.quantization.group_size,
+            bits: self.quantization.bits,
             mode: QuantMode::Affine,
         }
+    }
+
+    /// The rows unpacked, in `dtype`.
+    pub fn unpack(&self, dtype: Dtype) -> Result<Array> {
+        Ok(rmlx::quantization::dequantize(&self.as_quantized(), Some(dtype))?)
     }
 }
 
 /// `rows: [B, H, L, D]` quantised along `D`.
-fn pack(rows: &Array, q: &KvQuantization) -> Result<Packed> {
+pub fn pack(rows: &Array, q: &KvQuantization) -> Result<Packed> {
     let d = rows.shape().last().copied().unwrap_or(0);
     if d % q.group_size != 0 {
         return Err(Error::InvalidParameter(format!(
@@ -99,7 +121,8 @@ fn pack(rows: &Array, q: &KvQuantization) -> Result<Packed> {
         )));
     }
     let p = quantize(rows, q.group_size, q.bits, QuantMode::Affine)?;
-    Ok(Packed { words: p.weight, scales: p.scales, biases: p.biases.expect("affine quantisation has biases") })
+    let biases = p.biases.expect("affine quantisation has biases");
+    Ok(Packed { words: p.weight, scales: p.scales, biases, quantization: *q })
 }
 
 /// One layer's quantised cache.
@@ -141,7 +164,7 @@ impl QuantizedCache {
     pub(super) fn state_mut(&mut self) -> Vec<&mut Array> {
         let mut out = Vec::new();
         for p in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            out.extend([&mut p.words, &mut p.scales, &mut p.biases]);
+            out.extend(p.arrays_mut());
         }
         out
     }
@@ -245,7 +268,6 @@ pub fn quantized_attention(
     q: &Array,
     keys: &Packed,
     values: &Packed,
-    quantization: &KvQuantization,
     scale: f32,
     mask: &Mask,
     softcap: Option<f32>,
@@ -257,7 +279,7 @@ pub fn quantized_attention(
     let repeats = hq / hkv;
     let q = (q * scale)?.reshape(&[b, hkv, repeats, l, d])?;
     let grouped = |p: &Packed| p.map(|a| Ok(a.expand_dims(2)?));
-    let (keys, values) = (grouped(keys)?.as_quantized(quantization), grouped(values)?.as_quantized(quantization));
+    let (keys, values) = (grouped(keys)?.as_quantized(), grouped(values)?.as_quantized());
     let mut scores = quantized_matmul(&q, &keys, true)?;
     if let Some(cap) = softcap {
         scores = (ops::tanh(&(&scores / cap)?)? * cap)?;
@@ -270,6 +292,8 @@ pub fn quantized_attention(
             let ki = ops::arange(0.0, k as f64, 1.0, Dtype::Int32)?.reshape(&[1, k])?;
             Some(qi.greater_equal(&ki)?)
         }
+        // A batch's mask `[B, 1, L, K]` gets the axis of the query heads' groups.
+        Mask::Array(m) if m.ndim() > 3 => Some(m.expand_dims(-3)?),
         Mask::Array(m) => Some(m.clone()),
     };
     if let Some(m) = visible {

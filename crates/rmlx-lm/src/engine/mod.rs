@@ -95,6 +95,11 @@ pub struct EngineOptions {
     /// waits for its tokens, because of the evaluation thread's hand-off (level, 2,273 against
     /// 2,301, with `RMLX_EVAL_THREAD=0`; BENCHMARKS.md).
     pub pipelined: bool,
+    /// Keep the batch's keys and values quantised (`--kv-bits`) once it has written
+    /// [`KvQuantization::start`] positions (from the start: every batch). The memory accounting
+    /// ([`EngineOptions::max_kv_bytes`]) counts packed bytes where quantisation starts at 0 and
+    /// full-precision ones otherwise (an upper bound).
+    pub kv_quantization: Option<crate::cache::KvQuantization>,
 }
 
 impl Default for EngineOptions {
@@ -107,6 +112,7 @@ impl Default for EngineOptions {
             max_kv_bytes: None,
             context: None,
             pipelined: false,
+            kv_quantization: None,
         }
     }
 }
@@ -185,6 +191,10 @@ impl<'m> Engine<'m> {
         let cfg = lm.model.config();
         let windows = lm.layer_windows();
         let context = opts.context.or(cfg.max_position_embeddings).unwrap_or(crate::cache::MAX_POSITIONS);
+        let kv_bytes_per_layer_position = match &opts.kv_quantization {
+            Some(q) if q.start == 0 => q.packed_bytes(lm.kv_bytes_per_layer_position(), lm.dtype),
+            _ => lm.kv_bytes_per_layer_position(),
+        };
         Engine {
             lm,
             prompt_cache: PromptCache::new(opts.prompt_cache_bytes),
@@ -194,7 +204,7 @@ impl<'m> Engine<'m> {
             prefill: None,
             running: Vec::new(),
             caches: windows.iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect(),
-            kv_bytes_per_layer_position: lm.kv_bytes_per_layer_position(),
+            kv_bytes_per_layer_position,
             windows,
             cancelled: HashSet::new(),
             inflight: None,
@@ -417,6 +427,7 @@ impl<'m> Engine<'m> {
         let slots: Vec<usize> = self.running.iter().map(|s| s.adapter).collect();
         let (model, caches, ids) = (&self.lm.model, &mut self.caches, ids.reshape(&[rows, 1])?);
         let logits = with_row_adapters(&self.adapters, &slots, || model.logits(&model.forward_hidden(&ids, caches)?))??;
+        quantize_caches(caches, self.opts.kv_quantization.as_ref())?;
         let logits = logits.reshape(&[rows, -1])?;
         let mut next = sample_rows(self.lm, &mut self.running, &logits)?;
         rmlx::async_eval(next.arrays().chain(self.caches.iter().flat_map(KvCache::state)))?;
@@ -519,7 +530,7 @@ fn remember(cache: &mut PromptCache, seq: &Sequence, caches: &[KvCache], row: us
         return Ok(());
     }
     let layers = layers.iter().map(|l| l.before(positions)).collect::<Result<Vec<_>>>()?;
-    rmlx::eval(layers.iter().flat_map(|l| [&l.keys, &l.values]))?;
+    rmlx::eval(layers.iter().flat_map(|l| l.keys.arrays().into_iter().chain(l.values.arrays())))?;
     cache.insert(seq.adapter, seq.history[..positions].to_vec(), layers, min_reuse);
     Ok(())
 }
@@ -540,4 +551,15 @@ fn non_finite(seq: &Sequence) -> Error {
         seq.generated + 1,
         seq.id
     ))
+}
+
+/// After a forward pass: the caches that reached `q`'s start are quantised (see
+/// [`EngineOptions::kv_quantization`]).
+pub(crate) fn quantize_caches(caches: &mut [KvCache], q: Option<&crate::cache::KvQuantization>) -> Result<()> {
+    if let Some(q) = q {
+        for c in caches {
+            c.quantize(q)?;
+        }
+    }
+    Ok(())
 }

@@ -92,6 +92,7 @@ impl Engine<'_> {
             let ids = ids_array(&p.seq.history[p.done..p.done + n])?;
             let (model, caches) = (&self.lm.model, &mut p.caches);
             let h = with_row_adapters(&self.adapters, &[p.seq.adapter], || model.forward_hidden(&ids, caches))??;
+            super::quantize_caches(caches, self.opts.kv_quantization.as_ref())?;
             p.done += n;
             budget -= n;
             if p.done < prompt_len {
@@ -180,6 +181,7 @@ impl Engine<'_> {
         let slots: Vec<usize> = seqs.iter().map(|s| s.adapter).collect();
         let model = &self.lm.model;
         let h = with_row_adapters(&self.adapters, &slots, || model.forward_hidden(&ids, &mut caches))??;
+        super::quantize_caches(&mut caches, self.opts.kv_quantization.as_ref())?;
         self.first_tokens(seqs, caches, &h, out)
     }
 

@@ -312,10 +312,9 @@ pub(crate) fn cached_attention(
     softcap: Option<f32>,
     sinks: Option<&Array>,
 ) -> Result<Array> {
-    if let KvCache::Quantized(c) = cache {
+    if let Some((keys, values, mask)) = cache.update_packed(k, v)? {
         // Keys and values stay packed: two quantised products per group of query heads.
-        let (keys, values, mask) = c.update(k, v)?;
-        return crate::cache::quantized_attention(q, &keys, &values, &c.quantization, scale, &mask, softcap, sinks);
+        return crate::cache::quantized_attention(q, &keys, &values, scale, &mask, softcap, sinks);
     }
     if let Some(cap) = softcap {
         if sinks.is_some() {

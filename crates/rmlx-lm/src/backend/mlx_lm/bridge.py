@@ -10,7 +10,8 @@ generate, unsupported ("id" null when the line had no integer id).
                    or {"ready": false, "error"} and exit status 3 when mlx_lm cannot be imported
   load {path}      {"ok": true, "info": {...}}  (frees the loaded model first)
   info             {"ok": true, "info": {...}}
-  generate {prompt | prompt_tokens, max_tokens, temperature, top_p, top_k, min_p, seed, stop}
+  generate {prompt | prompt_tokens, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
+            kv_bits, kv_group_size, quantized_kv_start}
   chat {messages, ...same}
                    {"token", "token_id", "logprob"} per token, the last one (when the
                    generation ends on it) with "finish_reason"; EOS is not sent. Then {"done": true,
@@ -346,8 +347,14 @@ def op_generate(req, chat=False):
     eos = tokenizer.eos_token_ids
     text, n, last, finish = "", 0, None, None
     if not is_cancelled(req_id):
+        # A quantised key/value cache (--kv-bits), as mlx-lm's generate takes it.
+        kv = {}
+        if req.get("kv_bits") is not None:
+            kv = {"kv_bits": _int(req, "kv_bits", 8, lo=1, hi=8),
+                  "kv_group_size": _int(req, "kv_group_size", 64, lo=1),
+                  "quantized_kv_start": _int(req, "quantized_kv_start", 5000)}
         gen = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens,
-                              sampler=sampler)
+                              sampler=sampler, **kv)
         try:
             for r in gen:
                 last = r

@@ -231,6 +231,11 @@ fn sampling(request: &mut Value, opts: &GenerateOptions) {
     request["min_p"] = json!(s.min_p);
     request["seed"] = json!(s.seed);
     request["ignore_eos"] = json!(opts.ignore_eos);
+    if let Some(q) = &opts.kv_quantization {
+        request["kv_bits"] = json!(q.bits);
+        request["kv_group_size"] = json!(q.group_size);
+        request["quantized_kv_start"] = json!(q.start);
+    }
 }
 
 /// One prompt as the bridge takes it: `{"prompt"}`, `{"prompt_tokens"}` or `{"messages"}`.
@@ -344,6 +349,12 @@ impl LanguageModel for MlxLmModel {
 
     fn batch_generate(&mut self, prompts: &[Prompt], opts: &GenerateOptions) -> Result<Vec<Result<Completion>>> {
         check_supported(opts)?;
+        if opts.kv_quantization.is_some() {
+            return Err(Error::InvalidParameter(
+                "kv_bits is not supported by the mlx-lm backend's batch generation (mlx-lm's BatchGenerator has none)"
+                    .into(),
+            ));
+        }
         let inputs: Vec<Value> = prompts.iter().map(input_of).collect();
         let mut request = json!({"op": "batch_generate", "inputs": inputs});
         sampling(&mut request, opts);
