@@ -140,3 +140,22 @@ fn settings_mlx_cannot_pack_are_errors() {
     let e = bad(4, 64);
     assert!(e.contains("--kv-group-size 64 does not divide the head dimension 32"), "{e}");
 }
+
+#[test]
+fn packed_attention_is_the_unpacked_attention() {
+    // 4 query heads over 2 key/value heads, 5 keys of 32 dimensions packed at 4 bits: the
+    // quantised products give the fused attention's output over the same values unpacked (a
+    // prompt's piece takes that path; a decoding step the products).
+    let q = KvQuantization { bits: 4, group_size: 32, start: 0 };
+    let (k, v) = (rows(5, 1), rows(5, 2));
+    let queries =
+        rmlx::random::normal(&[1, 4, 3, 32], Dtype::Float32, 0.0, 1.0, Some(&rmlx::random::key(3).unwrap())).unwrap();
+    let (pk, pv) = (rmlx_lm::cache::pack(&k, &q).unwrap(), rmlx_lm::cache::pack(&v, &q).unwrap());
+    let (uk, uv) = (pk.unpack(Dtype::Float32).unwrap(), pv.unpack(Dtype::Float32).unwrap());
+    for mask in [rmlx_lm::cache::Mask::None, rmlx_lm::cache::Mask::Causal] {
+        let packed = rmlx_lm::cache::quantized_attention(&queries, &pk, &pv, 0.2, &mask, None, None).unwrap();
+        let unpacked = rmlx::fast::scaled_dot_product_attention(&queries, &uk, &uv, 0.2, mask.as_attention()).unwrap();
+        let d = floats(&packed).iter().zip(floats(&unpacked)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(d < 1e-5, "{}: {d}", mask_of(&mask));
+    }
+}

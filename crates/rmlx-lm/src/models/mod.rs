@@ -313,8 +313,15 @@ pub(crate) fn cached_attention(
     sinks: Option<&Array>,
 ) -> Result<Array> {
     if let Some((keys, values, mask)) = cache.update_packed(k, v)? {
-        // Keys and values stay packed: two quantised products per group of query heads.
-        return crate::cache::quantized_attention(q, &keys, &values, scale, &mask, softcap, sinks);
+        if q.shape().get(2) == Some(&1) {
+            // A decoding step: keys and values stay packed, two quantised products per group of
+            // query heads.
+            return crate::cache::quantized_attention(q, &keys, &values, scale, &mask, softcap, sinks);
+        }
+        // A prompt's piece: unpacked once for its many queries (MLX's CUDA quantised product
+        // has no kernel for so many rows), then attended as at full precision.
+        let (keys, values) = (keys.unpack(q.dtype())?, values.unpack(q.dtype())?);
+        return attend(q, &keys, &values, &mask, scale, softcap, sinks);
     }
     if let Some(cap) = softcap {
         if sinks.is_some() {
@@ -327,7 +334,7 @@ pub(crate) fn cached_attention(
             return Ok(attention);
         }
         let (keys, values, mask) = cache.update(k, v)?;
-        return softcapped_attention(q, &keys, &values, scale, cap, &mask);
+        return attend(q, &keys, &values, &mask, scale, softcap, None);
     }
     if let Some(sinks) = sinks {
         // On MLX's CUDA backend, one position: the cache write and the attention in one node.
@@ -337,15 +344,7 @@ pub(crate) fn cached_attention(
             return Ok(attention);
         }
         let (keys, values, mask) = cache.update(k, v)?;
-        let sinks = sinks.astype(q.dtype())?;
-        return Ok(fast::scaled_dot_product_attention_with_sinks(
-            q,
-            &keys,
-            &values,
-            scale,
-            mask.as_attention(),
-            &sinks,
-        )?);
+        return attend(q, &keys, &values, &mask, scale, None, Some(sinks));
     }
     if let KvCache::Standard(c) = cache {
         // On the CPU: causal attention over the cache's buffers in one primitive.
@@ -360,7 +359,29 @@ pub(crate) fn cached_attention(
         return Ok(attention);
     }
     let (keys, values, mask) = cache.update(k, v)?;
-    Ok(fast::scaled_dot_product_attention(q, &keys, &values, scale, mask.as_attention())?)
+    attend(q, &keys, &values, &mask, scale, None, None)
+}
+
+/// `q` over every visible key and value: MLX's fused attention, with sinks where given, or the
+/// soft-capped scores made explicitly.
+fn attend(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    mask: &crate::cache::Mask,
+    scale: f32,
+    softcap: Option<f32>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    match (softcap, sinks) {
+        (Some(_), Some(_)) => Err(crate::Error::InvalidParameter("attention with both soft-capping and sinks".into())),
+        (Some(cap), None) => softcapped_attention(q, keys, values, scale, cap, mask),
+        (None, Some(sinks)) => {
+            let sinks = sinks.astype(q.dtype())?;
+            Ok(fast::scaled_dot_product_attention_with_sinks(q, keys, values, scale, mask.as_attention(), &sinks)?)
+        }
+        (None, None) => Ok(fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_attention())?),
+    }
 }
 
 /// `softmax(cap · tanh(q kᵀ · scale / cap), visible) v` for `q: [B, Hq, L, D]` and `keys, values:

@@ -1,7 +1,7 @@
 //! The batched KV cache on its own: a sliding-window layer drops what no query can see any more,
 //! keeping each row's RoPE offset and the last window of its keys, and its memory bounded.
 
-use crate::cache::{BatchCache, RowKv};
+use crate::cache::{BatchCache, RowKv, Stored};
 use rmlx::{ops, Array, Dtype};
 
 /// `[rows, 1, n, 1]` keys whose values are their positions (plus 1000 per row).
@@ -23,6 +23,7 @@ fn a_windowed_layer_drops_positions_out_of_every_window() {
     for p in 20..300 {
         let k = positions(2, p, 1);
         let (keys, _, _) = c.update(&k, &k).unwrap();
+        let keys = keys.unpacked(Dtype::Float32).unwrap();
         peak = peak.max(c.width());
         // The last 8 positions are the last 8 keys returned, in both rows.
         let n = keys.shape()[2];
@@ -39,7 +40,8 @@ fn a_windowed_layer_drops_positions_out_of_every_window() {
     let row = c.extract(1).unwrap().unwrap();
     assert_eq!(row.start + row.len(), 300);
     assert!(row.start > 0);
-    assert_eq!(values(&row.keys.slice_axis(2, row.len() as i32 - 1, row.len() as i32, 1).unwrap()), vec![1299.0]);
+    let keys = row.keys.unpacked(Dtype::Float32).unwrap();
+    assert_eq!(values(&keys.slice_axis(2, row.len() as i32 - 1, row.len() as i32, 1).unwrap()), vec![1299.0]);
     // A cache built again from it goes on at position 300.
     let again = BatchCache::from_prefix(&row, Some(8));
     assert_eq!(again.offsets().unwrap().to_vec::<i32>().unwrap(), vec![300]);
@@ -50,7 +52,7 @@ fn a_prefix_that_dropped_positions_takes_only_the_columns_it_holds() {
     // Row 0 reuses positions 40..50 of a windowed layer (a batch 50 positions wide); row 1 has no
     // prefix and 6 positions of padding before its prompt.
     let held = ops::ones(&[1, 1, 10, 1], Dtype::Float32).unwrap();
-    let prefix = RowKv { keys: held.clone(), values: held, start: 40 };
+    let prefix = RowKv { keys: Stored::Plain(held.clone()), values: Stored::Plain(held), start: 40 };
     let c = BatchCache::padded(vec![Some(prefix.clone()), None], vec![0, 56], 50, Some(8)).unwrap();
     assert_eq!(c.width(), 10);
     assert_eq!(c.lengths(), vec![50, 0]);
