@@ -166,3 +166,36 @@ fn a_failing_prompt_gets_its_error_and_the_others_complete() {
     assert_eq!(r[3]["text"].as_str().unwrap(), generate("Once upon a time", true, 4).0);
     let _ = std::fs::remove_file(prompts);
 }
+
+/// `--kv-bits`: the batch's keys and values packed from the first position. At 8 bits the default
+/// model's short answers are the full cache's, token for token; at 4 bits every line still gets
+/// one; settings MLX cannot pack are errors naming the flag.
+#[test]
+fn a_quantised_cache_keeps_short_answers() {
+    let lines: Vec<Value> = ["The capital of France is", "Once upon a time", "List three colours:"]
+        .iter()
+        .map(|p| json!({"prompt": p, "max_tokens": 8}))
+        .collect();
+    let path = write_prompts("kv", &lines);
+    let texts = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["batch", "--prompts", path.to_str().unwrap(), "--temp", "0"];
+        args.extend_from_slice(extra);
+        let out = rmlx(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        results(&out).iter().map(|r| r["text"].as_str().unwrap().to_string()).collect()
+    };
+    let full = texts(&[]);
+    assert_eq!(texts(&["--kv-bits", "8", "--quantized-kv-start", "0"]), full);
+    let four = texts(&["--kv-bits", "4", "--quantized-kv-start", "0"]);
+    assert!(four.iter().all(|t| !t.is_empty()), "{four:?}");
+    for (flags, message) in [
+        (["--kv-bits", "7", "--kv-group-size", "64"], "--kv-bits 7 is not supported"),
+        (["--kv-bits", "4", "--kv-group-size", "96"], "--kv-group-size 96 is not supported"),
+    ] {
+        let mut args = vec!["batch", "--prompts", path.to_str().unwrap()];
+        args.extend_from_slice(&flags);
+        let out = rmlx(&args);
+        assert_eq!(out.status.code(), Some(1));
+        assert!(String::from_utf8_lossy(&out.stderr).contains(message), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+}

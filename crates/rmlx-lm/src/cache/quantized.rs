@@ -215,9 +215,12 @@ impl QuantizedCache {
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         self.offset += len as usize;
-        let end = self.offset as i32;
-        let valid = |p: &Packed| p.map(|a| positions(a, 0, end));
-        Ok((valid(&keys)?, valid(&values)?, if len == 1 { Mask::None } else { Mask::Causal }))
+        // The whole buffers (a multiple of 256 positions, as MLX's CUDA quantised product wants
+        // them: no copy), the positions past the valid ones masked.
+        let (end, capacity) = (self.offset as i32, dim(&keys.words, 2));
+        let key = ops::arange(0.0, capacity as f64, 1.0, Dtype::Int32)?.reshape(&[1, capacity])?;
+        let query = ops::arange(prev as f64, end as f64, 1.0, Dtype::Int32)?.reshape(&[len, 1])?;
+        Ok((keys, values, Mask::Array(key.less_equal(&query)?)))
     }
 
     /// Bounded to `max_size` positions: the kept ones (all but those each new query can no longer
@@ -263,7 +266,10 @@ impl QuantizedCache {
 /// `softmax(q kᵀ · scale [capped], masked [with sinks]) v` for `q: [B, Hq, L, D]` over packed
 /// `keys, values` of `Hkv` heads, as mlx-lm's quantised attention computes it: each group of
 /// query heads against its key/value head through two quantised products, the softmax in
-/// float32. Gemma 2's soft cap and gpt-oss's sinks too, which mlx-lm's does not take.
+/// float32. The products take the `B·Hkv` heads as their batch and each group's `Hq/Hkv · L`
+/// queries as rows (MLX's CUDA backend has no quantised product that broadcasts a batch axis,
+/// which stops mlx-lm's there). Gemma 2's soft cap and gpt-oss's sinks too, which mlx-lm's does
+/// not take.
 pub fn quantized_attention(
     q: &Array,
     keys: &Packed,
@@ -276,25 +282,46 @@ pub fn quantized_attention(
     let (&[b, hq, l, d], hkv) = (q.shape(), dim(&keys.words, 1)) else {
         return Err(Error::InvalidParameter(format!("attention takes [B, H, L, D] queries, not {:?}", q.shape())));
     };
-    let repeats = hq / hkv;
-    let q = (q * scale)?.reshape(&[b, hkv, repeats, l, d])?;
-    let grouped = |p: &Packed| p.map(|a| Ok(a.expand_dims(2)?));
-    let (keys, values) = (grouped(keys)?.as_quantized(), grouped(values)?.as_quantized());
-    let mut scores = quantized_matmul(&q, &keys, true)?;
+    let (repeats, valid) = (hq / hkv, dim(&keys.words, 2));
+    // MLX's CUDA quantised product takes whole tiles of keys: pad to a multiple of 64, masked.
+    let pad = (64 - valid % 64) % 64;
+    let k = valid + pad;
+    let padded = |p: &Packed| -> Result<Packed> {
+        if pad == 0 {
+            return Ok(p.clone());
+        }
+        p.map(|a| {
+            let s = a.shape();
+            Ok(ops::concatenate(&[a, &ops::zeros(&[s[0], s[1], pad, s[3]], a.dtype())?], 2)?)
+        })
+    };
+    let heads = |p: &Packed| padded(p)?.map(|a| Ok(a.reshape(&[b * hkv, k, a.shape()[3]])?));
+    let (keys, values) = (heads(keys)?.as_quantized(), heads(values)?.as_quantized());
+    let q = (q * scale)?.reshape(&[b * hkv, repeats * l, d])?;
+    let mut scores = quantized_matmul(&q, &keys, true)?.reshape(&[b, hkv, repeats, l, k])?;
     if let Some(cap) = softcap {
         scores = (ops::tanh(&(&scores / cap)?)? * cap)?;
     }
+    let ki = ops::arange(0.0, k as f64, 1.0, Dtype::Int32)?.reshape(&[1, k])?;
     let visible = match mask {
-        Mask::None => None,
+        Mask::None if pad == 0 => None,
+        Mask::None => Some(ki.less(&Array::scalar(valid))?),
         Mask::Causal => {
-            let k = scores.shape()[4];
-            let qi = ops::arange((k - l) as f64, k as f64, 1.0, Dtype::Int32)?.reshape(&[l, 1])?;
-            let ki = ops::arange(0.0, k as f64, 1.0, Dtype::Int32)?.reshape(&[1, k])?;
+            let qi = ops::arange((valid - l) as f64, valid as f64, 1.0, Dtype::Int32)?.reshape(&[l, 1])?;
             Some(qi.greater_equal(&ki)?)
         }
-        // A batch's mask `[B, 1, L, K]` gets the axis of the query heads' groups.
-        Mask::Array(m) if m.ndim() > 3 => Some(m.expand_dims(-3)?),
-        Mask::Array(m) => Some(m.clone()),
+        Mask::Array(m) => {
+            let m = match pad {
+                0 => m.clone(),
+                _ => {
+                    let mut s = m.shape().to_vec();
+                    *s.last_mut().expect("a mask has axes") = pad;
+                    ops::concatenate(&[m, &ops::zeros(&s, Dtype::Bool)?], -1)?
+                }
+            };
+            // A batch's mask `[B, 1, L, K]` gets the axis of the query heads' groups.
+            Some(if m.ndim() > 3 { m.expand_dims(-3)? } else { m })
+        }
     };
     if let Some(m) = visible {
         scores = ops::r#where(&m, &scores, &Array::scalar_as(lowest(scores.dtype()), scores.dtype())?)?;
@@ -306,10 +333,10 @@ pub fn quantized_attention(
             let s = s.astype(scores.dtype())?.reshape(&[1, hkv, repeats, 1, 1])?;
             let s = ops::broadcast_to(&s, &[b, hkv, repeats, l, 1])?;
             let with = ops::softmax(&ops::concatenate(&[&s, &scores], -1)?, -1, true)?;
-            let k = scores.shape()[4];
             with.slice_axis(-1, 1, k + 1, 1)?
         }
     };
+    let weights = weights.reshape(&[b * hkv, repeats * l, k])?;
     let out = quantized_matmul(&weights, &values, false)?;
     Ok(out.reshape(&[b, hq, l, d])?)
 }
