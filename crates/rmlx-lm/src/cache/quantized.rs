@@ -215,12 +215,16 @@ impl QuantizedCache {
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         self.offset += len as usize;
-        // The whole buffers (a multiple of 256 positions, as MLX's CUDA quantised product wants
-        // them: no copy), the positions past the valid ones masked.
         let (end, capacity) = (self.offset as i32, dim(&keys.words, 2));
+        if len > 1 {
+            // A prompt's piece (attended unpacked): the valid positions, causally.
+            let valid = |p: &Packed| p.map(|a| positions(a, 0, end));
+            return Ok((valid(&keys)?, valid(&values)?, Mask::Causal));
+        }
+        // A decoding step: the whole buffers (a multiple of 256 positions, as MLX's CUDA
+        // quantised product wants them: no copy), the positions past the valid ones masked.
         let key = ops::arange(0.0, capacity as f64, 1.0, Dtype::Int32)?.reshape(&[1, capacity])?;
-        let query = ops::arange(prev as f64, end as f64, 1.0, Dtype::Int32)?.reshape(&[len, 1])?;
-        Ok((keys, values, Mask::Array(key.less_equal(&query)?)))
+        Ok((keys, values, Mask::Array(key.less(&Array::scalar(end))?)))
     }
 
     /// Bounded to `max_size` positions: the kept ones (all but those each new query can no longer
