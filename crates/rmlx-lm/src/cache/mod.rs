@@ -235,25 +235,14 @@ impl KvCache {
     /// of a pipeline stage wait for the whole pipeline's output, so that whichever a rank
     /// evaluates, its caches or the output, it takes part in the same collectives as the others.
     pub fn wait_for(&mut self, done: &Array) -> Result<()> {
-        let buffers = match self {
-            KvCache::Standard(c) => [&mut c.keys, &mut c.values],
-            KvCache::Rotating(c) => [&mut c.keys, &mut c.values],
-            KvCache::Batch(_) | KvCache::Quantized(_) => {
-                let arrays = match self {
-                    KvCache::Batch(c) => c.state_mut(),
-                    KvCache::Quantized(c) => c.state_mut(),
-                    _ => unreachable!(),
-                };
-                for a in arrays {
-                    *a = ops::depends(&[&*a], &[done])?.remove(0);
-                }
-                return Ok(());
-            }
+        let arrays: Vec<&mut Array> = match self {
+            KvCache::Standard(c) => [&mut c.keys, &mut c.values].into_iter().flatten().collect(),
+            KvCache::Rotating(c) => [&mut c.keys, &mut c.values].into_iter().flatten().collect(),
+            KvCache::Batch(c) => c.state_mut(),
+            KvCache::Quantized(c) => c.state_mut(),
         };
-        for buffer in buffers {
-            if let Some(a) = buffer.as_ref() {
-                *buffer = Some(ops::depends(&[a], &[done])?.remove(0));
-            }
+        for a in arrays {
+            *a = ops::depends(&[&*a], &[done])?.remove(0);
         }
         Ok(())
     }

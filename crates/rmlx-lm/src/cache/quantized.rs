@@ -14,6 +14,16 @@ use rmlx::quantization::{quantize, quantized_matmul, QuantMode, Quantized};
 use rmlx::{ops, Array, Dtype};
 
 /// How a cache is quantised, and from which position on.
+///
+/// ```
+/// use rmlx_lm::KvQuantization;
+/// let q = KvQuantization::new(8);
+/// assert_eq!((q.group_size, q.start), (64, 5000));
+/// // 1,024 bytes of bfloat16 keys (512 elements) packed at 8 bits: 512 bytes, and a scale and
+/// // a bias for each of the 8 groups.
+/// assert_eq!(q.packed_bytes(1024, rmlx::Dtype::Bfloat16), 512 + 8 * 2 * 2);
+/// assert!(KvQuantization { bits: 7, ..q }.check().is_err());
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KvQuantization {
     /// Bits per element: 2, 3, 4, 5, 6 or 8.

@@ -1,7 +1,7 @@
 //! The engine as every rank of a split model runs it: in lockstep. Each rank holds a share of
 //! every layer (tensor parallelism) or some of the blocks (a pipeline), so every forward pass
-//! needs them all. Rank 0 decides alone (which
-//! requests join, which are cancelled, when the batch is aborted) and, before each step, sends the
+//! needs them all. Rank 0 decides alone (which requests join, which are cancelled, when the batch
+//! is aborted, which adapters are loaded, when to warm up) and, before each step, sends the
 //! decisions taken since the last one to the other ranks ([`Ranks::broadcast_bytes`]); they apply
 //! them to their own engine ([`Lockstep::follow`]) and step with it. Given the same decisions the
 //! engines make the same batches and forward passes, and every sampled token is rank 0's
