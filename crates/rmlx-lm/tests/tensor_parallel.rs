@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::ranks::{attach_adapters, greedy, logits, AdapterForm};
+use common::ranks::{adapted_pair, attach_adapters, greedy, logits, AdapterForm};
 use common::{fixture_dir, fixture_with_tokenizer, floats, ids, max_abs_diff, reference};
 use rmlx::distributed::{Backend, Group};
 use rmlx::Dtype;
@@ -161,17 +161,9 @@ const ADAPTED: &[(&str, AdapterForm, usize)] = &[
 fn tensor_parallel_adapters_rank() {
     let tp = Ranks::new(Group::init(Backend::Ring, true).unwrap(), Backend::Ring);
     for (i, &(name, form, num_layers)) in ADAPTED.iter().enumerate() {
-        let dir = fixture_with_tokenizer(name);
-        let adapters = common::TempDir::new("adapters");
-        let mut whole = load(dir.path(), None).unwrap();
-        let prompt: Vec<u32> = (0..10u32).map(|i| (i * 5 + 2) % 30).collect();
-        let (base, _) = logits(&whole, &prompt);
-        attach_adapters(&mut whole, adapters.path(), form, num_layers, i as u64 + 1);
+        let load = |dir: &std::path::Path, split: bool| load(dir, split.then_some(&tp)).unwrap();
+        let (whole, split, prompt) = adapted_pair(name, form, num_layers, i as u64 + 1, load);
         let (adapted, adapted_steps) = logits(&whole, &prompt);
-        assert!(max_abs_diff(&base, &adapted) > 1e-3, "{name}: the adapters change nothing");
-        let mut split = load(dir.path(), Some(&tp)).unwrap();
-        rmlx_lm::tuner::adapters::load(split.model.as_mut(), adapters.path(), Dtype::Float32)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
         let (split_logits, split_steps) = logits(&split, &prompt);
         let d = max_abs_diff(&split_logits, &adapted);
         assert!(d < 1e-4, "{name} ({form:?}): split and adapted vs whole and adapted differ by {d}");

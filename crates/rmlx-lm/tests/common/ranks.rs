@@ -142,3 +142,27 @@ pub fn attach_adapters(
         }
     }
 }
+
+/// The fixture `name` whole with adapters of `form` attached (seed `seed`), and split (`load`
+/// with `true`) with the same adapters read back from the folder they were written to, and the
+/// prompt to compare them on. The adapters must move the whole model's logits.
+pub fn adapted_pair(
+    name: &str,
+    form: AdapterForm,
+    num_layers: usize,
+    seed: u64,
+    load: impl Fn(&std::path::Path, bool) -> LoadedModel,
+) -> (LoadedModel, LoadedModel, Vec<u32>) {
+    let dir = super::fixture_with_tokenizer(name);
+    let adapters = super::TempDir::new("adapters");
+    let mut whole = load(dir.path(), false);
+    let prompt: Vec<u32> = (0..10u32).map(|i| (i * 5 + 2) % 30).collect();
+    let (base, _) = logits(&whole, &prompt);
+    attach_adapters(&mut whole, adapters.path(), form, num_layers, seed);
+    let (adapted, _) = logits(&whole, &prompt);
+    assert!(super::max_abs_diff(&base, &adapted) > 1e-3, "{name}: the adapters change nothing");
+    let mut split = load(dir.path(), true);
+    rmlx_lm::tuner::adapters::load(split.model.as_mut(), adapters.path(), Dtype::Float32)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    (whole, split, prompt)
+}
