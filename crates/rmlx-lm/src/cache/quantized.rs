@@ -194,9 +194,11 @@ impl QuantizedCache {
         }
     }
 
-    /// Unbounded: written in place after the valid positions, the buffers grown by whole steps.
-    fn append(&mut self, k: &Packed, v: &Packed) -> Result<(Packed, Packed, Mask)> {
-        let (prev, len) = (self.offset as i32, dim(&k.words, 2));
+    /// Grows the unbounded buffers (allocating them first) so that `len` more positions packed as
+    /// `like` (`[B, H, ·, ·]`) fit after the valid ones, by whole steps.
+    fn reserve(&mut self, like: (&Packed, &Packed), len: i32) -> Result<()> {
+        let (k, v) = like;
+        let prev = self.offset as i32;
         let capacity = self.keys.as_ref().map_or(0, |p| dim(&p.words, 2));
         if self.keys.is_none() || prev + len > capacity {
             let extra = (len + STEP - 1) / STEP * STEP;
@@ -214,6 +216,35 @@ impl QuantizedCache {
             self.keys = Some(grow(self.keys.take(), k)?);
             self.values = Some(grow(self.values.take(), v)?);
         }
+        Ok(())
+    }
+
+    /// For a kernel that packs and writes a decoding step's position itself: an unbounded
+    /// cache's buffers grown so that one more position of `[B, H, 1, D]` rows of `dtype` fits,
+    /// lent (`[B, H, capacity, ·]` keys and values) until [`QuantizedCache::give_back`].
+    pub(crate) fn lend_for_one(&mut self, rows: [i32; 4], dtype: Dtype) -> Result<Option<(Packed, Packed)>> {
+        if self.window.is_some() || rows[2] != 1 {
+            return Ok(None);
+        }
+        let capacity = self.keys.as_ref().map_or(0, |p| dim(&p.words, 2) as usize);
+        if self.offset + 1 > capacity {
+            let like = pack(&ops::zeros(&rows, dtype)?, &self.quantization)?;
+            self.reserve((&like, &like), 1)?;
+        }
+        Ok(self.keys.take().zip(self.values.take()))
+    }
+
+    /// Takes back the buffers lent by [`QuantizedCache::lend_for_one`], with `written` positions
+    /// (0 or 1) more held.
+    pub(crate) fn give_back(&mut self, keys: Packed, values: Packed, written: usize) {
+        (self.keys, self.values) = (Some(keys), Some(values));
+        self.offset += written;
+    }
+
+    /// Unbounded: written in place after the valid positions, the buffers grown by whole steps.
+    fn append(&mut self, k: &Packed, v: &Packed) -> Result<(Packed, Packed, Mask)> {
+        let (prev, len) = (self.offset as i32, dim(&k.words, 2));
+        self.reserve((k, v), len)?;
         let write = |buf: &Packed, new: &Packed| -> Result<Packed> {
             buf.zip(new, |b, n| {
                 let s = b.shape();

@@ -312,10 +312,20 @@ pub(crate) fn cached_attention(
     softcap: Option<f32>,
     sinks: Option<&Array>,
 ) -> Result<Array> {
+    // On MLX's CUDA backend, a decoding step over a quantised cache: the position packed and
+    // written and the attention over the packed positions in one launch.
+    let packed = crate::nn::cuda_packed_attention::quantized_cache_attention;
+    if let Some(attention) = packed(q, k, v, cache, scale, softcap, sinks)? {
+        return Ok(attention);
+    }
     if let Some((keys, values, mask)) = cache.update_packed(k, v)? {
         if q.shape().get(2) == Some(&1) {
-            // A decoding step: keys and values stay packed, two quantised products per group of
-            // query heads.
+            // A decoding step: keys and values stay packed; on MLX's CUDA backend one launch reads
+            // them, elsewhere two quantised products per group of query heads.
+            let fused = crate::nn::cuda_packed_attention::packed_decode_attention;
+            if let Some(attention) = fused(q, &keys, &values, scale, &mask, softcap, sinks)? {
+                return Ok(attention);
+            }
             return crate::cache::quantized_attention(q, &keys, &values, scale, &mask, softcap, sinks);
         }
         // A prompt's piece: unpacked once for its many queries (MLX's CUDA quantised product

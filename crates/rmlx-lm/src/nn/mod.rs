@@ -14,6 +14,7 @@ pub(crate) mod cuda_attention;
 pub(crate) mod cuda_fast;
 pub(crate) mod cuda_lora;
 pub(crate) mod cuda_moe;
+pub(crate) mod cuda_packed_attention;
 pub(crate) mod cuda_qmv;
 mod cuda_qmv_ix;
 pub(crate) mod cuda_sample;

@@ -13,6 +13,7 @@ mod cuda_attention;
 mod cuda_fast;
 mod cuda_lora;
 mod cuda_moe;
+mod cuda_packed_attention;
 mod cuda_qmv;
 mod cuda_sample;
 mod cuda_step;
