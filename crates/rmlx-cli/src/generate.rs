@@ -41,6 +41,11 @@ pub struct Args {
     /// `auto` (native when it has the architecture, else mlx-lm).
     #[arg(long, default_value = "auto")]
     backend: String,
+    /// Continue after the prompt cached in this file (`rmlx cache-prompt` or mlx-lm's
+    /// `cache_prompt`): the prompt continues the cached user message (or, with --raw, the cached
+    /// text). A file made for another model, dtype or adapter is refused.
+    #[arg(long)]
+    prompt_cache_file: Option<std::path::PathBuf>,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -52,8 +57,6 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         a.prompt.clone()
     };
-    let mut lm = a.model.open(&a.backend)?;
-    let lm_backend = lm.info().backend;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampler,
@@ -62,6 +65,11 @@ pub fn run(a: Args) -> Result<()> {
         kv_quantization: a.kv_cache.quantization()?,
         ..GenerateOptions::default()
     };
+    if let Some(file) = &a.prompt_cache_file {
+        return after_cache(&a, file, &prompt_text, &opts);
+    }
+    let mut lm = a.model.open(&a.backend)?;
+    let lm_backend = lm.info().backend;
     let mut generation = if a.raw {
         lm.generate(&Prompt::Text(prompt_text), &opts)?
     } else {
@@ -72,9 +80,43 @@ pub fn run(a: Args) -> Result<()> {
         messages.push(Message::user(prompt_text.as_str()));
         lm.chat(&messages, &opts)?
     };
+    let tokens = generation.by_ref().map(|t| t.map_err(anyhow::Error::from));
+    let (text, ids) = emit(&a, tokens)?;
+    report(&a, &generation.metrics(), generation.finish_reason(), &text, &ids, lm_backend)
+}
+
+/// Generation after the caches of a prompt-cache file (rmlx's own model: the file holds its caches).
+fn after_cache(a: &Args, file: &std::path::Path, prompt_text: &str, opts: &GenerateOptions) -> Result<()> {
+    if a.backend == "mlx-lm" {
+        anyhow::bail!("--prompt-cache-file runs on rmlx's own backend (--backend native or auto)");
+    }
+    let lm = a.model.load()?;
+    let cached = rmlx_lm::cache::load_prompt_cache(file).with_context(|| format!("reading {}", file.display()))?;
+    lm.check_prompt_cache(file, &cached, a.model.adapter_path.as_deref(), opts.kv_quantization.as_ref())?;
+    if !cached.metadata.contains_key("rmlx.model") {
+        let made_for = cached.metadata.get("model").map_or("an unnamed model", String::as_str);
+        eprintln!("{}: made by mlx-lm for {made_for}: its shapes and dtype match this model", file.display());
+    }
+    let prompt = if a.raw {
+        let ids = lm.tokenizer.encode(prompt_text, false)?;
+        lm.vocab.check(&ids)?;
+        ids
+    } else {
+        lm.prompt_after_cache(prompt_text, a.system.as_deref())?
+    };
+    let cached_tokens = cached.caches.first().map_or(0, |c| c.offset());
+    let mut generation = lm.generate_after(cached.caches, &prompt, opts)?;
+    let tokens = generation.by_ref().map(|t| t.map_err(anyhow::Error::from));
+    let (text, ids) = emit(a, tokens)?;
+    eprintln!("prompt cache: {cached_tokens} tokens from {}", file.display());
+    report(a, generation.metrics(), generation.finish_reason(), &text, &ids, "native".into())
+}
+
+/// Streams the tokens to stdout (unless `--json`); returns the text and ids.
+fn emit(a: &Args, tokens: impl Iterator<Item = Result<rmlx_lm::Token>>) -> Result<(String, Vec<u32>)> {
     let (mut text, mut ids) = (String::new(), Vec::new());
     let mut out = std::io::stdout().lock();
-    for token in generation.by_ref() {
+    for token in tokens {
         let token = token?;
         ids.push(token.id);
         text.push_str(&token.text);
@@ -83,8 +125,19 @@ pub fn run(a: Args) -> Result<()> {
             out.flush()?;
         }
     }
-    let m = generation.metrics();
-    let reason = generation.finish_reason();
+    Ok((text, ids))
+}
+
+/// The JSON object (`--json`) or the statistics line on stderr.
+fn report(
+    a: &Args,
+    m: &rmlx_lm::Metrics,
+    reason: Option<rmlx_lm::FinishReason>,
+    text: &str,
+    ids: &[u32],
+    lm_backend: String,
+) -> Result<()> {
+    let mut out = std::io::stdout().lock();
     if a.json {
         let obj = serde_json::json!({
             "text": text,

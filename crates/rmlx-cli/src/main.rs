@@ -9,6 +9,7 @@ mod bench;
 mod bench_batch;
 mod bench_collective;
 mod bench_kernels;
+mod cache_prompt;
 mod chat;
 mod common;
 mod convert;
@@ -52,6 +53,9 @@ enum Command {
     Lora(lora::Args),
     /// Merge LoRA adapters into the base weights and write a Hugging Face folder.
     Fuse(fuse::Args),
+    /// Run a prompt once and write its key/value caches to a file (mlx-lm's prompt-cache format)
+    /// that `generate --prompt-cache-file` continues.
+    CachePrompt(cache_prompt::Args),
     /// Convert a Hugging Face folder or GGUF file to an MLX folder: quantise (-q, mlx_lm.convert's
     /// flags), dequantise (-d) or cast (--dtype).
     Convert(convert::Args),
@@ -124,6 +128,7 @@ fn main() {
         Command::Lora(a) => lora::run(a, lora_matches),
         Command::Fuse(a) => fuse::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::CachePrompt(a) => cache_prompt::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Batch(a) => batch::run(a),
         Command::Inspect(a) => inspect::run(a),

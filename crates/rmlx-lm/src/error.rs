@@ -38,6 +38,11 @@ pub enum Error {
     /// The prompt is unusable: empty, or longer than the context limit.
     #[error("prompt: {0}")]
     Prompt(String),
+    /// A prompt-cache file that does not belong to the model it is used with (another model,
+    /// dtype, adapter or shape), or holds caches rmlx does not read.
+    #[error("prompt cache {path}: {reason}")]
+    PromptCache { path: String, reason: String },
+
     /// A generation or sampling parameter is out of range.
     #[error("invalid parameter: {0}")]
     InvalidParameter(String),

@@ -187,7 +187,24 @@ impl LoadedModel {
 
     /// Starts generating after `prompt`; iterate to get tokens.
     pub fn generate(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Generation<'_>> {
-        Generation::new(self, prompt, opts)
+        Generation::new(self, None, prompt, opts)
+    }
+
+    /// Starts generating after `caches` (one a layer, holding an earlier prompt: a prompt-cache
+    /// file's, see [`crate::cache::load_prompt_cache`]) and then `prompt`, which continues it.
+    /// The model's context limit counts the cached positions; repetition penalties see `prompt`
+    /// on (as mlx-lm's do).
+    pub fn generate_after(
+        &self,
+        caches: Vec<KvCache>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<Generation<'_>> {
+        let layers = self.model.new_caches(None).len();
+        if caches.len() != layers {
+            return Err(Error::InvalidParameter(format!("{} caches for a model of {layers} layers", caches.len())));
+        }
+        Generation::new(self, Some(caches), prompt, opts)
     }
 }
 
@@ -210,7 +227,7 @@ pub struct Generation<'m> {
 }
 
 impl<'m> Generation<'m> {
-    fn new(lm: &'m LoadedModel, prompt: &[u32], opts: &GenerateOptions) -> Result<Self> {
+    fn new(lm: &'m LoadedModel, caches: Option<Vec<KvCache>>, prompt: &[u32], opts: &GenerateOptions) -> Result<Self> {
         if prompt.is_empty() {
             return Err(Error::Prompt("the prompt is empty".into()));
         }
@@ -222,6 +239,7 @@ impl<'m> Generation<'m> {
             return Err(Error::InvalidParameter("prefill_chunk must be positive".into()));
         }
         let cfg = lm.model.config();
+        let cached = caches.as_ref().and_then(|c| c.first()).map_or(0, KvCache::offset);
         // A context limit bounds the caches (they rotate), so generation goes on past it; the
         // model's own limit (max_position_embeddings) ends generation when reached.
         let room = match (opts.context_limit, cfg.max_position_embeddings) {
@@ -231,7 +249,7 @@ impl<'m> Generation<'m> {
                 usize::MAX
             }
             (Some(_), _) => usize::MAX,
-            (None, Some(limit)) => room_after_prompt(prompt.len(), limit)?,
+            (None, Some(limit)) => room_after_prompt(cached + prompt.len(), limit)?,
             (None, None) => usize::MAX,
         };
         lm.vocab.check(prompt)?;
@@ -242,7 +260,7 @@ impl<'m> Generation<'m> {
         let mut g = Self {
             lm,
             opts: GenerateOptions { max_tokens: opts.max_tokens.min(room), ..opts.clone() },
-            caches: lm.model.new_caches(opts.context_limit),
+            caches: caches.unwrap_or_else(|| lm.model.new_caches(opts.context_limit)),
             sampler,
             history: prompt.to_vec(),
             pending: None,

@@ -55,6 +55,7 @@ pub(crate) mod models;
 pub mod nn;
 pub mod profile;
 pub mod progress;
+pub mod prompt_file;
 pub mod ranks;
 #[cfg(feature = "download")]
 pub mod registry;

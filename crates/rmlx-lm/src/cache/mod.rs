@@ -13,10 +13,12 @@
 //! decode step can take over: the write position is `offset`, the valid length `offset + 1`.
 
 mod batch;
+mod file;
 mod quantized;
 mod stored;
 
 pub use batch::{BatchCache, RowKv};
+pub use file::{load_prompt_cache, save_prompt_cache, PromptCacheFile};
 pub use quantized::{pack, quantized_attention, KvQuantization, Packed, QuantizedCache};
 pub use stored::Stored;
 
@@ -418,6 +420,19 @@ impl RotatingCache {
             done: None,
             idx: 0,
         }
+    }
+
+    /// The cache whose buffers `keys, values` (`[B, H, n, D]`, in ring order) hold positions up to
+    /// `offset`, the next written to slot `idx` (mlx-lm's `RotatingKVCache` state).
+    pub fn from_state(keys: Array, values: Array, offset: usize, max_size: usize, keep: usize, idx: usize) -> Self {
+        let mut c = RotatingCache::new(max_size, keep);
+        (c.keys, c.values, c.offset, c.idx) = (Some(keys), Some(values), offset, idx);
+        c
+    }
+
+    /// `(offset, keep, max_size, next write slot)`: the fields of mlx-lm's state beside the buffers.
+    pub fn state_fields(&self) -> (usize, usize, usize, usize) {
+        (self.offset, self.keep, self.max_size, self.idx)
     }
 
     /// The ring the buffers form once they hold the window.

@@ -165,6 +165,22 @@ impl QuantizedCache {
         Ok(QuantizedCache { quantization, keys: Some(keys), values: Some(values), offset, window })
     }
 
+    /// The unbounded cache holding `offset` positions of packed `keys, values` (`[B, H, n, ·]`,
+    /// `n ≥ offset`; mlx-lm's `QuantizedKVCache` state).
+    pub fn from_packed(quantization: KvQuantization, keys: Packed, values: Packed, offset: usize) -> Self {
+        QuantizedCache { quantization, keys: Some(keys), values: Some(values), offset, window: None }
+    }
+
+    /// The positions held, packed (in temporal order), or `None` when empty.
+    pub fn held(&self) -> Option<(Packed, Packed)> {
+        let n = match self.window {
+            None => self.offset as i32,
+            Some(_) => dim(&self.keys.as_ref()?.words, 2),
+        };
+        let cut = |p: &Packed| p.map(|a| positions(a, 0, n)).ok();
+        Some((cut(self.keys.as_ref()?)?, cut(self.values.as_ref()?)?))
+    }
+
     /// The arrays held (to evaluate them with a step's output).
     pub fn state(&self) -> Vec<&Array> {
         self.keys.iter().chain(self.values.iter()).flat_map(Packed::arrays).collect()
