@@ -46,6 +46,15 @@ pub fn run(a: Args) -> Result<()> {
         a.prompt.clone()
     };
     let lm = a.model.load()?;
+    let folder = |p: &std::path::Path| p.canonicalize().ok();
+    let target_dir =
+        a.prompt_cache_file.parent().map(|d| if d.as_os_str().is_empty() { std::path::Path::new(".") } else { d });
+    if lm.source.is_dir() && target_dir.and_then(folder) == folder(&lm.source) {
+        anyhow::bail!(
+            "--prompt-cache-file {}: inside the model's folder, where loading the model would read it as weights",
+            a.prompt_cache_file.display()
+        );
+    }
     let prompt = if a.raw {
         let ids = lm.tokenizer.encode(&text, true)?;
         lm.vocab.check(&ids)?;
