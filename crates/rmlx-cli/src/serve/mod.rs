@@ -81,6 +81,14 @@ pub struct Args {
     /// limit for the device leaves after the weights and the prompt cache).
     #[arg(long)]
     max_kv_gb: Option<f64>,
+    /// A directory the prompt cache spills to: entries the memory budget lets go, and those held
+    /// at shutdown, are written there as prompt-cache files (mlx-lm's format) and read back by
+    /// prompts that begin the same way, also after a restart.
+    #[arg(long)]
+    prompt_cache_dir: Option<std::path::PathBuf>,
+    /// Gigabytes the prompt-cache directory may hold (the least recently used files go first).
+    #[arg(long, default_value_t = 16.0, requires = "prompt_cache_dir")]
+    prompt_cache_dir_gb: f64,
     /// Build each decoding step before the previous one's tokens are read (experimental: slower
     /// through the evaluation thread, see BENCHMARKS.md).
     #[arg(long, hide = true)]
@@ -191,6 +199,10 @@ pub fn run(a: Args) -> Result<()> {
             "adapters need the native backend, and {model_id} is served by {backend}"
         );
     }
+    anyhow::ensure!(
+        a.prompt_cache_dir.is_none() || model.as_native().is_some_and(|lm| lm.ranks().is_none()),
+        "--prompt-cache-dir needs the native backend and a model on one device (split over ranks, each rank holds part of every entry)"
+    );
     if let Some(lm) = model.as_native() {
         if let Some(ranks) = lm.ranks().filter(|r| r.rank() != 0) {
             // Rank 0 serves HTTP; this rank computes its share of every step rank 0 decides
@@ -302,6 +314,10 @@ fn engine_options(a: &Args, lm: &rmlx_lm::LoadedModel, stats: Option<&Stats>) ->
         pipelined: a.pipelined_decode,
         // Checked when the server started.
         kv_quantization: a.kv_cache.quantization().unwrap_or(None),
+        prompt_cache_dir: a
+            .prompt_cache_dir
+            .as_ref()
+            .map(|dir| rmlx_lm::engine::PromptCacheDir { dir: dir.clone(), budget: gb(a.prompt_cache_dir_gb) as u64 }),
     };
     let warm_up = match a.warm_up.as_str() {
         "on" => true,

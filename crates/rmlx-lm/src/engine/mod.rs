@@ -43,6 +43,7 @@ mod budget;
 mod lockstep;
 mod prefill;
 mod prompt_cache;
+mod prompt_disk;
 mod sampling;
 mod sequence;
 mod warm_up;
@@ -50,6 +51,7 @@ mod warm_up;
 pub use budget::{device_kv_budget, kv_budget};
 pub use lockstep::Lockstep;
 pub use prompt_cache::PromptCache;
+pub use prompt_disk::{DiskTier, PromptCacheDir};
 
 use crate::cache::{BatchCache, KvCache};
 use crate::generate::{ids_array, FinishReason, GenerateOptions};
@@ -100,6 +102,9 @@ pub struct EngineOptions {
     /// ([`EngineOptions::max_kv_bytes`]) counts packed bytes where quantisation starts at 0 and
     /// full-precision ones otherwise (an upper bound).
     pub kv_quantization: Option<crate::cache::KvQuantization>,
+    /// A directory the prompt cache spills to, with its own byte budget (`None`: memory only);
+    /// see [`DiskTier`].
+    pub prompt_cache_dir: Option<PromptCacheDir>,
 }
 
 impl Default for EngineOptions {
@@ -113,6 +118,7 @@ impl Default for EngineOptions {
             context: None,
             pipelined: false,
             kv_quantization: None,
+            prompt_cache_dir: None,
         }
     }
 }
@@ -195,9 +201,19 @@ impl<'m> Engine<'m> {
             Some(q) if q.start == 0 => q.packed_bytes(lm.kv_bytes_per_layer_position(), lm.dtype),
             _ => lm.kv_bytes_per_layer_position(),
         };
+        let prompt_cache = match &opts.prompt_cache_dir {
+            None => PromptCache::new(opts.prompt_cache_bytes),
+            Some(dir) => match disk_tier(lm, dir, &windows, opts.kv_quantization) {
+                Ok(disk) => PromptCache::with_disk(opts.prompt_cache_bytes, disk),
+                Err(err) => {
+                    tracing::warn!(%err, dir = %dir.dir.display(), "the prompt cache stays in memory");
+                    PromptCache::new(opts.prompt_cache_bytes)
+                }
+            },
+        };
         Engine {
             lm,
-            prompt_cache: PromptCache::new(opts.prompt_cache_bytes),
+            prompt_cache,
             opts,
             next_id: 0,
             waiting: VecDeque::new(),
@@ -315,6 +331,12 @@ impl<'m> Engine<'m> {
     /// The prompt cache's bytes and entries.
     pub fn prompt_cache_usage(&self) -> (usize, usize) {
         (self.prompt_cache.bytes(), self.prompt_cache.len())
+    }
+
+    /// Files of the prompt cache's directory and their bytes (`None`: no
+    /// [`EngineOptions::prompt_cache_dir`]).
+    pub fn prompt_cache_disk_usage(&self) -> Option<(usize, u64)> {
+        self.prompt_cache.disk_usage()
     }
 
     /// Bytes held by the running batch's keys and values.
@@ -503,6 +525,20 @@ impl<'m> Engine<'m> {
             rmlx::memory::clear_cache();
         }
     }
+}
+
+/// The disk tier over `dir` for `lm`'s entries computed with `quantization`.
+fn disk_tier(
+    lm: &LoadedModel,
+    dir: &PromptCacheDir,
+    windows: &[Option<usize>],
+    quantization: Option<crate::cache::KvQuantization>,
+) -> Result<DiskTier> {
+    let mut identity = lm.prompt_cache_metadata(None)?;
+    identity.retain(|k, _| k.starts_with("rmlx."));
+    let kv = quantization.map_or("none".to_string(), |q| format!("{}/{}/{}", q.bits, q.group_size, q.start));
+    identity.insert("rmlx.kv".into(), kv);
+    DiskTier::open(dir, identity, windows.to_vec(), quantization)
 }
 
 /// Puts row `row` of `caches` (sequence `seq`) in the prompt cache.

@@ -3,7 +3,7 @@
 //! a fresh machine a qwen3-8b 4-bit server spent 72 s of its first burst of 32 requests in MLX's
 //! compiler (BENCHMARKS.md). [`Engine::warm_up`] pays that before the first client waits for it.
 
-use super::{Engine, PromptCache, Request};
+use super::{Engine, Request};
 use crate::generate::GenerateOptions;
 use crate::{Error, Result};
 
@@ -64,7 +64,7 @@ impl Engine<'_> {
             }
             steps += 1;
         }
-        self.prompt_cache = PromptCache::new(self.opts.prompt_cache_bytes);
+        self.prompt_cache.clear();
         rmlx::memory::clear_cache();
         Ok(steps)
     }
