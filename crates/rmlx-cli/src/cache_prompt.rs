@@ -77,7 +77,9 @@ pub fn run(a: Args) -> Result<()> {
     eprintln!();
     let seconds = start.elapsed().as_secs_f64();
     let peak = rmlx::memory::peak_memory();
-    let metadata = lm.prompt_cache_metadata(a.model.adapter_path.as_deref())?;
+    let mut metadata = lm.prompt_cache_metadata(a.model.adapter_path.as_deref())?;
+    // The cached tokens, for `chat --prompt-cache-file` (mlx-lm ignores the key).
+    metadata.insert("rmlx.tokens".into(), serde_json::to_string(&prompt)?);
     rmlx_lm::cache::save_prompt_cache(&a.prompt_cache_file, &caches, &metadata)
         .with_context(|| format!("writing {}", a.prompt_cache_file.display()))?;
     let bytes = std::fs::metadata(&a.prompt_cache_file).map(|m| m.len()).unwrap_or(0);

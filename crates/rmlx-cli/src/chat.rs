@@ -10,7 +10,7 @@
 
 use crate::common::{count, gb, KvCacheArgs, ModelArgs, SamplingArgs};
 use crate::interrupt::{self, Replying};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
 use rmlx_lm::engine::{Engine, EngineOptions, Lockstep, Request, Update, Usage};
@@ -40,10 +40,19 @@ pub struct Args {
     /// Only the native backend keeps the conversation's keys and values between turns.
     #[arg(long, default_value = "auto")]
     backend: String,
+    /// Start after the prompt cached in this file by `rmlx cache-prompt` (a document, a long
+    /// system prompt): the first message continues the cached user message; `/reset` goes back
+    /// to it.
+    #[arg(long)]
+    prompt_cache_file: Option<std::path::PathBuf>,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let sampler = a.sampling.checked_config()?;
+    anyhow::ensure!(
+        a.prompt_cache_file.is_none() || a.backend != "mlx-lm",
+        "--prompt-cache-file runs on rmlx's own backend (--backend native or auto)"
+    );
     let mut model = a.model.open(&a.backend)?;
     let kv_quantization = a.kv_cache.quantization()?;
     let opts = GenerateOptions { max_tokens: a.max_tokens, sampler, kv_quantization, ..GenerateOptions::default() };
@@ -56,7 +65,11 @@ pub fn run(a: Args) -> Result<()> {
     );
     if let Some(lm) = model.as_native() {
         // One sequence at a time; the prompt cache holds the conversation so far.
-        let engine = Engine::new(lm, EngineOptions { max_batch: 1, kv_quantization, ..EngineOptions::default() });
+        let mut engine = Engine::new(lm, EngineOptions { max_batch: 1, kv_quantization, ..EngineOptions::default() });
+        let cached = match &a.prompt_cache_file {
+            Some(file) => Some(seed(&a, lm, &mut engine, file, kv_quantization.as_ref())?),
+            None => None,
+        };
         // Over the ranks of a split model, rank 0 converses; the others compute their share of
         // every step it decides, and leave Ctrl-C to it.
         if let Some(ranks) = lm.ranks().filter(|r| r.rank() != 0) {
@@ -64,7 +77,18 @@ pub fn run(a: Args) -> Result<()> {
             return Ok(Lockstep::follow(engine, ranks)?);
         }
         let mut engine = Lockstep::new(engine, lm.ranks().cloned());
-        let talked = converse(&a, &mut |messages, out| reply(lm, &mut engine, messages, &opts, out));
+        let talked = converse(&a, &mut |messages, out| {
+            let prompt = match &cached {
+                // After the cached tokens, from the first user message's text on.
+                Some(tokens) => {
+                    let first = messages.iter().position(|m| m.role == "user").unwrap_or(0);
+                    let rest = lm.chat_prompt_after_cache(messages, first)?;
+                    tokens.iter().chain(&rest).copied().collect()
+                }
+                None => lm.chat_prompt(messages)?,
+            };
+            reply(&mut engine, prompt, &opts, out)
+        });
         engine.stop()?;
         talked
     } else {
@@ -136,6 +160,31 @@ fn converse(a: &Args, reply: &mut Replier<'_>) -> Result<()> {
     Ok(())
 }
 
+/// Reads a prompt-cache file of `rmlx cache-prompt`, checks it against the model and puts it in
+/// the engine's prompt cache; returns its tokens.
+fn seed(
+    a: &Args,
+    lm: &LoadedModel,
+    engine: &mut Engine,
+    file: &std::path::Path,
+    kv: Option<&rmlx_lm::KvQuantization>,
+) -> Result<Vec<u32>> {
+    let cached = rmlx_lm::cache::load_prompt_cache(file).with_context(|| format!("reading {}", file.display()))?;
+    lm.check_prompt_cache(file, &cached, a.model.adapter_path.as_deref(), kv)?;
+    let tokens: Vec<u32> = match cached.metadata.get("rmlx.tokens") {
+        Some(t) => serde_json::from_str(t).with_context(|| format!("{}: its token list", file.display()))?,
+        None => anyhow::bail!(
+            "{}: holds no token list (mlx-lm's files do not); `rmlx generate --prompt-cache-file` continues it",
+            file.display()
+        ),
+    };
+    if !engine.seed_prompt_cache(tokens.clone(), &cached.caches)? {
+        eprintln!("{}: larger than the prompt cache; its prompt is computed again", file.display());
+    }
+    eprintln!("prompt cache: {} tokens from {}", tokens.len(), file.display());
+    Ok(tokens)
+}
+
 /// A reply through the backend-neutral interface (the mlx-lm backend): the whole conversation
 /// is the prompt each turn.
 fn reply_streamed(
@@ -182,16 +231,14 @@ fn reply_streamed(
     Ok((text, usage, m.decode_time))
 }
 
-/// Generates and streams the reply to `messages`; returns its text (what was shown, also when
+/// Generates and streams the reply to `prompt` (a conversation's); returns its text (what was shown, also when
 /// Ctrl-C stopped it), the token counts and the time from the first token to the last.
 fn reply(
-    lm: &LoadedModel,
     engine: &mut Lockstep,
-    messages: &[Message],
+    prompt: Vec<u32>,
     opts: &GenerateOptions,
     out: &mut impl Write,
 ) -> Result<(String, Usage, Duration)> {
-    let prompt = lm.chat_prompt(messages)?;
     let _replying = Replying::start();
     let seq = engine.submit(Request { prompt, options: opts.clone(), ..Default::default() })?;
     let mut text = String::new();

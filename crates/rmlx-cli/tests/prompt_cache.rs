@@ -152,3 +152,49 @@ fn foreign_and_truncated_files_and_the_mlx_lm_backend_are_refused() {
     let o = use_with(m.path(), "/nonexistent/prompt.safetensors", &[]);
     assert!(!o.status.success() && stderr(&o).contains("/nonexistent/prompt.safetensors"), "{}", stderr(&o));
 }
+
+#[test]
+fn chat_continues_a_cached_prompt_as_generate_does() {
+    let m = Model::new("chat", 1.0);
+    let file = format!("{}.prefix.safetensors", m.path());
+    let made = rmlx(&[
+        "cache-prompt",
+        "--model",
+        m.path(),
+        "--prompt",
+        "t1 t2 t3 t4 t5 t6 t7 t8 t9 t10 t11",
+        "--prompt-cache-file",
+        &file,
+    ]);
+    assert!(made.status.success(), "{}", stderr(&made));
+    let generated =
+        rmlx(&["generate", "--model", m.path(), "--prompt-cache-file", &file, "--prompt", " t12 t13", "-m", "8"]);
+    assert!(generated.status.success(), "{}", stderr(&generated));
+    let mut child = Command::new(RMLX)
+        .args(["chat", "--model", m.path(), "--prompt-cache-file", &file, "-m", "8", "--stats"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    // The first message continues the cached one; /reset goes back to the cached prompt.
+    child.stdin.take().unwrap().write_all(b" t12 t13\n/reset\nt12 t13\n/exit\n").unwrap();
+    let chat = child.wait_with_output().unwrap();
+    assert!(chat.status.success(), "{}", stderr(&chat));
+    let replies: Vec<String> = String::from_utf8_lossy(&chat.stdout).lines().map(str::to_string).collect();
+    let want = String::from_utf8_lossy(&generated.stdout).trim().to_string();
+    assert_eq!(replies.len(), 2, "{replies:?}");
+    assert!(replies.iter().all(|r| r.trim() == want), "{replies:?} against generate's {want:?}");
+    // The first turn reuses the file's 13 tokens; after /reset the same message reuses the first
+    // turn's whole prompt but its last token.
+    let err = stderr(&chat);
+    assert!(
+        err.contains("[prompt 18 tokens (13 from the cache)") && err.contains("[prompt 18 tokens (17 from the cache)"),
+        "{err}"
+    );
+    // mlx-lm's files hold no token list: chat refuses them and says what continues them.
+    let theirs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rmlx-lm/tests/fixtures/prompt_cache/qwen3.safetensors");
+    let o = rmlx(&["chat", "--model", m.path(), "--prompt-cache-file", theirs.to_str().unwrap()]);
+    assert!(!o.status.success(), "{}", stderr(&o));
+}

@@ -186,15 +186,25 @@ impl LoadedModel {
     /// `generate` makes it: the chat template over `text` as the user message (after `system`),
     /// from where the message's text starts on.
     pub fn prompt_after_cache(&self, text: &str, system: Option<&str>) -> Result<Vec<u32>> {
-        let full = self.chat_template.render(&chat(system, text), true, None, None)?;
-        let marked = self.chat_template.render(&chat(system, QUERY), true, None, None)?;
+        let messages = chat(system, text);
+        self.chat_prompt_after_cache(&messages, messages.len() - 1)
+    }
+
+    /// A conversation's prompt after a cached [`open_user_prompt`](Self::open_user_prompt): the
+    /// chat template over `messages`, from where the text of message `first` (the user message
+    /// the cached text opens) starts on.
+    pub fn chat_prompt_after_cache(&self, messages: &[Message], first: usize) -> Result<Vec<u32>> {
+        let full = self.chat_template.render(messages, true, None, None)?;
+        let mut marked = messages.to_vec();
+        let message = marked
+            .get_mut(first)
+            .ok_or_else(|| Error::Prompt(format!("no message {first} in a conversation of {}", messages.len())))?;
+        message.content = QUERY.into();
+        let marked = self.chat_template.render(&marked, true, None, None)?;
         let at = marked
             .find(QUERY)
             .ok_or_else(|| Error::Template("the user message does not appear in the rendered chat template".into()))?;
-        let suffix = full.get(at..).filter(|s| s.starts_with(text) || text.is_empty()).ok_or_else(|| {
-            Error::Template("the chat template renders the user message differently from its marker".into())
-        })?;
-        let ids = self.tokenizer.encode(suffix, false)?;
+        let ids = self.tokenizer.encode(full.get(at..).unwrap_or_default(), false)?;
         self.vocab.check(&ids)?;
         Ok(ids)
     }

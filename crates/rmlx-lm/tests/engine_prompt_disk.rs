@@ -24,7 +24,8 @@ fn greedy(max_tokens: usize) -> GenerateOptions {
 
 /// Runs one request to its end: its tokens and the prompt tokens it took from the cache.
 fn run(engine: &mut Engine, prompt: &[u32], max_tokens: usize) -> (Vec<u32>, usize) {
-    let seq: SeqId = engine.submit(Request { prompt: prompt.to_vec(), options: greedy(max_tokens), ..Default::default() }).unwrap();
+    let seq: SeqId =
+        engine.submit(Request { prompt: prompt.to_vec(), options: greedy(max_tokens), ..Default::default() }).unwrap();
     let (mut tokens, mut cached) = (Vec::new(), None);
     while !engine.is_idle() {
         for u in engine.step().unwrap() {
@@ -65,8 +66,10 @@ fn spills_and_survives_a_restart(fixture: &str, base: Vec<u32>, kv: Option<KvQua
     let (a, b) = (prompt(&base, 0, vocab), prompt(&base, 1, vocab));
     // Room in memory for one entry.
     let one = entry_bytes(&lm, &a, &base_opts);
-    let opts = EngineOptions { prompt_cache_bytes: one * 3 / 2, prompt_cache_dir: on_disk.clone(), ..base_opts.clone() };
-    let continued = |p: &[u32], answer: &[u32]| -> Vec<u32> { p.iter().chain(answer).chain(&[5, 6]).copied().collect() };
+    let opts =
+        EngineOptions { prompt_cache_bytes: one * 3 / 2, prompt_cache_dir: on_disk.clone(), ..base_opts.clone() };
+    let continued =
+        |p: &[u32], answer: &[u32]| -> Vec<u32> { p.iter().chain(answer).chain(&[5, 6]).copied().collect() };
     let mut engine = Engine::new(&lm, opts.clone());
     assert_eq!(engine.prompt_cache_disk_usage(), Some((0, 0)), "{fixture}: an empty directory");
     let (answer_a, cached) = run(&mut engine, &a, 4);
@@ -157,6 +160,9 @@ fn the_directory_stays_in_its_budget_and_leaves_other_files_alone() {
     assert_eq!(engine.prompt_cache_disk_usage().unwrap().0, 2, "the directory holds what fits");
     drop(engine);
     assert!(foreign.exists() && dir.path().join("notes.txt").exists(), "other files are left alone");
-    let ours = std::fs::read_dir(dir.path()).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("prompt-")).count();
+    let ours = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("prompt-"))
+        .count();
     assert!(ours <= 2, "{ours} of the engine's files after it ended");
 }

@@ -210,6 +210,55 @@ impl KvCache {
         Ok(())
     }
 
+    /// The positions held, as one sequence's rows in temporal order (`start`: the first one
+    /// held, past 0 where a window dropped earlier ones): what the engine's prompt cache keeps of
+    /// a sequence. `None` for an empty cache; an error for a batch of several sequences or a
+    /// window that keeps its first positions apart from its last ones.
+    pub fn held_rows(&self) -> Result<Option<RowKv>> {
+        let gap = |keep: usize, held: usize, offset: usize| keep > 0 && held < offset;
+        let refused = || crate::Error::InvalidParameter("a window keeping its first positions apart".into());
+        Ok(match self {
+            KvCache::Standard(c) => match (&c.keys, &c.values) {
+                (Some(k), Some(v)) => {
+                    let n = c.offset as i32;
+                    Some(RowKv {
+                        keys: Stored::Plain(positions(k, 0, n)?),
+                        values: Stored::Plain(positions(v, 0, n)?),
+                        start: 0,
+                    })
+                }
+                _ => None,
+            },
+            KvCache::Rotating(c) => match (&c.keys, &c.values) {
+                (Some(k), Some(v)) => {
+                    let (k, v) = (c.temporal(k)?, c.temporal(v)?);
+                    let held = dim(&k, 2) as usize;
+                    if gap(c.keep, held, c.offset) {
+                        return Err(refused());
+                    }
+                    Some(RowKv { keys: Stored::Plain(k), values: Stored::Plain(v), start: c.offset - held })
+                }
+                _ => None,
+            },
+            KvCache::Quantized(c) => match c.held() {
+                Some((k, v)) => {
+                    let held = dim(&k.words, 2) as usize;
+                    if gap(c.window.map_or(0, |w| w.1), held, c.offset) {
+                        return Err(refused());
+                    }
+                    Some(RowKv { keys: Stored::Packed(k), values: Stored::Packed(v), start: c.offset - held })
+                }
+                None => None,
+            },
+            KvCache::Batch(b) if b.rows() == 1 => b.extract(0)?,
+            KvCache::Batch(_) => {
+                return Err(crate::Error::InvalidParameter(
+                    "a batch of several sequences is not one sequence's rows".into(),
+                ))
+            }
+        })
+    }
+
     /// Forgets everything (buffers are kept for reuse).
     pub fn reset(&mut self) {
         match self {

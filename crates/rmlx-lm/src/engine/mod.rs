@@ -333,6 +333,45 @@ impl<'m> Engine<'m> {
         (self.prompt_cache.bytes(), self.prompt_cache.len())
     }
 
+    /// Puts the caches of a prompt's `tokens` (one a layer, one sequence's: a prompt-cache
+    /// file's) in the prompt cache, so that prompts beginning with them reuse them (as the
+    /// base model's; packed or unpacked as this engine keeps its keys and values). Returns
+    /// whether they were kept (not when larger than the prompt cache's budget).
+    pub fn seed_prompt_cache(&mut self, tokens: Vec<u32>, caches: &[KvCache]) -> Result<bool> {
+        if caches.len() != self.windows.len() {
+            return Err(Error::InvalidParameter(format!("{} caches for {} layers", caches.len(), self.windows.len())));
+        }
+        let (mut layers, mut min_reuse) = (Vec::with_capacity(caches.len()), 0);
+        for (c, window) in caches.iter().zip(&self.windows) {
+            let row = c.held_rows()?.ok_or_else(|| Error::InvalidParameter("an empty cache".into()))?;
+            if row.start + row.len() != tokens.len() {
+                return Err(Error::InvalidParameter(format!(
+                    "caches of {} positions for {} tokens",
+                    row.start + row.len(),
+                    tokens.len()
+                )));
+            }
+            if let (true, Some(w)) = (row.start > 0, window) {
+                min_reuse = min_reuse.max(row.start + w - 1);
+            }
+            let q = self.opts.kv_quantization.filter(|q| q.start == 0);
+            let convert = |s: &crate::cache::Stored| -> Result<crate::cache::Stored> {
+                Ok(match (s, &q) {
+                    (crate::cache::Stored::Plain(_), Some(q)) => s.packed(q)?,
+                    (crate::cache::Stored::Packed(_), None) => crate::cache::Stored::Plain(s.unpacked(self.lm.dtype)?),
+                    _ => s.clone(),
+                })
+            };
+            layers.push(crate::cache::RowKv {
+                keys: convert(&row.keys)?,
+                values: convert(&row.values)?,
+                start: row.start,
+            });
+        }
+        rmlx::eval(layers.iter().flat_map(|l| l.keys.arrays().into_iter().chain(l.values.arrays())))?;
+        Ok(self.prompt_cache.insert(0, tokens, layers, min_reuse))
+    }
+
     /// Files of the prompt cache's directory and their bytes (`None`: no
     /// [`EngineOptions::prompt_cache_dir`]).
     pub fn prompt_cache_disk_usage(&self) -> Option<(usize, u64)> {

@@ -125,9 +125,8 @@ impl PromptCache {
         }
         match self.disk.as_mut().expect("checked").read(i) {
             Ok((tokens, layers, min_reuse)) => {
-                self.insert(0, tokens, layers, min_reuse);
-                if let Some(e) = self.entries.last_mut() {
-                    e.on_disk = true;
+                if self.insert(0, tokens, layers, min_reuse) {
+                    self.entries.last_mut().expect("kept").on_disk = true;
                 }
             }
             Err(err) => tracing::warn!(%err, "a prompt-cache file could not be read; dropped from the index"),
@@ -145,10 +144,11 @@ impl PromptCache {
     /// Keeps the keys and values of `tokens` (evaluated arrays, not views of a larger buffer),
     /// to serve prompts that reuse at least `min_reuse` of them. Entries that are a beginning of
     /// `tokens` are dropped where this one serves every prompt they serve.
-    pub fn insert(&mut self, adapter: usize, tokens: Vec<u32>, layers: Vec<RowKv>, min_reuse: usize) {
+    /// Returns whether it was kept (not when larger than the budget or served by an entry held).
+    pub fn insert(&mut self, adapter: usize, tokens: Vec<u32>, layers: Vec<RowKv>, min_reuse: usize) -> bool {
         let bytes: usize = layers.iter().map(|l| l.keys.nbytes() + l.values.nbytes()).sum();
         if tokens.is_empty() || bytes > self.budget {
-            return;
+            return false;
         }
         self.entries.retain(|e| {
             let covered = e.adapter == adapter
@@ -165,7 +165,7 @@ impl PromptCache {
             .iter()
             .any(|e| e.adapter == adapter && e.tokens.starts_with(&tokens) && e.min_reuse <= min_reuse)
         {
-            return;
+            return false;
         }
         while self.bytes + bytes > self.budget {
             let oldest = (0..self.entries.len()).min_by_key(|&i| self.entries[i].last_used).expect("bytes > 0");
@@ -177,6 +177,7 @@ impl PromptCache {
         self.bytes += bytes;
         let on_disk = false;
         self.entries.push(Entry { adapter, tokens, layers, min_reuse, bytes, last_used: self.clock, on_disk });
+        true
     }
 
     /// Forgets every entry in memory without writing it to the disk tier (the warm-up's).

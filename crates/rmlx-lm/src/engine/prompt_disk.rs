@@ -108,9 +108,8 @@ impl DiskTier {
     /// Reads entry `i`: its tokens, layers and `min_reuse`. A file that cannot be read any more
     /// is dropped from the index (and the error returned).
     pub fn read(&mut self, i: usize) -> Result<(Vec<u32>, Vec<RowKv>, usize)> {
-        let read = cache::load_prompt_cache(&self.entries[i].file).and_then(|f| {
-            f.caches.into_iter().map(row_of).collect::<Result<Vec<RowKv>>>()
-        });
+        let read = cache::load_prompt_cache(&self.entries[i].file)
+            .and_then(|f| f.caches.into_iter().map(row_of).collect::<Result<Vec<RowKv>>>());
         match read {
             Ok(layers) => {
                 self.clock += 1;
@@ -136,7 +135,11 @@ impl DiskTier {
         if self.entries.iter().any(|e| e.tokens == tokens && e.min_reuse <= min_reuse) {
             return Ok(false);
         }
-        let Some(caches) = layers.iter().zip(&self.windows).map(|(l, w)| cache_of(l, *w, self.quantization)).collect::<Option<Vec<_>>>()
+        let Some(caches) = layers
+            .iter()
+            .zip(&self.windows)
+            .map(|(l, w)| cache_of(l, *w, self.quantization))
+            .collect::<Option<Vec<_>>>()
         else {
             return Ok(false);
         };
@@ -216,27 +219,6 @@ fn cache_of(l: &RowKv, window: Option<usize>, q: Option<KvQuantization>) -> Opti
 
 /// A layer read back ([`cache_of`]'s inverse).
 fn row_of(c: KvCache) -> Result<RowKv> {
-    let bad = || Error::InvalidParameter("a prompt-cache file of the server's holds a layer it did not write".into());
-    Ok(match c {
-        KvCache::Standard(s) => {
-            let n = s.offset as i32;
-            let cut = |a: Option<rmlx::Array>| -> Result<Stored> {
-                Ok(Stored::Plain(a.ok_or_else(bad)?.slice_axis(2, 0, n, 1)?))
-            };
-            RowKv { keys: cut(s.keys)?, values: cut(s.values)?, start: 0 }
-        }
-        KvCache::Rotating(r) => {
-            let (offset, _, _, idx) = r.state_fields();
-            let (k, v) = (r.keys.ok_or_else(bad)?, r.values.ok_or_else(bad)?);
-            if idx != k.shape()[2] as usize || offset < idx {
-                return Err(bad());
-            }
-            RowKv { keys: Stored::Plain(k), values: Stored::Plain(v), start: offset - idx }
-        }
-        KvCache::Quantized(q) => {
-            let (k, v) = q.held().ok_or_else(bad)?;
-            RowKv { keys: Stored::Packed(k), values: Stored::Packed(v), start: 0 }
-        }
-        KvCache::Batch(_) => return Err(bad()),
-    })
+    c.held_rows()?
+        .ok_or_else(|| Error::InvalidParameter("a prompt-cache file of the server's holds an empty layer".into()))
 }
