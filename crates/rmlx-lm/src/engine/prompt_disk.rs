@@ -1,7 +1,8 @@
 //! The prompt cache's second tier (`serve --prompt-cache-dir`): entries the memory tier lets go
 //! (least recently used first, and every entry still held when the engine ends) are written to a
-//! directory as prompt-cache files, each bounded by a byte budget of its own (the oldest files go
-//! first), and read back when a prompt shares more of one than of anything in memory. The files
+//! directory as prompt-cache files, within a byte budget of the directory's own (the least
+//! recently used files are deleted first), and read back when a prompt shares more with one than
+//! with anything in memory. The files
 //! outlive the server: a restarted one finds them (ordered by when each was last used: its file
 //! time).
 //!
