@@ -1,6 +1,7 @@
 //! `rmlx serve --prompt-cache-dir`: the prompt cache written to the directory at shutdown is
 //! found by the next server over it, whose first request reuses it (every prompt token but the
-//! last, the same reply); a directory with `--prompt-cache-dir-gb` but no directory is refused.
+//! last, the same reply; `/metrics` counts the directory's files and bytes); a directory budget
+//! without a directory is refused.
 
 mod support;
 
@@ -40,6 +41,10 @@ fn the_prompt_cache_outlives_the_server() {
     let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(files.len(), 1, "one entry written at shutdown: {files:?}");
     let server = Server::start(&flags);
+    let (_, metrics) = server.request("GET", "/metrics", None, &[]);
+    let bytes = std::fs::metadata(dir.join(&files[0])).unwrap().len();
+    assert!(metrics.contains("rmlx_prompt_cache_disk_files 1\n"), "{metrics}");
+    assert!(metrics.contains(&format!("rmlx_prompt_cache_disk_bytes {bytes}\n")), "{metrics}");
     let (status, again) = server.post("/v1/chat/completions", &chat);
     assert_eq!(status, 200, "{again}");
     let prompt_tokens = again["usage"]["prompt_tokens"].as_u64().unwrap();

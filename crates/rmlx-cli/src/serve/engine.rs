@@ -91,6 +91,9 @@ pub struct Stats {
     /// What the running batch's keys and values may take (`--max-kv-gb` or derived).
     pub kv_budget: AtomicU64,
     pub prompt_cache_bytes: AtomicU64,
+    /// Files and bytes of `--prompt-cache-dir` (0 without one).
+    pub prompt_cache_disk_files: AtomicU64,
+    pub prompt_cache_disk_bytes: AtomicU64,
     /// The model's weights (MLX memory held for the whole run).
     pub weights_bytes: AtomicU64,
     /// MLX's cache of freed buffers (given back when the server goes idle).
@@ -130,6 +133,7 @@ pub fn run(
         let steps = engine.warm_up()?;
         tracing::info!(steps, seconds = begun.elapsed().as_secs_f64(), "warmed up");
     }
+    disk_usage(engine.engine(), &stats);
     let _ = start.ready.send(());
     let mut live: HashMap<SeqId, Live> = HashMap::new();
     let mut busy = false;
@@ -180,10 +184,18 @@ pub fn run(
         stats.peak_batch.fetch_max(e.load().0, Ordering::Relaxed);
         stats.kv_bytes.store(e.kv_bytes() as u64, Ordering::Relaxed);
         stats.prompt_cache_bytes.store(e.prompt_cache_usage().0 as u64, Ordering::Relaxed);
+        disk_usage(e, &stats);
         stats.peak_memory.fetch_max(rmlx::memory::peak_memory() as u64, Ordering::Relaxed);
         stats.active_memory.store(rmlx::memory::active_memory() as u64, Ordering::Relaxed);
         stats.mlx_cache_bytes.store(rmlx::memory::cache_memory() as u64, Ordering::Relaxed);
     }
+}
+
+/// The prompt-cache directory's files and bytes, into the statistics.
+fn disk_usage(e: &Engine, stats: &Stats) {
+    let (files, bytes) = e.prompt_cache_disk_usage().unwrap_or((0, 0));
+    stats.prompt_cache_disk_files.store(files as u64, Ordering::Relaxed);
+    stats.prompt_cache_disk_bytes.store(bytes, Ordering::Relaxed);
 }
 
 /// Once the last request has ended: MLX's cache of freed buffers (the batch's keys and values,

@@ -426,6 +426,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
          # TYPE rmlx_kv_cache_bytes gauge\nrmlx_kv_cache_bytes {}\n\
          # TYPE rmlx_kv_budget_bytes gauge\nrmlx_kv_budget_bytes {}\n\
          # TYPE rmlx_prompt_cache_bytes gauge\nrmlx_prompt_cache_bytes {}\n\
+         # TYPE rmlx_prompt_cache_disk_files gauge\nrmlx_prompt_cache_disk_files {}\n\
+         # TYPE rmlx_prompt_cache_disk_bytes gauge\nrmlx_prompt_cache_disk_bytes {}\n\
          # HELP rmlx_memory_bytes MLX memory by what holds it: weights + kv_cache + prompt_cache + other_active = MLX's active memory; mlx_buffer_cache is freed buffers MLX keeps for reuse.\n\
          # TYPE rmlx_memory_bytes gauge\n\
          rmlx_memory_bytes{{kind=\"weights\"}} {}\n\
@@ -449,6 +451,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
         c(&st.kv_bytes),
         c(&st.kv_budget),
         c(&st.prompt_cache_bytes),
+        c(&st.prompt_cache_disk_files),
+        c(&st.prompt_cache_disk_bytes),
         c(&st.weights_bytes),
         c(&st.kv_bytes),
         c(&st.prompt_cache_bytes),
