@@ -2,11 +2,11 @@
 //! file in mlx-lm's format (`mlx_lm.cache_prompt`'s flags), for `rmlx generate` or mlx-lm's
 //! `generate` to continue with `--prompt-cache-file`.
 
-use crate::common::{gb, positive, KvCacheArgs, ModelArgs};
+use crate::common::{gb, positive, prompt_text, KvCacheArgs, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::GenerateOptions;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -38,13 +38,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let text = if a.prompt == "-" {
-        let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
-        s
-    } else {
-        a.prompt.clone()
-    };
+    let text = prompt_text(&a.prompt)?;
     let lm = a.model.load()?;
     let folder = |p: &std::path::Path| p.canonicalize().ok();
     let target_dir =
@@ -55,12 +49,9 @@ pub fn run(a: Args) -> Result<()> {
             a.prompt_cache_file.display()
         );
     }
-    let prompt = if a.raw {
-        let ids = lm.tokenizer.encode(&text, true)?;
-        lm.vocab.check(&ids)?;
-        ids
-    } else {
-        lm.open_user_prompt(&text, a.system.as_deref())?
+    let prompt = match a.raw {
+        true => lm.encode_prompt(&text, true, None)?,
+        false => lm.open_user_prompt(&text, a.system.as_deref())?,
     };
     let opts = GenerateOptions {
         context_limit: a.context_limit,

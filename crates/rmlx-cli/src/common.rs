@@ -67,6 +67,16 @@ fn parse_matvec(s: &str) -> Result<QuantizedMatvec> {
     Ok(s.parse()?)
 }
 
+/// A `--prompt` flag's text: stdin's whole text for `-`.
+pub fn prompt_text(flag: &str) -> Result<String> {
+    if flag != "-" {
+        return Ok(flag.to_string());
+    }
+    let mut s = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).context("reading the prompt from stdin")?;
+    Ok(s)
+}
+
 /// Parses a dtype name.
 pub fn parse_dtype(name: &str) -> Result<Dtype> {
     Ok(match name {

@@ -1,11 +1,11 @@
 //! `rmlx generate`: one prompt, the completion streamed to stdout (or one JSON object).
 
-use crate::common::{count, gb, positive, KvCacheArgs, ModelArgs, SamplingArgs};
+use crate::common::{count, gb, positive, prompt_text, KvCacheArgs, ModelArgs, SamplingArgs};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
 use rmlx_lm::{GenerateOptions, Prompt};
-use std::io::{Read, Write};
+use std::io::Write;
 
 #[derive(ClapArgs, Debug)]
 #[command(allow_negative_numbers = true)]
@@ -50,13 +50,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let sampler = a.sampling.checked_config()?;
-    let prompt_text = if a.prompt == "-" {
-        let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
-        s
-    } else {
-        a.prompt.clone()
-    };
+    let prompt_text = prompt_text(&a.prompt)?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampler,

@@ -280,21 +280,28 @@ fn hash_file(hash: &mut Sha256, file: &Path, name: &str) -> Result<()> {
     let mut f = std::fs::File::open(file).map_err(io)?;
     let len = f.metadata().map_err(io)?.len();
     hash.update(len.to_le_bytes());
+    // A safetensors file's tensors (its header validated) and where its data section starts
+    // (after the 8-byte length and the header).
+    let safetensors = match name.ends_with(".safetensors") {
+        true => {
+            let tensors = crate::safetensors_header::check_file(file)?;
+            let mut prefix = [0u8; 8];
+            f.read_exact(&mut prefix).map_err(io)?;
+            Some((tensors, 8 + u64::from_le_bytes(prefix)))
+        }
+        false => None,
+    };
+    // Up to `n` bytes from `at` (fewer at the end of the file).
     let mut read_at = |at: u64, n: usize, hash: &mut Sha256| -> Result<()> {
-        let mut buf = vec![0u8; n];
+        let mut buf = Vec::with_capacity(n);
         f.seek(SeekFrom::Start(at)).map_err(io)?;
-        let got = f.read(&mut buf).map_err(io)?;
-        hash.update(&buf[..got]);
+        (&mut f).take(n as u64).read_to_end(&mut buf).map_err(io)?;
+        hash.update(&buf);
         Ok(())
     };
     if name.ends_with(".json") {
         read_at(0, len as usize, hash)
-    } else if name.ends_with(".safetensors") {
-        let tensors = crate::safetensors_header::check_file(file)?;
-        let mut prefix = [0u8; 8];
-        let mut f2 = std::fs::File::open(file).map_err(io)?;
-        f2.read_exact(&mut prefix).map_err(io)?;
-        let data = 8 + u64::from_le_bytes(prefix);
+    } else if let Some((tensors, data)) = safetensors {
         read_at(0, data as usize, hash)?;
         for t in tensors {
             let (start, end) = (data + t.data_offsets.0, data + t.data_offsets.1);

@@ -94,7 +94,7 @@ impl PromptCache {
             .iter()
             .enumerate()
             .filter(|(_, e)| e.adapter == adapter)
-            .map(|(i, e)| (i, e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable)))
+            .map(|(i, e)| (i, shared_prefix(&e.tokens, prompt).min(usable)))
             .filter(|&(i, n)| n >= self.entries[i].min_reuse)
             .max_by_key(|&(_, n)| n)?;
         if shared == 0 {
@@ -116,7 +116,7 @@ impl PromptCache {
             .entries
             .iter()
             .filter(|e| e.adapter == 0)
-            .map(|e| e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable))
+            .map(|e| shared_prefix(&e.tokens, prompt).min(usable))
             .filter(|&n| n > 0)
             .max()
             .unwrap_or(0);
@@ -196,6 +196,11 @@ impl PromptCache {
             e.adapter != adapter
         });
     }
+}
+
+/// How many tokens `a` and `b` share at their start.
+pub(super) fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 impl Drop for PromptCache {

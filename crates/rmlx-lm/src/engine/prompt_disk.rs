@@ -13,6 +13,7 @@
 //! dtype or key/value quantisation are left alone and not counted. Only the base model's entries
 //! are written (an adapter's slot is not the same in the next process).
 
+use super::prompt_cache::shared_prefix;
 use crate::cache::{self, KvCache, KvQuantization, QuantizedCache, RotatingCache, RowKv, StandardCache, Stored};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -101,7 +102,7 @@ impl DiskTier {
         self.entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (i, e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(usable)))
+            .map(|(i, e)| (i, shared_prefix(&e.tokens, prompt).min(usable)))
             .filter(|&(i, n)| n > 0 && n >= self.entries[i].min_reuse)
             .max_by_key(|&(_, n)| n)
     }
