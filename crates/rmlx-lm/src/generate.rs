@@ -32,6 +32,10 @@ pub struct GenerateOptions {
     /// Quantise the key/value caches once they hold `start` positions (`--kv-bits`); `None`:
     /// full precision.
     pub kv_quantization: Option<crate::cache::KvQuantization>,
+    /// Special tokens whose text stays in the output (the others are left out): the markers a
+    /// reply's tool calls and channels are read by ([`crate::chat::PreparedChat::keep_special`]).
+    #[serde(default)]
+    pub keep_special: Vec<u32>,
 }
 
 impl Default for GenerateOptions {
@@ -44,6 +48,7 @@ impl Default for GenerateOptions {
             context_limit: None,
             ignore_eos: false,
             kv_quantization: None,
+            keep_special: Vec::new(),
         }
     }
 }
@@ -264,7 +269,7 @@ impl<'m> Generation<'m> {
             sampler,
             history: prompt.to_vec(),
             pending: None,
-            text: TextStream::new(lm.tokenizer.stream(), opts.stop_strings.clone()),
+            text: TextStream::new(lm.tokenizer.stream_keeping(&opts.keep_special), opts.stop_strings.clone()),
             cancel: CancelHandle::default(),
             finish: None,
             metrics: Metrics { prompt_tokens: prompt.len(), ..Metrics::default() },

@@ -1,4 +1,8 @@
-//! Chat templates: the Jinja templates of Hugging Face checkpoints (`chat_template.jinja`,
+//! Chat templates and what surrounds them: requests with tools ([`ChatRequest`],
+//! [`LoadedModel::prepare_chat`](crate::LoadedModel::prepare_chat)), tool-call formats
+//! ([`ToolFormat`]) and replies taken apart into reasoning, answer and calls ([`ReplyParser`]).
+//!
+//! The templates: the Jinja templates of Hugging Face checkpoints (`chat_template.jinja`,
 //! `tokenizer_config.json`'s `chat_template`, GGUF `tokenizer.chat_template`), rendered with
 //! minijinja the way `transformers`' `apply_chat_template(..., tokenize=False)` renders them.
 //!
@@ -16,6 +20,14 @@
 //! `tojson` of tool schemas).
 
 mod pyjson;
+mod reply;
+mod request;
+mod scan;
+mod tools;
+
+pub use reply::{Reply, ReplyEvent, ReplyFormat, ReplyParser, Think, ToolCall};
+pub use request::{ChatRequest, PreparedChat};
+pub use tools::{hermes_instructions, messages_without_tool_support, tool_signature, ToolChoice, ToolFormat};
 
 use std::cell::RefCell;
 use std::path::Path;

@@ -55,7 +55,7 @@ impl Sequence {
             ignore_eos: opts.ignore_eos,
             top_logprobs: request.top_logprobs,
             sampler,
-            text: TextStream::new(lm.tokenizer.stream(), opts.stop_strings),
+            text: TextStream::new(lm.tokenizer.stream_keeping(&opts.keep_special), opts.stop_strings),
             next: None,
             submitted: Instant::now(),
             first_token: None,

@@ -198,10 +198,17 @@ impl Tokenizer {
         StreamDecoder {
             tok: self.inner.clone(),
             skip: skip_special_tokens,
+            keep: Vec::new(),
             ids: Vec::new(),
             prefix: String::new(),
             prefix_index: 0,
         }
+    }
+
+    /// An incremental detokeniser that leaves special tokens out of the text, except `keep`
+    /// (markers a reply is read by: tool-call and channel tokens), whose text it writes.
+    pub fn stream_keeping(&self, keep: &[u32]) -> StreamDecoder {
+        StreamDecoder { keep: keep.to_vec(), ..self.stream_with(true) }
     }
 }
 
@@ -279,6 +286,8 @@ pub(crate) fn template_processing(
 pub struct StreamDecoder {
     tok: Arc<tokenizers::Tokenizer>,
     skip: bool,
+    /// Special tokens written even though `skip` leaves the others out.
+    keep: Vec<u32>,
     /// ids since the start of the window; `ids[..prefix_index]` is context already returned.
     ids: Vec<u32>,
     /// decode(ids[..]) as of the last returned piece.
@@ -289,6 +298,11 @@ pub struct StreamDecoder {
 impl StreamDecoder {
     /// Adds `id`; returns the new text (empty while it waits for more bytes or when `id` is skipped).
     pub fn push(&mut self, id: u32) -> Result<String> {
+        if self.skip && self.keep.contains(&id) {
+            let mut text = self.finish()?;
+            text.push_str(&self.tok.decode(&[id], false).map_err(tk_err)?);
+            return Ok(text);
+        }
         self.ids.push(id);
         let text = self.tok.decode(&self.ids, self.skip).map_err(tk_err)?;
         if text.len() > self.prefix.len() && !text.ends_with('\u{FFFD}') {
