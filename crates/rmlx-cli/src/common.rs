@@ -29,6 +29,9 @@ pub struct ModelArgs {
     /// 5× the memory of 4-bit ones and slower decoding; in float32 the packed products are exact too)
     #[arg(long)]
     pub dequantize: bool,
+    /// The chat template to use instead of the model's: a Jinja file, or the template's text
+    #[arg(long, value_name = "FILE|TEMPLATE")]
+    pub chat_template: Option<String>,
     /// LoRA adapters (an mlx-lm adapter folder: adapters.safetensors + adapter_config.json). For
     /// `rmlx lora`, where they are written (default: ./adapters).
     #[arg(long)]
@@ -92,6 +95,15 @@ impl ModelArgs {
     /// stops a first download cleanly.
     pub fn load(&self) -> Result<LoadedModel> {
         let mut lm = self.load_interruptible(false)?;
+        if let Some(t) = &self.chat_template {
+            let path = std::path::Path::new(t);
+            let source = if path.is_file() {
+                std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+            } else {
+                t.clone()
+            };
+            lm.chat_template = lm.chat_template.with_source(&source).context("--chat-template")?;
+        }
         if let Some(dir) = &self.adapter_path {
             let cfg = rmlx_lm::tuner::adapters::load(lm.model.as_mut(), dir, lm.dtype)
                 .with_context(|| format!("loading the adapters of {}", dir.display()))?;
@@ -133,6 +145,7 @@ impl ModelArgs {
         }
         let native_only = [
             ("--adapter-path", self.adapter_path.is_some()),
+            ("--chat-template", self.chat_template.is_some()),
             ("--dtype", self.dtype.is_some()),
             ("--keep-quantized", self.keep_quantized),
             ("--dequantize", self.dequantize),

@@ -503,7 +503,7 @@ fn the_api_key_comes_first_and_bad_start_ups_announce_nothing() {
 }
 
 /// What OpenAI refuses is refused with 400 naming the field, and what rmlx does not implement
-/// (echo, best_of, suffix, tools) is refused rather than ignored; a poisoned request (a bias on a
+/// (echo, best_of, suffix, tools in a text completion) is refused rather than ignored; a poisoned request (a bias on a
 /// token beyond the vocabulary, a regex with no match) gets its own 400.
 #[test]
 fn requests_openai_refuses_are_refused_by_field() {
@@ -520,7 +520,11 @@ fn requests_openai_refuses_are_refused_by_field() {
         (json!({"stop": ""}), "stop", "must not be empty"),
         (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop", "at most 4"),
         (json!({"top_logprobs": 2}), "top_logprobs", "logprobs: true"),
-        (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools", "not supported"),
+        (json!({"tools": [{"type": "function", "function": {"description": "f"}}]}), "tools", "needs `function.name`"),
+        (json!({"tools": [{"type": "code_interpreter"}]}), "tools", "only tools of type `function`"),
+        (json!({"tool_choice": "required"}), "tool_choice", "has no tools"),
+        (json!({"tool_choice": "maybe"}), "tool_choice", "`maybe`"),
+        (json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}), "messages", "has no `function`"),
         (json!({"logit_bias": {"5": 101}}), "logit_bias", "between -100 and 100"),
         (json!({"logit_bias": {"9999999": 1}}), "", "logit_bias names token 9999999"),
         (json!({"messages": [{"role": "wizard", "content": "hi"}]}), "messages", "unknown role `wizard`"),
@@ -536,9 +540,12 @@ fn requests_openai_refuses_are_refused_by_field() {
             assert_eq!(v["error"]["param"], param, "{extra}: {v}");
         }
     }
-    for (extra, param) in
-        [(json!({"echo": true}), "echo"), (json!({"best_of": 2}), "best_of"), (json!({"suffix": "x"}), "suffix")]
-    {
+    for (extra, param) in [
+        (json!({"echo": true}), "echo"),
+        (json!({"best_of": 2}), "best_of"),
+        (json!({"suffix": "x"}), "suffix"),
+        (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+    ] {
         let mut body = json!({"prompt": "hi", "max_tokens": 2});
         body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
         let (status, v) = server.post("/v1/completions", &body);

@@ -1,9 +1,10 @@
 //! OpenAI's shapes: the chat and text completion requests (the fields rmlx reads; fields it does
-//! not implement that would change the answer — `echo`, `best_of`, `suffix`, tools — are refused
-//! with 400; unknown ones are ignored, as OpenAI-compatible servers do), the responses and stream
-//! chunks, and the error body.
+//! not implement that would change the answer — `echo`, `best_of`, `suffix`, tools in a text
+//! completion — are refused with 400; unknown ones are ignored, as OpenAI-compatible servers do),
+//! chat messages with tool calls and tool results, the responses and stream chunks, and the error
+//! body.
 
-use rmlx_lm::chat::Message;
+use rmlx_lm::chat::{ToolChoice, ToolFormat};
 use rmlx_lm::grammar::Grammar;
 use rmlx_lm::sample::SamplerConfig;
 use serde::Deserialize;
@@ -90,7 +91,8 @@ pub struct Common {
     pub best_of: Option<usize>,
     /// Completions: text after the insertion point (not supported).
     pub suffix: Option<Value>,
-    /// Tool calling (not supported yet: refused, not ignored).
+    /// Tool calling: read by chat requests (their own fields take these keys first), refused by
+    /// text completions.
     pub tools: Option<Value>,
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
@@ -138,6 +140,7 @@ impl Common {
         refuse_unsupported("echo", &self.echo.map(Value::Bool), &[Value::Bool(false)])?;
         refuse_unsupported("best_of", &self.best_of.map(Value::from), &[Value::from(1)])?;
         refuse_unsupported("suffix", &self.suffix, &[Value::from("")])?;
+        // Chat requests take these fields themselves; text completions have no tools.
         refuse_unsupported("tools", &self.tools, &[])?;
         refuse_unsupported("tool_choice", &self.tool_choice, &[Value::from("none")])?;
         refuse_unsupported("functions", &self.functions, &[])?;
@@ -242,36 +245,94 @@ fn response_format(f: &Value) -> Result<Option<Grammar>, ApiError> {
     })
 }
 
-/// A message's content: a string, or a list of parts of which the text ones are joined.
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub enum Content {
-    Text(String),
-    Parts(Vec<Part>),
-}
-
-#[derive(Deserialize)]
-pub struct Part {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub text: Option<String>,
-}
-
-#[derive(Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: Option<Content>,
-}
-
+/// A chat completion request: the messages and what the chat fields add to [`Common`].
 #[derive(Deserialize)]
 pub struct ChatRequest {
-    pub messages: Vec<ChatMessage>,
+    pub messages: Vec<Value>,
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    /// The legacy form of `tools` and `tool_choice`.
+    pub functions: Option<Value>,
+    pub function_call: Option<Value>,
+    /// Template variables (vLLM's and SGLang's field): `{"enable_thinking": false}`, ...
+    pub chat_template_kwargs: Option<Value>,
+    /// Shorthands for the template variables of the same names.
+    pub enable_thinking: Option<bool>,
+    pub reasoning_effort: Option<String>,
     #[serde(flatten)]
     pub common: Common,
 }
 
+/// What the server adds to every chat request: `--chat-template-args` and `--tool-parser`.
+#[derive(Clone, Default)]
+pub struct ChatDefaults {
+    pub template_args: serde_json::Map<String, Value>,
+    pub tool_format: Option<ToolFormat>,
+}
+
 impl ChatRequest {
-    pub fn messages(&self) -> Result<Vec<Message>, ApiError> {
+    /// The request for the template: messages in the shape templates read, tools, tool choice
+    /// and template variables; a 400 naming what is wrong.
+    pub fn chat(&self, defaults: &ChatDefaults) -> Result<rmlx_lm::chat::ChatRequest, ApiError> {
+        let messages = self.messages()?;
+        let legacy = self.functions.as_ref().filter(|f| !f.is_null());
+        let (tools, choice_field) = match (&self.tools, legacy) {
+            (Some(t), _) if !t.is_null() => (t.clone(), ("tool_choice", &self.tool_choice)),
+            (_, Some(f)) => {
+                let wrapped =
+                    f.as_array().map(|fs| fs.iter().map(|f| json!({"type": "function", "function": f})).collect());
+                (Value::Array(wrapped.unwrap_or_default()), ("function_call", &self.function_call))
+            }
+            _ => (Value::Array(Vec::new()), ("tool_choice", &self.tool_choice)),
+        };
+        let Value::Array(tools) = tools else {
+            return Err(ApiError::bad_request("tools must be a list of tool objects", Some("tools")));
+        };
+        for (i, t) in tools.iter().enumerate() {
+            if t.get("type").and_then(Value::as_str).is_some_and(|k| k != "function") {
+                return Err(ApiError::bad_request(
+                    format!("tools[{i}]: only tools of type `function` are supported"),
+                    Some("tools"),
+                ));
+            }
+            rmlx_lm::chat::tool_signature(t)
+                .map_err(|e| ApiError::bad_request(format!("tools[{i}]: {}", invalid(e)), Some("tools")))?;
+        }
+        let tool_choice = match choice_field.1 {
+            None => ToolChoice::Auto,
+            Some(v) => ToolChoice::from_json(v).map_err(|e| ApiError::bad_request(invalid(e), Some(choice_field.0)))?,
+        };
+        let mut template_args = defaults.template_args.clone();
+        match &self.chat_template_kwargs {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(o)) => template_args.extend(o.clone()),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "chat_template_kwargs must be an object",
+                    Some("chat_template_kwargs"),
+                ))
+            }
+        }
+        if let Some(t) = self.enable_thinking {
+            template_args.insert("enable_thinking".into(), Value::Bool(t));
+        }
+        if let Some(e) = &self.reasoning_effort {
+            template_args.insert("reasoning_effort".into(), Value::String(e.clone()));
+        }
+        Ok(rmlx_lm::chat::ChatRequest {
+            messages,
+            tools,
+            tool_choice,
+            parallel_tool_calls: self.parallel_tool_calls.unwrap_or(true),
+            template_args,
+            tool_format: defaults.tool_format.clone(),
+        })
+    }
+
+    /// The messages as templates read them: `developer` is `system`, content parts are joined,
+    /// an assistant's `tool_calls` and a tool result's `tool_call_id` and `name` are kept.
+    fn messages(&self) -> Result<Vec<Value>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
         }
@@ -279,33 +340,85 @@ impl ChatRequest {
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                let bad = |why: String| Err(ApiError::bad_request(format!("messages[{i}]: {why}"), Some("messages")));
-                // OpenAI's `developer` messages are system messages for the chat templates.
-                let role = match m.role.as_str() {
-                    "system" | "user" | "assistant" => m.role.clone(),
-                    "developer" => "system".to_string(),
-                    "tool" | "function" => return bad(format!("role `{}`: tool calling is not supported yet", m.role)),
-                    other => return bad(format!("unknown role `{other}` (system, developer, user or assistant)")),
-                };
-                let content = match &m.content {
-                    None => return bad("`content` is missing or null".into()),
-                    Some(Content::Text(t)) => t.clone(),
-                    Some(Content::Parts(parts)) => {
-                        let mut text = String::new();
-                        for p in parts {
-                            match (p.kind.as_str(), &p.text) {
-                                ("text", Some(t)) => text.push_str(t),
-                                ("text", None) => return bad("a text part has no `text`".into()),
-                                (kind, _) => return bad(format!("content parts of type `{kind}` are not supported")),
-                            }
-                        }
-                        text
-                    }
-                };
-                Ok(Message::new(role, content))
+                message(m).map_err(|why| ApiError::bad_request(format!("messages[{i}]: {why}"), Some("messages")))
             })
             .collect()
     }
+}
+
+/// The text of [`rmlx_lm::Error::InvalidParameter`] without its prefix.
+fn invalid(e: rmlx_lm::Error) -> String {
+    match e {
+        rmlx_lm::Error::InvalidParameter(m) => m,
+        e => e.to_string(),
+    }
+}
+
+/// A message's content: a string, or a list of parts of which the text ones are joined; `None`
+/// for a null or missing one.
+pub fn content_text(content: Option<&Value>) -> Result<Option<String>, String> {
+    match content {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(t)) => Ok(Some(t.clone())),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                let kind = p.get("type").and_then(Value::as_str).unwrap_or("(none)");
+                match (kind, p.get("text").and_then(Value::as_str)) {
+                    ("text" | "input_text" | "output_text", Some(t)) => text.push_str(t),
+                    ("text" | "input_text" | "output_text", None) => return Err("a text part has no `text`".into()),
+                    (kind, _) => return Err(format!("content parts of type `{kind}` are not supported")),
+                }
+            }
+            Ok(Some(text))
+        }
+        Some(other) => Err(format!("`content` must be a string or a list of parts, got {other}")),
+    }
+}
+
+fn message(m: &Value) -> Result<Value, String> {
+    let role = m.get("role").and_then(Value::as_str).ok_or("a message needs a `role`")?;
+    let content = content_text(m.get("content"))?;
+    let mut out = serde_json::Map::new();
+    let role = match role {
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => {
+            let calls = m.get("tool_calls").filter(|c| !c.is_null());
+            if let Some(calls) = calls {
+                let list = calls.as_array().ok_or("`tool_calls` must be a list")?;
+                for (k, c) in list.iter().enumerate() {
+                    let f = c.get("function").ok_or(format!("tool_calls[{k}] has no `function`"))?;
+                    f.get("name").and_then(Value::as_str).ok_or(format!("tool_calls[{k}].function has no `name`"))?;
+                }
+                out.insert("tool_calls".into(), calls.clone());
+            }
+            if let Some(r) = ["reasoning_content", "reasoning"].iter().find_map(|k| m.get(*k).and_then(Value::as_str)) {
+                out.insert("reasoning_content".into(), Value::String(r.to_string()));
+            }
+            if content.is_none() && calls.is_none() {
+                return Err("`content` is missing or null (and there are no `tool_calls`)".into());
+            }
+            "assistant"
+        }
+        "tool" | "function" => {
+            for key in ["tool_call_id", "name"] {
+                if let Some(v) = m.get(key).filter(|v| !v.is_null()) {
+                    out.insert(key.into(), v.clone());
+                }
+            }
+            "tool"
+        }
+        other => return Err(format!("unknown role `{other}` (system, developer, user, assistant or tool)")),
+    };
+    let content = match content {
+        Some(c) => c,
+        None if role == "assistant" => String::new(),
+        None => return Err("`content` is missing or null".into()),
+    };
+    out.insert("role".into(), Value::String(role.into()));
+    out.insert("content".into(), Value::String(content));
+    Ok(Value::Object(out))
 }
 
 #[derive(Deserialize)]

@@ -4,7 +4,7 @@
 //! request is cancelled at the next step, its cache rows freed.
 
 use super::api::{ApiError, TokenLogprob};
-use rmlx_lm::chat::Message;
+use rmlx_lm::chat::{ChatRequest, ReplyFormat};
 use rmlx_lm::engine::{Engine, EngineOptions, Lockstep, Request, SeqId, Update, Usage};
 use rmlx_lm::{FinishReason, GenerateOptions, LoadedModel};
 use std::collections::HashMap;
@@ -16,8 +16,8 @@ use tokio::sync::mpsc::UnboundedSender;
 /// What to complete.
 #[derive(Clone)]
 pub enum Prompt {
-    /// Messages, through the model's chat template.
-    Chat(Vec<Message>),
+    /// A conversation (with tools, template variables), through the model's chat template.
+    Chat(ChatRequest),
     /// Text encoded as is.
     Text(String),
 }
@@ -43,8 +43,10 @@ pub enum Control {
 }
 
 pub enum Event {
-    /// The prompt is encoded and fits: generation starts.
-    Started,
+    /// The prompt is encoded and fits: generation starts. For chat, how to read the reply.
+    Started {
+        reply: Option<ReplyFormat>,
+    },
     /// The text of the next token (may be empty while a character or stop string is pending),
     /// with its log-probability when the request asked for them.
     Token {
@@ -246,16 +248,26 @@ fn manage(engine: &mut Lockstep, c: Control) {
 /// Encodes a job's prompt and submits it; refusals go back to the handler as 400s.
 fn admit(lm: &LoadedModel, engine: &mut Lockstep, live: &mut HashMap<SeqId, Live>, job: Job, stats: &Stats) {
     stats.queued.fetch_sub(1, Ordering::Relaxed);
+    let mut options = job.options;
     let prompt = match &job.prompt {
-        Prompt::Chat(messages) => lm.chat_prompt(messages),
-        Prompt::Text(text) => lm.encode_prompt(text, true, None),
+        Prompt::Chat(chat) => lm.prepare_chat(chat).and_then(|ready| {
+            options.keep_special = ready.keep_special;
+            let grammar = match (ready.grammar, job.grammar) {
+                (Some(_), Some(_)) => {
+                    return Err(rmlx_lm::Error::InvalidParameter(
+                        "response_format cannot be combined with a tool_choice that forces a call".into(),
+                    ))
+                }
+                (forced, asked) => forced.or(asked),
+            };
+            Ok((ready.prompt, grammar, Some(ready.reply)))
+        }),
+        Prompt::Text(text) => lm.encode_prompt(text, true, None).map(|p| (p, job.grammar, None)),
     };
-    let request = prompt.map(|prompt| Request {
-        prompt,
-        options: job.options,
-        top_logprobs: job.logprobs.unwrap_or(0),
-        adapter: job.adapter,
-        grammar: job.grammar,
+    let mut reply = None;
+    let request = prompt.map(|(prompt, grammar, format)| {
+        reply = format;
+        Request { prompt, options, top_logprobs: job.logprobs.unwrap_or(0), adapter: job.adapter, grammar }
     });
     let submitted = request.and_then(|r| {
         let n = r.prompt.len();
@@ -264,14 +276,19 @@ fn admit(lm: &LoadedModel, engine: &mut Lockstep, live: &mut HashMap<SeqId, Live
     match submitted {
         Ok((seq, prompt_tokens)) => {
             tracing::debug!(request = %job.id, prompt_tokens, "queued");
-            if job.events.send(Event::Started).is_err() {
+            if job.events.send(Event::Started { reply }).is_err() {
                 engine.cancel(seq);
             }
             live.insert(seq, Live { id: job.id, events: job.events, logprobs: job.logprobs.is_some() });
         }
         Err(e) => {
             tracing::info!(request = %job.id, error = %e, "refused");
-            let param = matches!(e, rmlx_lm::Error::Prompt(_)).then_some("messages");
+            let param = match &e {
+                rmlx_lm::Error::Prompt(_) | rmlx_lm::Error::Template(_) => Some("messages"),
+                rmlx_lm::Error::InvalidParameter(m) if m.contains("tool_choice") => Some("tool_choice"),
+                rmlx_lm::Error::InvalidParameter(m) if m.contains("tool") => Some("tools"),
+                _ => None,
+            };
             let _ = job.events.send(Event::Failed(ApiError::bad_request(e.to_string(), param)));
         }
     }

@@ -41,7 +41,15 @@ fn serve_one(lm: &mut dyn LanguageModel, job: Job, stats: &Stats) {
         return refuse(&format!("top_logprobs needs the native backend (this server runs {backend})"), "top_logprobs");
     }
     let prompt = match job.prompt {
-        Prompt::Chat(messages) => backend::Prompt::Chat(messages),
+        Prompt::Chat(chat) => match plain_messages(&chat) {
+            Some(messages) => backend::Prompt::Chat(messages),
+            None => return refuse(
+                &format!(
+                    "tools, tool calls and chat_template_kwargs need the native backend (this server runs {backend})"
+                ),
+                "tools",
+            ),
+        },
         Prompt::Text(text) => backend::Prompt::Text(text),
     };
     let mut stream = match lm.generate(&prompt, &job.options) {
@@ -57,7 +65,7 @@ fn serve_one(lm: &mut dyn LanguageModel, job: Job, stats: &Stats) {
         }
     };
     let cancel = stream.cancel_handle();
-    if job.events.send(Event::Started).is_err() {
+    if job.events.send(Event::Started { reply: None }).is_err() {
         cancel.cancel();
     }
     for token in stream.by_ref() {
@@ -96,4 +104,21 @@ fn serve_one(lm: &mut dyn LanguageModel, job: Job, stats: &Stats) {
     };
     tracing::info!(request = %job.id, prompt_tokens = m.prompt_tokens, completion_tokens = m.generated_tokens, finish_reason = reason.as_str(), "done");
     let _ = job.events.send(Event::Done { finish_reason: reason.as_str(), usage });
+}
+
+/// The conversation as role and text alone, when that is all it is (no tools, calls or template
+/// variables: the other backends take nothing more).
+fn plain_messages(chat: &rmlx_lm::chat::ChatRequest) -> Option<Vec<rmlx_lm::chat::Message>> {
+    if !chat.tools.is_empty() || !chat.template_args.is_empty() {
+        return None;
+    }
+    chat.messages
+        .iter()
+        .map(|m| -> Option<rmlx_lm::chat::Message> {
+            let o = m.as_object()?;
+            let role = o.get("role")?.as_str()?;
+            let content = o.get("content")?.as_str()?;
+            (o.len() == 2 && role != "tool").then(|| rmlx_lm::chat::Message::new(role, content))
+        })
+        .collect()
 }

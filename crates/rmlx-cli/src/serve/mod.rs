@@ -124,6 +124,14 @@ pub struct Args {
     /// fresh machine) are ready before the first clients wait: `auto`, `on` or `off`.
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     warm_up: String,
+    /// Template variables every chat request gets (a JSON object, such as
+    /// '{"enable_thinking": false}'); a request's `chat_template_kwargs` override them.
+    #[arg(long, value_name = "JSON")]
+    chat_template_args: Option<String>,
+    /// How the model writes tool calls, when its chat template's markers do not tell: `hermes`,
+    /// `llama3`, `mistral`, `function_gemma` or `harmony`.
+    #[arg(long, value_name = "FORMAT")]
+    tool_parser: Option<String>,
     /// Seconds the requests in progress may take to finish after Ctrl-C or SIGTERM; then the
     /// streams still open end with an error and the server exits (a second signal exits at once).
     #[arg(long, default_value_t = 30)]
@@ -147,6 +155,8 @@ struct Shared {
     next_id: AtomicU64,
     /// The backend serving (`native`, `mlx-lm`, ...); only the native one batches requests.
     backend: String,
+    /// `--chat-template-args` and `--tool-parser`.
+    chat_defaults: api::ChatDefaults,
     /// Turns true when the shutdown's drain deadline passes: responses still being sent end with
     /// an error.
     cut: tokio::sync::watch::Receiver<bool>,
@@ -212,6 +222,18 @@ pub fn run(a: Args) -> Result<()> {
             return Ok(rmlx_lm::engine::Lockstep::follow(engine, ranks)?);
         }
     }
+    let chat_defaults = api::ChatDefaults {
+        template_args: match &a.chat_template_args {
+            None => Default::default(),
+            Some(text) => match serde_json::from_str(text) {
+                Ok(serde_json::Value::Object(o)) => o,
+                _ => anyhow::bail!(
+                    "--chat-template-args must be a JSON object, such as '{{\"enable_thinking\": false}}'"
+                ),
+            },
+        },
+        tool_format: a.tool_parser.as_deref().map(rmlx_lm::chat::ToolFormat::from_name).transpose()?,
+    };
     let adapter_roots = a
         .adapter_dirs
         .iter()
@@ -245,6 +267,7 @@ pub fn run(a: Args) -> Result<()> {
         default_max_tokens: a.default_max_tokens,
         next_id: AtomicU64::new(1),
         backend,
+        chat_defaults,
         cut,
     });
     // HTTP on tokio's threads, once the engine is ready (connections wait in the listen backlog

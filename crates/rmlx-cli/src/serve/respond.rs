@@ -13,6 +13,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
+use rmlx_lm::chat::{Reply, ReplyEvent, ReplyParser};
 use rmlx_lm::engine::Usage;
 use rmlx_lm::GenerateOptions;
 use serde_json::{json, Value};
@@ -32,7 +33,10 @@ enum Kind {
 
 pub(super) async fn chat(State(s): State<Arc<Shared>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Response {
     match body {
-        Ok(Json(request)) => respond(s, Kind::Chat, request.messages().map(Prompt::Chat), request.common).await,
+        Ok(Json(request)) => {
+            let chat = request.chat(&s.chat_defaults).map(Prompt::Chat);
+            respond(s, Kind::Chat, chat, request.common).await
+        }
         Err(e) => malformed(e),
     }
 }
@@ -114,13 +118,21 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
     }
     // The first event says whether the prompt was accepted: errors keep their status even
     // for streamed requests.
+    let mut formats = Vec::with_capacity(receivers.len());
     for rx in &mut receivers {
         match rx.recv().await {
-            Some(Event::Started) => {}
+            Some(Event::Started { reply }) => formats.push(reply),
             Some(Event::Failed(e)) => return error(e),
             _ => return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
         }
     }
+    // Each choice's reply is read by its own parser; call ids name the request and the choice.
+    let call_ids = call_id_prefix(&id);
+    let parsers: Vec<Option<ReplyParser>> = formats
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| f.map(|f| ReplyParser::new(f, &format!("{call_ids}{i}_"))))
+        .collect();
     let head = Head {
         id,
         created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
@@ -128,11 +140,11 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
         kind,
     };
     if settings.stream {
-        return Sse::new(stream_events(head, receivers, settings, s.cut.clone())).into_response();
+        return Sse::new(stream_events(head, receivers, parsers, settings, s.cut.clone())).into_response();
     }
     let mut choices = Vec::with_capacity(receivers.len());
     let mut total: Option<Usage> = None;
-    for (index, mut rx) in receivers.into_iter().enumerate() {
+    for ((index, mut rx), parser) in receivers.into_iter().enumerate().zip(parsers) {
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let (finish_reason, usage) = loop {
@@ -148,7 +160,7 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
                 }
                 Some(Event::Done { finish_reason, usage }) => break (finish_reason, usage),
                 Some(Event::Failed(e)) => return error(e),
-                Some(Event::Started) => {}
+                Some(Event::Started { .. }) => {}
                 None => {
                     return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None })
                 }
@@ -159,9 +171,16 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
             (Some(_), Kind::Chat) => api::chat_logprobs(&logprobs.iter().collect::<Vec<_>>()),
             (Some(_), Kind::Text) => api::text_logprobs(&logprobs.iter().collect::<Vec<_>>(), 0),
         };
-        choices.push(match kind {
-            Kind::Chat => json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish_reason}),
-            Kind::Text => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}),
+        choices.push(match (kind, parser) {
+            (Kind::Chat, Some(mut parser)) => {
+                let mut events = parser.push(&text);
+                events.extend(parser.finish());
+                let reply = Reply::collect(events);
+                let finish_reason = reply_finish_reason(finish_reason, !reply.tool_calls.is_empty());
+                json!({"index": index, "message": chat_message(reply), "logprobs": lp, "finish_reason": finish_reason})
+            }
+            (Kind::Chat, None) => json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish_reason}),
+            (Kind::Text, _) => json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}),
         });
         add_usage(&mut total, usage);
     }
@@ -169,6 +188,61 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
     body["choices"] = Value::Array(choices);
     body["usage"] = api::usage(&total.unwrap_or_default());
     Json(body).into_response()
+}
+
+/// OpenAI's finish reason `tool_calls` for a reply that ended by itself with calls.
+fn reply_finish_reason(reason: &'static str, calls: bool) -> &'static str {
+    if calls && reason == "stop" {
+        "tool_calls"
+    } else {
+        reason
+    }
+}
+
+/// An assistant message: `content` (null when the reply is only calls), `reasoning_content`,
+/// `tool_calls`.
+pub(super) fn chat_message(reply: Reply) -> Value {
+    let mut m = json!({"role": "assistant", "content": reply.content});
+    if !reply.tool_calls.is_empty() {
+        if reply.content.is_empty() {
+            m["content"] = Value::Null;
+        }
+        m["tool_calls"] = reply
+            .tool_calls
+            .into_iter()
+            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect();
+    }
+    if let Some(r) = reply.reasoning {
+        m["reasoning_content"] = json!(r);
+    }
+    m
+}
+
+/// `call_` and a number unique to this server's run and request.
+pub(super) fn call_id_prefix(request_id: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write(request_id.as_bytes());
+    format!("call_{:012x}_", h.finish() & 0xffff_ffff_ffff)
+}
+
+/// The chat chunks' `delta`s of a reply's events (several in a row of the same kind merged).
+fn deltas(events: Vec<ReplyEvent>) -> Vec<Value> {
+    let mut out: Vec<Value> = Vec::new();
+    for e in events {
+        let d = match e {
+            ReplyEvent::Content(t) => json!({"content": t}),
+            ReplyEvent::Reasoning(t) => json!({"reasoning_content": t}),
+            ReplyEvent::ToolCall { index, id, name } => json!({"tool_calls": [
+                {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+            ReplyEvent::Arguments { index, text } => {
+                json!({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+            }
+        };
+        out.push(d);
+    }
+    out
 }
 
 /// Adds a choice's usage to the request's: the prompt once, the completions summed.
@@ -200,6 +274,14 @@ impl Head {
     /// A chunk with one choice: `delta` (chat) or `text` (completions), and a finish reason.
     fn chunk(&self, index: usize, text: Option<&str>, first: bool, finish_reason: Option<&str>) -> Value {
         self.chunk_with(index, text, first, finish_reason, None, 0)
+    }
+
+    /// A chat chunk of one choice with this `delta`.
+    fn delta(&self, index: usize, delta: Value) -> Value {
+        let mut chunk = self.object(true);
+        chunk["choices"] =
+            json!([{"index": index, "delta": delta, "logprobs": Value::Null, "finish_reason": Value::Null}]);
+        chunk
     }
 
     /// A chunk whose token carries its log-probability (`offset`: where its text starts).
@@ -244,6 +326,7 @@ impl Head {
 fn stream_events(
     head: Head,
     receivers: Vec<UnboundedReceiver<Event>>,
+    parsers: Vec<Option<ReplyParser>>,
     settings: Settings,
     cut: tokio::sync::watch::Receiver<bool>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
@@ -267,8 +350,10 @@ fn stream_events(
         usage: Option<Usage>,
         over: bool,
         cut: tokio::sync::watch::Receiver<bool>,
+        parsers: Vec<Option<ReplyParser>>,
     }
-    let state = State { head, events: merged, offsets: vec![0; n], finished: 0, usage: None, over: false, cut };
+    let state =
+        State { head, events: merged, offsets: vec![0; n], finished: 0, usage: None, over: false, cut, parsers };
     let body = stream::unfold(state, move |mut st| async move {
         if st.over {
             return None;
@@ -285,13 +370,35 @@ fn stream_events(
             };
             let items: Vec<Result<SseEvent, Infallible>> = match event {
                 Some((_, Event::Token { text, logprob: None })) if text.is_empty() => continue,
+                Some((i, Event::Token { text, logprob })) if st.parsers[i].is_some() => {
+                    let events = st.parsers[i].as_mut().map(|p| p.push(&text)).unwrap_or_default();
+                    let mut chunks: Vec<Value> = deltas(events).into_iter().map(|d| st.head.delta(i, d)).collect();
+                    if let Some(lp) = &logprob {
+                        // The token's log-probability rides on its first chunk (an empty delta
+                        // while its text is held back).
+                        if chunks.is_empty() {
+                            chunks.push(st.head.delta(i, json!({})));
+                        }
+                        chunks[0]["choices"][0]["logprobs"] = api::chat_logprobs(&[lp]);
+                    }
+                    if chunks.is_empty() {
+                        continue;
+                    }
+                    chunks.into_iter().map(data).collect()
+                }
                 Some((i, Event::Token { text, logprob })) => {
                     let chunk = st.head.chunk_with(i, Some(&text), false, None, logprob.as_ref(), st.offsets[i]);
                     st.offsets[i] += text.len();
                     vec![data(chunk)]
                 }
                 Some((i, Event::Done { finish_reason, usage })) => {
-                    let mut items = vec![data(st.head.chunk(i, None, false, Some(finish_reason)))];
+                    let mut items = Vec::new();
+                    let mut reason = finish_reason;
+                    if let Some(p) = st.parsers[i].as_mut() {
+                        items.extend(deltas(p.finish()).into_iter().map(|d| data(st.head.delta(i, d))));
+                        reason = reply_finish_reason(reason, p.tool_calls() > 0);
+                    }
+                    items.push(data(st.head.chunk(i, None, false, Some(reason))));
                     add_usage(&mut st.usage, usage);
                     st.finished += 1;
                     if st.finished == n {
@@ -310,7 +417,7 @@ fn stream_events(
                     st.over = true;
                     vec![data(e.body()), Ok(SseEvent::default().data("[DONE]"))]
                 }
-                Some((_, Event::Started)) => continue,
+                Some((_, Event::Started { .. })) => continue,
                 None => return None,
             };
             return Some((stream::iter(items), st));

@@ -203,6 +203,11 @@ impl ChatTemplate {
         ChatTemplate::new(source, bos, eos)
     }
 
+    /// Another template with this one's special tokens (`--chat-template`).
+    pub fn with_source(&self, source: &str) -> Result<ChatTemplate> {
+        ChatTemplate::new(source, self.bos_token.as_deref(), self.eos_token.as_deref())
+    }
+
     /// Sets the most instructions one render may execute (default [`TEMPLATE_FUEL`]; `None`: no
     /// bound). Running out is an [`Error::Template`].
     pub fn set_step_budget(&mut self, steps: Option<u64>) {

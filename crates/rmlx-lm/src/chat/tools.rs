@@ -143,7 +143,11 @@ impl ToolFormat {
         let mut rules = Vec::new();
         let mut alternatives = Vec::new();
         for (k, (name, params)) in functions.iter().enumerate() {
-            let schema = serde_json::to_string(params).expect("JSON");
+            // Arguments on one line, separated as Python's json.dumps does (fewer tokens than
+            // the indented JSON a model may drift into).
+            let mut params = params.clone();
+            params["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+            let schema = serde_json::to_string(&params).expect("JSON");
             let body = match self {
                 ToolFormat::Hermes => format!(
                     "{} args{k} {}",
