@@ -43,12 +43,14 @@ fn serve_one(lm: &mut dyn LanguageModel, job: Job, stats: &Stats) {
     let prompt = match job.prompt {
         Prompt::Chat(chat) => match plain_messages(&chat) {
             Some(messages) => backend::Prompt::Chat(messages),
-            None => return refuse(
-                &format!(
+            None => {
+                return refuse(
+                    &format!(
                     "tools, tool calls and chat_template_kwargs need the native backend (this server runs {backend})"
                 ),
-                "tools",
-            ),
+                    "tools",
+                )
+            }
         },
         Prompt::Text(text) => backend::Prompt::Text(text),
     };

@@ -1,6 +1,6 @@
 //! `rmlx serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of the generation
-//! loop of [`engine`]: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as
-//! server-sent events or whole), `GET /v1/models`, `GET /health` and Prometheus text at
+//! loop of [`engine`]: `POST /v1/chat/completions` (with tools and reasoning),
+//! `POST /v1/completions`, `POST /v1/responses` (streamed as server-sent events or whole), `GET /v1/models`, `GET /health` and Prometheus text at
 //! `GET /metrics`. Errors come in OpenAI's shape with their status. LoRA adapters loaded with
 //! `--adapter NAME=PATH` (or, with `--allow-adapter-loading`, through vLLM's
 //! `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`) are chosen per request by
@@ -16,6 +16,7 @@ mod engine;
 mod interface;
 mod listen;
 mod respond;
+mod responses;
 
 use crate::common::{count, KvCacheArgs, ModelArgs};
 use anyhow::{Context, Result};
@@ -157,6 +158,8 @@ struct Shared {
     backend: String,
     /// `--chat-template-args` and `--tool-parser`.
     chat_defaults: api::ChatDefaults,
+    /// Responses kept for `previous_response_id`.
+    responses: responses::Store,
     /// Turns true when the shutdown's drain deadline passes: responses still being sent end with
     /// an error.
     cut: tokio::sync::watch::Receiver<bool>,
@@ -268,6 +271,7 @@ pub fn run(a: Args) -> Result<()> {
         next_id: AtomicU64::new(1),
         backend,
         chat_defaults,
+        responses: Default::default(),
         cut,
     });
     // HTTP on tokio's threads, once the engine is ready (connections wait in the listen backlog
@@ -357,6 +361,8 @@ fn router(shared: Arc<Shared>, body_timeout: std::time::Duration) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(respond::chat))
         .route("/v1/completions", post(respond::completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve))
         .route("/v1/load_lora_adapter", post(adapters::load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(adapters::unload_lora_adapter))
         .fallback(|| async { error(ApiError { status: 404, message: "no such endpoint".into(), param: None }) })

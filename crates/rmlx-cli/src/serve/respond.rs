@@ -13,7 +13,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
-use rmlx_lm::chat::{Reply, ReplyEvent, ReplyParser};
+use rmlx_lm::chat::{Reply, ReplyEvent, ReplyFormat, ReplyParser};
 use rmlx_lm::engine::Usage;
 use rmlx_lm::GenerateOptions;
 use serde_json::{json, Value};
@@ -53,7 +53,7 @@ pub(super) async fn completions(
 
 /// A body that is not JSON or not the request's shape: 400 with serde's reason.
 /// A body over [`MAX_BODY`] gets 413.
-fn malformed(e: JsonRejection) -> Response {
+pub(super) fn malformed(e: JsonRejection) -> Response {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
         let message = format!("the request body is larger than {} MiB", MAX_BODY >> 20);
         return error(ApiError { status: 413, message, param: None });
@@ -62,7 +62,7 @@ fn malformed(e: JsonRejection) -> Response {
 }
 
 /// What a response still being sent gets when the drain deadline passes.
-fn shutting_down() -> ApiError {
+pub(super) fn shutting_down() -> ApiError {
     ApiError { status: 503, message: "the server is shutting down: its drain deadline passed".into(), param: None }
 }
 
@@ -81,51 +81,10 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
         if matches!(kind, Kind::Chat) { "chatcmpl" } else { "cmpl" },
         s.next_id.fetch_add(1, Ordering::Relaxed)
     );
-    // `n` choices are `n` sequences of the batch; a seeded request's choice `i` uses seed + i.
-    let mut receivers = Vec::with_capacity(settings.n);
-    for i in 0..settings.n {
-        let (tx, rx) = unbounded_channel();
-        let mut sampler = settings.sampler.clone();
-        sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(i as u64));
-        let options = GenerateOptions {
-            max_tokens: settings.max_tokens,
-            sampler,
-            stop_strings: settings.stop.clone(),
-            ..GenerateOptions::default()
-        };
-        let job_id = if settings.n == 1 { id.clone() } else { format!("{id}/{i}") };
-        let prompt = prompt.clone();
-        s.stats.queued.fetch_add(1, Ordering::Relaxed);
-        let job = Job {
-            id: job_id,
-            prompt,
-            options,
-            logprobs: settings.logprobs,
-            adapter: adapter.clone(),
-            grammar: settings.grammar.clone(),
-            events: tx,
-        };
-        if let Err(e) = s.jobs.try_send(job) {
-            // The choices already queued are cancelled when their receivers drop.
-            s.stats.queued.fetch_sub(1, Ordering::Relaxed);
-            let message = match e {
-                TrySendError::Full(_) => "the server is busy: too many requests are waiting; retry later",
-                TrySendError::Disconnected(_) => "the server is shutting down",
-            };
-            return error(ApiError { status: 503, message: message.into(), param: None });
-        }
-        receivers.push(rx);
-    }
-    // The first event says whether the prompt was accepted: errors keep their status even
-    // for streamed requests.
-    let mut formats = Vec::with_capacity(receivers.len());
-    for rx in &mut receivers {
-        match rx.recv().await {
-            Some(Event::Started { reply }) => formats.push(reply),
-            Some(Event::Failed(e)) => return error(e),
-            _ => return error(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
-        }
-    }
+    let (receivers, formats) = match start_jobs(&s, &id, &prompt, &settings, adapter).await {
+        Ok(started) => started,
+        Err(e) => return error(e),
+    };
     // Each choice's reply is read by its own parser; call ids name the request and the choice.
     let call_ids = call_id_prefix(&id);
     let parsers: Vec<Option<ReplyParser>> = formats
@@ -188,6 +147,60 @@ async fn respond(s: Arc<Shared>, kind: Kind, prompt: Result<Prompt, ApiError>, c
     body["choices"] = Value::Array(choices);
     body["usage"] = api::usage(&total.unwrap_or_default());
     Json(body).into_response()
+}
+
+/// Hands the engine one job per choice (`n` sequences of the batch; a seeded request's choice `i`
+/// uses seed + i) and waits until each is accepted: its events, and how to read each reply. A
+/// refusal keeps its status even for streamed requests.
+pub(super) async fn start_jobs(
+    s: &Shared,
+    id: &str,
+    prompt: &Prompt,
+    settings: &Settings,
+    adapter: Option<String>,
+) -> Result<(Vec<UnboundedReceiver<Event>>, Vec<Option<ReplyFormat>>), ApiError> {
+    let mut receivers = Vec::with_capacity(settings.n);
+    for i in 0..settings.n {
+        let (tx, rx) = unbounded_channel();
+        let mut sampler = settings.sampler.clone();
+        sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(i as u64));
+        let options = GenerateOptions {
+            max_tokens: settings.max_tokens,
+            sampler,
+            stop_strings: settings.stop.clone(),
+            ..GenerateOptions::default()
+        };
+        let job_id = if settings.n == 1 { id.to_string() } else { format!("{id}/{i}") };
+        s.stats.queued.fetch_add(1, Ordering::Relaxed);
+        let job = Job {
+            id: job_id,
+            prompt: prompt.clone(),
+            options,
+            logprobs: settings.logprobs,
+            adapter: adapter.clone(),
+            grammar: settings.grammar.clone(),
+            events: tx,
+        };
+        if let Err(e) = s.jobs.try_send(job) {
+            // The choices already queued are cancelled when their receivers drop.
+            s.stats.queued.fetch_sub(1, Ordering::Relaxed);
+            let message = match e {
+                TrySendError::Full(_) => "the server is busy: too many requests are waiting; retry later",
+                TrySendError::Disconnected(_) => "the server is shutting down",
+            };
+            return Err(ApiError { status: 503, message: message.into(), param: None });
+        }
+        receivers.push(rx);
+    }
+    let mut formats = Vec::with_capacity(receivers.len());
+    for rx in &mut receivers {
+        match rx.recv().await {
+            Some(Event::Started { reply }) => formats.push(reply),
+            Some(Event::Failed(e)) => return Err(e),
+            _ => return Err(ApiError { status: 500, message: "the generation loop stopped".into(), param: None }),
+        }
+    }
+    Ok((receivers, formats))
 }
 
 /// OpenAI's finish reason `tool_calls` for a reply that ended by itself with calls.
