@@ -193,3 +193,95 @@ fn reasoning_is_split_from_the_answer() {
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("chat_template_kwargs")), "{v}");
     let _ = std::fs::remove_file(template);
 }
+
+/// The Responses API: text, a forced call (its arguments fit the schema), the streamed events in
+/// order and numbered, a follow-up by `previous_response_id` carrying the call's output, a kept
+/// response read back, and refusals.
+#[test]
+fn responses_api() {
+    let server = Server::start(&[]);
+    let (status, v) = server.post(
+        "/v1/responses",
+        &json!({"input": "What is the capital of France?", "max_output_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "response");
+    let out = &v["output"][0];
+    assert_eq!((out["type"].as_str(), out["role"].as_str()), (Some("message"), Some("assistant")), "{v}");
+    let text = out["content"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(out["content"][0]["type"], "output_text");
+    assert!(!text.is_empty());
+    let usage = &v["usage"];
+    assert_eq!(
+        usage["total_tokens"],
+        usage["input_tokens"].as_u64().unwrap() + usage["output_tokens"].as_u64().unwrap()
+    );
+    // The same streamed: created, in progress, the item and its part, the text in deltas, the
+    // part and item done, then the response completed (or incomplete at max_output_tokens).
+    let body =
+        json!({"input": "What is the capital of France?", "max_output_tokens": 12, "temperature": 0, "stream": true});
+    let (status, raw) = request(&server.addr, "POST", "/v1/responses", Some(&body), &[]);
+    assert_eq!(status, 200, "{raw}");
+    let events: Vec<Value> =
+        raw.lines().filter_map(|l| l.strip_prefix("data: ")).map(|d| serde_json::from_str(d).unwrap()).collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    let names: Vec<&str> = raw.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!(kinds, names);
+    let deltas: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, text);
+    let mut order: Vec<&str> = kinds.iter().copied().filter(|k| *k != "response.output_text.delta").collect();
+    let last = order.pop().unwrap();
+    assert!(last == "response.completed" || last == "response.incomplete", "{kinds:?}");
+    assert_eq!(
+        order,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done"
+        ]
+    );
+    assert!(events.iter().enumerate().all(|(i, e)| e["sequence_number"] == i as u64), "{kinds:?}");
+    assert_eq!(events.last().unwrap()["response"]["output"][0]["content"][0]["text"], text.as_str());
+
+    // A forced call, then its output by previous_response_id.
+    let flat = json!([{"type": "function", "name": "get_weather", "parameters": weather()["function"]["parameters"]}]);
+    let (status, call) = server.post("/v1/responses", &json!({"input": "Weather in Paris?", "tools": flat, "temperature": 0,
+        "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": false, "max_output_tokens": 60}));
+    assert_eq!(status, 200, "{call}");
+    let item = &call["output"][0];
+    assert_eq!((item["type"].as_str(), item["name"].as_str()), (Some("function_call"), Some("get_weather")), "{call}");
+    weather_arguments(item["arguments"].as_str().unwrap());
+    let follow = json!({"previous_response_id": call["id"], "tools": flat, "max_output_tokens": 4,
+        "input": [{"type": "function_call_output", "call_id": item["call_id"], "output": "18 degrees"}]});
+    let (status, next) = server.post("/v1/responses", &follow);
+    assert_eq!(status, 200, "{next}");
+    // The follow-up's prompt holds the first request's, its call and the output.
+    assert!(
+        next["usage"]["input_tokens"].as_u64().unwrap() > call["usage"]["input_tokens"].as_u64().unwrap() + 20,
+        "{next}"
+    );
+    let (status, kept) =
+        request(&server.addr, "GET", &format!("/v1/responses/{}", next["id"].as_str().unwrap()), None, &[]);
+    assert_eq!(status, 200);
+    assert_eq!(serde_json::from_str::<Value>(&kept).unwrap()["output"], next["output"]);
+
+    for (body, code, param) in [
+        (json!({"input": "hi", "previous_response_id": "resp_nope"}), 404, "previous_response_id"),
+        (json!({"input": 7}), 400, "input"),
+        (json!({"input": [{"type": "image_generation_call"}]}), 400, "input"),
+        (json!({"input": "hi", "tools": [{"type": "web_search"}]}), 400, "tools"),
+    ] {
+        let (status, v) = server.post("/v1/responses", &body);
+        assert_eq!((status, v["error"]["param"].as_str()), (code, Some(param)), "{body}: {v}");
+    }
+    let (status, _) = request(&server.addr, "GET", "/v1/responses/resp_nope", None, &[]);
+    assert_eq!(status, 404);
+}

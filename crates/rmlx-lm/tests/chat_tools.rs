@@ -247,3 +247,30 @@ fn prepared_requests_and_forced_calls() {
         .unwrap_err();
     assert!(err.to_string().contains("`time`"), "{err}");
 }
+
+/// A conversation with a call and its result through Qwen 3's own template (the goldens' copy), as
+/// transformers renders it (the expected text is Jinja2's rendering with transformers' settings):
+/// the call's arguments, given as JSON text, reach the template as an object.
+#[test]
+fn tool_history_through_qwen3_template() {
+    let goldens = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/goldens.json");
+    let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(goldens).unwrap()).unwrap();
+    let mut lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model().unwrap(), &Default::default()).unwrap();
+    lm.chat_template = lm.chat_template.with_source(g["templates"]["qwen3"].as_str().unwrap()).unwrap();
+    let tools =
+        vec![json!({"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})];
+    let messages = vec![
+        json!({"role": "user", "content": "Weather in Paris?"}),
+        json!({"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}),
+        json!({"role": "tool", "tool_call_id": "c1", "content": "18 degrees"}),
+    ];
+    let ready = lm.prepare_chat(&ChatRequest { tools, ..ChatRequest::new(messages) }).unwrap();
+    let text = lm.tokenizer.decode(&ready.prompt, false).unwrap();
+    let want = "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"description\": \"The weather in a city\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"]}}}\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n18 degrees\n</tool_response><|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(text, want);
+    // Qwen 3's template writes thinking markup: replies are read for it, and for Hermes calls.
+    assert_eq!(ready.reply.think, Some(rmlx_lm::chat::Think::default()));
+    assert_eq!(ready.reply.tools, Some(ToolFormat::Hermes));
+}

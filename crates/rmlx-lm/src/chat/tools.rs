@@ -270,17 +270,17 @@ fn short(v: &Json) -> String {
 /// tools (a system message's opening).
 pub fn hermes_instructions(tools: &[Json]) -> String {
     let mut s = String::from(
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
-         You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+        "# Tools\n\nWhen they help you answer, you can call the functions described (as JSON) between \
+         <tools> and </tools>:\n<tools>",
     );
     for t in tools {
         s.push('\n');
         s.push_str(&t.to_string());
     }
     s.push_str(
-        "\n</tools>\n\nFor each function call, return a json object with function name and arguments \
-         within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": \
-         <args-json-object>}\n</tool_call>",
+        "\n</tools>\n\nTo call one, write a JSON object with the function's name and its arguments \
+         between <tool_call> and </tool_call>, one block per call:\n<tool_call>\n{\"name\": \"function name\", \
+         \"arguments\": {the arguments}}\n</tool_call>",
     );
     s
 }
