@@ -62,6 +62,7 @@ pub mod registry;
 pub mod roofline;
 pub(crate) mod safetensors_header;
 pub mod sample;
+pub mod speculative;
 pub(crate) mod text_stream;
 pub mod tokenizer;
 pub mod tuner;

@@ -500,10 +500,17 @@ impl Sampler {
     /// log-probabilities, by argmax at temperature 0, else by the filters and a categorical draw.
     /// Advances the key when it draws.
     pub fn sample_logprobs(&mut self, logprobs: &Array) -> Result<Array> {
-        let cfg = &self.cfg;
-        if cfg.is_greedy() {
+        if self.cfg.is_greedy() {
             return Ok(logprobs.argmax(Some(-1), false)?.astype(Dtype::Uint32)?);
         }
+        let scaled = self.filtered(logprobs)?;
+        self.draw(&scaled)
+    }
+
+    /// The filters and the temperature over log-probabilities: the unnormalised log-weights the
+    /// draw of [`Sampler::sample_logprobs`] uses (not at temperature 0).
+    fn filtered(&self, logprobs: &Array) -> Result<Array> {
+        let cfg = &self.cfg;
         let mut x = logprobs.clone();
         if cfg.top_p < 1.0 {
             x = apply_top_p(&x, cfg.top_p)?;
@@ -514,9 +521,31 @@ impl Sampler {
         if cfg.top_k > 0 {
             x = apply_top_k(&x, cfg.top_k)?;
         }
-        let scaled = (&x * (1.0 / cfg.temperature))?;
+        Ok((&x * (1.0 / cfg.temperature))?)
+    }
+
+    /// The probabilities (`[.., vocab]`, float32, summing to 1) that [`Sampler::sample_logprobs`]
+    /// draws from, given [`Sampler::logprobs`]' output: the filters and the temperature applied;
+    /// at temperature 0, all on the argmax.
+    pub fn distribution(&self, logprobs: &Array) -> Result<Array> {
+        if self.cfg.is_greedy() {
+            let vocab = *logprobs.shape().last().expect("a vocabulary axis");
+            let best = logprobs.argmax(Some(-1), false)?;
+            return Ok(rmlx::ops::one_hot(&best, vocab, Dtype::Float32)?);
+        }
+        Ok(rmlx::ops::softmax(&self.filtered(logprobs)?, &[-1], true)?)
+    }
+
+    /// A token drawn from unnormalised log-weights `[1, vocab]` (uint32 `[1]`), with the next key.
+    pub fn draw(&mut self, log_weights: &Array) -> Result<Array> {
         let key = self.next_key()?;
-        Ok(random::categorical(&scaled, -1, None, Some(&key))?.astype(Dtype::Uint32)?)
+        Ok(random::categorical(log_weights, -1, None, Some(&key))?.astype(Dtype::Uint32)?)
+    }
+
+    /// `n` numbers drawn uniformly from [0, 1), with the next key.
+    pub fn uniforms(&mut self, n: usize) -> Result<Vec<f32>> {
+        let key = self.next_key()?;
+        Ok(random::uniform(0.0, 1.0, &[n as i32], Dtype::Float32, Some(&key))?.to_vec::<f32>()?)
     }
 
     /// Splits the key: one half is kept for later draws, the other is returned for this one.

@@ -127,6 +127,32 @@ impl KvCache {
         }
     }
 
+    /// Whether [`KvCache::trim`] can still take back positions after `extra` more are written:
+    /// an unbounded cache always; a window only while nothing has left it.
+    pub fn trimmable_after(&self, extra: usize) -> bool {
+        match self {
+            KvCache::Standard(_) => true,
+            KvCache::Quantized(c) => c.window.is_none(),
+            KvCache::Rotating(c) => c.idx == c.offset && c.offset + extra <= c.max_size,
+            KvCache::Batch(_) => false,
+        }
+    }
+
+    /// Forgets the last `n` positions (speculative decoding's rejected drafts); `false`, and
+    /// nothing changed, where it cannot (see [`KvCache::trimmable_after`]).
+    pub fn trim(&mut self, n: usize) -> bool {
+        match self {
+            KvCache::Standard(c) if n <= c.offset => c.offset -= n,
+            KvCache::Quantized(c) if c.window.is_none() && n <= c.offset => c.offset -= n,
+            KvCache::Rotating(c) if c.idx == c.offset && c.offset <= c.max_size && n <= c.offset => {
+                c.offset -= n;
+                c.idx -= n;
+            }
+            _ => return false,
+        }
+        true
+    }
+
     /// The RoPE offset of the next position of each sequence.
     pub fn rope_offset(&self) -> Result<Offset> {
         Ok(match self {
