@@ -46,6 +46,20 @@ pub struct Args {
     /// text). A file made for another model, dtype or adapter is refused.
     #[arg(long)]
     prompt_cache_file: Option<std::path::PathBuf>,
+    /// Speculative decoding: a smaller model with the same vocabulary drafts tokens that the
+    /// model checks several at a time (greedy output unchanged; sampled output distributed as
+    /// the model's own).
+    #[arg(long, conflicts_with_all = ["prompt_lookup", "prompt_cache_file"])]
+    draft_model: Option<std::path::PathBuf>,
+    /// Speculative decoding without a draft model: drafts are the tokens that followed the latest
+    /// earlier occurrence of the last N (down to 1) tokens of the prompt and output (prompt
+    /// lookup; for edits and summaries of the prompt).
+    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "3", value_parser = positive,
+          conflicts_with = "prompt_cache_file")]
+    prompt_lookup: Option<usize>,
+    /// Tokens drafted per step (speculative decoding).
+    #[arg(long, default_value_t = 3, value_parser = positive)]
+    num_draft_tokens: usize,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -61,6 +75,9 @@ pub fn run(a: Args) -> Result<()> {
     };
     if let Some(file) = &a.prompt_cache_file {
         return after_cache(&a, file, &prompt_text, &opts);
+    }
+    if a.draft_model.is_some() || a.prompt_lookup.is_some() {
+        return speculative(&a, &prompt_text, &opts);
     }
     let mut lm = a.model.open(&a.backend)?;
     let lm_backend = lm.info().backend;
@@ -106,6 +123,45 @@ fn after_cache(a: &Args, file: &std::path::Path, prompt_text: &str, opts: &Gener
     report(a, generation.metrics(), generation.finish_reason(), &text, &ids, "native".into())
 }
 
+/// Speculative decoding (rmlx's own backend: it checks drafts against the model's caches).
+fn speculative(a: &Args, prompt_text: &str, opts: &GenerateOptions) -> Result<()> {
+    use rmlx_lm::speculative::{Drafter, Speculation};
+    if a.backend == "mlx-lm" {
+        anyhow::bail!("--draft-model and --prompt-lookup run on rmlx's own backend (--backend native or auto)");
+    }
+    let lm = a.model.load()?;
+    let draft = match &a.draft_model {
+        Some(path) => {
+            let args = ModelArgs { model: Some(path.clone()), adapter_path: None, chat_template: None, ..a.model.clone() };
+            Some(args.load().with_context(|| format!("loading the draft model {}", path.display()))?)
+        }
+        None => None,
+    };
+    let drafter = match (&draft, a.prompt_lookup) {
+        (Some(d), _) => Drafter::Model(d),
+        (None, Some(n)) => Drafter::PromptLookup { max_ngram: n, min_ngram: 1 },
+        (None, None) => unreachable!("called for a draft model or prompt lookup"),
+    };
+    let prompt = lm.encode_prompt(prompt_text, a.raw, a.system.as_deref())?;
+    let speculation = Speculation { drafter, num_draft_tokens: a.num_draft_tokens };
+    let mut generation = lm.generate_speculative(&prompt, opts, speculation)?;
+    let tokens = generation.by_ref().map(|t| t.map_err(anyhow::Error::from));
+    let (text, ids) = emit(a, tokens)?;
+    let acc = generation.acceptance();
+    if !a.json {
+        eprintln!(
+            "speculative decoding: {} of {} drafted tokens kept ({:.0} %), {} passes of the model for {} tokens",
+            acc.accepted,
+            acc.drafted,
+            acc.rate() * 100.0,
+            acc.steps,
+            generation.metrics().generated_tokens
+        );
+    }
+    let extra = serde_json::json!({"draft_tokens": acc.drafted, "accepted_draft_tokens": acc.accepted, "model_passes": acc.steps});
+    report_with(a, generation.metrics(), generation.finish_reason(), &text, &ids, "native".into(), Some(extra))
+}
+
 /// Streams the tokens to stdout (unless `--json`); returns the text and ids.
 fn emit(a: &Args, tokens: impl Iterator<Item = Result<rmlx_lm::Token>>) -> Result<(String, Vec<u32>)> {
     let (mut text, mut ids) = (String::new(), Vec::new());
@@ -131,9 +187,22 @@ fn report(
     ids: &[u32],
     lm_backend: String,
 ) -> Result<()> {
+    report_with(a, m, reason, text, ids, lm_backend, None)
+}
+
+/// [`report`] with more fields for the JSON object.
+fn report_with(
+    a: &Args,
+    m: &rmlx_lm::Metrics,
+    reason: Option<rmlx_lm::FinishReason>,
+    text: &str,
+    ids: &[u32],
+    lm_backend: String,
+    extra: Option<serde_json::Value>,
+) -> Result<()> {
     let mut out = std::io::stdout().lock();
     if a.json {
-        let obj = serde_json::json!({
+        let mut obj = serde_json::json!({
             "text": text,
             "token_ids": ids,
             "prompt_tokens": m.prompt_tokens,
@@ -145,6 +214,9 @@ fn report(
             "finish_reason": reason.map(|r| r.as_str()),
             "backend": lm_backend,
         });
+        if let Some(serde_json::Value::Object(more)) = extra {
+            obj.as_object_mut().expect("an object").extend(more);
+        }
         writeln!(out, "{obj}")?;
     } else {
         writeln!(out)?;
