@@ -293,7 +293,8 @@ mod tests {
         let cut = &text[..33];
         let calls = scan_calls(cut).unwrap();
         assert_eq!(calls[0].name.as_deref(), Some("f"));
-        assert_eq!(calls[0].args, Some(Span { start: 28, end: 33, complete: false }));
+        assert_eq!(calls[0].args, Some(Span { start: 27, end: 33, complete: false }));
+        assert_eq!(&cut[27..], br#"{"x": "#);
         assert!(scan_calls(b"{\"name\" 1}").is_err());
         assert!(scan_calls(b"hello").is_err());
         assert_eq!(scan_calls(b"[{\"name\": \"f\"}]").unwrap().len(), 1);

@@ -390,8 +390,50 @@ fn attend(
             let sinks = sinks.astype(q.dtype())?;
             Ok(fast::scaled_dot_product_attention_with_sinks(q, keys, values, scale, mask.as_attention(), &sinks)?)
         }
+        (None, None) if few_queries_on_gpu(q) => few_query_attention(q, keys, values, scale, mask),
         (None, None) => Ok(fast::scaled_dot_product_attention(q, keys, values, scale, mask.as_attention())?),
     }
+}
+
+/// Whether `q: [B, H, L, D]` is a short run of 2 to 16 queries (a speculative verification pass)
+/// on a GPU. MLX's CUDA fused attention plans such a shape anew for every key length — measured
+/// on an H100 (qwen3-8b, 512 cached positions): 55–90 ms a call at each new length against
+/// 13–27 ms when the length repeats — so every verification pass would pay it.
+fn few_queries_on_gpu(q: &Array) -> bool {
+    q.ndim() == 4 && (2..=16).contains(&q.shape()[2]) && rmlx::default_device().kind == rmlx::DeviceType::Gpu
+}
+
+/// Attention of a few queries made of plain products: `softmax(q kᵀ · scale, visible) v`, each
+/// group of query heads against its key/value head, the products in the heads' dtype and the
+/// softmax in float32.
+pub(crate) fn few_query_attention(q: &Array, keys: &Array, values: &Array, scale: f32, mask: &crate::cache::Mask) -> Result<Array> {
+    use crate::cache::Mask;
+    let (&[b, hq, l, d], &[_, hkv, k, _]) = (q.shape(), keys.shape()) else {
+        return Err(crate::Error::InvalidParameter(format!(
+            "attention takes [B, H, L, D] heads, not {:?} and {:?}",
+            q.shape(),
+            keys.shape()
+        )));
+    };
+    let grouped = (q * scale)?.reshape(&[b, hkv, hq / hkv, l, d])?;
+    let scores = grouped.matmul(&keys.expand_dims(2)?.swapaxes(-1, -2)?)?;
+    let visible = match mask {
+        Mask::None => None,
+        Mask::Causal => {
+            let key = rmlx::ops::arange(0.0, k as f64, 1.0, Dtype::Int32)?.reshape(&[1, k])?;
+            let last = rmlx::ops::arange((k - l) as f64, k as f64, 1.0, Dtype::Int32)?.reshape(&[l, 1])?;
+            Some(key.less_equal(&last)?)
+        }
+        Mask::Array(m) if m.ndim() == 4 => Some(m.expand_dims(2)?),
+        Mask::Array(m) => Some(m.clone()),
+    };
+    let scores = scores.astype(Dtype::Float32)?;
+    let scores = match visible {
+        Some(v) => rmlx::ops::r#where(&v, &scores, &Array::scalar(f32::NEG_INFINITY))?,
+        None => scores,
+    };
+    let weights = rmlx::ops::softmax(&scores, -1, true)?.astype(values.dtype())?;
+    Ok(weights.matmul(&values.expand_dims(2)?)?.reshape(&[b, hq, l, d])?)
 }
 
 /// `softmax(cap · tanh(q kᵀ · scale / cap), visible) v` for `q: [B, Hq, L, D]` and `keys, values:

@@ -17,6 +17,7 @@ mod cuda_packed_attention;
 mod cuda_qmv;
 mod cuda_sample;
 mod cuda_step;
+mod few_query_attention;
 mod fuzz;
 mod fuzz_files;
 mod gguf;
