@@ -2,13 +2,15 @@
 //! conversation, `/stats` toggles speed statistics after each reply, `/exit` (or end of input) quits.
 //!
 //! The conversation's keys and values are kept between turns (the engine's prompt cache): a
-//! reply costs the new message's tokens, not the whole history again.
+//! reply costs the new message's tokens, not the whole history again. With `--draft-model` or
+//! `--prompt-lookup`, replies are decoded speculatively, the model's and the draft's caches kept
+//! between turns the same way.
 //!
 //! A message that cannot be used (not UTF-8, longer than the context, a template error, a failure
 //! while generating) prints an error line and the session goes on without it. Ctrl-C stops the
 //! reply being generated; at the prompt it ends the session (see [`crate::interrupt`]).
 
-use crate::common::{count, gb, KvCacheArgs, ModelArgs, SamplingArgs};
+use crate::common::{count, gb, KvCacheArgs, ModelArgs, SamplingArgs, SpeculativeArgs};
 use crate::interrupt::{self, Replying};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
@@ -45,6 +47,8 @@ pub struct Args {
     /// to it.
     #[arg(long)]
     prompt_cache_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -63,6 +67,27 @@ pub fn run(a: Args) -> Result<()> {
         info.source.display(),
         info.backend
     );
+    if a.speculative.enabled() {
+        anyhow::ensure!(a.prompt_cache_file.is_none(), "--prompt-cache-file does not go with speculative decoding yet");
+        let Some(lm) = model.as_native() else {
+            anyhow::bail!("--draft-model and --prompt-lookup run on rmlx's own backend (--backend native or auto)");
+        };
+        anyhow::ensure!(lm.ranks().is_none(), "speculative decoding needs the model on one device");
+        let draft = a.speculative.load_draft(&a.model)?;
+        // The conversation's keys and values, the model's and the draft's, kept between turns.
+        let mut state = None;
+        return converse(&a, &mut |messages, out| {
+            let prompt = lm.chat_prompt(messages)?;
+            let speculation = a.speculative.speculation(draft.as_ref());
+            let generation = match state.take() {
+                Some(s) => lm.generate_speculative_after(s, &prompt, &opts, speculation)?,
+                None => lm.generate_speculative(&prompt, &opts, speculation)?,
+            };
+            let (replied, next) = reply_speculative(generation, out)?;
+            state = Some(next);
+            Ok(replied)
+        });
+    }
     if let Some(lm) = model.as_native() {
         // One sequence at a time; the prompt cache holds the conversation so far.
         let mut engine = Engine::new(lm, EngineOptions { max_batch: 1, kv_quantization, ..EngineOptions::default() });
@@ -229,6 +254,52 @@ fn reply_streamed(
         time_to_first_token: Some(m.time_to_first_token),
     };
     Ok((text, usage, m.decode_time))
+}
+
+/// Streams a speculative generation's reply; returns it as [`reply`] does, and the caches for the
+/// next turn. Ctrl-C stops it.
+fn reply_speculative(
+    mut generation: rmlx_lm::speculative::SpeculativeGeneration<'_>,
+    out: &mut impl Write,
+) -> Result<((String, Usage, Duration), rmlx_lm::speculative::SpeculativeState)> {
+    let _replying = Replying::start();
+    let mut text = String::new();
+    let mut failed = None;
+    let mut stopped = false;
+    for token in generation.by_ref() {
+        match token {
+            Ok(t) => {
+                text.push_str(&t.text);
+                out.write_all(t.text.as_bytes())?;
+                out.flush()?;
+            }
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+        if interrupt::requested() {
+            stopped = true;
+            break;
+        }
+    }
+    if !text.is_empty() || stopped {
+        writeln!(out)?;
+    }
+    if stopped {
+        eprintln!("(reply stopped)");
+    }
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    let m = generation.metrics().clone();
+    let usage = Usage {
+        prompt_tokens: m.prompt_tokens,
+        cached_tokens: generation.cached_tokens(),
+        completion_tokens: m.generated_tokens,
+        time_to_first_token: Some(m.time_to_first_token),
+    };
+    Ok(((text, usage, m.decode_time), generation.into_state()))
 }
 
 /// Generates and streams the reply to `prompt` (a conversation's); returns its text (what was shown, also when

@@ -323,3 +323,47 @@ pub fn seed(s: &str) -> std::result::Result<u64, String> {
     let v = integer(s)?;
     u64::try_from(v).map_err(|_| format!("must be in 0..={}, got {v}", u64::MAX))
 }
+
+/// Speculative decoding's flags (mlx-lm's `--draft-model` and `--num-draft-tokens`, and prompt
+/// lookup).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct SpeculativeArgs {
+    /// Speculative decoding: a smaller model with the same vocabulary drafts tokens that the
+    /// model checks several at a time (greedy output unchanged; sampled output distributed as
+    /// the model's own).
+    #[arg(long, conflicts_with = "prompt_lookup")]
+    pub draft_model: Option<PathBuf>,
+    /// Speculative decoding without a draft model: drafts are the tokens that followed the latest
+    /// earlier occurrence of the last N (down to 1) tokens of the prompt and output (prompt
+    /// lookup; for edits and summaries of the prompt).
+    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "3", value_parser = positive)]
+    pub prompt_lookup: Option<usize>,
+    /// Tokens drafted per step (speculative decoding).
+    #[arg(long, default_value_t = 3, value_parser = positive)]
+    pub num_draft_tokens: usize,
+}
+
+impl SpeculativeArgs {
+    /// Whether speculative decoding was asked for.
+    pub fn enabled(&self) -> bool {
+        self.draft_model.is_some() || self.prompt_lookup.is_some()
+    }
+
+    /// The draft model, loaded as `model` is (its dtype and quantisation flags), without its
+    /// adapters or chat template.
+    pub fn load_draft(&self, model: &ModelArgs) -> Result<Option<LoadedModel>> {
+        let Some(path) = &self.draft_model else { return Ok(None) };
+        let args = ModelArgs { model: Some(path.clone()), adapter_path: None, chat_template: None, ..model.clone() };
+        Ok(Some(args.load().with_context(|| format!("loading the draft model {}", path.display()))?))
+    }
+
+    /// The speculation these flags ask for, with the draft model loaded by [`Self::load_draft`].
+    pub fn speculation<'d>(&self, draft: Option<&'d LoadedModel>) -> rmlx_lm::speculative::Speculation<'d> {
+        use rmlx_lm::speculative::{Drafter, Speculation};
+        let drafter = match draft {
+            Some(d) => Drafter::Model(d),
+            None => Drafter::PromptLookup { max_ngram: self.prompt_lookup.unwrap_or(3), min_ngram: 1 },
+        };
+        Speculation { drafter, num_draft_tokens: self.num_draft_tokens }
+    }
+}

@@ -1,6 +1,6 @@
 //! `rmlx generate`: one prompt, the completion streamed to stdout (or one JSON object).
 
-use crate::common::{count, gb, positive, prompt_text, KvCacheArgs, ModelArgs, SamplingArgs};
+use crate::common::{count, gb, positive, prompt_text, KvCacheArgs, ModelArgs, SamplingArgs, SpeculativeArgs};
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::chat::Message;
@@ -46,20 +46,8 @@ pub struct Args {
     /// text). A file made for another model, dtype or adapter is refused.
     #[arg(long)]
     prompt_cache_file: Option<std::path::PathBuf>,
-    /// Speculative decoding: a smaller model with the same vocabulary drafts tokens that the
-    /// model checks several at a time (greedy output unchanged; sampled output distributed as
-    /// the model's own).
-    #[arg(long, conflicts_with_all = ["prompt_lookup", "prompt_cache_file"])]
-    draft_model: Option<std::path::PathBuf>,
-    /// Speculative decoding without a draft model: drafts are the tokens that followed the latest
-    /// earlier occurrence of the last N (down to 1) tokens of the prompt and output (prompt
-    /// lookup; for edits and summaries of the prompt).
-    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "3", value_parser = positive,
-          conflicts_with = "prompt_cache_file")]
-    prompt_lookup: Option<usize>,
-    /// Tokens drafted per step (speculative decoding).
-    #[arg(long, default_value_t = 3, value_parser = positive)]
-    num_draft_tokens: usize,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -76,7 +64,8 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(file) = &a.prompt_cache_file {
         return after_cache(&a, file, &prompt_text, &opts);
     }
-    if a.draft_model.is_some() || a.prompt_lookup.is_some() {
+    if a.speculative.enabled() {
+        anyhow::ensure!(a.prompt_cache_file.is_none(), "--prompt-cache-file does not go with speculative decoding yet");
         return speculative(&a, &prompt_text, &opts);
     }
     let mut lm = a.model.open(&a.backend)?;
@@ -125,26 +114,13 @@ fn after_cache(a: &Args, file: &std::path::Path, prompt_text: &str, opts: &Gener
 
 /// Speculative decoding (rmlx's own backend: it checks drafts against the model's caches).
 fn speculative(a: &Args, prompt_text: &str, opts: &GenerateOptions) -> Result<()> {
-    use rmlx_lm::speculative::{Drafter, Speculation};
     if a.backend == "mlx-lm" {
         anyhow::bail!("--draft-model and --prompt-lookup run on rmlx's own backend (--backend native or auto)");
     }
     let lm = a.model.load()?;
-    let draft = match &a.draft_model {
-        Some(path) => {
-            let args = ModelArgs { model: Some(path.clone()), adapter_path: None, chat_template: None, ..a.model.clone() };
-            Some(args.load().with_context(|| format!("loading the draft model {}", path.display()))?)
-        }
-        None => None,
-    };
-    let drafter = match (&draft, a.prompt_lookup) {
-        (Some(d), _) => Drafter::Model(d),
-        (None, Some(n)) => Drafter::PromptLookup { max_ngram: n, min_ngram: 1 },
-        (None, None) => unreachable!("called for a draft model or prompt lookup"),
-    };
+    let draft = a.speculative.load_draft(&a.model)?;
     let prompt = lm.encode_prompt(prompt_text, a.raw, a.system.as_deref())?;
-    let speculation = Speculation { drafter, num_draft_tokens: a.num_draft_tokens };
-    let mut generation = lm.generate_speculative(&prompt, opts, speculation)?;
+    let mut generation = lm.generate_speculative(&prompt, opts, a.speculative.speculation(draft.as_ref()))?;
     let tokens = generation.by_ref().map(|t| t.map_err(anyhow::Error::from));
     let (text, ids) = emit(a, tokens)?;
     let acc = generation.acceptance();

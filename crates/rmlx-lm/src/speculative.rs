@@ -83,7 +83,38 @@ impl LoadedModel {
         opts: &GenerateOptions,
         speculation: Speculation<'m>,
     ) -> Result<SpeculativeGeneration<'m>> {
-        SpeculativeGeneration::new(self, prompt, opts, speculation)
+        SpeculativeGeneration::new(self, None, prompt, opts, speculation)
+    }
+
+    /// [`LoadedModel::generate_speculative`] continuing from the caches an earlier speculative
+    /// generation left ([`SpeculativeGeneration::into_state`]: a conversation's turns): the part
+    /// of `prompt` they already hold is not computed again.
+    pub fn generate_speculative_after<'m>(
+        &'m self,
+        state: SpeculativeState,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        speculation: Speculation<'m>,
+    ) -> Result<SpeculativeGeneration<'m>> {
+        SpeculativeGeneration::new(self, Some(state), prompt, opts, speculation)
+    }
+}
+
+/// The caches a speculative generation leaves, and the tokens they hold: what the next turn of a
+/// conversation starts from.
+pub struct SpeculativeState {
+    caches: Vec<KvCache>,
+    draft_caches: Vec<KvCache>,
+    /// The tokens the model's caches hold.
+    tokens: Vec<u32>,
+    /// How many of them the draft model's caches hold.
+    draft_len: usize,
+}
+
+impl SpeculativeState {
+    /// The tokens the caches hold.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
 }
 
@@ -106,13 +137,21 @@ pub struct SpeculativeGeneration<'m> {
     text: TextStream,
     finish: Option<FinishReason>,
     metrics: Metrics,
+    /// Prompt tokens whose keys and values came from an earlier state.
+    cached: usize,
     acceptance: Acceptance,
     started: Instant,
     first_token_at: Option<Instant>,
 }
 
 impl<'m> SpeculativeGeneration<'m> {
-    fn new(lm: &'m LoadedModel, prompt: &[u32], opts: &GenerateOptions, spec: Speculation<'m>) -> Result<Self> {
+    fn new(
+        lm: &'m LoadedModel,
+        state: Option<SpeculativeState>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        spec: Speculation<'m>,
+    ) -> Result<Self> {
         let bad = |m: String| Err(Error::InvalidParameter(m));
         if prompt.is_empty() {
             return Err(Error::Prompt("the prompt is empty".into()));
@@ -160,14 +199,37 @@ impl<'m> SpeculativeGeneration<'m> {
         let mut draft_sampler = Sampler::new(opts.sampler.clone())?;
         draft_sampler.reseed(sampler.seed().wrapping_add(0x5EED))?;
         draft_sampler.set_prompt_len(prompt.len());
-        let draft_caches = match &spec.drafter {
+        let fresh_draft = || match &spec.drafter {
             Drafter::Model(d) => d.model.new_caches(opts.context_limit),
             Drafter::PromptLookup { .. } => Vec::new(),
         };
+        // What the earlier caches hold of this prompt (all but its last token at most).
+        let body = &prompt[..prompt.len() - 1];
+        let (caches, draft_caches, held, draft_held) = match state {
+            Some(mut st) => {
+                let shared = st.tokens.iter().zip(body).take_while(|(a, b)| a == b).count();
+                let (caches, held) = if st.caches.iter_mut().all(|c| c.trim(st.tokens.len() - shared)) {
+                    (st.caches, shared)
+                } else {
+                    (lm.model.new_caches(opts.context_limit), 0)
+                };
+                let draft_shared = held.min(st.draft_len);
+                let draft_fits = st.draft_caches.len() == fresh_draft().len();
+                let (draft_caches, draft_held) =
+                    if draft_fits && st.draft_caches.iter_mut().all(|c| c.trim(st.draft_len - draft_shared)) {
+                        (st.draft_caches, draft_shared)
+                    } else {
+                        (fresh_draft(), 0)
+                    };
+                (caches, draft_caches, held, draft_held)
+            }
+            None => (lm.model.new_caches(opts.context_limit), fresh_draft(), 0, 0),
+        };
+        let cached = held;
         let mut g = SpeculativeGeneration {
             lm,
             opts: GenerateOptions { max_tokens: opts.max_tokens.min(room), ..opts.clone() },
-            caches: lm.model.new_caches(opts.context_limit),
+            caches,
             draft_caches,
             sampler,
             draft_sampler,
@@ -178,6 +240,7 @@ impl<'m> SpeculativeGeneration<'m> {
             text: TextStream::new(lm.tokenizer.stream_keeping(&opts.keep_special), opts.stop_strings.clone()),
             finish: None,
             metrics: Metrics { prompt_tokens: prompt.len(), ..Metrics::default() },
+            cached,
             acceptance: Acceptance::default(),
             spec,
             started: Instant::now(),
@@ -187,10 +250,9 @@ impl<'m> SpeculativeGeneration<'m> {
             g.finish = Some(FinishReason::Length);
             return Ok(g);
         }
-        let body = &prompt[..prompt.len() - 1];
-        prefill(lm, &mut g.caches, body, &g.opts)?;
+        prefill(lm, &mut g.caches, &body[held..], &g.opts)?;
         if let Drafter::Model(d) = &g.spec.drafter {
-            prefill(d, &mut g.draft_caches, body, &g.opts)?;
+            prefill(d, &mut g.draft_caches, &body[draft_held..], &g.opts)?;
         }
         Ok(g)
     }
@@ -203,6 +265,30 @@ impl<'m> SpeculativeGeneration<'m> {
     /// Drafted and kept tokens so far.
     pub fn acceptance(&self) -> Acceptance {
         self.acceptance
+    }
+
+    /// Prompt tokens that an earlier state's caches already held.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached
+    }
+
+    /// The caches, holding the prompt and the tokens handed out (those computed past them are
+    /// taken back), for [`LoadedModel::generate_speculative_after`].
+    pub fn into_state(mut self) -> SpeculativeState {
+        let prompt = self.metrics.prompt_tokens;
+        let keep = (prompt + self.metrics.generated_tokens).min(self.history.len());
+        let held = self.history.len() - self.pending.len();
+        let draft_held = self.history.len() - self.draft_pending.len();
+        let (mut len, mut draft_len) = (held.min(keep), draft_held.min(keep));
+        if !self.caches.iter_mut().all(|c| c.trim(held - len)) {
+            (self.caches, len) = (self.lm.model.new_caches(self.opts.context_limit), 0);
+        }
+        if !self.draft_caches.iter_mut().all(|c| c.trim(draft_held - draft_len)) {
+            self.draft_caches.clear();
+            draft_len = 0;
+        }
+        self.history.truncate(len);
+        SpeculativeState { caches: self.caches, draft_caches: self.draft_caches, tokens: self.history, draft_len }
     }
 
     /// Why generation ended, once it has.

@@ -188,3 +188,32 @@ fn refusals() {
         .contains("n-gram"));
     let _ = Array::scalar(0.0f32);
 }
+
+/// A conversation's second turn starts from the caches the first left: the shared prompt is not
+/// computed again, and the tokens are the plain run's of the whole second prompt.
+#[test]
+fn a_conversation_continues_from_its_caches() {
+    let (_a, lm) = load("llama_gqa");
+    let (_b, q4) = load("llama_gqa_q4");
+    let opts = GenerateOptions { max_tokens: 12, ignore_eos: true, ..Default::default() };
+    let spec = || Speculation { drafter: Drafter::Model(&q4), num_draft_tokens: 3 };
+    let first: Vec<u32> = vec![1, 17, 42, 99, 5, 17];
+    let mut g = lm.generate_speculative(&first, &opts, spec()).unwrap();
+    let reply: Vec<u32> = g.by_ref().map(|t| t.unwrap().id).collect();
+    assert_eq!(reply, plain(&lm, &first, &opts));
+    let state = g.into_state();
+    // The caches hold the prompt and the reply but its last token (not computed yet).
+    assert_eq!(state.tokens(), [&first[..], &reply[..11]].concat());
+    let second: Vec<u32> = [&first[..], &reply[..], &[7, 8, 9]].concat();
+    let mut g = lm.generate_speculative_after(state, &second, &opts, spec()).unwrap();
+    let next: Vec<u32> = g.by_ref().map(|t| t.unwrap().id).collect();
+    assert_eq!(g.cached_tokens(), first.len() + 11);
+    assert_eq!(next, plain(&lm, &second, &opts));
+    // A prompt that leaves the conversation (another first message) starts over where they part.
+    let state = g.into_state();
+    let other: Vec<u32> = vec![1, 17, 3, 3];
+    let mut g = lm.generate_speculative_after(state, &other, &opts, spec()).unwrap();
+    let ids: Vec<u32> = g.by_ref().map(|t| t.unwrap().id).collect();
+    assert_eq!(g.cached_tokens(), 2);
+    assert_eq!(ids, plain(&lm, &other, &opts));
+}

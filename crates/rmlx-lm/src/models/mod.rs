@@ -406,7 +406,13 @@ fn few_queries_on_gpu(q: &Array) -> bool {
 /// Attention of a few queries made of plain products: `softmax(q kᵀ · scale, visible) v`, each
 /// group of query heads against its key/value head, the products in the heads' dtype and the
 /// softmax in float32.
-pub(crate) fn few_query_attention(q: &Array, keys: &Array, values: &Array, scale: f32, mask: &crate::cache::Mask) -> Result<Array> {
+pub(crate) fn few_query_attention(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: &crate::cache::Mask,
+) -> Result<Array> {
     use crate::cache::Mask;
     let (&[b, hq, l, d], &[_, hkv, k, _]) = (q.shape(), keys.shape()) else {
         return Err(crate::Error::InvalidParameter(format!(

@@ -27,7 +27,8 @@ fn matches_fused_attention() {
             let window = {
                 // each query sees its last 7 keys
                 let key = rmlx::ops::arange(0.0, k as f64, 1.0, Dtype::Int32).unwrap().reshape(&[1, k]).unwrap();
-                let last = rmlx::ops::arange((k - l) as f64, k as f64, 1.0, Dtype::Int32).unwrap().reshape(&[l, 1]).unwrap();
+                let last =
+                    rmlx::ops::arange((k - l) as f64, k as f64, 1.0, Dtype::Int32).unwrap().reshape(&[l, 1]).unwrap();
                 let seen = key.less_equal(&last).unwrap();
                 let recent = key.greater(&(last - 7i32).unwrap()).unwrap();
                 rmlx::ops::logical_and(&seen, &recent).unwrap()
