@@ -168,6 +168,12 @@ impl<'m> SpeculativeGeneration<'m> {
                     return bad("the draft model must be on one device".into());
                 }
                 same_vocabulary(lm, d)?;
+                let (ours, theirs) = (lm.model.config().vocab_size, d.model.config().vocab_size);
+                if ours != theirs {
+                    return bad(format!(
+                        "the draft model scores {theirs} tokens and the model {ours}: they must share the vocabulary"
+                    ));
+                }
             }
             Drafter::PromptLookup { max_ngram, min_ngram } if *min_ngram == 0 || min_ngram > max_ngram => {
                 return bad(format!("prompt lookup needs 1 <= min n-gram <= max n-gram, got {min_ngram}..{max_ngram}"));

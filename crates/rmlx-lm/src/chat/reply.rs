@@ -362,7 +362,7 @@ impl ReplyParser {
                 if last && !all_done && !any_begun {
                     self.abandon_call(out, close.filter(|_| closed));
                 } else {
-                    self.send_calls(&format, &calls, last, out);
+                    self.send_calls(&format, &calls, out);
                     if last {
                         self.finish_call(closed);
                     }
@@ -391,9 +391,7 @@ impl ReplyParser {
         self.call.clear();
         self.sent.clear();
         self.state = State::Text;
-        // Content that happens to hold a marker: hand it out without looking for one again.
-        let trim = std::mem::replace(&mut self.trim_next, false);
-        self.trim_next = trim;
+        // Handed out as it is: the marker it holds is not looked for again.
         self.content(out, &text);
     }
 
@@ -406,7 +404,7 @@ impl ReplyParser {
         self.fresh = false;
     }
 
-    fn send_calls(&mut self, format: &ToolFormat, calls: &[CallScan], last: bool, out: &mut Vec<ReplyEvent>) {
+    fn send_calls(&mut self, format: &ToolFormat, calls: &[CallScan], out: &mut Vec<ReplyEvent>) {
         let bytes = self.call.as_bytes();
         for (k, call) in calls.iter().enumerate() {
             if self.sent.len() <= k {
@@ -445,7 +443,6 @@ impl ReplyParser {
                 self.sent[k].done = true;
             }
         }
-        let _ = last;
     }
 
     fn harmony_step(&mut self, out: &mut Vec<ReplyEvent>, end: bool) -> bool {
