@@ -533,7 +533,7 @@ impl Sampler {
             let best = logprobs.argmax(Some(-1), false)?;
             return Ok(rmlx::ops::one_hot(&best, vocab, Dtype::Float32)?);
         }
-        Ok(rmlx::ops::softmax(&self.filtered(logprobs)?, &[-1], true)?)
+        Ok(rmlx::ops::softmax(&self.filtered(logprobs)?, [-1], true)?)
     }
 
     /// A token drawn from unnormalised log-weights `[1, vocab]` (uint32 `[1]`), with the next key.

@@ -364,9 +364,7 @@ impl<'m> SpeculativeGeneration<'m> {
             let row = logits.slice_axis(1, i as i32, i as i32 + 1, 1)?.reshape(&[1, -1])?;
             let row = self.lm.vocab.mask_logits(&row)?;
             lps.push(self.sampler.logprobs(&row, &history)?);
-            if i < k {
-                history.push(drafts[i]);
-            }
+            history.extend(drafts.get(i));
         }
         let (kept, last) = if self.sampler.config().is_greedy() {
             let best = ops::concatenate(&lps.iter().collect::<Vec<_>>(), 0)?.argmax(Some(-1), false)?;
