@@ -413,7 +413,6 @@ pub(crate) fn few_query_attention(
     scale: f32,
     mask: &crate::cache::Mask,
 ) -> Result<Array> {
-    use crate::cache::Mask;
     let (&[b, hq, l, d], &[_, hkv, k, _]) = (q.shape(), keys.shape()) else {
         return Err(crate::Error::InvalidParameter(format!(
             "attention takes [B, H, L, D] heads, not {:?} and {:?}",
@@ -423,21 +422,7 @@ pub(crate) fn few_query_attention(
     };
     let grouped = (q * scale)?.reshape(&[b, hkv, hq / hkv, l, d])?;
     let scores = grouped.matmul(&keys.expand_dims(2)?.swapaxes(-1, -2)?)?;
-    let visible = match mask {
-        Mask::None => None,
-        Mask::Causal => {
-            let key = rmlx::ops::arange(0.0, k as f64, 1.0, Dtype::Int32)?.reshape(&[1, k])?;
-            let last = rmlx::ops::arange((k - l) as f64, k as f64, 1.0, Dtype::Int32)?.reshape(&[l, 1])?;
-            Some(key.less_equal(&last)?)
-        }
-        Mask::Array(m) if m.ndim() == 4 => Some(m.expand_dims(2)?),
-        Mask::Array(m) => Some(m.clone()),
-    };
-    let scores = scores.astype(Dtype::Float32)?;
-    let scores = match visible {
-        Some(v) => rmlx::ops::r#where(&v, &scores, &Array::scalar(f32::NEG_INFINITY))?,
-        None => scores,
-    };
+    let scores = hide_invisible(&scores.astype(Dtype::Float32)?, mask, l, k)?;
     let weights = rmlx::ops::softmax(&scores, -1, true)?.astype(values.dtype())?;
     Ok(weights.matmul(&values.expand_dims(2)?)?.reshape(&[b, hq, l, d])?)
 }
@@ -454,7 +439,6 @@ pub(crate) fn softcapped_attention(
     cap: f32,
     mask: &crate::cache::Mask,
 ) -> Result<Array> {
-    use crate::cache::Mask;
     let (&[b, hq, l, d], &[_, hkv, k, _]) = (q.shape(), keys.shape()) else {
         return Err(crate::Error::InvalidParameter(format!(
             "attention takes [B, H, L, D] heads, not {:?} and {:?}",
@@ -466,6 +450,15 @@ pub(crate) fn softcapped_attention(
     let keys = keys.astype(Dtype::Float32)?.expand_dims(2)?;
     let scores = (q.matmul(&keys.swapaxes(-1, -2)?)? * scale)?;
     let scores = softcap(&scores, cap)?;
+    let scores = hide_invisible(&scores, mask, l, k)?;
+    let weights = rmlx::ops::softmax(&scores, -1, true)?.astype(values.dtype())?;
+    let out = weights.matmul(&values.expand_dims(2)?)?;
+    Ok(out.reshape(&[b, hq, l, d])?)
+}
+
+/// Grouped scores `[B, Hkv, G, L, K]` with the keys `mask` hides from each query set to `-inf`.
+fn hide_invisible(scores: &Array, mask: &crate::cache::Mask, l: i32, k: i32) -> Result<Array> {
+    use crate::cache::Mask;
     let visible = match mask {
         Mask::None => None,
         Mask::Causal => {
@@ -477,13 +470,10 @@ pub(crate) fn softcapped_attention(
         Mask::Array(m) if m.ndim() == 4 => Some(m.expand_dims(2)?),
         Mask::Array(m) => Some(m.clone()),
     };
-    let scores = match visible {
-        Some(v) => rmlx::ops::r#where(&v, &scores, &Array::scalar(f32::NEG_INFINITY))?,
-        None => scores,
-    };
-    let weights = rmlx::ops::softmax(&scores, -1, true)?.astype(values.dtype())?;
-    let out = weights.matmul(&values.expand_dims(2)?)?;
-    Ok(out.reshape(&[b, hq, l, d])?)
+    Ok(match visible {
+        Some(v) => rmlx::ops::r#where(&v, scores, &Array::scalar(f32::NEG_INFINITY))?,
+        None => scores.clone(),
+    })
 }
 
 /// `cap · tanh(x / cap)`, computed in float32.
