@@ -399,16 +399,11 @@ impl<'m> Generation<'m> {
         if !self.pipelined && budget_left {
             self.queue(&ids_array(&[id])?)?;
         }
-        let mut text = self.text.push(id)?;
-        if !budget_left && !self.text.stopped() {
-            text.push_str(&self.text.finish()?);
-        }
-        if self.text.stopped() {
-            self.finish = Some(FinishReason::StopString);
+        let (text, end) = self.text.token(id, budget_left)?;
+        if end == Some(FinishReason::StopString) {
             self.pending = None;
-        } else if !budget_left {
-            self.finish = Some(FinishReason::Length);
         }
+        self.finish = end;
         Ok(Some(Token { id, text, logprob }))
     }
 }

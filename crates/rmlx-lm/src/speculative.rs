@@ -489,15 +489,8 @@ impl<'m> SpeculativeGeneration<'m> {
         }
         self.metrics.generated_tokens += 1;
         let budget_left = self.metrics.generated_tokens < self.opts.max_tokens;
-        let mut text = self.text.push(id)?;
-        if !budget_left && !self.text.stopped() {
-            text.push_str(&self.text.finish()?);
-        }
-        if self.text.stopped() {
-            self.finish = Some(FinishReason::StopString);
-        } else if !budget_left {
-            self.finish = Some(FinishReason::Length);
-        }
+        let (text, end) = self.text.token(id, budget_left)?;
+        self.finish = end;
         Ok(Some(Token { id, text, logprob }))
     }
 }

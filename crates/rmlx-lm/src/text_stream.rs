@@ -37,6 +37,23 @@ impl TextStream {
     pub fn stopped(&self) -> bool {
         self.stop.stopped()
     }
+
+    /// A generated token's text, all that is held when it is the last the budget allows, and
+    /// whether generation ends with it (a stop string, else the budget).
+    pub fn token(&mut self, id: u32, budget_left: bool) -> Result<(String, Option<crate::FinishReason>)> {
+        let mut text = self.push(id)?;
+        if !budget_left && !self.stopped() {
+            text.push_str(&self.finish()?);
+        }
+        let end = if self.stopped() {
+            Some(crate::FinishReason::StopString)
+        } else if !budget_left {
+            Some(crate::FinishReason::Length)
+        } else {
+            None
+        };
+        Ok((text, end))
+    }
 }
 
 /// Stop strings over text arriving in pieces: holds back what could still grow into a stop
