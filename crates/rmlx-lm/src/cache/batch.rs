@@ -5,7 +5,10 @@
 //! length), so a sequence sees the same positions in a batch as alone. Sequences join a running
 //! batch ([`BatchCache::extend`]) and leave it ([`BatchCache::filter`]) at token boundaries, and a
 //! finished sequence's keys and values can be copied out for a prompt cache
-//! ([`BatchCache::extract`]). This is mlx-lm's `BatchKVCache` design. A layer with a sliding window
+//! ([`BatchCache::extract`]). This is mlx-lm's `BatchKVCache` design. Speculative decoding takes
+//! back each row's rejected drafts on its own ([`BatchCache::trim_rows`]): a row then ends before
+//! the shared write position, its next keys go right after its own last position, and the columns
+//! past it are hidden by causality until they are written over. A layer with a sliding window
 //! (Gemma 3's local layers) drops the positions no query can see any more, so that its memory
 //! stays bounded by the window however long the sequences grow. With a quantisation
 //! ([`BatchCache::quantize`]) the keys and values are kept packed ([`Stored::Packed`]).
@@ -24,6 +27,7 @@ struct Key {
     kind: u8,
     padding: Vec<i32>,
     shift: Vec<i32>,
+    behind: Vec<i32>,
     start: i32,
     len: i32,
     window: Option<i32>,
@@ -104,7 +108,10 @@ pub struct BatchCache {
     /// Per row, its positions no longer held (dropped out of the sliding window): column `c` of
     /// row `i` holds position `c - padding[i] + shift[i]`.
     shift: Vec<i32>,
-    /// Columns written, the same for every row (padding included).
+    /// Per row, the columns before `written` that are past its last position (drafts taken back
+    /// by [`BatchCache::trim_rows`]); at least one row has none.
+    behind: Vec<i32>,
+    /// Columns written, the same for every row (padding included) but for `behind`.
     written: i32,
     /// A sliding window (Gemma 3's local layers): a query sees at most this many positions,
     /// itself included. The mask bounds what is seen; positions before every row's window are
@@ -116,8 +123,8 @@ impl BatchCache {
     /// An empty batch of `rows` sequences, none of them started.
     pub fn new(rows: usize, window: Option<usize>) -> BatchCache {
         let window = window.map(|w| w.min(i32::MAX as usize) as i32);
-        let (padding, shift) = (vec![0; rows], vec![0; rows]);
-        BatchCache { keys: None, values: None, quantization: None, padding, shift, written: 0, window }
+        let (padding, shift, behind) = (vec![0; rows], vec![0; rows], vec![0; rows]);
+        BatchCache { keys: None, values: None, quantization: None, padding, shift, behind, written: 0, window }
     }
 
     /// One sequence whose positions so far are `prefix` (as [`BatchCache::extract`] returns
@@ -224,7 +231,63 @@ impl BatchCache {
 
     /// Each sequence's length (its positions so far, held or dropped out of the window).
     pub fn lengths(&self) -> Vec<usize> {
-        self.padding.iter().zip(&self.shift).map(|(&p, &s)| ((self.written - p).max(0) + s) as usize).collect()
+        (0..self.rows()).map(|i| ((self.end(i) - self.padding[i]).max(0) + self.shift[i]) as usize).collect()
+    }
+
+    /// The column after row `i`'s last position.
+    fn end(&self, i: usize) -> i32 {
+        self.written - self.behind[i]
+    }
+
+    /// Takes back the last `drop[i]` positions of each row `i` (speculative decoding's rejected
+    /// drafts and padding tokens): the row's next update writes where they were. Exact for the
+    /// positions of the last update; further back, a windowed layer may have dropped positions
+    /// the row's window must see again.
+    ///
+    /// ```
+    /// use rmlx_lm::cache::BatchCache;
+    /// let mut c = BatchCache::new(2, None);
+    /// let k = rmlx::ops::zeros(&[2, 1, 5, 4], rmlx::Dtype::Float32)?;
+    /// c.update(&k, &k)?;
+    /// c.trim_rows(&[3, 1])?;
+    /// assert_eq!(c.lengths(), vec![2, 4]);
+    /// assert_eq!(c.offsets()?.to_vec::<i32>()?, vec![2, 4]);
+    /// # Ok::<(), rmlx_lm::Error>(())
+    /// ```
+    ///
+    /// Errors: [`crate::Error::InvalidParameter`] for a count per row that is not one per row or
+    /// more than a row holds in its columns.
+    pub fn trim_rows(&mut self, drop: &[usize]) -> Result<()> {
+        if drop.len() != self.rows() {
+            return Err(Error::InvalidParameter(format!("{} counts to trim for {} rows", drop.len(), self.rows())));
+        }
+        for (i, &n) in drop.iter().enumerate() {
+            if n as i32 > self.end(i) - self.padding[i].min(self.end(i)) {
+                return Err(Error::InvalidParameter(format!(
+                    "row {i} holds {} columns, not {n} to trim",
+                    self.end(i) - self.padding[i].min(self.end(i))
+                )));
+            }
+        }
+        for (b, &n) in self.behind.iter_mut().zip(drop) {
+            *b += n as i32;
+        }
+        self.settle();
+        Ok(())
+    }
+
+    /// Moves the shared write position back to the longest row.
+    fn settle(&mut self) {
+        let common = self.behind.iter().copied().min().unwrap_or(0);
+        if common > 0 {
+            self.behind.iter_mut().for_each(|b| *b -= common);
+            self.written -= common;
+        }
+    }
+
+    /// Whether some row ends before the shared write position.
+    fn ragged(&self) -> bool {
+        self.behind.iter().any(|&b| b > 0)
     }
 
     /// Columns written, padding included (the buffers' used width).
@@ -238,12 +301,13 @@ impl BatchCache {
             kind: 1,
             padding: self.padding.clone(),
             shift: self.shift.clone(),
+            behind: self.behind.clone(),
             start: self.written,
             len: 0,
             window: None,
         };
         memoized(key, || {
-            let o: Vec<i32> = self.padding.iter().zip(&self.shift).map(|(&p, &s)| self.written - p + s).collect();
+            let o: Vec<i32> = (0..self.rows()).map(|i| self.end(i) - self.padding[i] + self.shift[i]).collect();
             Ok(Array::from_slice(&o, &[o.len() as i32])?)
         })
     }
@@ -293,7 +357,8 @@ impl BatchCache {
         }
         if let Some(w) = self.window {
             // The new queries see no column before this one, nor will any later query.
-            let dead = self.written - w + 1;
+            let shortest = (0..self.rows()).map(|i| self.end(i)).min().unwrap_or(self.written);
+            let dead = shortest - w + 1;
             if dead >= w.max(MIN_DROP) {
                 self.drop_columns(dead, k.shape()[2])?;
             }
@@ -315,10 +380,20 @@ impl BatchCache {
             self.values = Some(grow(self.values.take(), &v)?);
         }
         let end = start + len;
+        // A row that ends before `start` writes right after its own last position.
+        let at = if self.ragged() {
+            let cols: Vec<i32> = self.behind.iter().flat_map(|&b| (0..len).map(move |l| l - b)).collect();
+            Some((Array::from_slice(&cols, &[self.rows() as i32, 1, len, 1])? + Array::scalar(start))?)
+        } else {
+            None
+        };
         let write = |buf: &Stored, new: &Stored| -> Result<Stored> {
             buf.zip(new, |b, n| {
                 let s = b.shape();
-                Ok(ops::slice_update(b, n, &[0, 0, start, 0], &[s[0], s[1], end, s[3]], &[1, 1, 1, 1])?)
+                Ok(match &at {
+                    Some(at) => ops::put_along_axis(b, at, n, Some(2))?,
+                    None => ops::slice_update(b, n, &[0, 0, start, 0], &[s[0], s[1], end, s[3]], &[1, 1, 1, 1])?,
+                })
             })
         };
         let keys = write(self.keys.as_ref().expect("allocated"), &k)?;
@@ -333,14 +408,29 @@ impl BatchCache {
     fn mask(&self, start: i32, len: i32) -> Result<Mask> {
         let padded = self.padding.iter().any(|&p| p > 0);
         let windowed = self.window.is_some_and(|w| start + len > w);
-        if !padded && !windowed {
+        if !padded && !windowed && !self.ragged() {
             return Ok(if len == 1 { Mask::None } else { Mask::Causal });
         }
-        let memo = Key { kind: 0, padding: self.padding.clone(), shift: Vec::new(), start, len, window: self.window };
+        let memo = Key {
+            kind: 0,
+            padding: self.padding.clone(),
+            shift: Vec::new(),
+            behind: self.behind.clone(),
+            start,
+            len,
+            window: self.window,
+        };
         let mask = memoized(memo, || {
             let end = start + len;
             let key = ops::arange(0.0, end as f64, 1.0, rmlx::Dtype::Int32)?.reshape(&[1, 1, 1, end])?;
             let query = ops::arange(start as f64, end as f64, 1.0, rmlx::Dtype::Int32)?.reshape(&[1, 1, len, 1])?;
+            // Each row's queries sit right after its own last position.
+            let query = if self.ragged() {
+                let behind = Array::from_slice(&self.behind, &[self.rows() as i32, 1, 1, 1])?;
+                (&query - &behind)?
+            } else {
+                query
+            };
             let pad = Array::from_slice(&self.padding, &[self.rows() as i32, 1, 1, 1])?;
             let mut visible = key.greater_equal(&pad)?.logical_and(&key.less_equal(&query)?)?;
             if let Some(w) = self.window {
@@ -382,6 +472,8 @@ impl BatchCache {
         }
         self.padding = keep.iter().map(|&r| self.padding[r]).collect();
         self.shift = keep.iter().map(|&r| self.shift[r]).collect();
+        self.behind = keep.iter().map(|&r| self.behind[r]).collect();
+        self.settle();
         if keep.is_empty() {
             let quantization = self.quantization;
             *self = BatchCache::new(0, self.window());
@@ -450,6 +542,7 @@ impl BatchCache {
         self.padding.iter_mut().for_each(|p| *p += shift_mine);
         self.padding.extend(other.padding.iter().map(|p| p + shift_theirs));
         self.shift.extend(other.shift);
+        self.behind.extend(other.behind);
         self.keys = Some(keys);
         self.values = Some(values);
         self.written = width;
@@ -463,15 +556,15 @@ impl BatchCache {
             return Err(Error::InvalidParameter(format!("row {row} is past the {} of the batch", self.rows())));
         }
         let (Some(k), Some(v)) = (&self.keys, &self.values) else { return Ok(None) };
-        let (r, pad) = (row as i32, self.padding[row]);
-        if pad == self.written {
+        let (r, pad, end) = (row as i32, self.padding[row], self.end(row));
+        if pad >= end {
             return Ok(None);
         }
         // An elementwise op writes a new buffer; a slice, `contiguous` or `copy` could share the
         // batch's (a row of a one-head cache is already contiguous).
         let cut = |b: &Stored| -> Result<Stored> {
             b.map(|a| {
-                let row = positions(&a.slice_axis(0, r, r + 1, 1)?, pad, self.written)?;
+                let row = positions(&a.slice_axis(0, r, r + 1, 1)?, pad, end)?;
                 Ok((&row * Array::scalar_as(1.0, row.dtype())?)?)
             })
         };

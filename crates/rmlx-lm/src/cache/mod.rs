@@ -128,13 +128,14 @@ impl KvCache {
     }
 
     /// Whether [`KvCache::trim`] can still take back positions after `extra` more are written:
-    /// an unbounded cache always; a window only while nothing has left it.
+    /// an unbounded cache always; a window only while nothing has left it; a batch's always
+    /// (within the last update: [`BatchCache::trim_rows`]).
     pub fn trimmable_after(&self, extra: usize) -> bool {
         match self {
             KvCache::Standard(_) => true,
             KvCache::Quantized(c) => c.window.is_none(),
             KvCache::Rotating(c) => c.idx == c.offset && c.offset + extra <= c.max_size,
-            KvCache::Batch(_) => false,
+            KvCache::Batch(_) => true,
         }
     }
 
@@ -148,6 +149,7 @@ impl KvCache {
                 c.offset -= n;
                 c.idx -= n;
             }
+            KvCache::Batch(c) => return c.trim_rows(&vec![n; c.rows()]).is_ok(),
             _ => return false,
         }
         true

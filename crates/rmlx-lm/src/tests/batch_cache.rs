@@ -61,3 +61,74 @@ fn a_prefix_that_dropped_positions_takes_only_the_columns_it_holds() {
     let wrong = BatchCache::padded(vec![Some(prefix), None], vec![1, 56], 50, Some(8));
     assert!(matches!(wrong, Err(crate::Error::InvalidParameter(_))));
 }
+
+/// Attention of `q: [rows, H, L, D]` over what `c.update` returns, with its mask.
+fn attend(c: &mut BatchCache, k: &Array, q: &Array) -> Array {
+    let (keys, values, mask) = c.update(k, k).unwrap();
+    let (keys, values) = (keys.unpacked(Dtype::Float32).unwrap(), values.unpacked(Dtype::Float32).unwrap());
+    crate::models::few_query_attention(q, &keys, &values, 1.0, &mask).unwrap()
+}
+
+#[test]
+fn rows_trimmed_apart_attend_as_their_own_sequences() {
+    // Two rows take 5 positions; row 0 keeps 2 of them and row 1 keeps 4 (speculative decoding's
+    // rejected drafts), then both go on. Each row must then see exactly its own positions, as a
+    // one-row cache that only ever held them does.
+    let rand = |shape: &[i32], seed: u64| {
+        let key = rmlx::random::key(seed).unwrap();
+        rmlx::random::normal(shape, Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap()
+    };
+    let first = rand(&[2, 1, 5, 4], 0);
+    let mut batch = BatchCache::new(2, Some(6));
+    batch.update(&first, &first).unwrap();
+    batch.trim_rows(&[3, 1]).unwrap();
+    assert_eq!(batch.lengths(), vec![2, 4]);
+    assert_eq!(batch.offsets().unwrap().to_vec::<i32>().unwrap(), vec![2, 4]);
+    let kept = [2, 4];
+    let mut alone: Vec<BatchCache> = (0..2)
+        .map(|r| {
+            let mut c = BatchCache::new(1, Some(6));
+            let k = first.slice_axis(0, r, r + 1, 1).unwrap().slice_axis(2, 0, kept[r as usize], 1).unwrap();
+            c.update(&k, &k).unwrap();
+            c
+        })
+        .collect();
+    // 60 updates of 1..4 positions, each row then taking back its own share of them: past 64
+    // columns, the window drops what no row's queries see any more.
+    let (mut lengths, mut dropped_columns) = (kept.map(|n| n as usize), false);
+    for step in 0..60u64 {
+        let len = 1 + (step % 4) as i32;
+        let k = rand(&[2, 1, len, 4], 1 + step);
+        let q = rand(&[2, 1, len, 4], 100 + step);
+        let together = values(&attend(&mut batch, &k, &q));
+        let mut apart = Vec::new();
+        for (r, c) in alone.iter_mut().enumerate() {
+            let row = |a: &Array| a.slice_axis(0, r as i32, r as i32 + 1, 1).unwrap();
+            apart.extend(values(&attend(c, &row(&k), &row(&q))));
+        }
+        for (a, b) in together.iter().zip(&apart) {
+            assert!((a - b).abs() < 1e-5, "step {step}: {a} != {b}");
+        }
+        let drop = [(step % 3) as usize % len as usize, ((step + 1) % 2) as usize % len as usize];
+        batch.trim_rows(&drop).unwrap();
+        for (r, c) in alone.iter_mut().enumerate() {
+            c.trim_rows(&[drop[r]]).unwrap();
+            lengths[r] += len as usize - drop[r];
+        }
+        dropped_columns |= batch.extract(0).unwrap().unwrap().start > 0;
+    }
+    assert!(dropped_columns, "the window never dropped a column");
+    assert_eq!(batch.lengths(), lengths.to_vec());
+    for (r, c) in alone.iter().enumerate() {
+        let (a, b) = (batch.extract(r).unwrap().unwrap(), c.extract(0).unwrap().unwrap());
+        assert_eq!(a.start + a.len(), b.start + b.len(), "row {r}");
+        let tail = |kv: &RowKv| {
+            let k = kv.keys.unpacked(Dtype::Float32).unwrap();
+            let n = k.shape()[2];
+            values(&k.slice_axis(2, n - 6, n, 1).unwrap())
+        };
+        assert_eq!(tail(&a), tail(&b), "row {r}");
+    }
+    // More than a row holds is refused.
+    assert!(matches!(batch.trim_rows(&[0, 100]), Err(crate::Error::InvalidParameter(_))));
+}
