@@ -35,6 +35,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 /// Where drafts come from.
+#[derive(Clone, Copy)]
 pub enum Drafter<'d> {
     /// A smaller model sharing the vocabulary (checked at the start).
     Model(&'d LoadedModel),
@@ -44,10 +45,44 @@ pub enum Drafter<'d> {
 }
 
 /// How to speculate.
+#[derive(Clone, Copy)]
 pub struct Speculation<'d> {
     pub drafter: Drafter<'d>,
     /// Tokens drafted per step (mlx-lm's `--num-draft-tokens`).
     pub num_draft_tokens: usize,
+}
+
+impl Speculation<'_> {
+    /// Whether `lm` can speculate this way: at least one draft token, a draft model with the
+    /// same vocabulary, a non-empty n-gram range, no model split over ranks.
+    pub(crate) fn check(&self, lm: &LoadedModel) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidParameter(m));
+        if self.num_draft_tokens == 0 {
+            return bad("speculative decoding needs at least 1 draft token".into());
+        }
+        if lm.ranks().is_some() {
+            return bad("speculative decoding needs a model on one device (not split over ranks)".into());
+        }
+        match &self.drafter {
+            Drafter::Model(d) => {
+                if d.ranks().is_some() {
+                    return bad("the draft model must be on one device".into());
+                }
+                same_vocabulary(lm, d)?;
+                let (ours, theirs) = (lm.model.config().vocab_size, d.model.config().vocab_size);
+                if ours != theirs {
+                    return bad(format!(
+                        "the draft model scores {theirs} tokens and the model {ours}: they must share the vocabulary"
+                    ));
+                }
+            }
+            Drafter::PromptLookup { max_ngram, min_ngram } if *min_ngram == 0 || min_ngram > max_ngram => {
+                return bad(format!("prompt lookup needs 1 <= min n-gram <= max n-gram, got {min_ngram}..{max_ngram}"));
+            }
+            Drafter::PromptLookup { .. } => {}
+        }
+        Ok(())
+    }
 }
 
 /// Drafted and kept tokens so far.
@@ -156,30 +191,7 @@ impl<'m> SpeculativeGeneration<'m> {
         if prompt.is_empty() {
             return Err(Error::Prompt("the prompt is empty".into()));
         }
-        if spec.num_draft_tokens == 0 {
-            return bad("speculative decoding needs at least 1 draft token".into());
-        }
-        if lm.ranks().is_some() {
-            return bad("speculative decoding needs a model on one device (not split over ranks)".into());
-        }
-        match &spec.drafter {
-            Drafter::Model(d) => {
-                if d.ranks().is_some() {
-                    return bad("the draft model must be on one device".into());
-                }
-                same_vocabulary(lm, d)?;
-                let (ours, theirs) = (lm.model.config().vocab_size, d.model.config().vocab_size);
-                if ours != theirs {
-                    return bad(format!(
-                        "the draft model scores {theirs} tokens and the model {ours}: they must share the vocabulary"
-                    ));
-                }
-            }
-            Drafter::PromptLookup { max_ngram, min_ngram } if *min_ngram == 0 || min_ngram > max_ngram => {
-                return bad(format!("prompt lookup needs 1 <= min n-gram <= max n-gram, got {min_ngram}..{max_ngram}"));
-            }
-            Drafter::PromptLookup { .. } => {}
-        }
+        spec.check(lm)?;
         opts.sampler.validate()?;
         if let Some(q) = &opts.kv_quantization {
             q.check()?;
@@ -373,7 +385,7 @@ impl<'m> SpeculativeGeneration<'m> {
             let kept = drafts.iter().zip(&best).take_while(|(d, b)| d == b).count();
             (kept, best[kept])
         } else {
-            self.accept_sampled(&drafts, dists.as_deref(), &lps, &finite)?
+            accept_sampled(&mut self.sampler, &drafts, dists.as_deref(), &lps, &finite)?
         };
         if !finite.item::<bool>()? {
             return Err(Error::NonFinite(format!(
@@ -421,53 +433,6 @@ impl<'m> SpeculativeGeneration<'m> {
         Ok(())
     }
 
-    /// Rejection sampling over the drafts: `(kept, the token after them)`.
-    fn accept_sampled(
-        &mut self,
-        drafts: &[u32],
-        dists: Option<&[Array]>,
-        lps: &[Array],
-        finite: &Array,
-    ) -> Result<(usize, u32)> {
-        let k = drafts.len();
-        let ps: Vec<Array> = lps.iter().map(|lp| self.sampler.distribution(lp)).collect::<Result<_>>()?;
-        // p(x) and q(x) of each draft (a prompt-lookup draft is certain: q(x) = 1).
-        let mut pick = Vec::with_capacity(2 * k);
-        for (i, &d) in drafts.iter().enumerate() {
-            pick.push(ps[i].slice_axis(1, d as i32, d as i32 + 1, 1)?.reshape(&[1])?);
-            if let Some(q) = dists {
-                pick.push(q[i].slice_axis(1, d as i32, d as i32 + 1, 1)?.reshape(&[1])?);
-            }
-        }
-        let values = if pick.is_empty() {
-            rmlx::eval([finite])?;
-            Vec::new()
-        } else {
-            let all = ops::concatenate(&pick.iter().collect::<Vec<_>>(), 0)?;
-            rmlx::eval([&all, finite])?;
-            all.to_vec::<f32>()?
-        };
-        let u = if k == 0 { Vec::new() } else { self.sampler.uniforms(k)? };
-        let per = if dists.is_some() { 2 } else { 1 };
-        for i in 0..k {
-            let p = values[i * per];
-            let q = if dists.is_some() { values[i * per + 1] } else { 1.0 };
-            if u[i] * q < p {
-                continue; // kept with probability min(1, p/q)
-            }
-            // Rejected: a token from max(p − q, 0), normalised.
-            let q_full = match dists {
-                Some(q) => q[i].clone(),
-                None => ops::one_hot(&Array::from_slice(&[drafts[i] as i32], &[1])?, ps[i].shape()[1], Dtype::Float32)?,
-            };
-            let residual = ops::maximum(&(&ps[i] - &q_full)?, &Array::scalar(0.0f32))?;
-            let token = self.sampler.draw(&residual.log()?)?.item::<u32>()?;
-            return Ok((i, token));
-        }
-        let token = self.sampler.draw(&ps[k].log()?)?.item::<u32>()?;
-        Ok((k, token))
-    }
-
     fn next_token(&mut self) -> Result<Option<Token>> {
         if self.finish.is_some() {
             return Ok(None);
@@ -510,6 +475,56 @@ impl Iterator for SpeculativeGeneration<'_> {
     }
 }
 
+/// Rejection sampling over `drafts`: `(kept, the token after them)`. `lps[i]` (`[1, vocab]`) are
+/// the model's processed log-probabilities at draft `i` (and after the last draft), `dists[i]` the
+/// draft model's distributions the drafts were drawn from (`None`: prompt lookup, certain
+/// drafts); `finite` is evaluated with them.
+pub(crate) fn accept_sampled(
+    sampler: &mut Sampler,
+    drafts: &[u32],
+    dists: Option<&[Array]>,
+    lps: &[Array],
+    finite: &Array,
+) -> Result<(usize, u32)> {
+    let k = drafts.len();
+    let ps: Vec<Array> = lps.iter().map(|lp| sampler.distribution(lp)).collect::<Result<_>>()?;
+    // p(x) and q(x) of each draft (a prompt-lookup draft is certain: q(x) = 1).
+    let mut pick = Vec::with_capacity(2 * k);
+    for (i, &d) in drafts.iter().enumerate() {
+        pick.push(ps[i].slice_axis(1, d as i32, d as i32 + 1, 1)?.reshape(&[1])?);
+        if let Some(q) = dists {
+            pick.push(q[i].slice_axis(1, d as i32, d as i32 + 1, 1)?.reshape(&[1])?);
+        }
+    }
+    let values = if pick.is_empty() {
+        rmlx::eval([finite])?;
+        Vec::new()
+    } else {
+        let all = ops::concatenate(&pick.iter().collect::<Vec<_>>(), 0)?;
+        rmlx::eval([&all, finite])?;
+        all.to_vec::<f32>()?
+    };
+    let u = if k == 0 { Vec::new() } else { sampler.uniforms(k)? };
+    let per = if dists.is_some() { 2 } else { 1 };
+    for i in 0..k {
+        let p = values[i * per];
+        let q = if dists.is_some() { values[i * per + 1] } else { 1.0 };
+        if u[i] * q < p {
+            continue; // kept with probability min(1, p/q)
+        }
+        // Rejected: a token from max(p − q, 0), normalised.
+        let q_full = match dists {
+            Some(q) => q[i].clone(),
+            None => ops::one_hot(&Array::from_slice(&[drafts[i] as i32], &[1])?, ps[i].shape()[1], Dtype::Float32)?,
+        };
+        let residual = ops::maximum(&(&ps[i] - &q_full)?, &Array::scalar(0.0f32))?;
+        let token = sampler.draw(&residual.log()?)?.item::<u32>()?;
+        return Ok((i, token));
+    }
+    let token = sampler.draw(&ps[k].log()?)?.item::<u32>()?;
+    Ok((k, token))
+}
+
 /// Runs `ids` into `caches` in chunks, evaluating the caches only.
 fn prefill(lm: &LoadedModel, caches: &mut [KvCache], ids: &[u32], opts: &GenerateOptions) -> Result<()> {
     for part in ids.chunks(opts.prefill_chunk) {
@@ -547,7 +562,7 @@ pub fn lookup(history: &[u32], max: usize, min: usize, k: usize) -> Vec<u32> {
 }
 
 /// The draft model must read and write the same tokens: the same vocabulary, id for id.
-fn same_vocabulary(lm: &LoadedModel, draft: &LoadedModel) -> Result<()> {
+pub(crate) fn same_vocabulary(lm: &LoadedModel, draft: &LoadedModel) -> Result<()> {
     let (a, b) = (lm.tokenizer.inner().get_vocab(true), draft.tokenizer.inner().get_vocab(true));
     if a.len() != b.len() {
         return Err(Error::InvalidParameter(format!(

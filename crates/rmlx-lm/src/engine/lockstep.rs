@@ -155,7 +155,8 @@ impl<'m> Lockstep<'m> {
                     Decision::Submit { prompt, options, top_logprobs, grammar, adapter } => {
                         // A refusal here is rank 0's refusal too (same engine, same request).
                         let options = *options;
-                        let request = Request { prompt, options, top_logprobs, grammar, adapter };
+                        // A split model does not speculate.
+                        let request = Request { prompt, options, top_logprobs, grammar, adapter, speculative: false };
                         let _ = engine.submit(request);
                     }
                     Decision::LoadAdapter { name, dir } => {

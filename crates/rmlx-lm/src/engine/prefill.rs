@@ -250,10 +250,16 @@ impl Engine<'_> {
             return Ok(());
         }
         let mut newcomers: Vec<BatchCache> = self.windows.iter().map(|&w| BatchCache::new(0, w)).collect();
-        for j in joining {
+        for mut j in joining {
             for (all, theirs) in newcomers.iter_mut().zip(j.caches) {
                 let KvCache::Batch(theirs) = theirs else { unreachable!("batch caches") };
                 all.extend(theirs)?;
+            }
+            // The draft model's rows, in the same order.
+            let draft_rows = self.draft_rows(&mut j.seqs)?;
+            for (mine, theirs) in self.draft_caches.iter_mut().zip(draft_rows) {
+                let KvCache::Batch(mine) = mine else { unreachable!("batch caches") };
+                mine.extend(theirs)?;
             }
             self.running.extend(j.seqs);
         }

@@ -31,6 +31,15 @@ pub(super) struct Sequence {
     pub adapter: usize,
     /// Where the output is in its grammar (structured output).
     pub constraint: Option<Constraint>,
+    /// Whether drafts may be made for it (see [`Sequence::may_speculate`]).
+    pub speculative: bool,
+    /// Positions of `history` the draft model's cache holds for it.
+    pub draft_fed: usize,
+    /// The draft model's draws: another stream of the sampler's seed.
+    pub draft_sampler: Sampler,
+    /// Tokens drafted for it, and those kept.
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl Sequence {
@@ -43,8 +52,10 @@ impl Sequence {
         constraint: Option<Constraint>,
     ) -> Result<Sequence> {
         let opts = request.options;
-        let mut sampler = Sampler::new(opts.sampler)?;
+        let mut sampler = Sampler::new(opts.sampler.clone())?;
         sampler.set_prompt_len(request.prompt.len());
+        let mut draft_sampler = Sampler::new(opts.sampler)?;
+        draft_sampler.reseed(sampler.seed().wrapping_add(0x5EED))?;
         Ok(Sequence {
             id,
             prompt_tokens: request.prompt.len(),
@@ -62,7 +73,18 @@ impl Sequence {
             finish: None,
             adapter,
             constraint,
+            speculative: request.speculative,
+            draft_fed: 0,
+            draft_sampler,
+            drafted: 0,
+            accepted: 0,
         })
+    }
+
+    /// Whether the engine may draft for it: asked for, and sampled from the plain
+    /// log-probabilities (no grammar, bias or penalty), without alternatives to report.
+    pub fn may_speculate(&self) -> bool {
+        self.speculative && !self.processes_logits() && self.top_logprobs == 0
     }
 
     /// Whether sampling needs more than the shared log-softmax of the logits (a bias or a
@@ -135,6 +157,8 @@ impl Sequence {
             cached_tokens: self.cached_tokens,
             completion_tokens: self.generated,
             time_to_first_token: self.first_token.map(|t| t - self.submitted),
+            draft_tokens: self.drafted,
+            accepted_draft_tokens: self.accepted,
         }
     }
 }
