@@ -2,7 +2,7 @@
 //! per prompt in input order; `--classify` stops after each prompt and reports the next token's
 //! most likely values instead.
 
-use crate::common::{count, KvCacheArgs, ModelArgs, SamplingArgs};
+use crate::common::{count, KvCacheArgs, ModelArgs, SamplingArgs, SpeculativeArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use rmlx_lm::backend::{ClassifyOptions, LanguageModel, Prompt};
@@ -37,6 +37,11 @@ pub struct Args {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
+    /// With speculative decoding: the most running prompts a step drafts for (the batch's tail).
+    #[arg(long, default_value_t = 8, value_parser = count)]
+    speculative_max_batch: usize,
     /// Stop when this string is generated (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -122,6 +127,7 @@ pub fn run(a: Args) -> Result<()> {
         max_batch: a.max_batch,
         prefill_batch: a.prefill_batch,
         kv_quantization,
+        speculative_max_batch: a.speculative_max_batch,
         ..EngineOptions::default()
     };
     // Over the ranks of a split model, rank 0 runs the batch and writes the results;
@@ -135,7 +141,12 @@ pub fn run(a: Args) -> Result<()> {
         through_interface(&a, model.as_mut(), &lines, &base, &mut out)?;
         return out.finish();
     };
-    let mut engine = Lockstep::new(Engine::new(lm, options), lm.ranks().cloned());
+    let draft = a.speculative.load_draft(&a.model)?;
+    let mut engine = Engine::new(lm, options);
+    if a.speculative.enabled() {
+        engine = engine.with_speculation(a.speculative.speculation(draft.as_ref()))?;
+    }
+    let mut engine = Lockstep::new(engine, lm.ranks().cloned());
     let start = std::time::Instant::now();
     rmlx::memory::reset_peak_memory();
     let (mut prompt_tokens, mut cached_tokens, mut generated) = (0, 0, 0);
@@ -202,6 +213,10 @@ pub fn run(a: Args) -> Result<()> {
                         r["text"] = json!(std::mem::take(&mut texts[i]));
                         r["completion_tokens"] = json!(usage.completion_tokens);
                         r["finish_reason"] = json!(reason.as_str());
+                        if a.speculative.enabled() {
+                            r["draft_tokens"] = json!(usage.draft_tokens);
+                            r["accepted_draft_tokens"] = json!(usage.accepted_draft_tokens);
+                        }
                     }
                     out.done(i)?;
                     progress.inc(1);

@@ -252,6 +252,7 @@ fn reply_streamed(
         cached_tokens: 0,
         completion_tokens: m.generated_tokens,
         time_to_first_token: Some(m.time_to_first_token),
+        ..Usage::default()
     };
     Ok((text, usage, m.decode_time))
 }
@@ -298,6 +299,8 @@ fn reply_speculative(
         cached_tokens: generation.cached_tokens(),
         completion_tokens: m.generated_tokens,
         time_to_first_token: Some(m.time_to_first_token),
+        draft_tokens: generation.acceptance().drafted,
+        accepted_draft_tokens: generation.acceptance().accepted,
     };
     Ok(((text, usage, m.decode_time), generation.into_state()))
 }

@@ -63,6 +63,21 @@ fn batch_results_equal_generate_in_input_order() {
     }
     assert_eq!((r[0]["id"].clone(), r[1]["id"].clone(), r[2]["id"].clone()), (json!("capital"), json!(7), Value::Null));
     assert_eq!(r[2]["finish_reason"], "length");
+    // With speculative decoding (prompt lookup): the same texts, and the drafts counted.
+    let fast = results(&rmlx(&[
+        "batch",
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-tokens",
+        "12",
+        "--temp",
+        "0",
+        "--prompt-lookup",
+    ]));
+    for (i, (text, ..)) in expected.iter().enumerate() {
+        assert_eq!(fast[i]["text"].as_str().unwrap(), text, "prompt {i}");
+        assert!(fast[i]["accepted_draft_tokens"].as_u64().unwrap() <= fast[i]["draft_tokens"].as_u64().unwrap());
+    }
 
     // --ignore-eos: every prompt gets its max_tokens; the totals go to stderr.
     let out = rmlx(&["batch", "--prompts", prompts.to_str().unwrap(), "--max-tokens", "12", "--ignore-eos"]);

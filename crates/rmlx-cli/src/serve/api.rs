@@ -97,6 +97,9 @@ pub struct Common {
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
+    /// rmlx's own: `false` keeps a server started with speculative decoding from drafting for
+    /// this request (the output is the same either way; only its speed differs).
+    pub speculative: Option<bool>,
 }
 
 /// A field rmlx does not implement and must not ignore: 400 naming it when it asks for anything.
@@ -131,6 +134,8 @@ pub struct Settings {
     pub n: usize,
     /// What `response_format` constrains the output to.
     pub grammar: Option<Grammar>,
+    /// Whether a speculating server may draft for it.
+    pub speculative: bool,
 }
 
 impl Common {
@@ -230,6 +235,7 @@ impl Common {
             logprobs,
             n,
             grammar,
+            speculative: self.speculative.unwrap_or(true),
         })
     }
 }
@@ -447,13 +453,18 @@ pub struct TokenLogprob {
     pub top: Vec<(String, f32)>,
 }
 
-/// `usage`, with the prompt tokens whose keys and values came from the prompt cache.
+/// `usage`, with the prompt tokens whose keys and values came from the prompt cache and, from
+/// speculative decoding, the drafted tokens kept and rejected (OpenAI's prediction counts).
 pub fn usage(u: &rmlx_lm::engine::Usage) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_draft_tokens,
+            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens,
+        },
     })
 }
 

@@ -33,6 +33,8 @@ pub struct Job {
     pub adapter: Option<String>,
     /// `response_format`'s grammar.
     pub grammar: Option<rmlx_lm::grammar::Grammar>,
+    /// Whether the engine may draft for it (when it speculates).
+    pub speculative: bool,
     pub events: UnboundedSender<Event>,
 }
 
@@ -61,11 +63,13 @@ pub enum Event {
 }
 
 /// What the loop does before it serves.
-pub struct Start {
+pub struct Start<'m> {
     /// LoRA adapters to load: name and folder.
     pub adapters: Vec<(String, std::path::PathBuf)>,
     /// Whether to run [`Engine::warm_up`] first.
     pub warm_up: bool,
+    /// Speculative decoding (`--draft-model`, `--prompt-lookup`).
+    pub speculation: Option<rmlx_lm::speculative::Speculation<'m>>,
     /// Told once the loop takes requests.
     pub ready: std::sync::mpsc::Sender<()>,
 }
@@ -80,6 +84,9 @@ pub struct Stats {
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
+    /// Tokens drafted by speculative decoding, and those kept.
+    pub draft_tokens: AtomicU64,
+    pub accepted_draft_tokens: AtomicU64,
     /// Requests handed to the loop and not started yet.
     pub queued: AtomicUsize,
     /// Sequences in the running batch.
@@ -113,17 +120,21 @@ struct Live {
 /// first (every rank read them once at start-up); `control` loads and unloads more, on every rank.
 /// With `warm_up`, the engine first runs [`Engine::warm_up`]; then `ready` is told that requests
 /// may come.
-pub fn run(
-    lm: &LoadedModel,
+pub fn run<'m>(
+    lm: &'m LoadedModel,
     jobs: Receiver<Job>,
     control: Receiver<Control>,
     opts: EngineOptions,
-    start: Start,
+    start: Start<'m>,
     stats: Arc<Stats>,
 ) -> rmlx_lm::Result<()> {
     let max_batch = opts.max_batch.max(1);
+    let mut engine = Engine::new(lm, opts);
+    if let Some(s) = start.speculation {
+        engine = engine.with_speculation(s)?;
+    }
     // Over the ranks of a tensor-parallel model, the other ranks follow this engine's decisions.
-    let mut engine = Lockstep::new(Engine::new(lm, opts), lm.ranks().cloned());
+    let mut engine = Lockstep::new(engine, lm.ranks().cloned());
     for (name, path) in &start.adapters {
         engine.load_adapter_dir(name, path)?;
     }
@@ -267,7 +278,14 @@ fn admit(lm: &LoadedModel, engine: &mut Lockstep, live: &mut HashMap<SeqId, Live
     let mut reply = None;
     let request = prompt.map(|(prompt, grammar, format)| {
         reply = format;
-        Request { prompt, options, top_logprobs: job.logprobs.unwrap_or(0), adapter: job.adapter, grammar }
+        Request {
+            prompt,
+            options,
+            top_logprobs: job.logprobs.unwrap_or(0),
+            adapter: job.adapter,
+            grammar,
+            speculative: job.speculative,
+        }
     });
     let submitted = request.and_then(|r| {
         let n = r.prompt.len();
@@ -323,6 +341,8 @@ fn route(lm: &LoadedModel, engine: &mut Lockstep, live: &mut HashMap<SeqId, Live
                 prompt_tokens = usage.prompt_tokens,
                 cached_tokens = usage.cached_tokens,
                 completion_tokens = usage.completion_tokens,
+                draft_tokens = usage.draft_tokens,
+                accepted_draft_tokens = usage.accepted_draft_tokens,
                 ttft_ms = ttft_ms.unwrap_or(0.0),
                 finish_reason,
                 "done"
@@ -330,6 +350,8 @@ fn route(lm: &LoadedModel, engine: &mut Lockstep, live: &mut HashMap<SeqId, Live
             stats.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Ordering::Relaxed);
             stats.cached_tokens.fetch_add(usage.cached_tokens as u64, Ordering::Relaxed);
             stats.completion_tokens.fetch_add(usage.completion_tokens as u64, Ordering::Relaxed);
+            stats.draft_tokens.fetch_add(usage.draft_tokens as u64, Ordering::Relaxed);
+            stats.accepted_draft_tokens.fetch_add(usage.accepted_draft_tokens as u64, Ordering::Relaxed);
             let ttft = usage.time_to_first_token.unwrap_or_default().as_micros() as u64;
             stats.ttft_micros_total.fetch_add(ttft, Ordering::Relaxed);
             let _ = l.events.send(Event::Done { finish_reason, usage });

@@ -103,6 +103,7 @@ fn serve_one(lm: &mut dyn LanguageModel, job: Job, stats: &Stats) {
         cached_tokens: 0,
         completion_tokens: m.generated_tokens,
         time_to_first_token: Some(m.time_to_first_token),
+        ..Usage::default()
     };
     tracing::info!(request = %job.id, prompt_tokens = m.prompt_tokens, completion_tokens = m.generated_tokens, finish_reason = reason.as_str(), "done");
     let _ = job.events.send(Event::Done { finish_reason: reason.as_str(), usage });

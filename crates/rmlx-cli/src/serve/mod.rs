@@ -18,7 +18,7 @@ mod listen;
 mod respond;
 mod responses;
 
-use crate::common::{count, KvCacheArgs, ModelArgs};
+use crate::common::{count, KvCacheArgs, ModelArgs, SpeculativeArgs};
 use anyhow::{Context, Result};
 use api::ApiError;
 use axum::extract::State;
@@ -43,6 +43,12 @@ pub struct Args {
     model: ModelArgs,
     #[command(flatten)]
     kv_cache: KvCacheArgs,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
+    /// With speculative decoding: the most running sequences a step drafts for; a larger batch
+    /// decodes plainly (drafts cost more than they save once the batch keeps the device busy).
+    #[arg(long, default_value_t = 8, value_parser = count)]
+    speculative_max_batch: usize,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -213,6 +219,10 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     anyhow::ensure!(
+        !a.speculative.enabled() || model.as_native().is_some_and(|lm| lm.ranks().is_none()),
+        "speculative decoding needs the native backend and a model on one device"
+    );
+    anyhow::ensure!(
         a.prompt_cache_dir.is_none() || model.as_native().is_some_and(|lm| lm.ranks().is_none()),
         "--prompt-cache-dir needs the native backend and a model on one device (split over ranks, each rank holds part of every entry)"
     );
@@ -293,8 +303,20 @@ pub fn run(a: Args) -> Result<()> {
         interface::run(model, queue, stats);
         return http.join().map_err(|_| anyhow::anyhow!("the HTTP thread panicked"))?;
     };
+    let draft = a.speculative.load_draft(&a.model)?;
+    let speculation = a.speculative.enabled().then(|| a.speculative.speculation(draft.as_ref()));
+    if a.speculative.enabled() {
+        let drafter = match &a.speculative.draft_model {
+            Some(d) => format!("the draft model {}", d.display()),
+            None => format!("prompt lookup (n-grams of up to {})", a.speculative.prompt_lookup.unwrap_or(3)),
+        };
+        eprintln!(
+            "speculative decoding: {} tokens a step from {drafter}, while at most {} sequences run",
+            a.speculative.num_draft_tokens, a.speculative_max_batch
+        );
+    }
     let (options, warm_up) = engine_options(&a, lm, Some(&stats));
-    let start = engine::Start { adapters: a.adapters.clone(), warm_up, ready };
+    let start = engine::Start { adapters: a.adapters.clone(), warm_up, speculation, ready };
     let served = engine::run(lm, queue, control_queue, options, start, stats);
     if let Err(e) = served {
         // Only start-up can fail (loading the adapters, checked above, or the warm-up): nothing
@@ -338,6 +360,7 @@ fn engine_options(a: &Args, lm: &rmlx_lm::LoadedModel, stats: Option<&Stats>) ->
         prompt_cache_bytes: gb(a.prompt_cache_gb),
         max_kv_bytes: Some(max_kv_bytes),
         context: Some(context),
+        speculative_max_batch: a.speculative_max_batch,
         pipelined: a.pipelined_decode,
         // Checked when the server started.
         kv_quantization: a.kv_cache.quantization().unwrap_or(None),
@@ -446,6 +469,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
          # TYPE rmlx_prompt_tokens_total counter\nrmlx_prompt_tokens_total {}\n\
          # TYPE rmlx_cached_prompt_tokens_total counter\nrmlx_cached_prompt_tokens_total {}\n\
          # TYPE rmlx_completion_tokens_total counter\nrmlx_completion_tokens_total {}\n\
+         # TYPE rmlx_draft_tokens_total counter\nrmlx_draft_tokens_total {}\n\
+         # TYPE rmlx_accepted_draft_tokens_total counter\nrmlx_accepted_draft_tokens_total {}\n\
          # TYPE rmlx_time_to_first_token_seconds_total counter\nrmlx_time_to_first_token_seconds_total {}\n\
          # TYPE rmlx_queue_length gauge\nrmlx_queue_length {}\n\
          # TYPE rmlx_batch_size gauge\nrmlx_batch_size {}\n\
@@ -471,6 +496,8 @@ async fn metrics(State(s): State<Arc<Shared>>) -> String {
         c(&st.prompt_tokens),
         c(&st.cached_tokens),
         c(&st.completion_tokens),
+        c(&st.draft_tokens),
+        c(&st.accepted_draft_tokens),
         c(&st.ttft_micros_total) as f64 / 1e6,
         st.queued.load(Ordering::Relaxed),
         st.running.load(Ordering::Relaxed),

@@ -179,6 +179,7 @@ pub(super) async fn start_jobs(
             logprobs: settings.logprobs,
             adapter: adapter.clone(),
             grammar: settings.grammar.clone(),
+            speculative: settings.speculative,
             events: tx,
         };
         if let Err(e) = s.jobs.try_send(job) {
