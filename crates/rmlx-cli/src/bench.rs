@@ -35,6 +35,10 @@ pub struct Args {
     /// it and waiting, with the operations of a step by kind (0: off).
     #[arg(long, default_value_t = 0, value_parser = count)]
     profile: usize,
+    /// With --profile: also time as many speculative verification passes of this many drafts
+    /// (the last token and the drafts in one pass, all rejected: the drafts' positions taken back).
+    #[arg(long, default_value_t = 0, value_parser = count, requires = "profile")]
+    profile_drafts: usize,
 }
 
 /// (TTFT seconds, decode tokens/s, the greedy token ids) of one run.
@@ -77,24 +81,36 @@ pub fn run(a: Args) -> Result<()> {
         0 => None,
         n => Some(rmlx_lm::profile::decode_steps(&lm, &prompt, n)?),
     };
+    let verify = match (a.profile, a.profile_drafts) {
+        (0, _) | (_, 0) => None,
+        (n, k) => Some(rmlx_lm::profile::verify_passes(&lm, &prompt, k, n)?),
+    };
+    let profile_json = |p: &rmlx_lm::profile::StepProfile| {
+        serde_json::json!({"steps": p.steps,
+            "build_us": p.build_us.round(), "launch_us": p.launch_us.round(), "wait_us": p.wait_us.round(),
+            "operations": p.operation_count(), "operations_by_kind": p.operations})
+    };
     let name = lm.source.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let device = format!("{:?}", rmlx::default_device().kind).to_lowercase();
     if a.json {
         println!(
             "{}",
             serde_json::json!({"peer": "rmlx", "model": name, "prompt_tokens": a.prompt_tokens, "gen_tokens": a.gen_tokens,
-                "ttft_ms": (ttft * 1e5).round() / 100.0, "prefill_tok_s": (a.prompt_tokens as f64 / ttft * 10.0).round() / 10.0,
-                "decode_tok_s": (decode * 10.0).round() / 10.0, "peak_gb": (peak * 1000.0).round() / 1000.0,
-                "loaded_gb": (resident * 1000.0).round() / 1000.0,
-                "dtype": lm.dtype.name(), "device": device, "cuda_graph_ops": rmlx::cuda_graph_ops(),
-                "bytes_per_token": floor.bytes(), "weight_bytes_per_token": floor.weight_bytes,
-                "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
-                "floor_tok_s": (floor.tokens_per_second() * 10.0).round() / 10.0,
-                "floor_fraction": (floor.fraction(decode) * 1e4).round() / 1e4,
-                "token_ids": runs[0].2, "runs_identical": runs.iter().all(|r| r.2 == runs[0].2),
-                "profile": profile.as_ref().map(|p| serde_json::json!({"steps": p.steps,
-                    "build_us": p.build_us.round(), "launch_us": p.launch_us.round(), "wait_us": p.wait_us.round(),
-                    "operations": p.operation_count(), "operations_by_kind": p.operations}))})
+            "ttft_ms": (ttft * 1e5).round() / 100.0, "prefill_tok_s": (a.prompt_tokens as f64 / ttft * 10.0).round() / 10.0,
+            "decode_tok_s": (decode * 10.0).round() / 10.0, "peak_gb": (peak * 1000.0).round() / 1000.0,
+            "loaded_gb": (resident * 1000.0).round() / 1000.0,
+            "dtype": lm.dtype.name(), "device": device, "cuda_graph_ops": rmlx::cuda_graph_ops(),
+            "bytes_per_token": floor.bytes(), "weight_bytes_per_token": floor.weight_bytes,
+            "kv_bytes_per_token": floor.kv_bytes, "bandwidth_gb_s": (bandwidth / 1e8).round() / 10.0,
+            "floor_tok_s": (floor.tokens_per_second() * 10.0).round() / 10.0,
+            "floor_fraction": (floor.fraction(decode) * 1e4).round() / 1e4,
+            "token_ids": runs[0].2, "runs_identical": runs.iter().all(|r| r.2 == runs[0].2),
+            "profile": profile.as_ref().map(profile_json),
+            "profile_verify": verify.as_ref().map(|p| {
+                let mut v = profile_json(p);
+                v["drafts"] = serde_json::json!(a.profile_drafts);
+                v
+            })})
         );
     } else {
         println!("model       {name} ({}, {device})", lm.dtype.name());
@@ -116,9 +132,9 @@ pub fn run(a: Args) -> Result<()> {
             100.0 * floor.fraction(decode)
         );
         println!("peak memory {peak:.3} GB ({resident:.3} GB held after loading)");
-        if let Some(p) = &profile {
+        let show = |label: &str, p: &rmlx_lm::profile::StepProfile| {
             println!(
-                "profile     a step {:.0} µs = build {:.0} + launch {:.0} + wait {:.0} ({} steps one at a time); \
+                "{label:<11} {:.0} µs = build {:.0} + launch {:.0} + wait {:.0} ({} steps one at a time); \
                  {} operations, {:.1} a layer",
                 p.total_us(),
                 p.build_us,
@@ -132,6 +148,12 @@ pub fn run(a: Args) -> Result<()> {
             kinds.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
             let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
             println!("operations  {}", kinds.join(", "));
+        };
+        if let Some(p) = &profile {
+            show("profile", p);
+        }
+        if let Some(p) = &verify {
+            show(&format!("verify +{}", a.profile_drafts), p);
         }
     }
     Ok(())

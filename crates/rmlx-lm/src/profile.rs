@@ -58,6 +58,20 @@ impl StepProfile {
 
 /// Runs `prompt` through the model, then `WARM_UP` and `steps` timed greedy steps.
 pub fn decode_steps(lm: &LoadedModel, prompt: &[u32], steps: usize) -> Result<StepProfile> {
+    passes(lm, prompt, steps, 0)
+}
+
+/// As [`decode_steps`], each step a speculative verification pass at acceptance 0: the last
+/// token and `drafts` more computed in one pass, every position's logits and arg-max, then the
+/// drafts' positions taken back from the caches (what a rejected round costs the model).
+///
+/// Errors: [`Error::InvalidParameter`] as [`decode_steps`], and for caches that cannot take
+/// positions back (a window that slid).
+pub fn verify_passes(lm: &LoadedModel, prompt: &[u32], drafts: usize, passes_: usize) -> Result<StepProfile> {
+    passes(lm, prompt, passes_, drafts)
+}
+
+fn passes(lm: &LoadedModel, prompt: &[u32], steps: usize, drafts: usize) -> Result<StepProfile> {
     if prompt.is_empty() || steps == 0 {
         return Err(Error::InvalidParameter("profiling needs a prompt and at least one step".into()));
     }
@@ -71,6 +85,7 @@ pub fn decode_steps(lm: &LoadedModel, prompt: &[u32], steps: usize) -> Result<St
     for i in 0..WARM_UP + steps {
         let started = Instant::now();
         let ids = token[0].reshape(&[1, 1])?.astype(Dtype::Int32)?;
+        let ids = if drafts > 0 { rmlx::ops::repeat(&ids, drafts as i32 + 1, Some(1))? } else { ids };
         let next = step(lm, &ids, &mut caches, &mut sampler)?;
         let built = Instant::now();
         if i == WARM_UP {
@@ -80,6 +95,9 @@ pub fn decode_steps(lm: &LoadedModel, prompt: &[u32], steps: usize) -> Result<St
         let launched = Instant::now();
         next[0].item::<u32>()?;
         let done = Instant::now();
+        if drafts > 0 && !caches.iter_mut().all(|c| c.trim(drafts)) {
+            return Err(Error::InvalidParameter("this model's caches cannot take positions back".into()));
+        }
         if i >= WARM_UP {
             build += (built - started).as_secs_f64();
             launch += (launched - built).as_secs_f64();
@@ -98,7 +116,8 @@ pub fn decode_steps(lm: &LoadedModel, prompt: &[u32], steps: usize) -> Result<St
     })
 }
 
-/// One greedy step over `ids` `[1, L]`: `[token, log-probability, all logits finite]`.
+/// One greedy step over `ids` `[1, L]`: `[token, log-probability, all logits finite]` of the last
+/// position (every position's logits computed, as a verification pass needs them).
 fn step(
     lm: &LoadedModel,
     ids: &Array,
@@ -107,7 +126,8 @@ fn step(
 ) -> Result<Vec<Array>> {
     let h = lm.model.forward_hidden(ids, caches)?;
     let len = h.shape()[1];
-    let logits = lm.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?.reshape(&[1, -1])?;
+    let all = lm.model.logits(&h)?;
+    let logits = all.slice_axis(1, len - 1, len, 1)?.reshape(&[1, -1])?;
     let finite = rmlx::ops::isfinite(&logits)?.all(rmlx::Axes::All, false)?;
     let (token, logprobs) = sampler.sample(&lm.vocab.mask_logits(&logits)?, &[])?;
     let logprob = rmlx::ops::take_along_axis(&logprobs, &token.reshape(&[1, 1])?, Some(-1))?;
