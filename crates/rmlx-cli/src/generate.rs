@@ -61,11 +61,16 @@ pub fn run(a: Args) -> Result<()> {
         kv_quantization: a.kv_cache.quantization()?,
         ..GenerateOptions::default()
     };
+    // A prompt-cache file holds the keys and values of its tokens, not the tokens: nothing a
+    // drafter could read or a draft model could compute its own caches from.
+    anyhow::ensure!(
+        a.prompt_cache_file.is_none() || !a.speculative.enabled(),
+        "--prompt-cache-file does not go with --draft-model or --prompt-lookup (the file holds no tokens to draft from)"
+    );
     if let Some(file) = &a.prompt_cache_file {
         return after_cache(&a, file, &prompt_text, &opts);
     }
     if a.speculative.enabled() {
-        anyhow::ensure!(a.prompt_cache_file.is_none(), "--prompt-cache-file does not go with speculative decoding yet");
         return speculative(&a, &prompt_text, &opts);
     }
     let mut lm = a.model.open(&a.backend)?;
@@ -82,7 +87,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let tokens = generation.by_ref().map(|t| t.map_err(anyhow::Error::from));
     let (text, ids) = emit(&a, tokens)?;
-    report(&a, &generation.metrics(), generation.finish_reason(), &text, &ids, lm_backend)
+    report(&a, &generation.metrics(), generation.finish_reason(), &text, &ids, lm_backend, None)
 }
 
 /// Generation after the caches of a prompt-cache file (rmlx's own model: the file holds its caches).
@@ -109,7 +114,7 @@ fn after_cache(a: &Args, file: &std::path::Path, prompt_text: &str, opts: &Gener
     let tokens = generation.by_ref().map(|t| t.map_err(anyhow::Error::from));
     let (text, ids) = emit(a, tokens)?;
     eprintln!("prompt cache: {cached_tokens} tokens from {}", file.display());
-    report(a, generation.metrics(), generation.finish_reason(), &text, &ids, "native".into())
+    report(a, generation.metrics(), generation.finish_reason(), &text, &ids, "native".into(), None)
 }
 
 /// Speculative decoding (rmlx's own backend: it checks drafts against the model's caches).
@@ -135,7 +140,7 @@ fn speculative(a: &Args, prompt_text: &str, opts: &GenerateOptions) -> Result<()
         );
     }
     let extra = serde_json::json!({"draft_tokens": acc.drafted, "accepted_draft_tokens": acc.accepted, "model_passes": acc.steps});
-    report_with(a, generation.metrics(), generation.finish_reason(), &text, &ids, "native".into(), Some(extra))
+    report(a, generation.metrics(), generation.finish_reason(), &text, &ids, "native".into(), Some(extra))
 }
 
 /// Streams the tokens to stdout (unless `--json`); returns the text and ids.
@@ -154,20 +159,8 @@ fn emit(a: &Args, tokens: impl Iterator<Item = Result<rmlx_lm::Token>>) -> Resul
     Ok((text, ids))
 }
 
-/// The JSON object (`--json`) or the statistics line on stderr.
+/// The JSON object (`--json`, with the fields of `extra` added) or the statistics line on stderr.
 fn report(
-    a: &Args,
-    m: &rmlx_lm::Metrics,
-    reason: Option<rmlx_lm::FinishReason>,
-    text: &str,
-    ids: &[u32],
-    lm_backend: String,
-) -> Result<()> {
-    report_with(a, m, reason, text, ids, lm_backend, None)
-}
-
-/// [`report`] with more fields for the JSON object.
-fn report_with(
     a: &Args,
     m: &rmlx_lm::Metrics,
     reason: Option<rmlx_lm::FinishReason>,

@@ -38,6 +38,12 @@ fn generate_speculatively_gives_the_plain_tokens() {
         .output()
         .unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    // A prompt-cache file holds no tokens to draft from: refused, not ignored.
+    let out = Command::new(RMLX)
+        .args(["generate", "--prompt", "hi", "--prompt-lookup", "--prompt-cache-file", "/nonexistent.safetensors"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("holds no tokens"));
 }
 
 fn chat(extra: &[&str]) -> String {
