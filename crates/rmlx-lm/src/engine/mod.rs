@@ -13,7 +13,9 @@
 //! ~3e-5 (so a draw, or a greedy choice, that close to a tie between two tokens can go either
 //! way); batched with sequences no longer than itself, it decodes bit for bit as alone.
 //! A request may name a LoRA adapter loaded into the engine ([`Engine::load_adapter`]): the batch
-//! mixes adapters row by row over the one base model ([`crate::nn::AdapterBank`]).
+//! mixes adapters row by row over the one base model ([`crate::nn::AdapterBank`]). With
+//! speculative decoding ([`Engine::with_speculation`]), a step drafts tokens for the running
+//! sequences and checks them all in its one forward pass.
 //!
 //! ```
 //! # fn main() -> rmlx_lm::Result<()> {
@@ -59,7 +61,7 @@ use crate::generate::{ids_array, FinishReason, GenerateOptions};
 use crate::grammar::{Grammar, GrammarCompiler};
 use crate::loader::LoadedModel;
 use crate::nn::{with_row_adapters, AdapterBank, Lora};
-use crate::speculative::{Drafter, Speculation};
+use crate::speculative::Speculation;
 use crate::{Error, Result};
 use prefill::Prefill;
 use rmlx::{ops, Dtype};
@@ -261,47 +263,6 @@ impl<'m> Engine<'m> {
             speculation: None,
             draft_caches: Vec::new(),
         }
-    }
-
-    /// Speculative decoding for the requests that allow it ([`Request::speculative`]) while at
-    /// most [`EngineOptions::speculative_max_batch`] sequences run: each step drafts for every
-    /// row and verifies all rows' drafts in one forward pass (see [`crate::speculative`]).
-    /// Greedy output is the plain engine's; sampled output is distributed as the model's.
-    ///
-    /// ```
-    /// # fn main() -> rmlx_lm::Result<()> {
-    /// use rmlx_lm::engine::{Engine, EngineOptions, Request, Update};
-    /// use rmlx_lm::speculative::{Drafter, Speculation};
-    /// let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model()?, &Default::default())?;
-    /// let lookup = Speculation { drafter: Drafter::PromptLookup { max_ngram: 3, min_ngram: 1 }, num_draft_tokens: 4 };
-    /// let mut engine = Engine::new(&lm, EngineOptions::default()).with_speculation(lookup)?;
-    /// let prompt = lm.encode_prompt("one two three one two three one two", true, None)?;
-    /// let options = rmlx_lm::GenerateOptions { max_tokens: 8, ..Default::default() };
-    /// engine.submit(Request { prompt, options, ..Default::default() })?;
-    /// let mut usage = None;
-    /// while !engine.is_idle() {
-    ///     for update in engine.step()? {
-    ///         if let Update::Finished { usage: u, .. } = update {
-    ///             usage = Some(u);
-    ///         }
-    ///     }
-    /// }
-    /// assert!(usage.unwrap().draft_tokens > 0);
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// Errors ([`Error::InvalidParameter`]): as [`LoadedModel::generate_speculative`] refuses the
-    /// speculation, or requests already submitted.
-    pub fn with_speculation(mut self, speculation: Speculation<'m>) -> Result<Engine<'m>> {
-        speculation.check(self.lm)?;
-        if !self.is_idle() {
-            return Err(Error::InvalidParameter("speculative decoding must be set before requests come".into()));
-        }
-        if let Drafter::Model(d) = speculation.drafter {
-            self.draft_caches = d.layer_windows().iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect();
-        }
-        self.speculation = Some(speculation);
-        Ok(self)
     }
 
     /// Loads a LoRA adapter (layer name → factors, as [`crate::tuner::adapters::read`] returns
