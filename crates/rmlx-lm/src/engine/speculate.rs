@@ -38,8 +38,8 @@ struct Verdict {
 }
 
 impl<'m> Engine<'m> {
-    /// Speculative decoding for the requests that allow it ([`Request::speculative`]) while at
-    /// most [`EngineOptions::speculative_max_batch`] sequences run: each step drafts for every
+    /// Speculative decoding for the requests that allow it ([`super::Request::speculative`]) while at
+    /// most [`super::EngineOptions::speculative_max_batch`] sequences run: each step drafts for every
     /// row and verifies all rows' drafts in one forward pass (see [`crate::speculative`]).
     /// Greedy output is the plain engine's; sampled output is distributed as the model's.
     ///
