@@ -50,7 +50,7 @@ impl<'m> Engine<'m> {
     /// let lm = rmlx_lm::loader::load(rmlx_lm::registry::default_model()?, &Default::default())?;
     /// let lookup = Speculation { drafter: Drafter::PromptLookup { max_ngram: 3, min_ngram: 1 }, num_draft_tokens: 4 };
     /// let mut engine = Engine::new(&lm, EngineOptions::default()).with_speculation(lookup)?;
-    /// let prompt = lm.encode_prompt("one two three one two three one two", true, None)?;
+    /// let prompt = lm.encode_prompt("1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", true, None)?;
     /// let options = rmlx_lm::GenerateOptions { max_tokens: 8, ..Default::default() };
     /// engine.submit(Request { prompt, options, ..Default::default() })?;
     /// let mut usage = None;
