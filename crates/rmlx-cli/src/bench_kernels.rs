@@ -28,6 +28,10 @@ pub struct Args {
     /// Weight shapes, `OUTPUTxINPUT`, comma-separated.
     #[arg(long, default_value = DEFAULT_SHAPES)]
     shapes: String,
+    /// Rows of activations a product takes (1: a decoding step; a speculative verification pass
+    /// of K drafts takes K + 1).
+    #[arg(long, default_value_t = 1)]
+    rows: i32,
     /// One JSON line a shape.
     #[arg(long)]
     json: bool,
@@ -54,21 +58,22 @@ pub fn run(a: Args) -> Result<()> {
     let device = format!("{:?}", rmlx::default_device().kind).to_lowercase();
     if !a.json {
         eprintln!(
-            "{device}: copy bandwidth {:.0} GB/s; {}-bit, group {}, {dtype:?}",
+            "{device}: copy bandwidth {:.0} GB/s; {}-bit, group {}, {dtype:?}, {} rows",
             bandwidth / 1e9,
             a.bits,
-            a.group_size
+            a.group_size,
+            a.rows
         );
         println!("{:>14} {:>10} {:>16} {:>16} {:>8}", "shape", "MB", "rmlx GB/s", "mlx GB/s", "ratio");
     }
     for (output, input) in shapes {
-        let r = rmlx_lm::roofline::quantized_matvec_rate(output, input, a.bits, a.group_size, dtype)?;
+        let r = rmlx_lm::roofline::quantized_matvec_rate(output, input, a.bits, a.group_size, dtype, a.rows)?;
         if a.json {
             println!(
                 "{}",
                 serde_json::json!({
                     "device": device, "shape": [output, input], "bits": a.bits, "group_size": a.group_size,
-                    "dtype": format!("{dtype:?}").to_lowercase(), "weight_bytes": r.bytes,
+                    "dtype": format!("{dtype:?}").to_lowercase(), "rows": a.rows, "weight_bytes": r.bytes,
                     "copy_gbs": bandwidth / 1e9, "rmlx_gbs": r.rmlx / 1e9, "mlx_gbs": r.mlx / 1e9,
                     "rmlx_fraction": r.rmlx / bandwidth, "mlx_fraction": r.mlx / bandwidth,
                 })

@@ -160,13 +160,23 @@ pub struct ProductRate {
     pub mlx: f64,
 }
 
-/// How fast one-row products with a `[output, input]` weight quantised to `bits` in groups of
+/// How fast products of `rows` rows with a `[output, input]` weight quantised to `bits` in groups of
 /// `group` (scales of `dtype`) read their weights on the current device, through rmlx's kernel
 /// (else a layer's product) and through MLX's: many products in one evaluation, over enough
 /// copies of the weight that they do not stay in the caches, best of four. The host builds each
 /// product while the device runs the ones before, so small products also measure the host's cost
 /// per product.
-pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dtype: Dtype) -> Result<ProductRate> {
+pub fn quantized_matvec_rate(
+    output: i32,
+    input: i32,
+    bits: i32,
+    group: i32,
+    dtype: Dtype,
+    rows: i32,
+) -> Result<ProductRate> {
+    if rows < 1 {
+        return Err(crate::Error::InvalidParameter(format!("products of {rows} rows")));
+    }
     let key = random::key(0)?;
     let w = random::normal(&[output, input], Dtype::Float32, 0.0, 0.02, Some(&key))?.astype(dtype)?;
     let base = quantize(&w, group, bits, QuantMode::Affine)?;
@@ -187,7 +197,7 @@ pub fn quantized_matvec_rate(output: i32, input: i32, bits: i32, group: i32, dty
             Ok(q)
         })
         .collect::<Result<_>>()?;
-    let x = random::normal(&[1, input], Dtype::Float32, 0.0, 1.0, Some(&random::key(1)?))?.astype(dtype)?;
+    let x = random::normal(&[rows, input], Dtype::Float32, 0.0, 1.0, Some(&random::key(1)?))?.astype(dtype)?;
     rmlx::eval([&x])?;
     let products = copies.max(32);
     let time = |layer: bool| -> Result<f64> {
