@@ -223,33 +223,42 @@ impl<'m> Engine<'m> {
                 Verdict { kept: 0, tokens: vec![(read.tokens[i], read.logprobs[i])], top: read.top(i), error }
             } else {
                 let s = &mut self.running[i];
-                let lps: Vec<Array> = (0..=d.len())
-                    .map(|p| {
-                        lp.slice_axis(0, i as i32, i as i32 + 1, 1)?
-                            .slice_axis(1, p as i32, p as i32 + 1, 1)?
-                            .reshape(&[1, -1])
-                    })
-                    .collect::<std::result::Result<_, _>>()?;
                 let (kept, last) = if s.sampler.config().is_greedy() {
                     let best = &best[i * width..i * width + d.len() + 1];
                     let kept = d.iter().zip(best).take_while(|(a, b)| a == b).count();
                     (kept, best[kept])
                 } else {
+                    let row = lp.slice_axis(0, i as i32, i as i32 + 1, 1)?;
+                    let lps: Vec<Array> = (0..=d.len() as i32)
+                        .map(|p| row.slice_axis(1, p, p + 1, 1)?.reshape(&[1, -1]))
+                        .collect::<std::result::Result<_, _>>()?;
                     let done = Array::scalar(true);
                     accept_sampled(&mut s.sampler, d, drafts.dists[i].as_deref(), &lps, &done)?
                 };
-                let chosen: Vec<u32> = d[..kept].iter().copied().chain([last]).collect();
-                let logprobs = chosen
-                    .iter()
-                    .zip(&lps)
-                    .map(|(&t, lp)| lp.slice_axis(1, t as i32, t as i32 + 1, 1)?.reshape(&[1]))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
-                let logprobs = ops::concatenate(&logprobs.iter().collect::<Vec<_>>(), 0)?.to_vec::<f32>()?;
                 s.drafted += d.len();
                 s.accepted += kept;
-                Verdict { kept, tokens: chosen.into_iter().zip(logprobs).collect(), top: Vec::new(), error: None }
+                // Log-probabilities filled in below, all rows' at once.
+                let tokens = d[..kept].iter().copied().chain([last]).map(|t| (t, 0.0)).collect();
+                Verdict { kept, tokens, top: Vec::new(), error: None }
             };
             verdicts.push(verdict);
+        }
+        // The kept tokens' log-probabilities, read with one gather over every row and position.
+        let speculated: Vec<usize> = (0..rows).filter(|&i| !drafts.tokens[i].is_empty()).collect();
+        if !speculated.is_empty() {
+            let mut chosen = vec![0i32; rows * width];
+            for &i in &speculated {
+                for (p, (t, _)) in verdicts[i].tokens.iter().enumerate() {
+                    chosen[i * width + p] = *t as i32;
+                }
+            }
+            let chosen = Array::from_slice(&chosen, &[rows as i32, width as i32, 1])?;
+            let values = ops::take_along_axis(&lp, &chosen, Some(-1))?.to_vec::<f32>()?;
+            for &i in &speculated {
+                for (p, (_, lp)) in verdicts[i].tokens.iter_mut().enumerate() {
+                    *lp = values[i * width + p];
+                }
+            }
         }
         // The model computed `width` positions a row; each keeps its pending token and kept drafts.
         let back: Vec<usize> = verdicts.iter().map(|v| width - 1 - v.kept).collect();
