@@ -3,6 +3,8 @@
 //! call's id and name must come before its arguments); tool choices and the grammar that forces a
 //! call; templates without tools.
 
+mod common;
+
 use rmlx_lm::chat::{
     messages_without_tool_support, ChatRequest, Reply, ReplyEvent, ReplyFormat, ReplyParser, Think, ToolCall,
     ToolChoice, ToolFormat,
@@ -273,4 +275,95 @@ fn tool_history_through_qwen3_template() {
     // Qwen 3's template writes thinking markup: replies are read for it, and for Hermes calls.
     assert_eq!(ready.reply.think, Some(rmlx_lm::chat::Think::default()));
     assert_eq!(ready.reply.tools, Some(ToolFormat::Hermes));
+}
+
+/// A byte-level tokenizer (a token a byte, GPT-2's byte-to-character map) with FunctionGemma's
+/// call markers as special tokens 256–258.
+fn byte_tokenizer_with_gemma_markers() -> String {
+    // GPT-2's map: the bytes not printable take the characters from 256 on, in byte order.
+    let mut next = 256;
+    let mut map = serde_json::Map::new();
+    for b in 0..256u32 {
+        let c = if (b'!' as u32..=b'~' as u32).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
+        {
+            b
+        } else {
+            next += 1;
+            next - 1
+        };
+        map.insert(char::from_u32(c).unwrap().to_string(), json!(b));
+    }
+    let special = |id: u32, s: &str| json!({"id": id, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    json!({
+        "version": "1.0", "truncation": null, "padding": null, "normalizer": null, "post_processor": null,
+        "added_tokens": [special(256, "<start_function_call>"), special(257, "<end_function_call>"), special(258, "<escape>")],
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": map, "merges": []}
+    })
+    .to_string()
+}
+
+/// A forced call in FunctionGemma's format: the grammar takes exactly the calls of the named
+/// function whose arguments satisfy its schema (strings between `<escape>` tokens, an enum's
+/// values only, an integer as JSON, optional properties after the required ones), and the reply
+/// parser reads them back as the JSON arguments.
+#[test]
+fn function_gemma_forced_calls() {
+    use rmlx_lm::grammar::GrammarCompiler;
+    let dir = common::fixture_with_tokenizer("llama_gqa");
+    std::fs::write(dir.path().join("tokenizer.json"), byte_tokenizer_with_gemma_markers()).unwrap();
+    let lm = rmlx_lm::loader::load(dir.path(), &Default::default()).unwrap();
+    let weather = json!({"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+            "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "days"]}}});
+    let time = json!({"type": "function", "function": {"name": "time", "parameters": {"type": "object",
+        "properties": {"zone": {"type": "string"}}}}});
+    let special = |m: &str| lm.tokenizer.inner().token_to_id(m);
+    let compiler = GrammarCompiler::new(&lm).unwrap();
+    let admits = |grammar: &rmlx_lm::grammar::Grammar, text: &str| {
+        let mut c = compiler.compile(grammar).unwrap();
+        for id in lm.tokenizer.encode(text, false).unwrap() {
+            if !c.allowed().unwrap().contains(&id) {
+                return false;
+            }
+            c.accept(id).unwrap();
+        }
+        c.is_finished() || c.allowed().unwrap().iter().any(|t| lm.eos_ids.contains(t))
+    };
+    let named = ToolFormat::FunctionGemma
+        .forced_grammar(&[weather.clone(), time.clone()], &ToolChoice::Function("weather".into()), false, &special)
+        .unwrap();
+    let call = |args: &str| format!("<start_function_call>call:weather{{{args}}}<end_function_call>");
+    assert!(admits(&named, &call("city:<escape>Oslo, Norway<escape>,days:3")));
+    assert!(admits(&named, &call("city:<escape>Oslo<escape>,days:3,unit:<escape>C<escape>")));
+    assert!(!admits(&named, &call("city:<escape>Oslo<escape>,days:3,unit:<escape>K<escape>")), "not in the enum");
+    assert!(!admits(&named, &call("city:<escape>Oslo<escape>")), "days is required");
+    assert!(!admits(&named, &call("city:<escape>Oslo<escape>,days:three")), "days is an integer");
+    assert!(!admits(&named, "<start_function_call>call:time{}<end_function_call>"), "another function");
+    assert!(!admits(&named, "Sure!"));
+    // `required`, several calls allowed: either function, one after the other; `time`'s only
+    // property is optional.
+    let any = ToolFormat::FunctionGemma
+        .forced_grammar(&[weather.clone(), time.clone()], &ToolChoice::Required, true, &special)
+        .unwrap();
+    let two =
+        format!("{}<start_function_call>call:time{{}}<end_function_call>", call("city:<escape>Rome<escape>,days:1"));
+    assert!(admits(&any, &two));
+    assert!(admits(&any, "<start_function_call>call:time{zone:<escape>UTC<escape>}<end_function_call>"));
+    // What the parser reads back from an admitted call.
+    let format = ReplyFormat { think: None, tools: Some(ToolFormat::FunctionGemma), harmony: false };
+    let reply = parse(&format, &call("city:<escape>Oslo, Norway<escape>,days:3,unit:<escape>C<escape>"));
+    assert_eq!(reply.tool_calls.len(), 1, "{reply:?}");
+    let args: serde_json::Value = serde_json::from_str(&reply.tool_calls[0].arguments).unwrap();
+    assert_eq!(args, json!({"city": "Oslo, Norway", "days": 3, "unit": "C"}));
+    // A tokenizer without the markers: a clear error.
+    let words = common::fixture_with_tokenizer("llama_gqa");
+    let plain = rmlx_lm::loader::load(words.path(), &Default::default()).unwrap();
+    let none = |m: &str| plain.tokenizer.inner().token_to_id(m);
+    let err = ToolFormat::FunctionGemma.forced_grammar(&[weather], &ToolChoice::Required, false, &none).unwrap_err();
+    assert!(err.to_string().contains("<start_function_call>"), "{err}");
 }

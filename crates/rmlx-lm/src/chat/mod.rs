@@ -19,6 +19,7 @@
 //! crates' `preserve_order` features are enabled (Python keeps insertion order, which shows in
 //! `tojson` of tool schemas).
 
+mod gemma_calls;
 mod pyjson;
 mod reply;
 mod request;

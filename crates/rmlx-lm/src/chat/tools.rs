@@ -157,7 +157,9 @@ impl ToolFormat {
                 ToolFormat::Llama3 => {
                     format!("{} args{k} {}", lit(&format!("{{\"name\": {}, \"parameters\": ", lit(name))), lit("}"))
                 }
-                ToolFormat::Mistral => format!("{} args{k} {}", lit(&format!("{{\"name\": {}, \"arguments\": ", lit(name))), lit("}")),
+                ToolFormat::Mistral => {
+                    format!("{} args{k} {}", lit(&format!("{{\"name\": {}, \"arguments\": ", lit(name))), lit("}"))
+                }
                 ToolFormat::Harmony => format!(
                     "{} {} {} {} {} args{k}",
                     token("<|channel|>")?,
@@ -167,9 +169,16 @@ impl ToolFormat {
                     token("<|message|>")?
                 ),
                 ToolFormat::FunctionGemma => {
-                    return Err(Error::InvalidParameter(
-                        "tool_choice `required` or a named function is not supported for FunctionGemma's call format yet (`auto` is)".into(),
-                    ))
+                    let body = format!(
+                        "{} {} args{k} {}",
+                        token("<start_function_call>")?,
+                        lit(&format!("call:{name}")),
+                        token("<end_function_call>")?
+                    );
+                    let args = super::gemma_calls::argument_rules(k, &params, &token("<escape>")?);
+                    rules.push(format!("call{k}: {body}\n{args}"));
+                    alternatives.push(format!("call{k}"));
+                    continue;
                 }
             };
             rules.push(format!("call{k}: {body}\nargs{k}: %json {schema}"));
@@ -181,6 +190,7 @@ impl ToolFormat {
             (ToolFormat::Mistral, false) => format!("start: {} \"[\" call \"]\"", token("[TOOL_CALLS]")?),
             (ToolFormat::Hermes, true) => "start: call (\"\\n\" call)*".to_string(),
             (ToolFormat::Llama3, true) => "start: call (\"; \" call)*".to_string(),
+            (ToolFormat::FunctionGemma, true) => "start: call+".to_string(),
             _ => "start: call".to_string(),
         };
         Ok(Grammar::Lark(format!("{start}\n{call}\n{}\n", rules.join("\n"))))
