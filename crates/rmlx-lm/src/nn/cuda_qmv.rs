@@ -838,7 +838,7 @@ fn shape_for(dtype: Dtype, xs: &[i32], f: &Fused) -> Option<Shape> {
     };
     // Tiles counted with the integer form's layout, which it keeps where it serves.
     let integer = ix::serves(dtype, bits, shape.computed_rows(), input);
-    shape.form = if integer && shape.row_blocks() >= ix::MIN_TILES {
+    shape.form = if integer && shape.row_blocks() >= ix::min_tiles(shape.computed_rows()) {
         Form::Integer
     } else if ix::split_serves(dtype, bits, shape.computed_rows(), input, epilogue) {
         Form::SplitInteger

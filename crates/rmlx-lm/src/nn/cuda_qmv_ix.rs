@@ -53,6 +53,20 @@ pub(super) const BLOCKS_PER_SM: i32 = 6;
 /// on the GPU.
 pub(super) const MIN_TILES: i32 = 512;
 
+/// The fewest tiles the integer form takes `computed_rows` rows of `x` for: [`MIN_TILES`], and
+/// four times as many at 4 rows (a verification pass's), where a warp's one output row reads a
+/// tile's weights: on an H100 (`rmlx bench-kernels --rows 3` and `--rows 4`, 4-bit), the head
+/// (151,936 × 4,096, 37,984 tiles) went from 960 to 1,453–1,502 GB/s against the float form and
+/// gate/up (12,288 × 4,096, 3,072) from 781–797 to 802–920, but q/o (4,096 × 4,096, 1,024) fell
+/// from 605–613 to 459–537.
+pub(super) fn min_tiles(computed_rows: i32) -> i32 {
+    if computed_rows > 2 {
+        4 * MIN_TILES
+    } else {
+        MIN_TILES
+    }
+}
+
 /// The most shared memory `x` may take a block (of 48 KiB, with the rest of the kernel's).
 const SHARED_LIMIT: i32 = 40 * 1024;
 
@@ -63,8 +77,9 @@ pub(super) fn rows_per_warp(matrices: i32, computed_rows: i32) -> i32 {
 }
 
 /// Whether the integer form can compute a product of `bits`-bit weights (0: dense) and
-/// `computed_rows` rows of `x` of `dtype` with `input` features: 16-bit `x` of 1 or 2 rows that
-/// fits the block's shared memory. (It takes the product where it also has [`MIN_TILES`] tiles.)
+/// `computed_rows` rows of `x` of `dtype` with `input` features: 16-bit `x` of 1, 2 or 4 rows
+/// (4: a speculative verification pass of 2 or 3 drafts) that fits the block's shared memory. (It
+/// takes the product where it also has [`MIN_TILES`] tiles.)
 pub(super) fn serves(dtype: Dtype, bits: i32, computed_rows: i32, input: i32) -> bool {
     let vals = match bits {
         4 => 32,
@@ -73,7 +88,7 @@ pub(super) fn serves(dtype: Dtype, bits: i32, computed_rows: i32, input: i32) ->
     };
     let shared = computed_rows * (2 * input + 8 * (input / vals));
     matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
-        && computed_rows <= 2
+        && computed_rows <= 4
         && input % vals == 0
         && shared <= SHARED_LIMIT
 }
@@ -104,8 +119,8 @@ pub(super) fn split_serves(dtype: Dtype, bits: i32, computed_rows: i32, input: i
         && split_row_bytes(bits, input) <= SPLIT_RING_BYTES
 }
 
-/// The kernel body (the parameters and constants of [`super::cuda_qmv`]'s, `BITS` 4 or 8, `M` 1
-/// or 2, `R` rows a warp, no split): the first step's weights are in flight while the block
+/// The kernel body (the parameters and constants of [`super::cuda_qmv`]'s, `BITS` 4 or 8, `M` 1,
+/// 2 or 4, `R` rows a warp, no split): the first step's weights are in flight while the block
 /// prepares `x`; then the block takes tiles of `4 R` output rows (a warp `R` of them) in turn,
 /// `tile = blockIdx.x, blockIdx.x + gridDim.x, …`, each step loading the next one's weights before
 /// computing its own.

@@ -170,6 +170,11 @@ fn fused_products_match_the_composed_operations() {
         (1, 3072, 300, 8, 64, bf16),
         (2, 12288, 130, 8, 128, f16),
         (2, 1152, 77, 4, 128, bf16),
+        // A verification pass's 3 or 4 rows: the integer form past 2,048 tiles, the float form
+        // below.
+        (4, 2048, 8192, 4, 64, bf16),
+        (3, 1024, 8192, 8, 32, f16),
+        (4, 4096, 2048, 4, 64, bf16),
     ];
     let fusions = [
         Fusion::Plain,
@@ -216,9 +221,14 @@ fn fused_products_match_the_composed_operations() {
                     bias: biased.then_some(&bias),
                     residual: residual.then_some(&res),
                 };
-                // The integer form takes the 16-bit rows of 512 tiles and more (of 4 warps' rows).
-                let rows_per_tile = 16 / if gated.is_some() { 2 } else { 1 } / rows;
-                let integer = bits > 0 && dtype != f32_ && rows <= 2 && n / rows_per_tile >= 512;
+                // The integer form takes 1, 2 or 4 computed rows of 16 bits whose prepared `x` fits
+                // its shared memory, of 512 tiles and more (of 4 warps' rows).
+                let computed = (rows as u32).next_power_of_two() as i32;
+                let rows_per_tile = 4 * (4 / if gated.is_some() { 2 } else { 1 } / computed).max(1);
+                let vals = if bits == 4 { 32 } else { 16 };
+                let fits = computed * (2 * k + 8 * (k / vals.max(1))) <= 40 * 1024;
+                let min_tiles = if computed > 2 { 2048 } else { 512 };
+                let integer = bits > 0 && dtype != f32_ && computed <= 4 && fits && n / rows_per_tile >= min_tiles;
                 assert_eq!(takes_integer_form(&x, &f), integer, "{what}: the integer form");
                 // The split form takes the other 16-bit products of 1 or 2 rows that are not gated.
                 let split = bits > 0 && dtype != f32_ && rows <= 2 && !integer && gated.is_none();
