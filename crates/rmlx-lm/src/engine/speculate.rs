@@ -16,8 +16,7 @@ use crate::generate::ids_array;
 use crate::loader::LoadedModel;
 use crate::nn::with_row_adapters;
 use crate::sample::log_softmax;
-use crate::speculative::Speculation;
-use crate::speculative::{accept_sampled, lookup, Drafter};
+use crate::speculative::{accept_sampled, lookup, Drafter, Speculation};
 use crate::{Error, Result};
 use rmlx::{ops, Array, Dtype};
 
