@@ -64,7 +64,7 @@ fn plan(a: &Args) -> Result<Vec<hosts::RankPlan>> {
     layout.plan()
 }
 
-/// Starts one rank: here, its ring host list in a file of `dir`; elsewhere, through ssh. Rank 0
+/// Starts one rank: here, its ring host list in its own file of `dir`; elsewhere, through ssh. Rank 0
 /// reads the launcher's standard input (`rmlx chat`), the others none.
 fn spawn(
     exe: &std::path::Path,
@@ -79,7 +79,9 @@ fn spawn(
             cmd.args(command);
             for (k, v) in &plan.env {
                 if k == "RMLX_RING_HOSTS" {
-                    let path = dir.join("hostfile.json");
+                    // A file of its own: writing one shared file again for the next rank emptied
+                    // it while a rank already started read it (a parse error, now and then).
+                    let path = dir.join(format!("hostfile-{rank}.json"));
                     std::fs::write(&path, v).with_context(|| format!("writing {}", path.display()))?;
                     cmd.env("MLX_HOSTFILE", path);
                 } else {
