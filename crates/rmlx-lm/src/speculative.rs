@@ -8,7 +8,9 @@
 //! Greedy output is the plain run's token for token (up to the rounding of computing several
 //! positions at once); sampled output is distributed exactly as the model's own (rejection
 //! sampling: a drafted token `x` is kept with probability `min(1, p(x)/q(x))`, else a token is
-//! drawn from `max(p − q, 0)`, normalised).
+//! drawn from `max(p − q, 0)`, normalised). The batching engine speculates the same way for
+//! each running request, all of them verified in one pass
+//! ([`crate::engine::Engine::with_speculation`]).
 //!
 //! ```
 //! use rmlx_lm::speculative::{Drafter, Speculation};
