@@ -58,20 +58,21 @@ impl StepProfile {
 
 /// Runs `prompt` through the model, then `WARM_UP` and `steps` timed greedy steps.
 pub fn decode_steps(lm: &LoadedModel, prompt: &[u32], steps: usize) -> Result<StepProfile> {
-    passes(lm, prompt, steps, 0)
+    timed_passes(lm, prompt, steps, 0)
 }
 
 /// As [`decode_steps`], each step a speculative verification pass at acceptance 0: the last
-/// token and `drafts` more computed in one pass, every position's logits and arg-max, then the
-/// drafts' positions taken back from the caches (what a rejected round costs the model).
+/// token and `drafts` more computed in one pass, every position's logits (the last one's arg-max),
+/// then the drafts' positions taken back from the caches (what a rejected round costs the model).
 ///
 /// Errors: [`Error::InvalidParameter`] as [`decode_steps`], and for caches that cannot take
 /// positions back (a window that slid).
-pub fn verify_passes(lm: &LoadedModel, prompt: &[u32], drafts: usize, passes_: usize) -> Result<StepProfile> {
-    passes(lm, prompt, passes_, drafts)
+pub fn verify_passes(lm: &LoadedModel, prompt: &[u32], drafts: usize, passes: usize) -> Result<StepProfile> {
+    timed_passes(lm, prompt, passes, drafts)
 }
 
-fn passes(lm: &LoadedModel, prompt: &[u32], steps: usize, drafts: usize) -> Result<StepProfile> {
+/// `steps` timed passes over the last token and `drafts` copies of it (none: decoding steps).
+fn timed_passes(lm: &LoadedModel, prompt: &[u32], steps: usize, drafts: usize) -> Result<StepProfile> {
     if prompt.is_empty() || steps == 0 {
         return Err(Error::InvalidParameter("profiling needs a prompt and at least one step".into()));
     }
