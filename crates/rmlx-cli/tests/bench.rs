@@ -65,6 +65,34 @@ fn bench_reports_speed_beside_the_bandwidth_floor() {
     assert!(!kinds.contains_key("Softmax") && !kinds.contains_key("Sin"), "nothing composed: {p}");
 }
 
+/// `--profile-drafts K`: a speculative verification pass (the last token and K drafts, taken back
+/// after) timed beside the step. The fused CPU step takes one position, so the pass is composed:
+/// each layer writes its keys and values with slice updates and attends over the cache.
+#[test]
+fn bench_profiles_a_verification_pass() {
+    let out = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args(["bench", "-p", "16", "-g", "4", "-n", "1", "--json", "--profile", "2", "--profile-drafts", "2"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (step, pass) = (&v["profile"], &v["profile_verify"]);
+    assert_eq!((pass["drafts"].as_u64(), pass["steps"].as_u64()), (Some(2), Some(2)), "{pass}");
+    let kinds = pass["operations_by_kind"].as_object().unwrap();
+    assert_eq!(kinds["SliceUpdate"].as_u64(), Some(60), "30 layers' keys and values: {pass}");
+    assert_eq!(kinds["CpuCacheAttention"].as_u64(), Some(30), "{pass}");
+    assert!(!kinds.contains_key("CpuAttentionInputs"), "{pass}");
+    assert!(pass["operations"].as_u64() > step["operations"].as_u64(), "{v}");
+    // Without --profile there is nothing to add the passes to.
+    let out = Command::new(env!("CARGO_BIN_EXE_rmlx"))
+        .args(["bench", "-p", "16", "-g", "4", "--profile-drafts", "2"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--profile"));
+}
+
 /// `--dequantize`: the float32 weights BLAS multiplies, the same greedy ids, and a step composed of
 /// MLX's products and rmlx's single-purpose CPU primitives.
 #[test]
@@ -102,7 +130,7 @@ fn bench_of_the_dequantised_model() {
 #[test]
 fn bench_kernels_reports_each_shape_and_refuses_bad_ones() {
     let out = Command::new(env!("CARGO_BIN_EXE_rmlx"))
-        .args(["bench-kernels", "--shapes", "64x256, 8x128", "--json"])
+        .args(["bench-kernels", "--shapes", "64x256, 8x128", "--rows", "3", "--json"])
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -116,6 +144,7 @@ fn bench_kernels_reports_each_shape_and_refuses_bad_ones() {
             (v["bits"].as_u64(), v["group_size"].as_u64(), v["dtype"].as_str()),
             (Some(4), Some(64), Some("bfloat16"))
         );
+        assert_eq!(v["rows"].as_u64(), Some(3), "{v}");
         assert_eq!(v["weight_bytes"].as_u64(), Some(o * i / 2 + 2 * 2 * o * i / 64), "{v}");
         for key in ["copy_gbs", "rmlx_gbs", "mlx_gbs"] {
             let x = v[key].as_f64().unwrap();
