@@ -9,7 +9,7 @@ mod common;
 
 use common::{fixture_with_tokenizer, ids, reference};
 use rmlx_lm::engine::{Engine, EngineOptions, Request, SeqId, Update, Usage};
-use rmlx_lm::sample::{Sampler, SamplerConfig};
+use rmlx_lm::sample::SamplerConfig;
 use rmlx_lm::speculative::{Drafter, Speculation};
 use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
 use std::collections::HashMap;
@@ -224,14 +224,7 @@ fn sampled_output_is_distributed_as_the_models() {
     let (_b, q4) = load("llama_gqa_q4");
     let prompt: Vec<u32> = vec![1, 17, 42, 99, 5];
     let sampler = SamplerConfig { temperature: 1.0, top_k: 3, ..Default::default() };
-    let dist = |ids: &[u32]| -> Vec<(u32, f64)> {
-        let logits = lm.model.forward(&common::ids_array(ids), &mut lm.model.new_caches(None)).unwrap();
-        let len = logits.shape()[1];
-        let last = logits.slice_axis(1, len - 1, len, 1).unwrap().reshape(&[1, -1]).unwrap();
-        let s = Sampler::new(sampler.clone()).unwrap();
-        let p = s.distribution(&s.logprobs(&last, ids).unwrap()).unwrap().to_vec::<f32>().unwrap();
-        p.iter().enumerate().filter(|(_, &x)| x > 0.0).map(|(i, &x)| (i as u32, x as f64)).collect()
-    };
+    let dist = |ids: &[u32]| common::next_token_distribution(&lm, &sampler, ids);
     let mut expected = HashMap::new();
     for (t1, p1) in dist(&prompt) {
         for (t2, p2) in dist(&[&prompt[..], &[t1]].concat()) {

@@ -123,3 +123,18 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+/// The exact distribution of the token after `ids` under `lm` through `sampler`'s chain (its
+/// filters and temperature): the tokens it can draw, with their probabilities.
+pub fn next_token_distribution(
+    lm: &rmlx_lm::LoadedModel,
+    sampler: &rmlx_lm::sample::SamplerConfig,
+    ids: &[u32],
+) -> Vec<(u32, f64)> {
+    let logits = lm.model.forward(&ids_array(ids), &mut lm.model.new_caches(None)).unwrap();
+    let len = logits.shape()[1];
+    let last = logits.slice_axis(1, len - 1, len, 1).unwrap().reshape(&[1, -1]).unwrap();
+    let s = rmlx_lm::sample::Sampler::new(sampler.clone()).unwrap();
+    let p = s.distribution(&s.logprobs(&last, ids).unwrap()).unwrap().to_vec::<f32>().unwrap();
+    p.iter().enumerate().filter(|(_, &x)| x > 0.0).map(|(i, &x)| (i as u32, x as f64)).collect()
+}
