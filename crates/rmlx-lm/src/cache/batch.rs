@@ -262,11 +262,9 @@ impl BatchCache {
             return Err(Error::InvalidParameter(format!("{} counts to trim for {} rows", drop.len(), self.rows())));
         }
         for (i, &n) in drop.iter().enumerate() {
-            if n as i32 > self.end(i) - self.padding[i].min(self.end(i)) {
-                return Err(Error::InvalidParameter(format!(
-                    "row {i} holds {} columns, not {n} to trim",
-                    self.end(i) - self.padding[i].min(self.end(i))
-                )));
+            let held = self.end(i) - self.padding[i].min(self.end(i));
+            if n as i32 > held {
+                return Err(Error::InvalidParameter(format!("row {i} holds {held} columns, not {n} to trim")));
             }
         }
         for (b, &n) in self.behind.iter_mut().zip(drop) {
