@@ -285,3 +285,24 @@ fn refusals() {
     assert!(err(Speculation { drafter: Drafter::Model(&gemma), num_draft_tokens: 2 }).contains("share the vocabulary"));
     assert!(err(Speculation { drafter: Drafter::Model(&lm), num_draft_tokens: 0 }).contains("at least 1 draft token"));
 }
+
+/// The keys and values' budget counts the draft model's beside the model's: a request that
+/// exactly fits the model's alone is refused when a draft model (here the model itself: twice
+/// the bytes) speculates, and fits with prompt lookup, which keeps none.
+#[test]
+fn the_budget_counts_the_draft_models_keys_and_values() {
+    let (_a, lm) = load("llama_gqa");
+    assert!(lm.layer_windows().iter().all(Option::is_none));
+    let (prompt, max_tokens) = (vec![1, 17, 42, 99, 5], 12);
+    let need = lm.layer_windows().len() * (prompt.len() + max_tokens) * lm.kv_bytes_per_layer_position();
+    let opts = EngineOptions { max_kv_bytes: Some(need), ..EngineOptions::default() };
+    let plain = Engine::new(&lm, opts.clone()).submit(request(&prompt, greedy(max_tokens)));
+    assert!(plain.is_ok(), "{plain:?}");
+    let lookup = Speculation { drafter: Drafter::PromptLookup { max_ngram: 3, min_ngram: 1 }, num_draft_tokens: 2 };
+    let mut engine = Engine::new(&lm, opts.clone()).with_speculation(lookup).unwrap();
+    assert!(engine.submit(request(&prompt, greedy(max_tokens))).is_ok());
+    let draft = Speculation { drafter: Drafter::Model(&lm), num_draft_tokens: 2 };
+    let mut engine = Engine::new(&lm, opts).with_speculation(draft).unwrap();
+    let err = engine.submit(request(&prompt, greedy(max_tokens))).unwrap_err();
+    assert!(matches!(err, rmlx_lm::Error::Prompt(_)) && err.to_string().contains("keys and values"), "{err}");
+}

@@ -83,9 +83,10 @@ pub struct Args {
     /// 0 turns the prompt cache off).
     #[arg(long, default_value_t = 2.0)]
     prompt_cache_gb: f64,
-    /// Gigabytes the running batch's keys and values may take; requests that would pass it wait,
-    /// and one that cannot fit alone is refused (default: three quarters of what MLX's memory
-    /// limit for the device leaves after the weights and the prompt cache).
+    /// Gigabytes the running batch's keys and values may take (a draft model's included);
+    /// requests that would pass it wait, and one that cannot fit alone is refused (default: three
+    /// quarters of what MLX's memory limit for the device leaves after the weights and the prompt
+    /// cache).
     #[arg(long)]
     max_kv_gb: Option<f64>,
     /// A directory the prompt cache spills to: entries the memory budget lets go, and those held

@@ -90,8 +90,9 @@ pub struct EngineOptions {
     pub prefill_batch: usize,
     /// Bytes of the prompt cache (0: off).
     pub prompt_cache_bytes: usize,
-    /// Bytes the running batch's keys and values may take (`None`: unbounded). A request that
-    /// would pass it waits; one that cannot fit even alone is refused at [`Engine::submit`].
+    /// Bytes the running batch's keys and values may take, a draft model's included (`None`:
+    /// unbounded). A request that would pass it waits; one that cannot fit even alone is refused
+    /// at [`Engine::submit`].
     pub max_kv_bytes: Option<usize>,
     /// Positions a sequence may reach (prompt plus generated tokens); `None`: the model's
     /// `max_position_embeddings`.
@@ -223,6 +224,9 @@ pub struct Engine<'m> {
     speculation: Option<Speculation<'m>>,
     /// The draft model's caches: one per layer, a row per running sequence.
     draft_caches: Vec<KvCache>,
+    /// The draft model's layers' windows and bytes of one position in one layer, which the keys
+    /// and values' budget counts beside the model's.
+    draft_kv: Option<(Vec<Option<usize>>, usize)>,
 }
 
 impl<'m> Engine<'m> {
@@ -262,6 +266,7 @@ impl<'m> Engine<'m> {
             grammars: None,
             speculation: None,
             draft_caches: Vec::new(),
+            draft_kv: None,
         }
     }
 
@@ -415,7 +420,8 @@ impl<'m> Engine<'m> {
 
     /// Bytes held by the running batch's keys and values.
     pub fn kv_bytes(&self) -> usize {
-        self.caches.iter().map(|c| if let KvCache::Batch(b) = c { b.nbytes() } else { 0 }).sum()
+        let caches = self.caches.iter().chain(&self.draft_caches);
+        caches.map(|c| if let KvCache::Batch(b) = c { b.nbytes() } else { 0 }).sum()
     }
 
     /// Prefills what the budget allows, then decodes one token for every running sequence.
@@ -492,12 +498,14 @@ impl<'m> Engine<'m> {
         self.kv_bytes_for(self.running.len() + joining + 1, width + longest_rest) <= limit
     }
 
-    /// The most bytes of keys and values `rows` sequences of `positions` hold: a windowed layer
-    /// holds no more than [`BatchCache::held_bound`].
+    /// The most bytes of keys and values `rows` sequences of `positions` hold, the draft model's
+    /// included: a windowed layer holds no more than [`BatchCache::held_bound`].
     fn kv_bytes_for(&self, rows: usize, positions: usize) -> usize {
         let update = self.opts.prefill_tokens.max(1);
         let held = |w: &Option<usize>| w.map_or(positions, |w| positions.min(BatchCache::held_bound(w, update)));
-        rows * self.windows.iter().map(held).sum::<usize>() * self.kv_bytes_per_layer_position
+        let draft =
+            self.draft_kv.as_ref().map_or(0, |(windows, bytes)| windows.iter().map(held).sum::<usize>() * bytes);
+        rows * (self.windows.iter().map(held).sum::<usize>() * self.kv_bytes_per_layer_position + draft)
     }
 
     /// Decodes one token for every running sequence. With [`EngineOptions::pipelined`], the

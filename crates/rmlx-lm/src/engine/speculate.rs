@@ -72,7 +72,9 @@ impl<'m> Engine<'m> {
             return Err(Error::InvalidParameter("speculative decoding must be set before requests come".into()));
         }
         if let Drafter::Model(d) = speculation.drafter {
-            self.draft_caches = d.layer_windows().iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect();
+            let windows = d.layer_windows();
+            self.draft_caches = windows.iter().map(|&w| KvCache::Batch(BatchCache::new(0, w))).collect();
+            self.draft_kv = Some((windows, d.kv_bytes_per_layer_position()));
         }
         self.speculation = Some(speculation);
         Ok(self)
