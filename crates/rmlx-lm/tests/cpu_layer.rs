@@ -100,8 +100,8 @@ fn fused_steps_write_the_cache_across_its_growth() {
     }
 }
 
-/// Batches, prompts and adapters keep the composed graph: the fused step serves one sequence's
-/// decoding step only.
+/// Batches, prompts of more than `MAX_POSITIONS` positions and adapters keep the composed graph:
+/// the fused step serves one sequence's decoding steps and verification passes only.
 #[test]
 fn prompts_run_composed() {
     rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
@@ -116,4 +116,44 @@ fn prompts_run_composed() {
     // The prompt's products take the panel form (float32, never the integer one), without BLAS.
     assert!(census.contains_key("CpuAffineQmm4x32") && !census.contains_key("Matmul"), "{census:?}");
     assert!(!census.contains_key("CpuAffineQmm4x32Int8"), "{census:?}");
+}
+
+/// A verification pass (2 to 8 positions of one sequence through the fused step) computes what
+/// its positions compute one at a time: every position's hidden state equal bit for bit, passes
+/// after a prompt and across the cache's growth, in float32 and bfloat16; each pass two fused
+/// primitives a layer.
+#[test]
+fn fused_passes_compute_their_single_steps() {
+    rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
+    for name in ["llama_gqa_q4", "qwen3_q4"] {
+        let dir = fixture_with_tokenizer(name);
+        let prompt: Vec<i32> = ids(&reference(name)["prompt_ids"]).iter().map(|&t| t as i32).collect();
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let lm = load(dir.path(), dtype);
+            let layers = lm.model.config().num_hidden_layers;
+            let (mut passes, mut steps) = (lm.model.new_caches(None), lm.model.new_caches(None));
+            let x = Array::from_slice(&prompt, &[1, prompt.len() as i32]).unwrap();
+            lm.model.forward_hidden(&x, &mut passes).unwrap();
+            lm.model.forward_hidden(&x, &mut steps).unwrap();
+            let mut position = prompt.len();
+            for (n, len) in [2, 8, 3, 5, 7, 4, 6].iter().cycle().take(56).enumerate() {
+                let tokens: Vec<i32> = (0..*len).map(|i| ((n * 13 + i * 7) % 50 + 2) as i32).collect();
+                let what = format!("{name} {dtype:?}: a pass of {len} at {position}");
+                let h = lm.model.forward_hidden(&Array::from_slice(&tokens, &[1, *len as i32]).unwrap(), &mut passes);
+                let h = h.unwrap();
+                let census = rmlx::graph_census([&h]).unwrap();
+                assert_eq!(census.get("CpuAttentionInputs"), Some(&layers), "{what}: {census:?}");
+                assert_eq!(census.get("CpuAttentionOutputMlp"), Some(&layers), "{what}: {census:?}");
+                let got = h.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                let mut want = Vec::new();
+                for &t in &tokens {
+                    let h = lm.model.forward_hidden(&Array::from_slice(&[t], &[1, 1]).unwrap(), &mut steps).unwrap();
+                    want.extend(h.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap());
+                }
+                assert!(got == want, "{what}: the hidden states differ");
+                position += len;
+            }
+            assert!(position > 256, "{name}: the cache grew");
+        }
+    }
 }

@@ -18,18 +18,24 @@
 //! dtype where the composed graph rounds it, so that the step computes what the composed one
 //! does, with the same kernels for the products, norms, rotation and attention.
 //!
-//! It serves one sequence and one position (a decoding step of `generate`), outside training and
-//! traced transforms, when no adapter changes a projection: otherwise the block is composed.
+//! It serves one sequence and up to [`MAX_POSITIONS`] positions (a decoding step of `generate`,
+//! a speculative verification pass: each position's products what it gets alone, each query
+//! seeing its own position and those before it), outside training and traced transforms, when
+//! no adapter changes a projection: otherwise the block is composed.
 
 use super::cpu_attention::attend_heads;
 use super::cpu_fast::{rms_row, round, store, store_at, swiglu, Angles, Floats};
-use super::cpu_qmm::{row_products, to_f32, Packed};
+use super::cpu_qmm::{row_products, to_f32, Packed, CPU_QMM_MAX_ROWS};
 use super::{GatedMlp, Linear, LinearWeight, RmsNorm};
 use crate::cache::StandardCache;
 use rmlx::custom::{apply, CpuTensor, CpuTensorMut, CustomPrimitive, InPlace};
 use rmlx::fast::TensorSpec;
 use rmlx::quantization::{QuantMode, Quantized};
 use rmlx::{Array, Dtype, Error, Result};
+
+/// The most positions a fused step takes: as many as the composed graph's products take row by
+/// row (more take its panel form), so that a pass computes what its single steps do.
+pub const MAX_POSITIONS: usize = CPU_QMM_MAX_ROWS;
 
 /// How a packed matrix is laid out.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -92,8 +98,9 @@ pub struct BlockParts<'a> {
     pub mlp: &'a GatedMlp,
 }
 
-/// The block's output for the one row `x` (`[1, hidden]`) of a decoding step, its key and value
-/// appended to `cache`, or `None` (and the cache untouched) where the fused step does not serve.
+/// The block's output for the rows `x` (`[L, hidden]`, `L` up to [`MAX_POSITIONS`] positions of
+/// one sequence) of a decoding step or verification pass, their keys and values appended to
+/// `cache`, or `None` (and the cache untouched) where the fused step does not serve.
 pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache) -> crate::Result<Option<Array>> {
     let dtype = x.dtype();
     let attention = &block.attention;
@@ -106,8 +113,11 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         return Ok(None);
     };
     let unbiased = [&attention.o, &gate, &up, &down].iter().all(|p| p.bias.is_none());
+    let positions = x.shape().first().map_or(0, |&l| l as usize);
     let fits = super::cpu_fast::applies(x)
-        && x.shape() == [1, block.input_norm.weight().shape()[0]]
+        && x.ndim() == 2
+        && (1..=MAX_POSITIONS).contains(&positions)
+        && x.shape()[1] == block.input_norm.weight().shape()[0]
         && alike(block.input_norm)
         && alike(block.post_norm)
         && head_norms_fit
@@ -119,7 +129,7 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
     if !fits {
         return Ok(None);
     }
-    // 1: the heads of the new position.
+    // 1: the heads of the new positions.
     let op = AttentionInputs {
         eps: block.input_norm.eps(),
         head_eps: attention.head_norms.map(|(q, _)| q.eps()),
@@ -136,8 +146,8 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         inputs.extend([q.weight().clone(), k.weight().clone()]);
     }
     inputs.push(attention.rope.0.clone());
-    // The new key and value are written into the cache's buffers in place (the caller owns them).
-    cache.reserve_for([1, kv_heads as i32, 1, d as i32], dtype)?;
+    // The new keys and values are written into the cache's buffers in place (the caller owns them).
+    cache.reserve_for([1, kv_heads as i32, positions as i32, d as i32], dtype)?;
     let (keys, values) = (cache.keys.take().expect("reserved"), cache.values.take().expect("reserved"));
     inputs.extend([keys.clone(), values.clone()]);
     let [q, keys, values] = match apply(op, &inputs) {
@@ -148,7 +158,7 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         }
     };
     (cache.keys, cache.values) = (Some(keys.clone()), Some(values.clone()));
-    cache.offset += 1;
+    cache.offset += positions;
     let valid = cache.offset;
     // 2: attention, output projection, feed-forward.
     let op = AttentionOutputMlp {
@@ -165,16 +175,18 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
     Ok(apply(op, &inputs)?.into_iter().next())
 }
 
-/// `x @ Wᵀ` of one row for each of `weights` (three tensors each: packed values, scales,
-/// biases) of `layouts`, rounded to `dtype`, computed together over the threads.
+/// `x @ Wᵀ` of the rows `x` (`[m, k]`) for each of `weights` (three tensors each: packed values,
+/// scales, biases) of `layouts`, rounded to `dtype`, computed together over the threads: `[m, n]`
+/// each.
 fn products(x: &[f32], weights: &[CpuTensor<'_>], layouts: &[Layout], dtype: Dtype) -> Result<Vec<Vec<f32>>> {
     let packed = layouts
         .iter()
         .zip(weights.chunks_exact(3))
         .map(|(l, w)| Packed::of(&w[0], &w[1], &w[2], l.bits, l.group))
         .collect::<Result<Vec<_>>>()?;
-    if let Some(p) = packed.iter().find(|p| p.k != x.len()) {
-        return Err(Error::InvalidArgument(format!("packed weights of {} inputs for a row of {}", p.k, x.len())));
+    let k = packed.first().map_or(0, |p| p.k);
+    if k == 0 || x.len() % k != 0 || packed.iter().any(|p| p.k != k) {
+        return Err(Error::InvalidArgument(format!("packed weights of {k} inputs for rows of {}", x.len())));
     }
     // The form the composed step's products take: the integer one for half-precision rows.
     let mut ys = row_products(x, dtype != Dtype::Float32, &packed.iter().collect::<Vec<_>>());
@@ -214,16 +226,17 @@ impl CustomPrimitive for AttentionInputs {
         let (heads, kv_heads, d) = self.heads;
         let x = &inputs[0];
         let expected = self.input_count();
+        let positions = x.shape.first().map_or(0, |&l| l.max(0) as usize);
         let buffer_fits = |t: &TensorSpec| {
             t.dtype == x.dtype
                 && t.shape.len() == 4
                 && t.shape[..2] == [1, kv_heads as i32]
-                && t.shape[2] as usize > self.position
+                && t.shape[2] as usize >= self.position + positions
                 && t.shape[3] == d as i32
         };
         if inputs.len() != expected
             || x.shape.len() != 2
-            || x.shape[0] != 1
+            || !(1..=MAX_POSITIONS).contains(&positions)
             || !inputs[expected - 2..].iter().all(buffer_fits)
         {
             return Err(Error::InvalidArgument(format!(
@@ -236,13 +249,13 @@ impl CustomPrimitive for AttentionInputs {
         }
         let n = inputs.len();
         Ok(vec![
-            TensorSpec::new(&[1, heads as i32, 1, d as i32], x.dtype),
+            TensorSpec::new(&[1, heads as i32, positions as i32, d as i32], x.dtype),
             inputs[n - 2].clone(),
             inputs[n - 1].clone(),
         ])
     }
 
-    /// The keys' and values' buffers (the last two inputs), written at the position.
+    /// The keys' and values' buffers (the last two inputs), written at the positions.
     fn in_place(&self) -> (Vec<(usize, usize)>, InPlace) {
         let n = self.input_count();
         (vec![(1, n - 2), (2, n - 1)], InPlace::Owned)
@@ -252,52 +265,68 @@ impl CustomPrimitive for AttentionInputs {
         let (heads, kv_heads, d) = self.heads;
         let dtype = inputs[0].dtype();
         let x = to_f32(&inputs[0])?;
+        let (positions, hidden) = (inputs[0].shape()[0] as usize, inputs[0].shape()[1] as usize);
         let mut normed = vec![0f32; x.len()];
-        rms_row(&x, &to_f32(&inputs[1])?, self.eps, &mut normed);
+        let norm = to_f32(&inputs[1])?;
+        for (row, out) in x.chunks_exact(hidden).zip(normed.chunks_exact_mut(hidden)) {
+            rms_row(row, &norm, self.eps, out);
+        }
         round(&mut normed, dtype);
         let mut y = product(&normed, &inputs[2..5], self.qkv, dtype)?;
         let mut next = 5;
-        if self.bias {
-            let bias = to_f32(&inputs[next])?;
-            y.iter_mut().zip(&bias).for_each(|(v, b)| *v += b);
-            round(&mut y, dtype);
-            next += 1;
-        }
-        if y.len() != (heads + 2 * kv_heads) * d {
+        let width = (heads + 2 * kv_heads) * d;
+        if y.len() != positions * width {
             return Err(Error::InvalidArgument(format!(
-                "a q/k/v product of {} features for {:?} heads",
+                "a q/k/v product of {} features for {positions} positions of {:?} heads",
                 y.len(),
                 self.heads
             )));
         }
-        let (q, rest) = y.split_at_mut(heads * d);
-        let (k, v) = rest.split_at_mut(kv_heads * d);
-        if let Some(eps) = self.head_eps {
-            let (qw, kw) = (to_f32(&inputs[next])?, to_f32(&inputs[next + 1])?);
-            next += 2;
-            for (part, w) in [(&mut *q, &qw), (&mut *k, &kw)] {
+        if self.bias {
+            let bias = to_f32(&inputs[next])?;
+            y.chunks_exact_mut(width).for_each(|row| row.iter_mut().zip(&bias).for_each(|(v, b)| *v += b));
+            round(&mut y, dtype);
+            next += 1;
+        }
+        let head_norms = match self.head_eps {
+            Some(eps) => {
+                next += 2;
+                Some((to_f32(&inputs[next - 2])?, to_f32(&inputs[next - 1])?, eps))
+            }
+            None => None,
+        };
+        let divisors = to_f32(&inputs[next])?;
+        let mut angles = Angles::new(d / 2);
+        for (i, row) in y.chunks_exact_mut(width).enumerate() {
+            let (q, rest) = row.split_at_mut(heads * d);
+            let (k, v) = rest.split_at_mut(kv_heads * d);
+            if let Some((qw, kw, eps)) = &head_norms {
+                for (part, w) in [(&mut *q, qw), (&mut *k, kw)] {
+                    for head in part.chunks_exact_mut(d) {
+                        let plain = head.to_vec();
+                        rms_row(&plain, w, *eps, head);
+                    }
+                    round(part, dtype);
+                }
+            }
+            let position = self.position + i;
+            angles.at(position as f64, self.rope_scale, &divisors);
+            for part in [&mut *q, &mut *k] {
                 for head in part.chunks_exact_mut(d) {
                     let plain = head.to_vec();
-                    rms_row(&plain, w, eps, head);
+                    angles.rotate(&plain, head);
                 }
                 round(part, dtype);
             }
-        }
-        let divisors = to_f32(&inputs[next])?;
-        let mut angles = Angles::new(d / 2);
-        angles.at(self.position as f64, self.rope_scale, &divisors);
-        for part in [&mut *q, &mut *k] {
-            for head in part.chunks_exact_mut(d) {
-                let plain = head.to_vec();
-                angles.rotate(&plain, head);
+            // The queries `[1, heads, L, d]`: head h of position i at row h·L + i.
+            for (h, head) in q.chunks_exact(d).enumerate() {
+                store_at(&mut outputs[0], (h * positions + i) * d, head)?;
             }
-            round(part, dtype);
-        }
-        store(&mut outputs[0], q)?;
-        for (out, new) in outputs[1..].iter_mut().zip([&*k, &*v]) {
-            let capacity = out.shape()[2] as usize;
-            for (h, row) in new.chunks_exact(d).enumerate() {
-                store_at(out, (h * capacity + self.position) * d, row)?;
+            for (out, new) in outputs[1..].iter_mut().zip([&*k, &*v]) {
+                let capacity = out.shape()[2] as usize;
+                for (h, head) in new.chunks_exact(d).enumerate() {
+                    store_at(out, (h * capacity + position) * d, head)?;
+                }
             }
         }
         Ok(())
@@ -322,19 +351,20 @@ impl CustomPrimitive for AttentionOutputMlp {
     fn output_specs(&self, inputs: &[TensorSpec]) -> Result<Vec<TensorSpec>> {
         let (x, q, k, v) = (&inputs[0], &inputs[1], &inputs[2], &inputs[3]);
         let d = self.head_dim as i32;
+        let positions = x.shape.first().copied().unwrap_or(0);
         let fits = inputs.len() == 17
             && x.shape.len() == 2
-            && x.shape[0] == 1
+            && (1..=MAX_POSITIONS as i32).contains(&positions)
             && q.shape.len() == 4
             && q.shape[..1] == [1]
-            && q.shape[2..] == [1, d]
+            && q.shape[2..] == [positions, d]
             && k.shape.len() == 4
             && k.shape == v.shape
             && k.shape[0] == 1
             && k.shape[1] > 0
             && q.shape[1] % k.shape[1] == 0
             && k.shape[3] == d
-            && self.valid >= 1
+            && self.valid >= positions as usize
             && self.valid <= k.shape[2] as usize
             && [q, k, v].iter().all(|t| t.dtype == x.dtype);
         if !fits {
@@ -352,17 +382,30 @@ impl CustomPrimitive for AttentionOutputMlp {
         let [o, gate, up, down] = self.layouts;
         let x = to_f32(&inputs[0])?;
         let q = to_f32(&inputs[1])?;
+        let (positions, hidden) = (inputs[0].shape()[0] as usize, inputs[0].shape()[1] as usize);
         let (kv_heads, capacity) = (inputs[2].shape()[1] as usize, inputs[2].shape()[2] as usize);
         let (keys, values) = (Floats::of(&inputs[2])?, Floats::of(&inputs[3])?);
         let cache: Vec<_> = (0..kv_heads).map(|h| (keys.at(h * capacity * d), values.at(h * capacity * d))).collect();
+        // Each position's heads (`q` is `[1, heads, L, d]`) over the positions up to its own:
+        // rows `[L, heads · d]`.
+        let heads = q.len() / (positions * d);
         let mut attended = vec![0f32; q.len()];
-        attend_heads(&q, &cache, self.valid, d, self.scale, &mut attended);
+        let mut query = vec![0f32; heads * d];
+        for (i, out) in attended.chunks_exact_mut(heads * d).enumerate() {
+            for (h, head) in query.chunks_exact_mut(d).enumerate() {
+                head.copy_from_slice(&q[(h * positions + i) * d..(h * positions + i + 1) * d]);
+            }
+            attend_heads(&query, &cache, self.valid - positions + i + 1, d, self.scale, out);
+        }
         round(&mut attended, dtype);
         let projected = product(&attended, &inputs[5..8], o, dtype)?;
         let mut h: Vec<f32> = x.iter().zip(&projected).map(|(a, b)| a + b).collect();
         round(&mut h, dtype);
         let mut normed = vec![0f32; h.len()];
-        rms_row(&h, &to_f32(&inputs[4])?, self.eps, &mut normed);
+        let norm = to_f32(&inputs[4])?;
+        for (row, out) in h.chunks_exact(hidden).zip(normed.chunks_exact_mut(hidden)) {
+            rms_row(row, &norm, self.eps, out);
+        }
         round(&mut normed, dtype);
         let [g, u]: [Vec<f32>; 2] = products(&normed, &inputs[8..14], &[gate, up], dtype)?.try_into().expect("two");
         let activated = swiglu(&g, &u, dtype);

@@ -330,8 +330,9 @@ impl Prepared {
     }
 }
 
-/// The products of one row `x` with each of `matrices` (all of `x`'s length), computed together:
-/// `x` prepared once per layout and all the columns split over the threads at once.
+/// The products of the rows `x` (`[m, k]`, `k` every matrix's input length) with each of
+/// `matrices`, computed together: `x` prepared once per layout and all the columns split over the
+/// threads at once; each product `[m, n]`. Each row's products are what it gets alone.
 pub(crate) fn row_products(x: &[f32], integer: bool, matrices: &[&Packed<'_>]) -> Vec<Vec<f32>> {
     let mut prepared: Vec<((usize, usize), Prepared)> = Vec::new();
     let mut which = Vec::with_capacity(matrices.len());
@@ -343,11 +344,13 @@ pub(crate) fn row_products(x: &[f32], integer: bool, matrices: &[&Packed<'_>]) -
         });
         which.push(at);
     }
-    let mut outputs: Vec<Vec<f32>> = matrices.iter().map(|w| vec![0f32; w.n]).collect();
+    let m = prepared.first().map_or(1, |(_, p)| p.m);
+    // `[n, m]` each: a task's columns are one piece of it.
+    let mut outputs: Vec<Vec<f32>> = matrices.iter().map(|w| vec![0f32; w.n * m]).collect();
     // Every task: a matrix and a range of its columns.
     let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
     for (i, out) in outputs.iter_mut().enumerate() {
-        for (t, part) in out.chunks_mut(ROW_COLUMNS_PER_TASK).enumerate() {
+        for (t, part) in out.chunks_mut(ROW_COLUMNS_PER_TASK * m).enumerate() {
             tasks.push((i, t * ROW_COLUMNS_PER_TASK, part));
         }
     }
@@ -357,6 +360,11 @@ pub(crate) fn row_products(x: &[f32], integer: bool, matrices: &[&Packed<'_>]) -
         let (i, first) = places[task];
         matrices[i].columns(&prepared[which[i]].1, first, out);
     });
+    if m > 1 {
+        for (out, w) in outputs.iter_mut().zip(matrices) {
+            *out = (0..m).flat_map(|r| (0..w.n).map(move |c| (r, c))).map(|(r, c)| out[c * m + r]).collect();
+        }
+    }
     outputs
 }
 
