@@ -185,7 +185,7 @@ fn products(x: &[f32], weights: &[CpuTensor<'_>], layouts: &[Layout], dtype: Dty
         .map(|(l, w)| Packed::of(&w[0], &w[1], &w[2], l.bits, l.group))
         .collect::<Result<Vec<_>>>()?;
     let k = packed.first().map_or(0, |p| p.k);
-    if k == 0 || x.len() % k != 0 || packed.iter().any(|p| p.k != k) {
+    if k == 0 || !x.len().is_multiple_of(k) || packed.iter().any(|p| p.k != k) {
         return Err(Error::InvalidArgument(format!("packed weights of {k} inputs for rows of {}", x.len())));
     }
     // The form the composed step's products take: the integer one for half-precision rows.
