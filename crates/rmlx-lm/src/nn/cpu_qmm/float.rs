@@ -154,6 +154,35 @@ impl Columns<'_> {
         }
     }
 
+    /// [`each`](Self::each) with `dots` taking [`ROWS_TOGETHER`] rows of `x` at once (their values
+    /// and group sums), the rows past the last whole set one at a time through `dots` too (the
+    /// others' places filled with the last row: a row's result does not depend on the others).
+    #[inline(always)]
+    fn each_rows(
+        &self,
+        x: &FloatRows,
+        out: &mut [f32],
+        dots: impl Fn(&Row<'_>, [&[f32]; ROWS_TOGETHER], [&[f32]; ROWS_TOGETHER]) -> [f32; ROWS_TOGETHER],
+    ) {
+        let (k, m, groups, words) = (x.k, x.m(), x.k / x.group, x.k * x.bits / 32);
+        let values = |r: usize| &x.values[r * k..(r + 1) * k];
+        let sums = |r: usize| &x.sums[r * groups..(r + 1) * groups];
+        for (c, col) in out.chunks_exact_mut(m).enumerate() {
+            let row = Row {
+                w: &self.w[c * words..(c + 1) * words],
+                scales: &self.scales[c * groups..(c + 1) * groups],
+                biases: &self.biases[c * groups..(c + 1) * groups],
+            };
+            for first in (0..m).step_by(ROWS_TOGETHER) {
+                let rows: [usize; ROWS_TOGETHER] = std::array::from_fn(|i| (first + i).min(m - 1));
+                let got = dots(&row, rows.map(values), rows.map(sums));
+                for (i, v) in got.iter().enumerate().take(m - first) {
+                    col[first + i] = *v;
+                }
+            }
+        }
+    }
+
     /// The AVX-512 kernel for the layout, the common groups' block counts fixed.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
@@ -171,11 +200,24 @@ impl Columns<'_> {
         }
     }
 
-    /// The AVX2 kernel for the layout, the common groups' block counts fixed.
+    /// The AVX2 kernel for the layout, the common groups' block counts fixed; several rows of `x`
+    /// go through it [`ROWS_TOGETHER`] at a time ([`Row::dots_avx2`]).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dots_avx2(&self, x: &FloatRows, out: &mut [f32]) {
         let group = x.group;
+        if x.m() >= ROWS_TOGETHER {
+            return match (x.bits, group / BLOCK) {
+                (4, 1) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 1>(group, xs, sums)),
+                (4, 2) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 2>(group, xs, sums)),
+                (4, 4) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 4>(group, xs, sums)),
+                (4, _) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 0>(group, xs, sums)),
+                (_, 1) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 1>(group, xs, sums)),
+                (_, 2) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 2>(group, xs, sums)),
+                (_, 4) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 4>(group, xs, sums)),
+                _ => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 0>(group, xs, sums)),
+            };
+        }
         match (x.bits, group / BLOCK) {
             (4, 1) => self.each(x, out, |row, xs, sums| row.dot_avx2::<4, 1>(group, xs, sums)),
             (4, 2) => self.each(x, out, |row, xs, sums| row.dot_avx2::<4, 2>(group, xs, sums)),
@@ -188,6 +230,9 @@ impl Columns<'_> {
         }
     }
 }
+
+/// Rows of `x` the AVX2 kernel takes at once: each block of weights unpacked once for all of them.
+pub const ROWS_TOGETHER: usize = 2;
 
 /// One output feature's packed weights with its scales and biases.
 struct Row<'a> {
@@ -335,6 +380,64 @@ impl Row<'_> {
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), total);
         lanes.iter().sum::<f32>() + self.biases_term(xsum)
+    }
+
+    /// [`dot_avx2`](Self::dot_avx2) of [`ROWS_TOGETHER`] rows of `x` at once: each block's values
+    /// widened once, then multiplied into each row's sums; each row's sums made and added in the
+    /// order `dot_avx2` makes them (the same bits).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn dots_avx2<const BITS: usize, const BLOCKS: usize>(
+        &self,
+        group: usize,
+        xs: [&[f32]; ROWS_TOGETHER],
+        xsums: [&[f32]; ROWS_TOGETHER],
+    ) -> [f32; ROWS_TOGETHER] {
+        use std::arch::x86_64::*;
+        const R: usize = ROWS_TOGETHER;
+        let bytes = self.w.as_ptr() as *const u8;
+        let xps = xs.map(|x| x.as_ptr());
+        let blocks_per_group = if BLOCKS > 0 { BLOCKS } else { group / BLOCK };
+        let nibble = _mm256_set1_epi32(15);
+        let widen = |at: *const u8| _mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const __m128i));
+        let part = |g: usize| {
+            let (mut a, mut b) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+            for blk in g * blocks_per_group..(g + 1) * blocks_per_group {
+                prefetch(bytes, blk * BLOCK * BITS / 8);
+                let v: [__m256i; 4] = if BITS == 4 {
+                    let (v0, v1) = (widen(bytes.add(16 * blk)), widen(bytes.add(16 * blk + 8)));
+                    [
+                        _mm256_and_si256(v0, nibble),
+                        _mm256_and_si256(v1, nibble),
+                        _mm256_srli_epi32(v0, 4),
+                        _mm256_srli_epi32(v1, 4),
+                    ]
+                } else {
+                    let at = bytes.add(BLOCK * blk);
+                    [widen(at), widen(at.add(8)), widen(at.add(16)), widen(at.add(24))]
+                };
+                let w = v.map(|v| _mm256_cvtepi32_ps(v));
+                for r in 0..R {
+                    let xb = xps[r].add(BLOCK * blk);
+                    a[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a[r]);
+                    b[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb.add(8)), b[r]);
+                    a[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb.add(16)), a[r]);
+                    b[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb.add(24)), b[r]);
+                }
+            }
+            std::array::from_fn::<__m256, R, _>(|r| _mm256_add_ps(a[r], b[r]))
+        };
+        let fma = |s: f32, v: [__m256; R], t: [__m256; R]| {
+            std::array::from_fn(|r| _mm256_fmadd_ps(_mm256_set1_ps(s), v[r], t[r]))
+        };
+        let add = |p: [__m256; R], q: [__m256; R]| std::array::from_fn(|r| _mm256_add_ps(p[r], q[r]));
+        let total = self.scaled_sum([_mm256_setzero_ps(); R], fma, add, part);
+        std::array::from_fn(|r| {
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), total[r]);
+            lanes.iter().sum::<f32>() + self.biases_term(xsums[r])
+        })
     }
 
     /// Written for the compiler to vectorise: eight (or four) lanes, one per value of a word.
