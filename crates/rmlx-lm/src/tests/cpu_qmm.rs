@@ -196,3 +196,27 @@ fn every_simd_level_of_the_float_form_matches_float64() {
         }
     }
 }
+
+/// Each row of a few-row product (the float form, which takes rows two at a time with AVX2) is
+/// the bits that row gets alone: 4 and 8 bits, groups of 32, 64 and 128, 96 inputs (three groups:
+/// a sum of groups past the last four), 1 to 8 rows, 70 features (a partial task).
+#[test]
+fn rows_together_equal_rows_alone() {
+    rmlx::with_device(rmlx::Device::cpu(), || {
+        let key = random::key(11).unwrap();
+        for (bits, group, k) in [(4, 32, 256), (4, 64, 256), (4, 128, 256), (8, 32, 256), (8, 64, 256), (4, 32, 96)] {
+            let w = random::normal(&[70, k], Dtype::Float32, 0.0, 0.05, Some(&key)).unwrap();
+            let q = quantize(&w, group, bits, QuantMode::Affine).unwrap();
+            for rows in 1..=CPU_QMM_MAX_ROWS as i32 {
+                let x = random::normal(&[rows, k], Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap();
+                let together = cpu_quantized_matmul(&x, &q).unwrap().expect("applies").to_vec::<f32>().unwrap();
+                for r in 0..rows {
+                    let row = ops::slice(&x, &[r, 0], &[r + 1, k], &[1, 1]).unwrap();
+                    let alone = cpu_quantized_matmul(&row, &q).unwrap().expect("applies").to_vec::<f32>().unwrap();
+                    let got = &together[(r * 70) as usize..((r + 1) * 70) as usize];
+                    assert!(got == alone.as_slice(), "{bits} bits, groups of {group}: row {r} of {rows}");
+                }
+            }
+        }
+    });
+}
