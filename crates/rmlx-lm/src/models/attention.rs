@@ -126,7 +126,7 @@ impl Attention {
         if let Some(y) = &stacked {
             let scores = cuda_attention::Scores { softcap: self.logit_softcap, sinks };
             if let Some(attention) = self.decode_attention(y, batch, &offset, cache, scores)? {
-                return merge_heads(&attention);
+                return Ok(attention);
             }
         }
         let [q, k, v] = self.heads(stacked, x, norm, batch, &offset)?;
@@ -216,8 +216,10 @@ impl Attention {
         Ok(cuda_fast::qkv_heads(y, batch, dims, norms, &rotation)?)
     }
 
-    /// A decoding step's heads, cache write and attention (`[B, Hq, 1, D]`, its scores shaped by
-    /// `scores`) from the stacked product `y` as one CUDA kernel, where it serves.
+    /// A decoding step's heads, cache write and attention (merged heads `[B·L, Hq·D]`, its scores
+    /// shaped by `scores`) from the stacked product `y` as one CUDA kernel, where it serves: one
+    /// position a sequence, or up to [`cuda_attention::MAX_QUERIES`] of one sequence (a
+    /// speculative verification pass, a short prompt) over an unbounded cache.
     fn decode_attention(
         &self,
         y: &Array,
@@ -228,12 +230,9 @@ impl Attention {
     ) -> Result<Option<Array>> {
         let Ok(norms) = self.head_norms() else { return Ok(None) };
         let Some(rotation) = self.rope.rotation(self.head_dim, offset) else { return Ok(None) };
-        if y.shape().first() != Some(&batch) {
-            return Ok(None);
-        }
         let heads = (self.heads, self.kv_heads, self.head_dim);
-        let step = StepHeads::Stacked { y, heads, norms, rotation: &rotation };
-        cuda_attention::kv_cache_attention(&step, cache, self.scale, scores)
+        let step = StepHeads::Stacked { y, batch, heads, norms, rotation: &rotation };
+        cuda_attention::merged_cache_attention(&step, cache, self.scale, scores)
     }
 }
 

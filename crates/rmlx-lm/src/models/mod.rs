@@ -280,7 +280,7 @@ pub(crate) fn decoder_layers<B: crate::nn::Module + Clone + 'static>(
 ) -> Result<Array> {
     let stage = blocks.stage();
     let h = stage.receive(h)?;
-    let h = steps.layers(&h, caches, |h, caches| {
+    let h = steps.layers(&h, batch, caches, |h, caches| {
         let mut h = h.clone();
         for (block, cache) in blocks.iter().zip(caches.iter_mut()) {
             h = crate::nn::checkpointed(block, &h, cache, move |b, x, c| forward(b, x, batch, c))?;

@@ -44,6 +44,10 @@ impl<'a> Scores<'a> {
 /// shared memory, grow with the cache: 8,192 positions, 32 KB, at this size).
 pub const MAX_CAPACITY: usize = 1 << 20;
 
+/// The most positions of one sequence a call takes (a speculative verification pass's drafts and
+/// pending token, a short prompt): each block makes the new keys it reads in shared memory.
+pub const MAX_QUERIES: i32 = 8;
+
 /// Threads of a block (also the most chunks a head has: the merge gives each a thread).
 const THREADS: u32 = 128;
 
@@ -72,21 +76,24 @@ __device__ __forceinline__ void rmlx_staged() {
 }
 "#;
 
-/// Block `(hq, b, c)`: query head `hq` of sequence `b` over positions `[c·CHUNK, (c+1)·CHUNK)` of
-/// the valid ones. The query head, and in the block holding the new position the new key and
-/// value heads, come from the step's heads (`a0, a1, a2` = q, k, v) or, with `STACKED`, from the
-/// stacked q/k/v product (`a0` = y), normalised and rotated here as `cuda_fast::qkv_heads` does
-/// (same operations, same roundings; with `SCALED`, queries and keys multiplied by `QK_FACTOR` in
-/// `T` before they turn, as YaRN's attention factor multiplies them). The first query head of each
-/// KV head writes the new position into the cache. The last block of a head to finish (`done`
-/// counts them, and wraps to zero) merges the chunks, with `SINKS` the head's sink logit
-/// `sinks[hq]` joining the softmax as a score with no value.
+/// Block `(hq, b·L + i, c)`: query head `hq` of query `i` of sequence `b` (its `L` queries at
+/// positions `p0 .. p0 + L`, query `i` at `p0 + i`) over positions `[c·CHUNK, (c+1)·CHUNK)` of
+/// those it sees (its own and every one before it). The query head, and the new key and value
+/// heads of the chunk's new positions, come from the step's heads (`a0, a1, a2` = q, k, v, each
+/// `[B, H, L, D]`) or, with `STACKED`, from the stacked q/k/v product (`a0` = y, rows `[B·L, …]`),
+/// normalised and rotated here as `cuda_fast::qkv_heads` does (same operations, same roundings;
+/// with `SCALED`, queries and keys multiplied by `QK_FACTOR` in `T` before they turn, as YaRN's
+/// attention factor multiplies them): a block makes every new key it reads itself, so no block
+/// waits for another's write. The first query head of each KV head writes its query's position
+/// into the cache. The last block of a query head to finish (`done` counts them, and wraps to
+/// zero) merges the chunks, with `SINKS` the head's sink logit `sinks[hq]` joining the softmax as
+/// a score with no value. The output is `[B, L, HQ, D]` (queries first: the merged heads' rows).
+/// With a ring (`WINDOW`), one query a sequence.
 ///
 /// Everything that does not depend on the kernel before is done before waiting for it (see
 /// `rmlx::cuda::OVERLAP`): the chunk's keys and values are copied into shared memory (no kernel
-/// of a launch writes a cache's earlier positions; the new position's row is taken from the
-/// step's heads, never from the buffers), and the rotation's sines, cosines and the norms'
-/// weights are read.
+/// of a launch writes a cache's earlier positions; the new positions' rows are taken from the
+/// step's heads, never from the buffers), and the query's rotation and the norms' weights are read.
 const SOURCE: &str = r#"
     constexpr int PER = D / 32;
     constexpr int WARPS = NT / 32;
@@ -99,7 +106,8 @@ const SOURCE: &str = r#"
     constexpr int PIECES = D * static_cast<int>(sizeof(T)) / 16;
     constexpr bool STAGE = RMLX_STAGES && (D * sizeof(T)) % 16 == 0 && 2 * CHUNK * D * sizeof(T) <= STAGE_BYTES;
     const int hq = blockIdx.x;
-    const int b = blockIdx.y;
+    const int b = blockIdx.y / L;
+    const int qi = blockIdx.y % L;
     const int c = blockIdx.z;
     const int hk = hq / (HQ / HKV);
     const int t = threadIdx.x;
@@ -111,9 +119,12 @@ const SOURCE: &str = r#"
         rmlx_wait_previous();
         rmlx_release_next();
     }
-    const int p = PER_ROW ? pos[b] : position;
+    // The sequence's first new position, and this query's: p0 + qi.
+    const int p0 = PER_ROW ? pos[b] : position;
+    const int p = p0 + qi;
     // The slot written and the positions attended: position p and every one before it, or (a
-    // window) the ring of `capacity` slots, whose first KEEP are never overwritten.
+    // window, one query a sequence) the ring of `capacity` slots, whose first KEEP are never
+    // overwritten.
     int slot = p;
     int valid = p + 1;
     if constexpr (WINDOW > 0) {
@@ -125,12 +136,16 @@ const SOURCE: &str = r#"
         return;
     }
     const int n = min(CHUNK, valid - first);
-    const int fresh = slot - first;  // the new position within the chunk, when in [0, n)
-    const bool holds = fresh >= 0 && fresh < n;
+    // The new positions within the chunk: indices fresh + r for the sequence's new rows r in
+    // [r_lo, r_hi) (with L > 1 no ring: they follow one another, and end at this query's).
+    const int fresh = slot - qi - first;
+    const int r_lo = max(-fresh, 0);
+    const int r_hi = min(n - fresh, L);
+    const bool holds = r_lo < r_hi;
     const long long kv_row = static_cast<long long>(b) * HKV + hk;
     __shared__ Vec4 qh4[D / 4];
-    __shared__ Vec4 knew4[D / 4];
-    __shared__ Vec4 vnew4[D / 4];
+    __shared__ Vec4 knew4[L * D / 4];
+    __shared__ Vec4 vnew4[L * D / 4];
     __shared__ float red[2][WARPS];
     __shared__ float score[CHUNK];
     __shared__ float part[WARPS];
@@ -151,8 +166,8 @@ const SOURCE: &str = r#"
             rmlx_stage16(vstage + i, reinterpret_cast<const uint4*>(vbase) + i);
         }
     }
-    // The rotation at position p, and the norms' weights (0 past the pairs: those threads only
-    // take part in the sums of squares).
+    // The query's rotation at position p, and the norms' weights (0 past the pairs: those threads
+    // only take part in the sums of squares).
     float cr = 1.0f, sr = 0.0f, wq0 = 0.0f, wq1 = 0.0f, wk0 = 0.0f, wk1 = 0.0f;
     if constexpr (STACKED) {
         if (active) {
@@ -172,68 +187,86 @@ const SOURCE: &str = r#"
         rmlx_release_next();
     }
     if constexpr (STACKED) {
-        // Query (and new key) head: RMS-normalised (the product rounded to T before the weight,
-        // as MLX's kernel does), then rotated over the pairs (i, i + D/2).
-        const T* y = a0 + static_cast<long long>(b) * (HQ + 2 * HKV) * D;
-        const T* qrow = y + hq * D;
-        const T* krow = y + (HQ + hk) * D;
-        float q0 = active ? static_cast<float>(qrow[t]) : 0.0f;
-        float q1 = active ? static_cast<float>(qrow[t + HALF]) : 0.0f;
-        float k0 = holds && active ? static_cast<float>(krow[t]) : 0.0f;
-        float k1 = holds && active ? static_cast<float>(krow[t + HALF]) : 0.0f;
-        if (holds) {
-            for (int i = t; i < D; i += NT) {
-                vnew[i] = y[(HQ + HKV + hk) * D + i];
+        // Query (and new key) heads: RMS-normalised (the product rounded to T before the weight,
+        // as MLX's kernel does), then rotated over the pairs (i, i + D/2). Round 0 makes the
+        // query and the chunk's first new key, each later round one more new key.
+        const T* ys = a0 + static_cast<long long>(b) * L * (HQ + 2 * HKV) * D;
+        for (int round = 0; round == 0 || r_lo + round < r_hi; ++round) {
+            const int r = r_lo + round;
+            const bool with_key = r < r_hi;
+            const T* qrow = ys + (static_cast<long long>(qi) * (HQ + 2 * HKV) + hq) * D;
+            const T* y = ys + static_cast<long long>(r) * (HQ + 2 * HKV) * D;
+            const T* krow = y + (HQ + hk) * D;
+            float q0 = round == 0 && active ? static_cast<float>(qrow[t]) : 0.0f;
+            float q1 = round == 0 && active ? static_cast<float>(qrow[t + HALF]) : 0.0f;
+            float k0 = with_key && active ? static_cast<float>(krow[t]) : 0.0f;
+            float k1 = with_key && active ? static_cast<float>(krow[t + HALF]) : 0.0f;
+            if (with_key) {
+                for (int i = t; i < D; i += NT) {
+                    vnew[r * D + i] = y[(HQ + HKV + hk) * D + i];
+                }
             }
-        }
-        if constexpr (NORM) {
-            float ssq = rmlx_pair_squares(q0, q1);
-            float ssk = rmlx_pair_squares(k0, k1);
+            if constexpr (NORM) {
+                float ssq = rmlx_pair_squares(q0, q1);
+                float ssk = rmlx_pair_squares(k0, k1);
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
-                ssk += __shfl_xor_sync(0xffffffffu, ssk, o);
+                for (int o = 16; o > 0; o >>= 1) {
+                    ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
+                    ssk += __shfl_xor_sync(0xffffffffu, ssk, o);
+                }
+                if (round > 0) {
+                    __syncthreads();
+                }
+                if (lane == 0) {
+                    red[0][warp] = ssq;
+                    red[1][warp] = ssk;
+                }
+                __syncthreads();
+                float tq = 0.0f, tk = 0.0f;
+                for (int i = 0; i < (HALF + 31) / 32; ++i) {
+                    tq += red[0][i];
+                    tk += red[1][i];
+                }
+                const float rq = rsqrtf(tq / D + eps);
+                const float rk = rsqrtf(tk / D + eps);
+                q0 = rmlx_normed<T>(q0, rq, wq0);
+                q1 = rmlx_normed<T>(q1, rq, wq1);
+                k0 = rmlx_normed<T>(k0, rk, wk0);
+                k1 = rmlx_normed<T>(k1, rk, wk1);
             }
-            if (lane == 0) {
-                red[0][warp] = ssq;
-                red[1][warp] = ssk;
+            if constexpr (SCALED) {
+                const float f = static_cast<float>(static_cast<T>(QK_FACTOR));
+                q0 = static_cast<float>(static_cast<T>(q0 * f));
+                q1 = static_cast<float>(static_cast<T>(q1 * f));
+                k0 = static_cast<float>(static_cast<T>(k0 * f));
+                k1 = static_cast<float>(static_cast<T>(k1 * f));
             }
-            __syncthreads();
-            float tq = 0.0f, tk = 0.0f;
-            for (int i = 0; i < (HALF + 31) / 32; ++i) {
-                tq += red[0][i];
-                tk += red[1][i];
-            }
-            const float rq = rsqrtf(tq / D + eps);
-            const float rk = rsqrtf(tk / D + eps);
-            q0 = rmlx_normed<T>(q0, rq, wq0);
-            q1 = rmlx_normed<T>(q1, rq, wq1);
-            k0 = rmlx_normed<T>(k0, rk, wk0);
-            k1 = rmlx_normed<T>(k1, rk, wk1);
-        }
-        if constexpr (SCALED) {
-            const float f = static_cast<float>(static_cast<T>(QK_FACTOR));
-            q0 = static_cast<float>(static_cast<T>(q0 * f));
-            q1 = static_cast<float>(static_cast<T>(q1 * f));
-            k0 = static_cast<float>(static_cast<T>(k0 * f));
-            k1 = static_cast<float>(static_cast<T>(k1 * f));
-        }
-        if (active) {
-            qh[t] = static_cast<T>(rmlx_rotated_first(q0, q1, cr, sr));
-            qh[t + HALF] = static_cast<T>(rmlx_rotated_second(q0, q1, cr, sr));
-            if (holds) {
-                knew[t] = static_cast<T>(rmlx_rotated_first(k0, k1, cr, sr));
-                knew[t + HALF] = static_cast<T>(rmlx_rotated_second(k0, k1, cr, sr));
+            if (active) {
+                if (round == 0) {
+                    qh[t] = static_cast<T>(rmlx_rotated_first(q0, q1, cr, sr));
+                    qh[t + HALF] = static_cast<T>(rmlx_rotated_second(q0, q1, cr, sr));
+                }
+                if (with_key) {
+                    // The key's own position: p0 + r (the query's, p, for its own row).
+                    float ck = cr, sk = sr;
+                    if (r != qi) {
+                        const float theta = (rope_scale * static_cast<float>(p0 + r)) * (1.0f / divisors[t]);
+                        ck = cosf(theta);
+                        sk = sinf(theta);
+                    }
+                    knew[r * D + t] = static_cast<T>(rmlx_rotated_first(k0, k1, ck, sk));
+                    knew[r * D + t + HALF] = static_cast<T>(rmlx_rotated_second(k0, k1, ck, sk));
+                }
             }
         }
     } else {
         for (int i = t; i < D; i += NT) {
-            qh[i] = a0[(static_cast<long long>(b) * HQ + hq) * D + i];
+            qh[i] = a0[((static_cast<long long>(b) * HQ + hq) * L + qi) * D + i];
         }
-        if (holds) {
+        for (int r = r_lo; r < r_hi; ++r) {
             for (int i = t; i < D; i += NT) {
-                knew[i] = a1[kv_row * D + i];
-                vnew[i] = a2[kv_row * D + i];
+                knew[r * D + i] = a1[(kv_row * L + r) * D + i];
+                vnew[r * D + i] = a2[(kv_row * L + r) * D + i];
             }
         }
     }
@@ -243,10 +276,12 @@ const SOURCE: &str = r#"
         vbase = reinterpret_cast<const T*>(vstage);
     }
     __syncthreads();
-    if (holds && hq % (HQ / HKV) == 0) {
+    // The query's own new key and value (in the chunk holding its position), written by the
+    // first query head of their KV head.
+    if (holds && r_lo <= qi && qi < r_hi && hq % (HQ / HKV) == 0) {
         for (int i = t; i < D; i += NT) {
-            keys[(kv_row * capacity + slot) * D + i] = knew[i];
-            values[(kv_row * capacity + slot) * D + i] = vnew[i];
+            keys[(kv_row * capacity + slot) * D + i] = knew[qi * D + i];
+            values[(kv_row * capacity + slot) * D + i] = vnew[qi * D + i];
         }
     }
     float qv[PER];
@@ -260,7 +295,7 @@ const SOURCE: &str = r#"
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             const int j = j0 + u * WARPS;
-            const T* kr = j == fresh ? knew : kbase + static_cast<long long>(j) * D;
+            const T* kr = j >= fresh && j < fresh + L ? knew + (j - fresh) * D : kbase + static_cast<long long>(j) * D;
 #pragma unroll
             for (int i = 0; i < PER; ++i) {
                 kv[u][i] = j < n ? static_cast<float>(kr[lane + 32 * i]) : 0.0f;
@@ -325,7 +360,7 @@ const SOURCE: &str = r#"
 #pragma unroll
             for (int u = 0; u < BATCH; ++u) {
                 const int j = j0 + u * RG;
-                const T* vr = j == fresh ? vnew : vbase + static_cast<long long>(j) * D;
+                const T* vr = j >= fresh && j < fresh + L ? vnew + (j - fresh) * D : vbase + static_cast<long long>(j) * D;
                 if (j < n) {
                     vv[u] = *reinterpret_cast<const Vec4*>(vr + e0);
                 }
@@ -347,7 +382,9 @@ const SOURCE: &str = r#"
         }
     }
     __syncthreads();
-    const long long head_rows = (static_cast<long long>(b) * HQ + hq) * ((capacity + CHUNK - 1) / CHUNK);
+    // This query head's row of the chunks' results, and of the chunk counts.
+    const long long query_head = (static_cast<long long>(b) * HQ + hq) * L + qi;
+    const long long head_rows = query_head * ((capacity + CHUNK - 1) / CHUNK);
     const long long row = head_rows + c;
     for (int e = t; e < D; e += NT) {
         float total = 0.0f;
@@ -372,7 +409,7 @@ const SOURCE: &str = r#"
     __threadfence();
     __syncthreads();
     if (t == 0) {
-        last = atomicInc(done + b * HQ + hq, chunks - 1) == static_cast<unsigned>(chunks - 1);
+        last = atomicInc(done + query_head, chunks - 1) == static_cast<unsigned>(chunks - 1);
     }
     __syncthreads();
     if (!last) {
@@ -458,7 +495,7 @@ const SOURCE: &str = r#"
         for (int i = 0; i < RG; ++i) {
             o += sacc[i][e];
         }
-        out[(static_cast<long long>(b) * HQ + hq) * D + e] = static_cast<T>(o / total);
+        out[((static_cast<long long>(b) * L + qi) * HQ + hq) * D + e] = static_cast<T>(o / total);
     }
 "#;
 
@@ -467,6 +504,10 @@ const SOURCE: &str = r#"
 struct Shape {
     dtype: Dtype,
     batch: i32,
+    /// Positions a sequence (`L`).
+    queries: i32,
+    /// The chunk counts' length (at least `batch · heads · queries`).
+    counters: i32,
     heads: i32,
     kv_heads: i32,
     head_dim: i32,
@@ -496,67 +537,119 @@ impl Shape {
     fn chunk(&self) -> i32 {
         (self.capacity.max(1) as u32).div_ceil(128).next_power_of_two().max(32) as i32
     }
+
+    /// The shared memory a block declares (as [`SOURCE`] does), in bytes: the query, the new
+    /// keys and values, the scores and sums, and the staged chunk where it fits.
+    fn shared_bytes(&self) -> usize {
+        let (d, t, chunk, threads) =
+            (self.head_dim as usize, self.dtype.size(), self.chunk() as usize, THREADS as usize);
+        let heads = (1 + 2 * self.queries as usize) * d * t;
+        let sums = 4 * (2 * threads / 32 + chunk + threads / 32 + (threads / (d / 4)) * d + threads) + 1;
+        let staged = 2 * chunk * d * t;
+        heads + sums + if staged <= STAGE_BYTES as usize { staged } else { 0 }
+    }
 }
+
+/// The shared memory a block may declare statically.
+const SHARED_LIMIT: usize = 48 * 1024;
 
 /// Where a decoding step's query, key and value heads come from.
 pub enum StepHeads<'a> {
-    /// Made already: `q: [B, Hq, 1, D]`, `k, v: [B, Hkv, 1, D]`, queries and keys rotated.
+    /// Made already: `q: [B, Hq, L, D]`, `k, v: [B, Hkv, L, D]`, queries and keys rotated.
     Ready { q: &'a Array, k: &'a Array, v: &'a Array },
-    /// The stacked q/k/v product `y: [B, (Hq + 2·Hkv)·D]` of one position a sequence, turned into
-    /// heads inside the kernel as [`qkv_heads`](super::cuda_fast::qkv_heads) does: queries and
-    /// keys normalised (with `norms`) and rotated over the whole head at the cache's position,
-    /// the rotation's own `offset` aside.
-    Stacked { y: &'a Array, heads: (i32, i32, i32), norms: Option<HeadNorms<'a>>, rotation: &'a Rotation<'a> },
+    /// The stacked q/k/v product `y: [B·L, (Hq + 2·Hkv)·D]` of `L` positions of each of `batch`
+    /// sequences, turned into heads inside the kernel as [`qkv_heads`](super::cuda_fast::qkv_heads)
+    /// does: queries and keys normalised (with `norms`) and rotated over the whole head at their
+    /// positions in the cache, the rotation's own `offset` aside.
+    Stacked {
+        y: &'a Array,
+        batch: i32,
+        heads: (i32, i32, i32),
+        norms: Option<HeadNorms<'a>>,
+        rotation: &'a Rotation<'a>,
+    },
 }
 
 impl StepHeads<'_> {
-    /// `(batch, query heads, KV heads, head size)` and the dtype, where the arrays agree on them.
-    fn dims(&self) -> Option<([i32; 4], Dtype)> {
+    /// `(batch, query heads, KV heads, head size)`, the positions a sequence (at most
+    /// [`MAX_QUERIES`]) and the dtype, where the arrays agree on them.
+    fn dims(&self) -> Option<([i32; 4], i32, Dtype)> {
         match self {
             StepHeads::Ready { q, k, v } => {
                 let (qs, ks) = (q.shape(), k.shape());
                 let fits = qs.len() == 4
                     && ks.len() == 4
-                    && qs[2] == 1
-                    && ks[2] == 1
+                    && (1..=MAX_QUERIES).contains(&qs[2])
+                    && ks[2] == qs[2]
                     && ks[0] == qs[0]
                     && ks[3] == qs[3]
                     && v.shape() == ks
                     && k.dtype() == q.dtype()
                     && v.dtype() == q.dtype();
-                fits.then(|| ([qs[0], qs[1], ks[1], qs[3]], q.dtype()))
+                fits.then(|| ([qs[0], qs[1], ks[1], qs[3]], qs[2], q.dtype()))
             }
-            StepHeads::Stacked { y, heads: (hq, hkv, d), norms, rotation } => {
+            StepHeads::Stacked { y, batch, heads: (hq, hkv, d), norms, rotation } => {
                 let ys = y.shape();
                 let fits = ys.len() == 2
+                    && *batch > 0
+                    && ys[0] % batch == 0
+                    && (1..=MAX_QUERIES).contains(&(ys[0] / batch))
                     && ys[1] == (hq + 2 * hkv) * d
                     && d % 2 == 0
                     && rotation.divisors.shape() == [d / 2]
                     && norms.as_ref().is_none_or(|n| n.query.dtype() == y.dtype() && n.key.dtype() == y.dtype());
-                fits.then(|| ([ys[0], *hq, *hkv, *d], y.dtype()))
+                fits.then(|| ([*batch, *hq, *hkv, *d], ys[0] / batch, y.dtype()))
             }
         }
     }
 }
 
-/// Attends a decoding step's queries (one position a sequence, from `heads`) over the cache
-/// buffers `(keys, values)` (`[B, Hkv, capacity, D]`) after writing its keys and values into them
-/// at `position` (one for every sequence, or one each: `[B]` int32, each below `capacity`), scores
-/// scaled by `scale`. With a `ring` (one position for every sequence), the buffers are a
-/// rotating cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the
-/// query attends every slot written (at most `capacity`, which must not exceed the window).
-/// `done` (`[B·Hq]` uint32, zero) is the buffers' companion: the kernel counts finished chunks in
-/// it and leaves it zero. With `scores.sinks` (`[Hq]`), each head's sink logit joins its softmax (as
-/// `fast::scaled_dot_product_attention_with_sinks` takes them); with `scores.softcap`, each scaled
-/// score is soft-capped first (as `models::softcapped_attention`). Returns `[attention ([B, Hq, 1,
-/// D]), keys', values', done']`.
+/// Attends the queries of `L` new positions a sequence (one in a decoding step, the drafts and
+/// pending token of a speculative verification pass; at most [`MAX_QUERIES`]; from `heads`) over
+/// the cache buffers `(keys, values)` (`[B, Hkv, capacity, D]`) after writing their keys and values
+/// into them at `position ..  position + L` (one first position for every sequence, or one each:
+/// `[B]` int32), each query seeing its own position and every one before it, scores scaled by
+/// `scale`. With a `ring` (one position for every sequence, `L` = 1), the buffers are a rotating
+/// cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the query
+/// attends every slot written (at most `capacity`, which must not exceed the window). `done`
+/// (`[n]` uint32 with `n ≥ B·Hq·L`, zero) is the buffers' companion: the kernel counts finished
+/// chunks in it and leaves it zero. With `scores.sinks` (`[Hq]`), each head's sink logit joins its
+/// softmax (as `fast::scaled_dot_product_attention_with_sinks` takes them); with `scores.softcap`,
+/// each scaled score is soft-capped first (as `models::softcapped_attention`). Returns
+/// `[attention ([B, Hq, L, D]), keys', values', done']`.
 ///
 /// The buffers are the caller's alone ([`InPlace::Owned`]): `keys'`, `values'` and `done'` are
 /// the same buffers, updated in place even while work queued earlier still reads them, and any
-/// other array over them sees the new position (a buffer that is not row-contiguous is copied
+/// other array over them sees the new positions (a buffer that is not row-contiguous is copied
 /// first). `None` where it does not serve (not MLX's CUDA backend, training, other shapes or
-/// types, a head size not a multiple of 32 or above 256, a capacity above [`MAX_CAPACITY`]).
+/// types, a head size not a multiple of 32 or above 256, a capacity above [`MAX_CAPACITY`], new
+/// positions past the buffers' end). (The caches' calls below take the kernel's own layout.)
+#[cfg(test)]
 pub fn cache_attention(
+    heads: &StepHeads,
+    buffers: (&Array, &Array, &Array),
+    position: &Offset,
+    ring: Option<Ring>,
+    scale: f32,
+    scores: Scores,
+) -> Result<Option<[Array; 4]>> {
+    let Some([attention, keys, values, done]) = attend_rows(heads, buffers, position, ring, scale, scores)? else {
+        return Ok(None);
+    };
+    Ok(Some([heads_first(&attention)?, keys, values, done]))
+}
+
+/// `[B, L, Hq, D]` attention (queries first, as the kernel writes it) as `[B, Hq, L, D]`: a
+/// reshape for one position, else a transposed view.
+fn heads_first(attention: &Array) -> Result<Array> {
+    match attention.shape() {
+        &[b, 1, hq, d] => attention.reshape(&[b, hq, 1, d]),
+        _ => attention.swapaxes(1, 2),
+    }
+}
+
+/// [`cache_attention`] with the attention as the kernel writes it: `[B, L, Hq, D]`.
+fn attend_rows(
     heads: &StepHeads,
     (keys, values, done): (&Array, &Array, &Array),
     position: &Offset,
@@ -565,7 +658,7 @@ pub fn cache_attention(
     scores: Scores,
 ) -> Result<Option<[Array; 4]>> {
     let sinks = scores.sinks;
-    let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
+    let Some(([batch, hq, hkv, d], queries, dtype)) = heads.dims() else { return Ok(None) };
     let cs = keys.shape();
     let tracer = match heads {
         StepHeads::Ready { q, .. } => q.is_tracer(),
@@ -585,20 +678,22 @@ pub fn cache_attention(
         && values.shape() == cs
         && keys.dtype() == dtype
         && values.dtype() == dtype
-        && done.shape() == [batch * hq]
+        && done.ndim() == 1
+        && done.shape()[0] >= batch * hq * queries
         && done.dtype() == Dtype::Uint32
         && sinks.is_none_or(|s| s.shape() == [hq] && !s.is_tracer())
         && scores.softcap.is_none_or(|cap| cap.is_finite() && cap > 0.0)
         && match (position, ring) {
-            (Offset::Uniform(p), None) => *p < cs[2] as usize,
+            (Offset::Uniform(p), None) => p + queries as usize <= cs[2] as usize,
             (Offset::Uniform(p), Some(r)) => {
-                *p < i32::MAX as usize
+                queries == 1
+                    && *p < i32::MAX as usize
                     && r.keep < r.window
                     && r.window <= i32::MAX as usize
                     && cs[2] as usize <= r.window
                     && r.slot(*p) < cs[2] as usize
             }
-            (Offset::PerRow(a), None) => a.dtype() == Dtype::Int32 && a.size() == batch as usize,
+            (Offset::PerRow(a), None) => queries == 1 && a.dtype() == Dtype::Int32 && a.size() == batch as usize,
             (Offset::PerRow(_), Some(_)) => false,
         };
     if !serves {
@@ -613,6 +708,8 @@ pub fn cache_attention(
     let s = Shape {
         dtype,
         batch,
+        queries,
+        counters: done.shape()[0],
         heads: hq,
         kv_heads: hkv,
         head_dim: d,
@@ -629,6 +726,10 @@ pub fn cache_attention(
         eps: f32::to_bits(eps),
         rope_scale: f32::to_bits(rope_scale),
     };
+    if s.shared_bytes() > SHARED_LIMIT {
+        // Many positions of a long cache's chunk with wide float32 heads.
+        return Ok(None);
+    }
     // Inputs the kernel does not read (a Ready step's weights and divisors, a Stacked step's
     // missing norms) are stood in for by an array of the step.
     let [a0, a1, a2, a3] = match heads {
@@ -669,15 +770,26 @@ pub fn standard_cache_attention(
     scale: f32,
     scores: Scores,
 ) -> crate::Result<Option<Array>> {
-    let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
+    let Some(attention) = standard_rows(heads, cache, scale, scores)? else { return Ok(None) };
+    Ok(Some(heads_first(&attention)?))
+}
+
+/// [`standard_cache_attention`] as the kernel writes it: `[B, L, Hq, D]`.
+fn standard_rows(
+    heads: &StepHeads,
+    cache: &mut StandardCache,
+    scale: f32,
+    scores: Scores,
+) -> crate::Result<Option<Array>> {
+    let Some(([batch, hq, hkv, d], queries, dtype)) = heads.dims() else { return Ok(None) };
     if !on_cuda() {
         return Ok(None);
     }
-    cache.reserve_for([batch, hkv, 1, d], dtype)?;
+    cache.reserve_for([batch, hkv, queries, d], dtype)?;
     let buffers = [&mut cache.keys, &mut cache.values, &mut cache.done];
     let attention = attend_buffers(heads, buffers, batch * hq, (cache.offset, None), scale, scores)?;
     if attention.is_some() {
-        cache.offset += 1;
+        cache.offset += queries as usize;
     }
     Ok(attention)
 }
@@ -692,7 +804,18 @@ pub fn rotating_cache_attention(
     scale: f32,
     scores: Scores,
 ) -> crate::Result<Option<Array>> {
-    let Some(([batch, hq, hkv, d], dtype)) = heads.dims() else { return Ok(None) };
+    let Some(attention) = rotating_rows(heads, cache, scale, scores)? else { return Ok(None) };
+    Ok(Some(heads_first(&attention)?))
+}
+
+/// [`rotating_cache_attention`] as the kernel writes it: `[B, 1, Hq, D]`.
+fn rotating_rows(
+    heads: &StepHeads,
+    cache: &mut RotatingCache,
+    scale: f32,
+    scores: Scores,
+) -> crate::Result<Option<Array>> {
+    let Some(([batch, hq, hkv, d], 1, dtype)) = heads.dims() else { return Ok(None) };
     if !on_cuda() {
         return Ok(None);
     }
@@ -711,8 +834,10 @@ pub fn rotating_cache_attention(
 }
 
 /// [`cache_attention`] at `position` (in `ring`, if one) over a cache's buffers `[keys, values,
-/// done]` (the chunk counts made for `counts` query heads first), lent to the kernel and given
-/// back: updated in place where it served, as they were where it did not.
+/// done]` (the chunk counts made first for `counts` query heads and up to [`MAX_QUERIES`]
+/// positions each, so that steps and verification passes share them), lent to the kernel and
+/// given back: updated in place where it served, as they were where it did not. The attention
+/// as the kernel writes it: `[B, L, Hq, D]`.
 fn attend_buffers(
     heads: &StepHeads,
     [keys, values, done]: [&mut Option<Array>; 3],
@@ -721,12 +846,13 @@ fn attend_buffers(
     scale: f32,
     scores: Scores,
 ) -> crate::Result<Option<Array>> {
+    let counts = counts * MAX_QUERIES;
     if done.as_ref().is_none_or(|a| a.shape() != [counts]) {
         *done = Some(ops::zeros(&[counts], Dtype::Uint32)?);
     }
     let lent = [keys.take(), values.take(), done.take()];
     let [k, v, c] = lent.map(|a| a.expect("allocated by the caller"));
-    match cache_attention(heads, (&k, &v, &c), &Offset::Uniform(position), ring, scale, scores) {
+    match attend_rows(heads, (&k, &v, &c), &Offset::Uniform(position), ring, scale, scores) {
         Ok(Some([attention, k, v, c])) => {
             (*keys, *values, *done) = (Some(k), Some(v), Some(c));
             Ok(Some(attention))
@@ -753,12 +879,30 @@ pub fn kv_cache_attention(
     }
 }
 
+/// [`kv_cache_attention`] with the heads merged: `[B·L, Hq·D]`, the rows the output projection
+/// takes (a reshape of what the kernel writes, where the heads-first form would be a transpose).
+pub fn merged_cache_attention(
+    heads: &StepHeads,
+    cache: &mut KvCache,
+    scale: f32,
+    scores: Scores,
+) -> crate::Result<Option<Array>> {
+    let attention = match cache {
+        KvCache::Standard(c) => standard_rows(heads, c, scale, scores)?,
+        KvCache::Rotating(c) => rotating_rows(heads, c, scale, scores)?,
+        KvCache::Batch(_) | KvCache::Quantized(_) => None,
+    };
+    let Some(attention) = attention else { return Ok(None) };
+    let &[b, l, hq, d] = attention.shape() else { unreachable!("the kernel's output is 4-D") };
+    Ok(Some(attention.reshape(&[b * l, hq * d])?))
+}
+
 /// The source of the kernel for `s`.
 fn source(s: &Shape) -> String {
     let t = cuda_type(s.dtype);
     format!(
         "{CUDA_TYPES}{OVERLAP}{HEAD_MATH}typedef {t} T;\nstruct alignas(4 * sizeof(T)) Vec4 {{ T v[4]; }};\n\
-         constexpr int D = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
+         constexpr int D = {};\nconstexpr int L = {};\nconstexpr int HQ = {};\nconstexpr int HKV = {};\n\
          constexpr bool PER_ROW = {};\nconstexpr bool STACKED = {};\nconstexpr bool NORM = {};\n\
          constexpr bool SINKS = {};\nconstexpr bool SCALED = {};\nconstexpr float QK_FACTOR = {:e}f;\n\
          constexpr bool CAPPED = {};\nconstexpr float SOFTCAP = {:e}f;\n\
@@ -769,6 +913,7 @@ fn source(s: &Shape) -> String {
          const T* sinks, int position, T* out, float* partial, float* stats, int capacity, float scale, float eps, float rope_scale) \
          {{\n{SOURCE}}}\n",
         s.head_dim,
+        s.queries,
         s.heads,
         s.kv_heads,
         s.per_row,
@@ -804,7 +949,7 @@ fn make_launch(s: &Shape) -> Result<CudaLaunch> {
     let (batch, chunks) = (s.batch as u32, (s.capacity + chunk - 1) / chunk);
     let node = KernelNode {
         function,
-        grid: [s.heads as u32, batch, chunks as u32],
+        grid: [s.heads as u32, batch * s.queries as u32, chunks as u32],
         block: [THREADS, 1, 1],
         shared_bytes: 0,
         args: vec![
@@ -831,10 +976,10 @@ fn make_launch(s: &Shape) -> Result<CudaLaunch> {
     let outputs = [
         buffer.clone(),
         buffer,
-        (vec![s.batch * s.heads], Dtype::Uint32),
-        (vec![s.batch, s.heads, 1, s.head_dim], s.dtype),
-        (vec![s.batch, s.heads, chunks, s.head_dim], Dtype::Float32),
-        (vec![s.batch, s.heads, chunks, 2], Dtype::Float32),
+        (vec![s.counters], Dtype::Uint32),
+        (vec![s.batch, s.queries, s.heads, s.head_dim], s.dtype),
+        (vec![s.batch * s.heads * s.queries, chunks, s.head_dim], Dtype::Float32),
+        (vec![s.batch * s.heads * s.queries, chunks, 2], Dtype::Float32),
     ];
     let in_place = [(0, 4), (1, 5), (2, 6)];
     CudaLaunch::updating("rmlx_decode_attention", &[node], &outputs, &in_place, InPlace::Owned)

@@ -7,13 +7,16 @@
 //! [`CapturedSteps::layers`] runs the layers as they are once, reads the graph they built back
 //! ([`rmlx::cuda::capture`]) and, while the caches keep their buffers, runs every later step's
 //! layers as that one launch over the step's hidden state and caches: the same kernels with the
-//! same arguments, so the same results bit for bit. Anything the capture cannot take (another
-//! backend, training, adapters on rows, a batch, a prompt, a batch's cache, a cache that must grow
-//! or put a prefill's positions back in ring order, an operation that is not one of rmlx's
-//! launches) runs the layers as they are. A rotating cache's slot follows from the position
-//! (`cache::Ring`), which the attention kernel computes: its replay takes the same value, the
-//! position, as an unbounded cache's.
+//! same arguments, so the same results bit for bit. The same holds for a few positions of one
+//! sequence over unbounded caches (up to [`MAX_QUERIES`]: a speculative verification pass, whose
+//! attention kernel takes them all), each number of positions its own capture. Anything the
+//! capture cannot take (another backend, training, adapters on rows, a batch, a long prompt, a
+//! batch's cache, a cache that must grow or put a prefill's positions back in ring order, an
+//! operation that is not one of rmlx's launches) runs the layers as they are. A rotating
+//! cache's slot follows from the position (`cache::Ring`), which the attention kernel computes:
+//! its replay takes the same value, the position, as an unbounded cache's.
 
+use super::cuda_attention::MAX_QUERIES;
 use super::cuda_fast::on_cuda;
 use crate::cache::KvCache;
 use crate::Result;
@@ -58,18 +61,23 @@ struct Key {
     capacities: Vec<usize>,
 }
 
+/// What became of the layers' graph for a key.
 enum State {
-    Empty,
-    Captured(Key, Captured),
+    Captured(Captured),
     /// The layers built a graph the capture does not take, for this key: run them as they are.
-    Refused(Key),
+    Refused,
 }
 
-/// A model's captured decoding step (see the module docs). A clone starts empty (its layers may
+/// The most keys held at once (a step and verification passes of several lengths); a new one
+/// past them replaces the oldest.
+const HELD: usize = 2 * MAX_QUERIES as usize;
+
+/// A model's captured decoding steps (see the module docs). A clone starts empty (its layers may
 /// change apart from the original's); [`CapturedSteps::forget`] empties it when the layers change.
 pub struct CapturedSteps {
     mode: StepCapture,
-    state: Arc<Mutex<State>>,
+    /// Each key's state, oldest first.
+    states: Arc<Mutex<Vec<(Key, State)>>>,
 }
 
 impl Clone for CapturedSteps {
@@ -81,60 +89,73 @@ impl Clone for CapturedSteps {
 impl CapturedSteps {
     /// An empty capture that takes the first step it can when `mode` is [`StepCapture::On`].
     pub fn new(mode: StepCapture) -> Self {
-        CapturedSteps { mode, state: Arc::new(Mutex::new(State::Empty)) }
+        CapturedSteps { mode, states: Arc::new(Mutex::new(Vec::new())) }
     }
 
-    /// Drops the capture: the parameters it holds are no longer the layers'.
+    /// Drops the captures: the parameters they hold are no longer the layers'.
     pub fn forget(&mut self) {
-        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = State::Empty;
+        self.states.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    /// `run(h, caches)` (the layers over the rows `h`), or its captured replay where it serves.
+    /// `run(h, caches)` (the layers over the rows `h` of `batch` sequences), or its captured
+    /// replay where it serves.
     pub fn layers(
         &self,
         h: &Array,
+        batch: i32,
         caches: &mut [KvCache],
         run: impl FnOnce(&Array, &mut [KvCache]) -> Result<Array>,
     ) -> Result<Array> {
-        let Some((key, offset)) = self.eligible(h, caches) else { return run(h, caches) };
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        match &*state {
-            State::Captured(k, captured) if *k == key => return replay(captured, h, caches, offset),
-            State::Refused(k) if *k == key => return run(h, caches),
-            _ => {}
+        let Some((key, offset)) = self.eligible(h, batch, caches) else { return run(h, caches) };
+        let positions = h.shape()[0];
+        let mut states = self.states.lock().unwrap_or_else(|e| e.into_inner());
+        match states.iter().find(|(k, _)| *k == key) {
+            Some((_, State::Captured(captured))) => return replay(captured, h, caches, offset, positions),
+            Some((_, State::Refused)) => return run(h, caches),
+            None => {}
         }
         let varying = varying(h, caches);
         let out = run(h, caches)?;
-        // Every cache must have taken one position through the attention kernel.
+        // Every cache must have taken the positions through the attention kernel.
         let advanced = caches.iter().all(|c| match c {
-            KvCache::Standard(s) => s.offset as i32 == offset + 1,
-            KvCache::Rotating(r) => r.offset as i32 == offset + 1,
+            KvCache::Standard(s) => s.offset as i32 == offset + positions,
+            KvCache::Rotating(r) => r.offset as i32 == offset + positions,
             KvCache::Batch(_) | KvCache::Quantized(_) => false,
         });
         let captured = match advanced {
             true => capture("rmlx_decode_step", &out, &varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?,
-            false => Capture::Refused("a cache did not take the position through the attention kernel".into()),
+            false => Capture::Refused("a cache did not take the positions through the attention kernel".into()),
         };
-        match captured {
+        let state = match captured {
             Capture::Captured(c) => {
-                tracing::debug!(kernels = c.kernels(), scratch_bytes = c.scratch_bytes(), "decoding step captured");
-                *state = State::Captured(key, c);
+                let (kernels, scratch_bytes) = (c.kernels(), c.scratch_bytes());
+                tracing::debug!(positions, kernels, scratch_bytes, "decoding step captured");
+                State::Captured(c)
             }
             Capture::Refused(why) => {
-                tracing::debug!("decoding step not captured: {why}");
-                *state = State::Refused(key);
+                tracing::debug!(positions, "decoding step not captured: {why}");
+                State::Refused
             }
+        };
+        // A capture for other capacities than the caches' now will not serve again.
+        states.retain(|(k, _)| k.capacities == key.capacities);
+        if states.len() >= HELD {
+            states.remove(0);
         }
+        states.push((key, state));
         Ok(out)
     }
 
-    /// The key and position of a step the capture may take: one row on MLX's CUDA backend
-    /// outside training and row adapters, every cache an unbounded one with room for the
-    /// position or a rotating one ready to take it in its ring slot, all at one position.
-    fn eligible(&self, h: &Array, caches: &[KvCache]) -> Option<(Key, i32)> {
+    /// The key and first position of a step the capture may take: one sequence on MLX's CUDA
+    /// backend outside training and row adapters, one position (every cache an unbounded one with
+    /// room for it or a rotating one ready to take it in its ring slot) or up to [`MAX_QUERIES`]
+    /// (every cache an unbounded one with room for them), all caches at one position.
+    fn eligible(&self, h: &Array, batch: i32, caches: &[KvCache]) -> Option<(Key, i32)> {
+        let positions = *h.shape().first()?;
         let fits = self.mode == StepCapture::On
             && h.ndim() == 2
-            && h.shape()[0] == 1
+            && batch == 1
+            && (1..=MAX_QUERIES).contains(&positions)
             && !caches.is_empty()
             && on_cuda()
             && !super::training()
@@ -150,8 +171,9 @@ impl CapturedSteps {
             let (position, capacity) = match cache {
                 KvCache::Standard(c) => {
                     let (Some(_), Some(_), Some(_)) = (&c.keys, &c.values, &c.done) else { return None };
-                    (c.offset < c.capacity()).then_some((c.offset, c.capacity()))?
+                    (c.offset + positions as usize <= c.capacity()).then_some((c.offset, c.capacity()))?
                 }
+                KvCache::Rotating(_) if positions > 1 => return None,
                 KvCache::Rotating(c) => {
                     let (Some(_), Some(_), Some(_)) = (&c.keys, &c.values, &c.done) else { return None };
                     c.next_slot().map(|_| (c.offset, c.capacity()))?
@@ -182,13 +204,13 @@ fn varying(h: &Array, caches: &[KvCache]) -> Vec<Array> {
 }
 
 /// The captured layers over `h` and `caches` at `offset` (the kernels write the caches' buffers in
-/// place); the caches advance.
-fn replay(captured: &Captured, h: &Array, caches: &mut [KvCache], offset: i32) -> Result<Array> {
+/// place); the caches advance by `positions` (a rotating cache's by one: it takes no more).
+fn replay(captured: &Captured, h: &Array, caches: &mut [KvCache], offset: i32, positions: i32) -> Result<Array> {
     let varying = varying(h, caches);
     let out = captured.call(&varying.iter().collect::<Vec<_>>(), &[KernelArg::I32(offset)])?;
     for cache in caches.iter_mut() {
         match cache {
-            KvCache::Standard(c) => c.offset += 1,
+            KvCache::Standard(c) => c.offset += positions as usize,
             KvCache::Rotating(c) => c.advance(),
             KvCache::Batch(_) | KvCache::Quantized(_) => {}
         }

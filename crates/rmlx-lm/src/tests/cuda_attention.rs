@@ -138,8 +138,13 @@ fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
                         let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &offset, factor: 1.0 };
                         let norms = || norm.then_some(HeadNorms { query: &qw, key: &kw, eps: 1e-5 });
                         let scale = 1.0 / (d as f32).sqrt();
-                        let stacked =
-                            StepHeads::Stacked { y: &y, heads: (hq, hkv, d), norms: norms(), rotation: &rotation };
+                        let stacked = StepHeads::Stacked {
+                            y: &y,
+                            batch: y.shape()[0],
+                            heads: (hq, hkv, d),
+                            norms: norms(),
+                            rotation: &rotation,
+                        };
                         let got = standard_cache_attention(&stacked, &mut fused, scale, Scores::default()).unwrap();
                         let Some(got) = got else {
                             assert!(!cuda, "declined on MLX's CUDA backend");
@@ -169,6 +174,110 @@ fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
             }
         }
         assert_eq!(steps, if cuda { 4 * 3 * 2 * 17 } else { 0 });
+    });
+}
+
+/// A verification pass (up to `MAX_QUERIES` positions of each sequence in one launch, each query
+/// seeing its own position and those before it) gives the same bits as its positions taken one
+/// step at a time: from the stacked product and from ready heads, two sequences, passes of 1 to
+/// 8 positions across chunk ends and the cache's growth, with and without q/k norms, plain scores,
+/// sinks and soft-capped scores; the buffers' valid positions equal and the counts left zero.
+#[test]
+fn verification_passes_attend_as_their_single_steps() {
+    use crate::nn::cuda_attention::{kv_cache_attention, MAX_QUERIES};
+    let cuda = fast::gpu_backend() == Some(GpuBackend::Cuda);
+    let device = if cuda { Device::gpu() } else { Device::cpu() };
+    let lengths = [3, 8, 1, 5, 2, 7, 4, 6];
+    assert_eq!(*lengths.iter().max().unwrap(), MAX_QUERIES);
+    rmlx::with_device(device, || {
+        let mut passes = 0;
+        for (i, &(hq, hkv, d)) in [(16, 8, 128), (8, 2, 64), (4, 4, 256)].iter().enumerate() {
+            let sinks = (normal(&[hq], 9) * 2.0).unwrap();
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                for norm in [true, false] {
+                    let (batch, seed) = (2, 7000 * i as u64);
+                    let sinks = sinks.astype(dtype).unwrap();
+                    let scores = match i {
+                        0 => Scores::default(),
+                        1 => Scores::sinks(Some(&sinks)),
+                        _ => Scores { softcap: Some(5.0), sinks: None },
+                    };
+                    let qw = normal(&[d], seed + 1).astype(dtype).unwrap();
+                    let kw = normal(&[d], seed + 2).astype(dtype).unwrap();
+                    let divisors: Vec<f32> = (0..d / 2).map(|j| 1e4f32.powf(2.0 * j as f32 / d as f32)).collect();
+                    let divisors = Array::from_slice(&divisors, &[d / 2]).unwrap();
+                    let norms = || norm.then_some(HeadNorms { query: &qw, key: &kw, eps: 1e-5 });
+                    let scale = 1.0 / (d as f32).sqrt();
+                    let new = || KvCache::Standard(StandardCache::default());
+                    let (mut stacked, mut ready, mut steps) = (new(), new(), new());
+                    let mut position = 0usize;
+                    for (n, &len) in lengths.iter().cycle().enumerate() {
+                        if position >= 300 {
+                            break;
+                        }
+                        let what = format!("{hq}/{hkv}×{d} {dtype:?} norm {norm}, {len} positions at {position}");
+                        // Rows b·L + i: position `position + i` of sequence b.
+                        let y = normal(&[batch * len, (hq + 2 * hkv) * d], seed + 10 + n as u64).astype(dtype).unwrap();
+                        let at = Offset::Uniform(position);
+                        let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &at, factor: 1.0 };
+                        let pass = StepHeads::Stacked {
+                            y: &y,
+                            batch,
+                            heads: (hq, hkv, d),
+                            norms: norms(),
+                            rotation: &rotation,
+                        };
+                        let Some(got) = kv_cache_attention(&pass, &mut stacked, scale, scores).unwrap() else {
+                            assert!(!cuda, "{what}: declined on MLX's CUDA backend");
+                            return;
+                        };
+                        // The same rows as single steps, and their heads as one ready pass.
+                        let (mut want, mut heads) = (Vec::new(), Vec::new());
+                        for q in 0..len {
+                            let rows: Vec<i32> = (0..batch).map(|b| b * len + q).collect();
+                            let y = y.take(&Array::from_slice(&rows, &[batch]).unwrap(), Some(0)).unwrap();
+                            let at = Offset::Uniform(position + q as usize);
+                            let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &at, factor: 1.0 };
+                            let step = StepHeads::Stacked {
+                                y: &y,
+                                batch,
+                                heads: (hq, hkv, d),
+                                norms: norms(),
+                                rotation: &rotation,
+                            };
+                            want.push(kv_cache_attention(&step, &mut steps, scale, scores).unwrap().unwrap());
+                            heads.push(qkv_heads(&y, batch, (hq, hkv, d), norms(), &rotation).unwrap().unwrap());
+                        }
+                        let want = ops::concatenate(&want.iter().collect::<Vec<_>>(), 2).unwrap();
+                        let joined =
+                            |k: usize| ops::concatenate(&heads.iter().map(|h| &h[k]).collect::<Vec<_>>(), 2).unwrap();
+                        let (q, k, v) = (joined(0), joined(1), joined(2));
+                        let step = StepHeads::Ready { q: &q, k: &k, v: &v };
+                        let from_ready = kv_cache_attention(&step, &mut ready, scale, scores).unwrap().unwrap();
+                        assert_eq!(got.shape(), [batch, hq, len, d], "{what}");
+                        let want = want.to_vec_f32().unwrap();
+                        assert!(got.to_vec_f32().unwrap() == want, "{what}: the stacked pass's attention");
+                        assert!(from_ready.to_vec_f32().unwrap() == want, "{what}: the ready pass's attention");
+                        position += len as usize;
+                        for cache in [&stacked, &ready] {
+                            let (KvCache::Standard(a), KvCache::Standard(b)) = (cache, &steps) else { unreachable!() };
+                            assert_eq!(a.offset, position, "{what}");
+                            let valid = |x: &Option<Array>| {
+                                let x = x.as_ref().unwrap();
+                                x.slice_axis(2, 0, position as i32, 1).unwrap().to_vec_f32().unwrap()
+                            };
+                            assert!(valid(&a.keys) == valid(&b.keys), "{what}: keys");
+                            assert!(valid(&a.values) == valid(&b.values), "{what}: values");
+                            let done = a.done.as_ref().unwrap().to_vec_f32().unwrap();
+                            assert!(done.iter().all(|&c| c == 0.0), "{what}: counts left zero");
+                        }
+                        passes += 1;
+                    }
+                }
+            }
+        }
+        // 300 positions in passes of 4.5 on average: 67 passes a case.
+        assert_eq!(passes, if cuda { 3 * 2 * 2 * 67 } else { 0 });
     });
 }
 
@@ -283,7 +392,13 @@ fn sinks_and_the_attention_factor_attend_as_the_composed_step() {
                 let y = normal(&[1, (hq + 2 * hkv) * d], 300 + position as u64).astype(dtype).unwrap();
                 let offset = Offset::Uniform(position);
                 let rotation = Rotation { divisors: &divisors, scale: 1.0, offset: &offset, factor };
-                let step = StepHeads::Stacked { y: &y, heads: (hq, hkv, d), norms: None, rotation: &rotation };
+                let step = StepHeads::Stacked {
+                    y: &y,
+                    batch: y.shape()[0],
+                    heads: (hq, hkv, d),
+                    norms: None,
+                    rotation: &rotation,
+                };
                 let got = rmlx::with_device(device, || {
                     crate::nn::cuda_attention::kv_cache_attention(&step, &mut fused, scale, Scores::sinks(Some(&sinks)))
                         .unwrap()

@@ -88,3 +88,78 @@ fn replayed_steps_equal_the_built_ones_bit_for_bit() {
         }
     })
 }
+
+/// Verification passes (2 to 8 positions of one sequence, then some taken back as rejected
+/// drafts are) replayed as captured launches equal the same passes built as they are, bit for
+/// bit: the Llama family's fixtures, dense and 4-bit, in float32 and bfloat16, over 300
+/// positions; every pass of several positions replayed but those that found no capture for their
+/// length and the caches' capacity. Gemma 3's rotating caches take one position at a time: its
+/// passes are built, and equal too.
+#[test]
+fn replayed_verification_passes_equal_the_built_ones() {
+    if !cuda() {
+        return;
+    }
+    rmlx::with_device(Device::gpu(), || {
+        let fixtures = [("llama_mqa_untied", true), ("qwen3", true), ("qwen3_q4", true), ("gemma3_text", false)];
+        for (name, captured) in fixtures {
+            let dir = fixture_with_tokenizer(name);
+            let prompt = ids(&reference(name)["prompt_ids"]);
+            for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+                let what = format!("{name}, {dtype:?}");
+                let load = |step_capture| {
+                    let opts = LoadOptions {
+                        dtype: Some(dtype),
+                        dequantize: Some(false),
+                        step_capture,
+                        ..LoadOptions::default()
+                    };
+                    crate::loader::load(dir.path(), &opts).unwrap()
+                };
+                let (built, replayed) = (load(StepCapture::Off), load(StepCapture::On));
+                let (mut built_caches, mut replayed_caches) =
+                    (built.model.new_caches(None), replayed.model.new_caches(None));
+                let x =
+                    Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32])
+                        .unwrap();
+                built.model.forward_hidden(&x, &mut built_caches).unwrap();
+                replayed.model.forward_hidden(&x, &mut replayed_caches).unwrap();
+                let (mut passes, mut replays, mut written) = (0, 0, prompt.len());
+                let lengths: [usize; 7] = [3, 8, 2, 5, 4, 7, 6];
+                for (n, &len) in lengths.iter().cycle().enumerate() {
+                    if written >= prompt.len() + 300 {
+                        break;
+                    }
+                    let tokens: Vec<i32> = (0..len).map(|i| ((n * 37 + i * 11) % 40 + 3) as i32).collect();
+                    let x = Array::from_slice(&tokens, &[1, len as i32]).unwrap();
+                    let a = built.model.forward_hidden(&x, &mut built_caches).unwrap();
+                    let b = replayed.model.forward_hidden(&x, &mut replayed_caches).unwrap();
+                    let census = rmlx::graph_census([&b]).unwrap();
+                    let (got, want) = (b.astype(Dtype::Float32).unwrap(), a.astype(Dtype::Float32).unwrap());
+                    let (got, want) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+                    assert!(got == want, "{what}: hidden states differ in a pass of {len} at {written}");
+                    passes += 1;
+                    if census.contains_key("rmlx_decode_step") {
+                        replays += 1;
+                        for launch in LAYER_LAUNCHES {
+                            assert!(!census.contains_key(launch), "{what}: {census:?}");
+                        }
+                    }
+                    // Drafts rejected: all but the first `n % len + 1` positions taken back (where
+                    // every cache can take them back: not a window past its length).
+                    let trimmable = built_caches.iter().all(|c| c.trimmable_after(0));
+                    let rejected = if trimmable { len - (n % len + 1) } else { 0 };
+                    for cache in built_caches.iter_mut().chain(replayed_caches.iter_mut()) {
+                        assert!(rejected == 0 || cache.trim(rejected), "{what}");
+                    }
+                    written += len - rejected;
+                }
+                // A pass finds no capture the first time its length meets the caches' capacity.
+                match captured {
+                    true => assert!(replays + 3 * lengths.len() >= passes, "{what}: {replays} of {passes} replayed"),
+                    false => assert_eq!(replays, 0, "{what}"),
+                }
+            }
+        }
+    })
+}
