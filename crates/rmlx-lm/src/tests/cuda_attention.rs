@@ -10,7 +10,7 @@
 
 use crate::cache::{KvCache, Offset, StandardCache};
 use crate::nn::cuda_attention::{
-    cache_attention, rotating_cache_attention, standard_cache_attention, Scores, StepHeads,
+    cache_attention, rotating_cache_attention, standard_cache_attention, Scores, StepHeads, MAX_QUERIES,
 };
 use crate::nn::cuda_fast::{qkv_heads, HeadNorms, Rotation};
 use rmlx::fast::{self, AttentionMask, GpuBackend};
@@ -169,7 +169,8 @@ fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
                     }
                     assert_eq!((fused.offset, split.offset), (300, 300));
                     let done = fused.done.as_ref().unwrap().to_vec_f32().unwrap();
-                    assert!(done.len() == (batch * hq) as usize && done.iter().all(|&c| c == 0.0), "counts left zero");
+                    let counts = (batch * hq * MAX_QUERIES) as usize;
+                    assert!(done.len() == counts && done.iter().all(|&c| c == 0.0), "counts left zero");
                 }
             }
         }
@@ -184,7 +185,7 @@ fn stacked_heads_attend_as_the_heads_kernel_then_the_attention() {
 /// sinks and soft-capped scores; the buffers' valid positions equal and the counts left zero.
 #[test]
 fn verification_passes_attend_as_their_single_steps() {
-    use crate::nn::cuda_attention::{kv_cache_attention, MAX_QUERIES};
+    use crate::nn::cuda_attention::kv_cache_attention;
     let cuda = fast::gpu_backend() == Some(GpuBackend::Cuda);
     let device = if cuda { Device::gpu() } else { Device::cpu() };
     let lengths = [3, 8, 1, 5, 2, 7, 4, 6];
