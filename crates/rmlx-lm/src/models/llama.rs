@@ -131,8 +131,8 @@ impl Block {
         })
     }
 
-    /// A decoding step of one sequence on the CPU with packed weights, as fused primitives
-    /// ([`cpu_layer`]), where they serve.
+    /// A decoding step (or a verification pass of up to 8 positions) of one sequence on the CPU
+    /// with packed weights, as fused primitives ([`cpu_layer`]), where they serve.
     fn packed_cpu_step(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Option<Array>> {
         let (KvCache::Standard(cache), 1) = (cache, batch) else { return Ok(None) };
         let Some(attention) = self.self_attn.packed_parts() else { return Ok(None) };
