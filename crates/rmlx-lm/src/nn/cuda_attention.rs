@@ -1,18 +1,18 @@
 //! A decoding step's attention over an unbounded KV cache as one kernel, one node of MLX's graph:
 //! the step's heads made from the stacked q/k/v product (normalised and rotated), the new keys
 //! and values written into the cache's buffers in place, and one query a sequence attending over
-//! the positions written so far.
+//! the positions written so far — or up to [`MAX_QUERIES`] queries of one sequence (a speculative
+//! verification pass), each over the positions up to its own.
 //!
 //! The composed step takes a split, two norms and two rotations, two slice updates, two slices of
 //! the buffers and MLX's attention (ten nodes or more with their copies); a decoding step of a
 //! small model is bound by the host work MLX does per node, and every kernel of a step costs the
-//! GPU a launch's gap. Here flash-decoding in one kernel: one block per (query head, sequence,
+//! GPU a launch's gap. Here flash-decoding in one kernel: one block per (query head, query,
 //! chunk of 32 or more positions) scores its chunk, keeps the chunk's maximum, sum of exponentials
 //! and weighted values (float32), and the last block of a head to finish merges the chunks (with a
 //! sink logit per head joining the softmax there, gpt-oss's; each score soft-capped where it is made,
-//! Gemma 2's). The block holding the new position
-//! makes the new key and value itself and one block per KV head writes them into the cache, so
-//! nothing waits for the write.
+//! Gemma 2's). A block whose chunk holds new positions makes their keys and values itself, and one
+//! block per KV head and query writes its query's into the cache, so nothing waits for the write.
 
 use super::cuda_fast::{
     cuda_type, kernel_cache, launch_once, on_cuda, HeadNorms, Launches, Rotation, CUDA_TYPES, HEAD_MATH,
@@ -607,7 +607,7 @@ impl StepHeads<'_> {
 /// Attends the queries of `L` new positions a sequence (one in a decoding step, the drafts and
 /// pending token of a speculative verification pass; at most [`MAX_QUERIES`]; from `heads`) over
 /// the cache buffers `(keys, values)` (`[B, Hkv, capacity, D]`) after writing their keys and values
-/// into them at `position ..  position + L` (one first position for every sequence, or one each:
+/// into them at `position .. position + L` (one first position for every sequence, or one each:
 /// `[B]` int32), each query seeing its own position and every one before it, scores scaled by
 /// `scale`. With a `ring` (one position for every sequence, `L` = 1), the buffers are a rotating
 /// cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the query
