@@ -306,3 +306,34 @@ fn the_budget_counts_the_draft_models_keys_and_values() {
     let err = engine.submit(request(&prompt, greedy(max_tokens))).unwrap_err();
     assert!(matches!(err, rmlx_lm::Error::Prompt(_)) && err.to_string().contains("keys and values"), "{err}");
 }
+
+/// A seeded, sampled request that speculates draws the same tokens beside a request that does
+/// not as alone: a verification pass samples a plain token for the rows without drafts only, and
+/// draws nothing from the speculating rows' streams there.
+#[test]
+fn a_speculating_rows_draws_do_not_depend_on_its_neighbours() {
+    let (_a, lm) = load("llama_gqa");
+    let spec = Speculation { drafter: Drafter::PromptLookup { max_ngram: 3, min_ngram: 1 }, num_draft_tokens: 3 };
+    let sampler = SamplerConfig { temperature: 1.0, top_k: 3, ..Default::default() };
+    let speculating = vec![1, 17, 42, 99, 5, 17, 42, 99, 5, 17, 42, 99, 5, 17, 42];
+    let run = |seed: u64, beside: bool| {
+        let mut engine = Engine::new(&lm, EngineOptions::default()).with_speculation(spec).unwrap();
+        let mut out = HashMap::new();
+        let opts = GenerateOptions { sampler: SamplerConfig { seed: Some(seed), ..sampler.clone() }, ..greedy(24) };
+        let id = engine.submit(request(&speculating, opts)).unwrap();
+        if beside {
+            let mut plain = request(&[3, 8, 21, 60], GenerateOptions { sampler: sampler.clone(), ..greedy(24) });
+            plain.speculative = false;
+            engine.submit(plain).unwrap();
+        }
+        drain(&mut engine, &mut out);
+        out[&id].clone()
+    };
+    let mut drafted = 0;
+    for seed in 0..4 {
+        let ((alone, usage), (beside, _)) = (run(seed, false), run(seed, true));
+        drafted += usage.draft_tokens;
+        assert_eq!(alone, beside, "seed {seed}: the same tokens beside a request that does not speculate");
+    }
+    assert!(drafted > 0, "the requests speculate");
+}

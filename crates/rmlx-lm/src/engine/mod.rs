@@ -540,7 +540,7 @@ impl<'m> Engine<'m> {
         let logits = with_row_adapters(&self.adapters, &slots, || model.logits(&model.forward_hidden(&ids, caches)?))??;
         quantize_caches(caches, self.opts.kv_quantization.as_ref())?;
         let logits = logits.reshape(&[rows, -1])?;
-        let mut next = sample_rows(self.lm, &mut self.running, &logits)?;
+        let mut next = sample_rows(self.lm, &mut self.running, &logits, &[])?;
         rmlx::async_eval(next.arrays().chain(self.caches.iter().flat_map(KvCache::state)))?;
         self.read_inflight(Some(&mut next), out)?;
         if pipelined {

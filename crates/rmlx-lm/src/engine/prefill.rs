@@ -213,7 +213,7 @@ impl Engine<'_> {
         let slots: Vec<usize> = seqs.iter().map(|s| s.adapter).collect();
         let logits = with_row_adapters(&self.adapters, &slots, || self.lm.model.logits(&last))??;
         let logits = logits.reshape(&[rows as i32, -1])?;
-        let sampled = sample_rows(self.lm, &mut seqs, &logits)?;
+        let sampled = sample_rows(self.lm, &mut seqs, &logits, &[])?;
         rmlx::eval(sampled.arrays().chain(caches.iter().flat_map(KvCache::state)))?;
         let read = sampled.read()?;
         let mut keep = Vec::with_capacity(rows);

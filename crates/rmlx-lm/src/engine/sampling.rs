@@ -84,8 +84,15 @@ impl Read {
 
 /// Samples a token for each row of `logits: [rows, vocab]` with each sequence's own sampler. Rows
 /// without logit processors share one log-softmax (and one argmax when greedy); the others, and
-/// every random draw, go row by row with the sequence's own history and key.
-pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Array) -> Result<Sampled> {
+/// every random draw, go row by row with the sequence's own history and key. A row `skipped`
+/// (whose token the caller takes from elsewhere: a speculative pass's verdict) takes the argmax
+/// and draws nothing, so that its sampler's stream does not depend on its neighbours.
+pub(super) fn sample_rows(
+    lm: &LoadedModel,
+    seqs: &mut [Sequence],
+    logits: &Array,
+    skipped: &[bool],
+) -> Result<Sampled> {
     let rows = seqs.len() as i32;
     let finite = ops::isfinite(logits)?.all(rmlx::Axes::from(-1), false)?;
     let logits = lm.vocab.mask_logits(&logits.astype(Dtype::Float32)?)?;
@@ -99,6 +106,12 @@ pub(super) fn sample_rows(lm: &LoadedModel, seqs: &mut [Sequence], logits: &Arra
         let mut rows_lp = Vec::with_capacity(seqs.len());
         let any_processed = seqs.iter().any(Sequence::processes_logits);
         for (i, s) in seqs.iter_mut().enumerate() {
+            if skipped.get(i).copied().unwrap_or(false) {
+                let lp = shared.slice_axis(0, i as i32, i as i32 + 1, 1)?;
+                tokens.push(lp.argmax(Some(-1), false)?.astype(Dtype::Uint32)?.reshape(&[1])?);
+                rows_lp.push(lp);
+                continue;
+            }
             let i = i as i32;
             let own = |s: &mut Sequence| -> Result<(Array, Array)> {
                 let lp = if s.processes_logits() {

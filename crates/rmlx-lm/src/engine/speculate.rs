@@ -200,13 +200,15 @@ impl<'m> Engine<'m> {
         super::quantize_caches(caches, self.opts.kv_quantization.as_ref())?;
         let finite = ops::isfinite(&logits)?.all(rmlx::Axes::from(&[1, 2][..]), false)?;
         let lp = log_softmax(&self.lm.vocab.mask_logits(&logits.astype(Dtype::Float32)?)?)?;
-        // Rows without drafts sample as in a plain step (with their own settings).
+        // Rows without drafts sample as in a plain step (with their own settings); the others
+        // draw nothing there.
         let plain = drafts.tokens.iter().any(Vec::is_empty);
         let sampled = match plain {
             true => Some(sample_rows(
                 self.lm,
                 &mut self.running,
                 &logits.slice_axis(1, 0, 1, 1)?.reshape(&[rows as i32, -1])?,
+                &drafts.tokens.iter().map(|d| !d.is_empty()).collect::<Vec<_>>(),
             )?),
             false => None,
         };
