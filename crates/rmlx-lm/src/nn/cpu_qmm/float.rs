@@ -208,14 +208,14 @@ impl Columns<'_> {
         let group = x.group;
         if x.m() >= ROWS_TOGETHER {
             return match (x.bits, group / BLOCK) {
-                (4, 1) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 1>(group, xs, sums)),
-                (4, 2) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 2>(group, xs, sums)),
-                (4, 4) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 4>(group, xs, sums)),
-                (4, _) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 0>(group, xs, sums)),
-                (_, 1) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 1>(group, xs, sums)),
-                (_, 2) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 2>(group, xs, sums)),
-                (_, 4) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 4>(group, xs, sums)),
-                _ => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 0>(group, xs, sums)),
+                (4, 1) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 1, ROWS_TOGETHER>(group, xs, sums)),
+                (4, 2) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 2, ROWS_TOGETHER>(group, xs, sums)),
+                (4, 4) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 4, ROWS_TOGETHER>(group, xs, sums)),
+                (4, _) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<4, 0, ROWS_TOGETHER>(group, xs, sums)),
+                (_, 1) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 1, ROWS_TOGETHER>(group, xs, sums)),
+                (_, 2) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 2, ROWS_TOGETHER>(group, xs, sums)),
+                (_, 4) => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 4, ROWS_TOGETHER>(group, xs, sums)),
+                _ => self.each_rows(x, out, |row, xs, sums| row.dots_avx2::<8, 0, ROWS_TOGETHER>(group, xs, sums)),
             };
         }
         match (x.bits, group / BLOCK) {
@@ -339,63 +339,28 @@ impl Row<'_> {
         _mm512_reduce_add_ps(_mm512_add_ps(a, b))
     }
 
-    /// AVX2. `BLOCKS`: blocks a group, or 0 for any (`group / BLOCK`).
+    /// AVX2. `BLOCKS`: blocks a group, or 0 for any (`group / BLOCK`): [`dots_avx2`](Self::dots_avx2)
+    /// of the one row `x`.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn dot_avx2<const BITS: usize, const BLOCKS: usize>(&self, group: usize, x: &[f32], xsum: &[f32]) -> f32 {
-        use std::arch::x86_64::*;
-        let (bytes, xp) = (self.w.as_ptr() as *const u8, x.as_ptr());
-        let blocks_per_group = if BLOCKS > 0 { BLOCKS } else { group / BLOCK };
-        let nibble = _mm256_set1_epi32(15);
-        let widen = |at: *const u8| _mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const __m128i));
-        // One group's `Σ q·x` in 8 lanes: four multiply-adds a block, into two sums.
-        let part = |g: usize| {
-            let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            for blk in g * blocks_per_group..(g + 1) * blocks_per_group {
-                prefetch(bytes, blk * BLOCK * BITS / 8);
-                let xb = xp.add(BLOCK * blk);
-                // Vectors of the block's values, in the order of `FloatRows`' inputs.
-                let v: [__m256i; 4] = if BITS == 4 {
-                    let (v0, v1) = (widen(bytes.add(16 * blk)), widen(bytes.add(16 * blk + 8)));
-                    [
-                        _mm256_and_si256(v0, nibble),
-                        _mm256_and_si256(v1, nibble),
-                        _mm256_srli_epi32(v0, 4),
-                        _mm256_srli_epi32(v1, 4),
-                    ]
-                } else {
-                    let at = bytes.add(BLOCK * blk);
-                    [widen(at), widen(at.add(8)), widen(at.add(16)), widen(at.add(24))]
-                };
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[0]), _mm256_loadu_ps(xb), a);
-                b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[1]), _mm256_loadu_ps(xb.add(8)), b);
-                a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[2]), _mm256_loadu_ps(xb.add(16)), a);
-                b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[3]), _mm256_loadu_ps(xb.add(24)), b);
-            }
-            _mm256_add_ps(a, b)
-        };
-        let fma = |s: f32, v, t| _mm256_fmadd_ps(_mm256_set1_ps(s), v, t);
-        let total = self.scaled_sum(_mm256_setzero_ps(), fma, |a, b| _mm256_add_ps(a, b), part);
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), total);
-        lanes.iter().sum::<f32>() + self.biases_term(xsum)
+        self.dots_avx2::<BITS, BLOCKS, 1>(group, [x], [xsum])[0]
     }
 
-    /// [`dot_avx2`](Self::dot_avx2) of [`ROWS_TOGETHER`] rows of `x` at once: each block's values
-    /// widened once, then multiplied into each row's sums; each row's sums made and added in the
-    /// order `dot_avx2` makes them (the same bits).
+    /// `R` rows of `x` (one, or [`ROWS_TOGETHER`]) with AVX2: each block's values widened once,
+    /// then multiplied into each row's two sums (four multiply-adds a block); per group the sums
+    /// added and scaled; each row's result the same bits whatever `R`.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn dots_avx2<const BITS: usize, const BLOCKS: usize>(
+    unsafe fn dots_avx2<const BITS: usize, const BLOCKS: usize, const R: usize>(
         &self,
         group: usize,
-        xs: [&[f32]; ROWS_TOGETHER],
-        xsums: [&[f32]; ROWS_TOGETHER],
-    ) -> [f32; ROWS_TOGETHER] {
+        xs: [&[f32]; R],
+        xsums: [&[f32]; R],
+    ) -> [f32; R] {
         use std::arch::x86_64::*;
-        const R: usize = ROWS_TOGETHER;
         let bytes = self.w.as_ptr() as *const u8;
         let xps = xs.map(|x| x.as_ptr());
         let blocks_per_group = if BLOCKS > 0 { BLOCKS } else { group / BLOCK };
@@ -405,6 +370,7 @@ impl Row<'_> {
             let (mut a, mut b) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
             for blk in g * blocks_per_group..(g + 1) * blocks_per_group {
                 prefetch(bytes, blk * BLOCK * BITS / 8);
+                // Vectors of the block's values, in the order of `FloatRows`' inputs.
                 let v: [__m256i; 4] = if BITS == 4 {
                     let (v0, v1) = (widen(bytes.add(16 * blk)), widen(bytes.add(16 * blk + 8)));
                     [
