@@ -604,26 +604,8 @@ impl StepHeads<'_> {
     }
 }
 
-/// Attends the queries of `L` new positions a sequence (one in a decoding step, the drafts and
-/// pending token of a speculative verification pass; at most [`MAX_QUERIES`]; from `heads`) over
-/// the cache buffers `(keys, values)` (`[B, Hkv, capacity, D]`) after writing their keys and values
-/// into them at `position .. position + L` (one first position for every sequence, or one each:
-/// `[B]` int32), each query seeing its own position and every one before it, scores scaled by
-/// `scale`. With a `ring` (one position for every sequence, `L` = 1), the buffers are a rotating
-/// cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the query
-/// attends every slot written (at most `capacity`, which must not exceed the window). `done`
-/// (`[n]` uint32 with `n ≥ B·Hq·L`, zero) is the buffers' companion: the kernel counts finished
-/// chunks in it and leaves it zero. With `scores.sinks` (`[Hq]`), each head's sink logit joins its
-/// softmax (as `fast::scaled_dot_product_attention_with_sinks` takes them); with `scores.softcap`,
-/// each scaled score is soft-capped first (as `models::softcapped_attention`). Returns
-/// `[attention ([B, Hq, L, D]), keys', values', done']`.
-///
-/// The buffers are the caller's alone ([`InPlace::Owned`]): `keys'`, `values'` and `done'` are
-/// the same buffers, updated in place even while work queued earlier still reads them, and any
-/// other array over them sees the new positions (a buffer that is not row-contiguous is copied
-/// first). `None` where it does not serve (not MLX's CUDA backend, training, other shapes or
-/// types, a head size not a multiple of 32 or above 256, a capacity above [`MAX_CAPACITY`], new
-/// positions past the buffers' end). (The caches' calls below take the kernel's own layout.)
+/// [`attend_rows`] with the attention heads first, `[B, Hq, L, D]` (what the tests compare
+/// with MLX's attention).
 #[cfg(test)]
 pub fn cache_attention(
     heads: &StepHeads,
@@ -648,7 +630,26 @@ fn heads_first(attention: &Array) -> Result<Array> {
     }
 }
 
-/// [`cache_attention`] with the attention as the kernel writes it: `[B, L, Hq, D]`.
+/// Attends the queries of `L` new positions a sequence (one in a decoding step, the drafts and
+/// pending token of a speculative verification pass; at most [`MAX_QUERIES`]; from `heads`) over
+/// the cache buffers `(keys, values)` (`[B, Hkv, capacity, D]`) after writing their keys and values
+/// into them at `position .. position + L` (one first position for every sequence, or one each:
+/// `[B]` int32), each query seeing its own position and every one before it, scores scaled by
+/// `scale`. With a `ring` (one position for every sequence, `L` = 1), the buffers are a rotating
+/// cache's, laid out as [`Ring::slot`] says: the new position goes to its slot and the query
+/// attends every slot written (at most `capacity`, which must not exceed the window). `done`
+/// (`[n]` uint32 with `n ≥ B·Hq·L`, zero) is the buffers' companion: the kernel counts finished
+/// chunks in it and leaves it zero. With `scores.sinks` (`[Hq]`), each head's sink logit joins its
+/// softmax (as `fast::scaled_dot_product_attention_with_sinks` takes them); with `scores.softcap`,
+/// each scaled score is soft-capped first (as `models::softcapped_attention`). Returns
+/// `[attention ([B, L, Hq, D]: queries first, as the kernel writes it), keys', values', done']`.
+///
+/// The buffers are the caller's alone ([`InPlace::Owned`]): `keys'`, `values'` and `done'` are
+/// the same buffers, updated in place even while work queued earlier still reads them, and any
+/// other array over them sees the new positions (a buffer that is not row-contiguous is copied
+/// first). `None` where it does not serve (not MLX's CUDA backend, training, other shapes or
+/// types, a head size not a multiple of 32 or above 256, a capacity above [`MAX_CAPACITY`], new
+/// positions past the buffers' end).
 fn attend_rows(
     heads: &StepHeads,
     (keys, values, done): (&Array, &Array, &Array),
@@ -761,9 +762,8 @@ fn attend_rows(
     Ok(Some([attention, keys, values, done]))
 }
 
-/// [`cache_attention`] over an unbounded cache: its buffers grown to hold the new position
-/// first, updated in place, and its offset advanced. `None` (the cache as it was, but for
-/// buffers grown) where the kernel does not serve.
+/// [`standard_rows`] with the attention heads first, `[B, Hq, L, D]` (for the tests).
+#[cfg(test)]
 pub fn standard_cache_attention(
     heads: &StepHeads,
     cache: &mut StandardCache,
@@ -774,7 +774,9 @@ pub fn standard_cache_attention(
     Ok(Some(heads_first(&attention)?))
 }
 
-/// [`standard_cache_attention`] as the kernel writes it: `[B, L, Hq, D]`.
+/// [`attend_rows`] over an unbounded cache: its buffers grown to hold the new positions first,
+/// updated in place, and its offset advanced; the attention `[B, L, Hq, D]`. `None` (the cache as
+/// it was, but for buffers grown) where the kernel does not serve.
 fn standard_rows(
     heads: &StepHeads,
     cache: &mut StandardCache,
@@ -794,10 +796,8 @@ fn standard_rows(
     Ok(attention)
 }
 
-/// [`cache_attention`] over a rotating cache: its buffers made ready to take the new position in
-/// its ring slot first ([`RotatingCache::prepare_write`]), updated in place, and its offset
-/// advanced. `None` (the cache as it was, but for buffers made ready) where the kernel does not
-/// serve.
+/// [`rotating_rows`] with the attention heads first, `[B, Hq, 1, D]` (for the tests).
+#[cfg(test)]
 pub fn rotating_cache_attention(
     heads: &StepHeads,
     cache: &mut RotatingCache,
@@ -808,7 +808,10 @@ pub fn rotating_cache_attention(
     Ok(Some(heads_first(&attention)?))
 }
 
-/// [`rotating_cache_attention`] as the kernel writes it: `[B, 1, Hq, D]`.
+/// [`attend_rows`] over a rotating cache (one position a sequence): its buffers made ready to
+/// take the new position in its ring slot first ([`RotatingCache::prepare_write`]), updated in
+/// place, and its offset advanced; the attention `[B, 1, Hq, D]`. `None` (the cache as it was, but
+/// for buffers made ready) where the kernel does not serve.
 fn rotating_rows(
     heads: &StepHeads,
     cache: &mut RotatingCache,
@@ -833,7 +836,7 @@ fn rotating_rows(
     Ok(attention)
 }
 
-/// [`cache_attention`] at `position` (in `ring`, if one) over a cache's buffers `[keys, values,
+/// [`attend_rows`] at `position` (in `ring`, if one) over a cache's buffers `[keys, values,
 /// done]` (the chunk counts made first for `counts` query heads and up to [`MAX_QUERIES`]
 /// positions each, so that steps and verification passes share them), lent to the kernel and
 /// given back: updated in place where it served, as they were where it did not. The attention
@@ -864,19 +867,16 @@ fn attend_buffers(
     }
 }
 
-/// [`standard_cache_attention`] or [`rotating_cache_attention`], as `cache` is; `None` for a
-/// batch's cache (or where the kernel does not serve).
+/// The new positions' attention over `cache` (`[B, Hq, L, D]`): an unbounded cache's
+/// ([`standard_rows`]) or a rotating one's ([`rotating_rows`]); `None` for a batch's cache (or
+/// where the kernel does not serve).
 pub fn kv_cache_attention(
     heads: &StepHeads,
     cache: &mut KvCache,
     scale: f32,
     scores: Scores,
 ) -> crate::Result<Option<Array>> {
-    match cache {
-        KvCache::Standard(c) => standard_cache_attention(heads, c, scale, scores),
-        KvCache::Rotating(c) => rotating_cache_attention(heads, c, scale, scores),
-        KvCache::Batch(_) | KvCache::Quantized(_) => Ok(None),
-    }
+    kv_cache_rows(heads, cache, scale, scores)?.map(|a| heads_first(&a)).transpose().map_err(Into::into)
 }
 
 /// [`kv_cache_attention`] with the heads merged: `[B·L, Hq·D]`, the rows the output projection
@@ -887,14 +887,18 @@ pub fn merged_cache_attention(
     scale: f32,
     scores: Scores,
 ) -> crate::Result<Option<Array>> {
-    let attention = match cache {
-        KvCache::Standard(c) => standard_rows(heads, c, scale, scores)?,
-        KvCache::Rotating(c) => rotating_rows(heads, c, scale, scores)?,
-        KvCache::Batch(_) | KvCache::Quantized(_) => None,
-    };
-    let Some(attention) = attention else { return Ok(None) };
+    let Some(attention) = kv_cache_rows(heads, cache, scale, scores)? else { return Ok(None) };
     let &[b, l, hq, d] = attention.shape() else { unreachable!("the kernel's output is 4-D") };
     Ok(Some(attention.reshape(&[b * l, hq * d])?))
+}
+
+/// [`kv_cache_attention`] as the kernel writes it: `[B, L, Hq, D]`.
+fn kv_cache_rows(heads: &StepHeads, cache: &mut KvCache, scale: f32, scores: Scores) -> crate::Result<Option<Array>> {
+    match cache {
+        KvCache::Standard(c) => standard_rows(heads, c, scale, scores),
+        KvCache::Rotating(c) => rotating_rows(heads, c, scale, scores),
+        KvCache::Batch(_) | KvCache::Quantized(_) => Ok(None),
+    }
 }
 
 /// The source of the kernel for `s`.
