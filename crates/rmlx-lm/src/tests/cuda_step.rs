@@ -7,7 +7,7 @@
 
 use super::common::{fixture_with_tokenizer, ids, reference};
 use crate::nn::StepCapture;
-use crate::LoadOptions;
+use crate::{LoadOptions, LoadedModel};
 use rmlx::fast::{self, GpuBackend};
 use rmlx::{Array, Device, Dtype};
 
@@ -17,6 +17,33 @@ fn cuda() -> bool {
 
 /// Operations of the layers' launches that a replayed step's graph must not hold.
 const LAYER_LAUNCHES: [&str; 2] = ["rmlx_decode_attention", "rmlx_fused_matvec"];
+
+/// The fixture in `dir` loaded in `dtype` twice: its steps built as they are, and captured.
+fn built_and_replayed(dir: &std::path::Path, dtype: Dtype) -> (LoadedModel, LoadedModel) {
+    let load = |step_capture| {
+        let opts = LoadOptions { dtype: Some(dtype), dequantize: Some(false), step_capture, ..LoadOptions::default() };
+        crate::loader::load(dir, &opts).unwrap()
+    };
+    (load(StepCapture::Off), load(StepCapture::On))
+}
+
+/// The ids `[1, L]` of one sequence.
+fn row(ids: &[u32]) -> Array {
+    Array::from_slice(&ids.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, ids.len() as i32]).unwrap()
+}
+
+/// Whether `out`'s graph is a replay (the captured launch), which then holds none of the layers'
+/// launches.
+fn replays_in(out: &Array, what: &str) -> bool {
+    let census = rmlx::graph_census([out]).unwrap();
+    let replayed = census.contains_key("rmlx_decode_step");
+    if replayed {
+        for launch in LAYER_LAUNCHES {
+            assert!(!census.contains_key(launch), "{what}: {census:?}");
+        }
+    }
+    replayed
+}
 
 #[test]
 fn replayed_steps_equal_the_built_ones_bit_for_bit() {
@@ -40,21 +67,10 @@ fn replayed_steps_equal_the_built_ones_bit_for_bit() {
             let prompt = ids(&reference(name)["prompt_ids"]);
             for dtype in [Dtype::Float32, Dtype::Bfloat16] {
                 let what = format!("{name}, {dtype:?}");
-                let load = |step_capture| {
-                    let opts = LoadOptions {
-                        dtype: Some(dtype),
-                        dequantize: Some(false),
-                        step_capture,
-                        ..LoadOptions::default()
-                    };
-                    crate::loader::load(dir.path(), &opts).unwrap()
-                };
-                let (built, replayed) = (load(StepCapture::Off), load(StepCapture::On));
+                let (built, replayed) = built_and_replayed(dir.path(), dtype);
                 let (mut built_caches, mut replayed_caches) =
                     (built.model.new_caches(None), replayed.model.new_caches(None));
-                let x =
-                    Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32])
-                        .unwrap();
+                let x = row(&prompt);
                 // The layers' outputs are compared (the head may take a product whose sums are not
                 // in a fixed order); the tokens are the built model's greedy ones.
                 let mut a = built.model.forward_hidden(&x, &mut built_caches).unwrap();
@@ -72,13 +88,7 @@ fn replayed_steps_equal_the_built_ones_bit_for_bit() {
                     let x = Array::from_slice(&[token], &[1, 1]).unwrap();
                     a = built.model.forward_hidden(&x, &mut built_caches).unwrap();
                     b = replayed.model.forward_hidden(&x, &mut replayed_caches).unwrap();
-                    let census = rmlx::graph_census([&b]).unwrap();
-                    if census.contains_key("rmlx_decode_step") {
-                        replays += 1;
-                        for launch in LAYER_LAUNCHES {
-                            assert!(!census.contains_key(launch), "{what}: {census:?}");
-                        }
-                    }
+                    replays += usize::from(replays_in(&b, &what));
                 }
                 match captured {
                     true => assert!(replays >= 300 - 6, "{what}: {replays} of 300 steps replayed"),
@@ -107,21 +117,10 @@ fn replayed_verification_passes_equal_the_built_ones() {
             let prompt = ids(&reference(name)["prompt_ids"]);
             for dtype in [Dtype::Float32, Dtype::Bfloat16] {
                 let what = format!("{name}, {dtype:?}");
-                let load = |step_capture| {
-                    let opts = LoadOptions {
-                        dtype: Some(dtype),
-                        dequantize: Some(false),
-                        step_capture,
-                        ..LoadOptions::default()
-                    };
-                    crate::loader::load(dir.path(), &opts).unwrap()
-                };
-                let (built, replayed) = (load(StepCapture::Off), load(StepCapture::On));
+                let (built, replayed) = built_and_replayed(dir.path(), dtype);
                 let (mut built_caches, mut replayed_caches) =
                     (built.model.new_caches(None), replayed.model.new_caches(None));
-                let x =
-                    Array::from_slice(&prompt.iter().map(|&t| t as i32).collect::<Vec<_>>(), &[1, prompt.len() as i32])
-                        .unwrap();
+                let x = row(&prompt);
                 built.model.forward_hidden(&x, &mut built_caches).unwrap();
                 replayed.model.forward_hidden(&x, &mut replayed_caches).unwrap();
                 let (mut passes, mut replays, mut written) = (0, 0, prompt.len());
@@ -134,17 +133,12 @@ fn replayed_verification_passes_equal_the_built_ones() {
                     let x = Array::from_slice(&tokens, &[1, len as i32]).unwrap();
                     let a = built.model.forward_hidden(&x, &mut built_caches).unwrap();
                     let b = replayed.model.forward_hidden(&x, &mut replayed_caches).unwrap();
-                    let census = rmlx::graph_census([&b]).unwrap();
+                    let replayed_pass = replays_in(&b, &what);
                     let (got, want) = (b.astype(Dtype::Float32).unwrap(), a.astype(Dtype::Float32).unwrap());
                     let (got, want) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
                     assert!(got == want, "{what}: hidden states differ in a pass of {len} at {written}");
                     passes += 1;
-                    if census.contains_key("rmlx_decode_step") {
-                        replays += 1;
-                        for launch in LAYER_LAUNCHES {
-                            assert!(!census.contains_key(launch), "{what}: {census:?}");
-                        }
-                    }
+                    replays += usize::from(replayed_pass);
                     // Drafts rejected: all but the first `n % len + 1` positions taken back (where
                     // every cache can take them back: not a window past its length).
                     let trimmable = built_caches.iter().all(|c| c.trimmable_after(0));
