@@ -34,7 +34,7 @@ batch() { timeout 150 $RMLX batch --model $M/qwen3-8b-q4 --prompts /tmp/p$1.json
 batch 1 --max-tokens 8  # kernels compiled before the timed runs
 for n in 1 2 4; do batch $n --max-tokens 64; batch $n --max-tokens 64 --draft-model $M/qwen3-0.6b-q4 --num-draft-tokens 2; done
 PROMPT=$(python3 -c "print(' '.join(f't{(i*7919)%50000+10}' for i in range(512)))")
-for extra in "" "--draft-model $M/qwen3-0.6b-q4 --num-draft-tokens 2"; do
+for extra in "" "--draft-model $M/qwen3-0.6b-q4 --num-draft-tokens 1" "--draft-model $M/qwen3-0.6b-q4 --num-draft-tokens 2" "--draft-model $M/qwen3-0.6b-q4 --num-draft-tokens 4"; do
   timeout 150 $RMLX generate --model $M/qwen3-8b-q4 --raw --json -m 256 --prompt "$PROMPT" $extra 2>/dev/null \
     | python3 -c "import json,sys; d=json.load(sys.stdin); print(json.dumps(dict(generate='$extra', tok_s=d['generation_tps'], passes=d.get('model_passes'))))"
 done

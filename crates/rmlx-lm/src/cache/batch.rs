@@ -500,7 +500,20 @@ impl BatchCache {
     }
 
     /// Appends the rows of `other` after this batch's, padding whichever batch is shorter on the
-    /// left so that both write at the same position.
+    /// left so that both write at the same position. Rows not started yet (a batch of rows that
+    /// has had no update) join as rows holding nothing, all padding: speculative decoding's draft
+    /// cache gives a sequence that will not speculate such a row, without computing anything.
+    ///
+    /// ```
+    /// use rmlx_lm::cache::BatchCache;
+    /// let mut c = BatchCache::new(1, None);
+    /// let k = rmlx::ops::zeros(&[1, 2, 3, 4], rmlx::Dtype::Float32)?;
+    /// c.update(&k, &k)?;
+    /// c.extend(BatchCache::new(1, None))?;
+    /// assert_eq!(c.lengths(), vec![3, 0]);
+    /// assert_eq!(c.offsets()?.to_vec::<i32>()?, vec![3, 0]);
+    /// # Ok::<(), rmlx_lm::Error>(())
+    /// ```
     pub fn extend(&mut self, mut other: BatchCache) -> Result<()> {
         if other.rows() == 0 {
             return Ok(());
@@ -520,8 +533,26 @@ impl BatchCache {
             (None, Some(q)) => self.quantize(&KvQuantization { start: 0, ..q })?,
             _ => {}
         }
+        // A side with no update yet takes buffers of no columns shaped like the other's.
+        match (&self.keys, &self.values, &other.keys, &other.values) {
+            (None, None, None, None) => {
+                self.padding.extend(other.padding);
+                self.shift.extend(other.shift);
+                self.behind.extend(other.behind);
+                return Ok(());
+            }
+            (Some(k), Some(v), None, None) => {
+                other.keys = Some(k.zeros(other.rows() as i32, 0)?);
+                other.values = Some(v.zeros(other.rows() as i32, 0)?);
+            }
+            (None, None, Some(k), Some(v)) => {
+                self.keys = Some(k.zeros(self.rows() as i32, 0)?);
+                self.values = Some(v.zeros(self.rows() as i32, 0)?);
+            }
+            _ => {}
+        }
         let (Some(mk), Some(mv), Some(ok), Some(ov)) = (&self.keys, &self.values, &other.keys, &other.values) else {
-            return Err(Error::InvalidParameter("a batch cache joined before its first update".into()));
+            unreachable!("both sides have buffers")
         };
         let width = self.written.max(other.written);
         let room = STEP;

@@ -303,24 +303,19 @@ impl<'m> Engine<'m> {
 
     /// The draft model's cache rows for sequences joining the batch: each one's history but its
     /// last token, computed alone (in chunks of the prefill budget); a sequence that will not
-    /// speculate gets an empty row.
+    /// speculate gets a row holding nothing, computed from nothing.
     pub(super) fn draft_rows(&self, seqs: &mut [Sequence]) -> Result<Vec<BatchCache>> {
         let Some(Drafter::Model(d)) = self.speculation.map(|s| s.drafter) else { return Ok(Vec::new()) };
         let windows = d.layer_windows();
         let mut all: Vec<BatchCache> = windows.iter().map(|&w| BatchCache::new(0, w)).collect();
         for s in seqs {
             let mut caches: Vec<KvCache> = windows.iter().map(|&w| KvCache::Batch(BatchCache::new(1, w))).collect();
-            let body = if s.may_speculate() { &s.history[..s.history.len() - 1] } else { &s.history[..1] };
+            let body = if s.may_speculate() { &s.history[..s.history.len() - 1] } else { &[][..] };
             for part in body.chunks(self.opts.prefill_tokens.max(1)) {
                 d.model.forward_hidden(&ids_array(part)?, &mut caches)?;
                 rmlx::eval(caches.iter().flat_map(KvCache::state))?;
             }
             s.draft_fed = body.len();
-            if !s.may_speculate() {
-                // A placeholder position, taken back: the row holds nothing.
-                trim_rows(&mut caches, &[1])?;
-                s.draft_fed = 0;
-            }
             for (a, c) in all.iter_mut().zip(caches) {
                 let KvCache::Batch(c) = c else { unreachable!("batch caches") };
                 a.extend(c)?;

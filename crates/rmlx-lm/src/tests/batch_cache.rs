@@ -132,3 +132,37 @@ fn rows_trimmed_apart_attend_as_their_own_sequences() {
     // More than a row holds is refused.
     assert!(matches!(batch.trim_rows(&[0, 100]), Err(crate::Error::InvalidParameter(_))));
 }
+
+#[test]
+fn rows_not_started_join_holding_nothing() {
+    // Batch rows: an empty one, a started one (3 positions), then another empty one; all three then
+    // attend over two new positions. The empty rows must see only those, as a fresh cache does,
+    // and the started one its 3 + 2, as alone.
+    let rand = |shape: &[i32], seed: u64| {
+        let key = rmlx::random::key(seed).unwrap();
+        rmlx::random::normal(shape, Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap()
+    };
+    let first = rand(&[1, 1, 3, 4], 0);
+    let mut started = BatchCache::new(1, None);
+    started.update(&first, &first).unwrap();
+    let mut batch = BatchCache::new(1, None);
+    batch.extend(started).unwrap();
+    batch.extend(BatchCache::new(1, None)).unwrap();
+    assert_eq!(batch.lengths(), vec![0, 3, 0]);
+    let (k, q) = (rand(&[3, 1, 2, 4], 1), rand(&[3, 1, 2, 4], 2));
+    let together = values(&attend(&mut batch, &k, &q));
+    assert_eq!(batch.lengths(), vec![2, 5, 2]);
+    assert_eq!(batch.offsets().unwrap().to_vec::<i32>().unwrap(), vec![2, 5, 2]);
+    let row = |a: &Array, r: i32| a.slice_axis(0, r, r + 1, 1).unwrap();
+    let mut apart = Vec::new();
+    for r in 0..3 {
+        let mut c = BatchCache::new(1, None);
+        if r == 1 {
+            c.update(&first, &first).unwrap();
+        }
+        apart.extend(values(&attend(&mut c, &row(&k, r), &row(&q, r))));
+    }
+    for (a, b) in together.iter().zip(&apart) {
+        assert!((a - b).abs() < 1e-5, "{a} != {b}");
+    }
+}
