@@ -117,6 +117,9 @@ pub struct BatchCache {
     /// itself included. The mask bounds what is seen; positions before every row's window are
     /// dropped from time to time.
     window: Option<i32>,
+    /// The decoding attention kernel's chunk counts while the batch's one sequence decodes as a
+    /// standard cache ([`BatchCache::take_lone`]), kept for its next step.
+    lone_done: Option<Array>,
 }
 
 impl BatchCache {
@@ -124,7 +127,17 @@ impl BatchCache {
     pub fn new(rows: usize, window: Option<usize>) -> BatchCache {
         let window = window.map(|w| w.min(i32::MAX as usize) as i32);
         let (padding, shift, behind) = (vec![0; rows], vec![0; rows], vec![0; rows]);
-        BatchCache { keys: None, values: None, quantization: None, padding, shift, behind, written: 0, window }
+        BatchCache {
+            keys: None,
+            values: None,
+            quantization: None,
+            padding,
+            shift,
+            behind,
+            written: 0,
+            window,
+            lone_done: None,
+        }
     }
 
     /// One sequence whose positions so far are `prefix` (as [`BatchCache::extract`] returns
@@ -272,6 +285,54 @@ impl BatchCache {
         }
         self.settle();
         Ok(())
+    }
+
+    /// The buffers of a batch of one sequence that the batch layout adds nothing to (no padding,
+    /// nothing dropped out of a window or taken back, nothing packed), handed over as a standard
+    /// cache's: the engine decodes a sequence alone as `generate` does, its steps replayed as one
+    /// captured launch (`nn::cuda_step`). `None`, and nothing changed, for any other batch;
+    /// [`BatchCache::put_lone`] takes the buffers back.
+    ///
+    /// ```
+    /// use rmlx_lm::cache::BatchCache;
+    /// let mut c = BatchCache::new(1, None);
+    /// let k = rmlx::ops::zeros(&[1, 2, 3, 4], rmlx::Dtype::Float32)?;
+    /// c.update(&k, &k)?;
+    /// let mut lone = c.take_lone().unwrap();
+    /// assert_eq!(lone.offset, 3);
+    /// lone.write(&k, &k)?;
+    /// c.put_lone(lone);
+    /// assert_eq!(c.lengths(), vec![6]);
+    /// # Ok::<(), rmlx_lm::Error>(())
+    /// ```
+    pub fn take_lone(&mut self) -> Option<super::StandardCache> {
+        if !self.is_lone() {
+            return None;
+        }
+        let (Some(Stored::Plain(keys)), Some(Stored::Plain(values))) = (self.keys.take(), self.values.take()) else {
+            unreachable!("checked above")
+        };
+        let done = self.lone_done.take();
+        Some(super::StandardCache { keys: Some(keys), values: Some(values), offset: self.written as usize, done })
+    }
+
+    /// Whether [`BatchCache::take_lone`] takes this batch.
+    pub fn is_lone(&self) -> bool {
+        self.rows() == 1
+            && self.padding[0] == 0
+            && self.shift[0] == 0
+            && self.behind[0] == 0
+            && self.window.is_none()
+            && self.quantization.is_none()
+            && matches!((&self.keys, &self.values), (Some(Stored::Plain(_)), Some(Stored::Plain(_))))
+    }
+
+    /// Takes back what [`BatchCache::take_lone`] handed over, with the positions written since.
+    pub fn put_lone(&mut self, lone: super::StandardCache) {
+        self.written = lone.offset as i32;
+        self.keys = lone.keys.map(Stored::Plain);
+        self.values = lone.values.map(Stored::Plain);
+        self.lone_done = lone.done;
     }
 
     /// Moves the shared write position back to the longest row.

@@ -66,6 +66,30 @@ pub enum KvCache {
     Quantized(QuantizedCache),
 }
 
+/// `f` over a model's `caches`: where every layer's is a batch of one sequence that
+/// [`BatchCache::take_lone`] takes, as standard caches (so that the steps of a sequence decoding
+/// alone in the engine run as `generate`'s, captured on a GPU), then handed back; as they are
+/// otherwise.
+pub fn with_lone_caches<T>(caches: &mut [KvCache], f: impl FnOnce(&mut [KvCache]) -> T) -> T {
+    let lone = !caches.is_empty() && caches.iter().all(|c| matches!(c, KvCache::Batch(b) if b.is_lone()));
+    if !lone {
+        return f(caches);
+    }
+    let mut batches = Vec::with_capacity(caches.len());
+    for c in caches.iter_mut() {
+        let KvCache::Batch(b) = c else { unreachable!("checked above") };
+        let standard = b.take_lone().expect("checked above");
+        batches.push(std::mem::replace(c, KvCache::Standard(standard)));
+    }
+    let out = f(caches);
+    for (c, batch) in caches.iter_mut().zip(batches) {
+        let standard = std::mem::replace(c, batch);
+        let (KvCache::Batch(b), KvCache::Standard(s)) = (c, standard) else { unreachable!("swapped above") };
+        b.put_lone(s);
+    }
+    out
+}
+
 /// Where the rotary embedding of a layer's new positions starts.
 pub enum Offset {
     /// The same position for every sequence.

@@ -56,7 +56,7 @@ pub use lockstep::Lockstep;
 pub use prompt_cache::PromptCache;
 pub use prompt_disk::{DiskTier, PromptCacheDir};
 
-use crate::cache::{BatchCache, KvCache};
+use crate::cache::{with_lone_caches, BatchCache, KvCache};
 use crate::generate::{ids_array, FinishReason, GenerateOptions};
 use crate::grammar::{Grammar, GrammarCompiler};
 use crate::loader::LoadedModel;
@@ -537,7 +537,10 @@ impl<'m> Engine<'m> {
         };
         let slots: Vec<usize> = self.running.iter().map(|s| s.adapter).collect();
         let (model, caches, ids) = (&self.lm.model, &mut self.caches, ids.reshape(&[rows, 1])?);
-        let logits = with_row_adapters(&self.adapters, &slots, || model.logits(&model.forward_hidden(&ids, caches)?))??;
+        // A sequence alone decodes through standard caches, as `generate` does (captured on a GPU).
+        let logits = with_lone_caches(caches, |caches| {
+            with_row_adapters(&self.adapters, &slots, || model.logits(&model.forward_hidden(&ids, caches)?))
+        })??;
         quantize_caches(caches, self.opts.kv_quantization.as_ref())?;
         let logits = logits.reshape(&[rows, -1])?;
         let mut next = sample_rows(self.lm, &mut self.running, &logits, &[])?;

@@ -11,7 +11,7 @@
 use super::sampling::sample_rows;
 use super::sequence::Sequence;
 use super::{non_finite, Engine, Update};
-use crate::cache::{BatchCache, KvCache};
+use crate::cache::{with_lone_caches, BatchCache, KvCache};
 use crate::generate::ids_array;
 use crate::loader::LoadedModel;
 use crate::nn::with_row_adapters;
@@ -131,7 +131,7 @@ impl<'m> Engine<'m> {
             ids.extend(own.iter().chain(std::iter::repeat(&last)).take(width).map(|&t| t as i32));
         }
         let ids = Array::from_slice(&ids, &[rows as i32, width as i32])?;
-        let h = d.model.forward_hidden(&ids, &mut self.draft_caches)?;
+        let h = with_lone_caches(&mut self.draft_caches, |c| d.model.forward_hidden(&ids, c))?;
         // Each drafting row's last own position.
         let at: Vec<i32> = (0..rows).map(|i| if want[i] > 0 { pending[i] as i32 - 1 } else { 0 }).collect();
         let at = Array::from_slice(&at, &[rows as i32, 1, 1])?;
@@ -172,7 +172,8 @@ impl<'m> Engine<'m> {
             }
             // Rows wanting another draft feed this one; the others a placeholder taken back.
             let next: Vec<i32> = (0..rows).map(|i| picked[i] as i32).collect();
-            let h = d.model.forward_hidden(&Array::from_slice(&next, &[rows as i32, 1])?, &mut self.draft_caches)?;
+            let next = Array::from_slice(&next, &[rows as i32, 1])?;
+            let h = with_lone_caches(&mut self.draft_caches, |c| d.model.forward_hidden(&next, c))?;
             logits = d.model.logits(&h)?.reshape(&[rows as i32, -1])?;
             let feeds: Vec<bool> = (0..rows).map(|i| want[i] > j + 1).collect();
             trim_rows(&mut self.draft_caches, &feeds.iter().map(|&f| usize::from(!f)).collect::<Vec<_>>())?;
@@ -196,7 +197,9 @@ impl<'m> Engine<'m> {
         let ids = Array::from_slice(&ids, &[rows as i32, width as i32])?;
         let slots: Vec<usize> = self.running.iter().map(|s| s.adapter).collect();
         let (model, caches) = (&self.lm.model, &mut self.caches);
-        let logits = with_row_adapters(&self.adapters, &slots, || model.logits(&model.forward_hidden(&ids, caches)?))??;
+        let logits = with_lone_caches(caches, |caches| {
+            with_row_adapters(&self.adapters, &slots, || model.logits(&model.forward_hidden(&ids, caches)?))
+        })??;
         super::quantize_caches(caches, self.opts.kv_quantization.as_ref())?;
         let finite = ops::isfinite(&logits)?.all(rmlx::Axes::from(&[1, 2][..]), false)?;
         let lp = log_softmax(&self.lm.vocab.mask_logits(&logits.astype(Dtype::Float32)?)?)?;

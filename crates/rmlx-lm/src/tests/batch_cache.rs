@@ -166,3 +166,44 @@ fn rows_not_started_join_holding_nothing() {
         assert!((a - b).abs() < 1e-5, "{a} != {b}");
     }
 }
+
+#[test]
+fn a_lone_sequence_is_handed_over_as_standard_caches() {
+    use crate::cache::{with_lone_caches, KvCache};
+    let started = |rows: i32, window: Option<usize>| {
+        let mut c = BatchCache::new(rows as usize, window);
+        let k = positions(rows, 0, 3);
+        c.update(&k, &k).unwrap();
+        KvCache::Batch(c)
+    };
+    // One row: a standard cache at its position, whose writes the batch then holds.
+    let mut caches = vec![started(1, None), started(1, None)];
+    let seen = with_lone_caches(&mut caches, |c| {
+        c.iter_mut()
+            .map(|c| match c {
+                KvCache::Standard(s) => {
+                    let k = positions(1, 3, 2);
+                    s.write(&k, &k).unwrap();
+                    s.offset
+                }
+                _ => 0,
+            })
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(seen, vec![3 + 2, 3 + 2]);
+    for c in &caches {
+        let KvCache::Batch(b) = c else { panic!("handed back as a batch") };
+        assert_eq!(b.lengths(), vec![5]);
+        let row = b.extract(0).unwrap().unwrap();
+        assert_eq!(values(&row.keys.unpacked(Dtype::Float32).unwrap()), vec![0.0, 1.0, 2.0, 3.0, 4.0]);
+    }
+    // Two rows, a window, or a window in one layer only: the batches as they are.
+    for mut caches in [
+        vec![started(2, None)],
+        vec![started(1, Some(8))],
+        vec![started(1, None), started(1, Some(8))],
+    ] {
+        let batches = with_lone_caches(&mut caches, |c| c.iter().all(|c| matches!(c, KvCache::Batch(_))));
+        assert!(batches);
+    }
+}
