@@ -198,11 +198,7 @@ fn a_lone_sequence_is_handed_over_as_standard_caches() {
         assert_eq!(values(&row.keys.unpacked(Dtype::Float32).unwrap()), vec![0.0, 1.0, 2.0, 3.0, 4.0]);
     }
     // Two rows, a window, or a window in one layer only: the batches as they are.
-    for mut caches in [
-        vec![started(2, None)],
-        vec![started(1, Some(8))],
-        vec![started(1, None), started(1, Some(8))],
-    ] {
+    for mut caches in [vec![started(2, None)], vec![started(1, Some(8))], vec![started(1, None), started(1, Some(8))]] {
         let batches = with_lone_caches(&mut caches, |c| c.iter().all(|c| matches!(c, KvCache::Batch(_))));
         assert!(batches);
     }
