@@ -1,6 +1,7 @@
 //! The fused CPU decoding step of Llama-family blocks (`nn::cpu_layer`): a quantised model decodes
 //! through it (two primitives a layer, counted in the step's graph), and its logits, step by step
-//! through the cache, and its greedy tokens are those of the composed step. The composed step is
+//! through the cache, and its greedy tokens are those of the composed step; a batch's step (the
+//! engine's, rows padded apart) computes what each sequence's own step does. The composed step is
 //! the same model with a zero adapter on every output projection, which makes the fused step
 //! decline and adds exactly zero to the products.
 
@@ -8,6 +9,7 @@ mod common;
 
 use common::{fixture_with_tokenizer, ids, reference};
 use rmlx::{Array, Dtype};
+use rmlx_lm::cache::{BatchCache, KvCache, RowKv, Stored};
 use rmlx_lm::nn::Lora;
 use rmlx_lm::{GenerateOptions, LoadOptions, LoadedModel};
 
@@ -154,6 +156,74 @@ fn fused_passes_compute_their_single_steps() {
                 position += len;
             }
             assert!(position > 256, "{name}: the cache grew");
+        }
+    }
+}
+
+/// A step of a batch of sequences of different lengths (the engine's batch cache, rows padded on
+/// the left): each row's hidden state is, bit for bit, what its sequence's own step computes
+/// through a standard cache, step after step and across the buffers' growth; two fused
+/// primitives a layer. Nine rows are more than the fused step takes: composed.
+#[test]
+fn a_batchs_step_computes_each_sequences_own() {
+    rmlx::set_default_device(rmlx::Device::cpu()).unwrap();
+    for (name, dtype) in [("llama_gqa_q4", Dtype::Float32), ("qwen3_q4", Dtype::Bfloat16)] {
+        let dir = fixture_with_tokenizer(name);
+        let lm = load(dir.path(), dtype);
+        let layers = lm.model.config().num_hidden_layers;
+        let prompt: Vec<i32> = ids(&reference(name)["prompt_ids"]).iter().map(|&t| t as i32).collect();
+        for rows in [3usize, 9] {
+            // Row r: the prompt's first 4 + 3r tokens (cycled past its end).
+            let prompts: Vec<Vec<i32>> =
+                (0..rows).map(|r| prompt.iter().copied().cycle().take(4 + 3 * r).collect()).collect();
+            let mut alone: Vec<Vec<KvCache>> = Vec::new();
+            let mut prefixes = Vec::new();
+            for p in &prompts {
+                let mut caches = lm.model.new_caches(None);
+                lm.model.forward_hidden(&Array::from_slice(p, &[1, p.len() as i32]).unwrap(), &mut caches).unwrap();
+                rmlx::eval(caches.iter().flat_map(KvCache::state)).unwrap();
+                let row: Vec<RowKv> = caches
+                    .iter()
+                    .map(|c| {
+                        let KvCache::Standard(s) = c else { panic!("a standard cache") };
+                        let cut = |a: &Option<Array>| {
+                            Stored::Plain(a.as_ref().unwrap().slice_axis(2, 0, s.offset as i32, 1).unwrap())
+                        };
+                        RowKv { keys: cut(&s.keys), values: cut(&s.values), start: 0 }
+                    })
+                    .collect();
+                prefixes.push(row);
+                alone.push(caches);
+            }
+            let width = prompts.iter().map(Vec::len).max().unwrap() as i32;
+            let padding: Vec<i32> = prompts.iter().map(|p| width - p.len() as i32).collect();
+            let mut batch: Vec<KvCache> = (0..layers)
+                .map(|l| {
+                    let rows = prefixes.iter().map(|p| Some(p[l].clone())).collect();
+                    KvCache::Batch(BatchCache::padded(rows, padding.clone(), width, None).unwrap())
+                })
+                .collect();
+            rmlx::eval(batch.iter().flat_map(KvCache::state)).unwrap();
+            for step in 0..260 {
+                let tokens: Vec<i32> = (0..rows).map(|r| ((step * 7 + r * 11) % 50 + 2) as i32).collect();
+                let what = format!("{name} {dtype:?}, {rows} rows, step {step}");
+                let h = lm.model.forward_hidden(&Array::from_slice(&tokens, &[rows as i32, 1]).unwrap(), &mut batch);
+                let h = h.unwrap();
+                let census = rmlx::graph_census([&h]).unwrap();
+                let fused = if rows <= 8 { Some(&layers) } else { None };
+                assert_eq!(census.get("CpuAttentionInputs"), fused, "{what}: {census:?}");
+                assert_eq!(census.get("CpuAttentionOutputMlp"), fused, "{what}: {census:?}");
+                if rows > 8 {
+                    break; // the composed batch step: tests/engine.rs
+                }
+                let got = h.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap();
+                let mut want = Vec::new();
+                for (t, caches) in tokens.iter().zip(&mut alone) {
+                    let h = lm.model.forward_hidden(&Array::from_slice(&[*t], &[1, 1]).unwrap(), caches).unwrap();
+                    want.extend(h.astype(Dtype::Float32).unwrap().to_vec::<f32>().unwrap());
+                }
+                assert!(got == want, "{what}: the hidden states differ");
+            }
         }
     }
 }

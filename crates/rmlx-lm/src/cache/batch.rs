@@ -316,6 +316,36 @@ impl BatchCache {
         Some(super::StandardCache { keys: Some(keys), values: Some(values), offset: self.written as usize, done })
     }
 
+    /// `f` over the batch's buffers as one standard cache of all its rows (its offset the columns
+    /// written) and each row's first column (its padding): the fused CPU step
+    /// (`nn::cpu_layer::decode_step`) writes one position of every row, or a lone row's next
+    /// positions, straight into them. `Ok(None)` without calling `f` for a batch the layout of a
+    /// standard cache does not describe (a sliding window, packed keys, rows taken back apart,
+    /// nothing written yet); `f` returns `None` when it wrote nothing.
+    pub(crate) fn with_plain<T>(
+        &mut self,
+        f: impl FnOnce(&mut super::StandardCache, &[usize]) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        let plain = self.window.is_none()
+            && self.quantization.is_none()
+            && !self.ragged()
+            && matches!((&self.keys, &self.values), (Some(Stored::Plain(_)), Some(Stored::Plain(_))));
+        if !plain {
+            return Ok(None);
+        }
+        let starts: Vec<usize> = self.padding.iter().map(|&p| p.max(0) as usize).collect();
+        let (Some(Stored::Plain(keys)), Some(Stored::Plain(values))) = (self.keys.take(), self.values.take()) else {
+            unreachable!("checked above")
+        };
+        let offset = self.written as usize;
+        let mut standard = super::StandardCache { keys: Some(keys), values: Some(values), offset, done: None };
+        let out = f(&mut standard, &starts);
+        self.keys = standard.keys.map(Stored::Plain);
+        self.values = standard.values.map(Stored::Plain);
+        self.written = standard.offset as i32;
+        out
+    }
+
     /// Whether [`BatchCache::take_lone`] takes this batch.
     pub fn is_lone(&self) -> bool {
         self.rows() == 1

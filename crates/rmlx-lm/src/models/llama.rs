@@ -131,10 +131,13 @@ impl Block {
         })
     }
 
-    /// A decoding step (or a verification pass of up to 8 positions) of one sequence on the CPU
-    /// with packed weights, as fused primitives ([`cpu_layer`]), where they serve.
+    /// A decoding step (or a verification pass of up to 8 positions) of one sequence, or a step
+    /// of up to 8 sequences of a batch, on the CPU with packed weights, as fused primitives
+    /// ([`cpu_layer`]), where they serve.
     fn packed_cpu_step(&self, x: &Array, batch: i32, cache: &mut KvCache) -> Result<Option<Array>> {
-        let (KvCache::Standard(cache), 1) = (cache, batch) else { return Ok(None) };
+        if !matches!(cache, KvCache::Standard(_) | KvCache::Batch(_)) {
+            return Ok(None);
+        }
         let Some(attention) = self.self_attn.packed_parts() else { return Ok(None) };
         let parts = BlockParts {
             input_norm: &self.input_layernorm,
@@ -142,7 +145,11 @@ impl Block {
             post_norm: &self.post_attention_layernorm,
             mlp: &self.mlp,
         };
-        cpu_layer::decode_step(x, &parts, cache)
+        match cache {
+            KvCache::Standard(c) if batch == 1 => cpu_layer::decode_step(x, &parts, c, &[0]),
+            KvCache::Batch(b) => b.with_plain(|c, starts| cpu_layer::decode_step(x, &parts, c, starts)),
+            _ => Ok(None),
+        }
     }
 }
 

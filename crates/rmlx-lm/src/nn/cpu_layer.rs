@@ -18,10 +18,12 @@
 //! dtype where the composed graph rounds it, so that the step computes what the composed one
 //! does, with the same kernels for the products, norms, rotation and attention.
 //!
-//! It serves one sequence and up to [`MAX_POSITIONS`] positions (a decoding step of `generate`,
-//! a speculative verification pass: each position's products what it gets alone, each query
-//! seeing its own position and those before it), outside training and traced transforms, when
-//! no adapter changes a projection: otherwise the block is composed.
+//! It serves up to [`MAX_POSITIONS`] rows: positions of one sequence (a decoding step of
+//! `generate`, a speculative verification pass: each query seeing its own position and those
+//! before it) or one position each of a batch's sequences (the engine's step: each row its own
+//! cache row, rotary position and padding, [`StepRows`]), every row's products what it gets
+//! alone, outside training and traced transforms, when no adapter changes a projection:
+//! otherwise the block is composed.
 
 use super::cpu_attention::attend_heads;
 use super::cpu_fast::{rms_row, round, store, store_at, swiglu, Angles, Floats};
@@ -36,6 +38,46 @@ use rmlx::{Array, Dtype, Error, Result};
 /// The most positions a fused step takes: as many as the composed graph's products take row by
 /// row (more take its panel form), so that a pass computes what its single steps do.
 pub const MAX_POSITIONS: usize = CPU_QMM_MAX_ROWS;
+
+/// Where each row of a step sits in the cache: its cache row, the column its key and value are
+/// written to, its rotary position, and the first column it attends to (a batch's padding before
+/// it); it attends to the columns from there up to its own.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub(crate) struct RowAt {
+    pub cache_row: usize,
+    pub column: usize,
+    pub rope: usize,
+    pub start: usize,
+}
+
+/// What the rows of a step are, for a cache whose buffers hold `starts.len()` sequences with
+/// `written` columns each (`starts`: each one's first column, padding before it): one sequence's
+/// next positions, or one position of every sequence.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepRows<'a> {
+    pub written: usize,
+    pub starts: &'a [usize],
+}
+
+impl StepRows<'_> {
+    /// Each of `n` rows' place, or `None` where `n` rows are not a step of these sequences.
+    pub(crate) fn rows(&self, n: usize) -> Option<Vec<RowAt>> {
+        let (w, starts) = (self.written, self.starts);
+        match starts {
+            [start] if *start <= w => Some(
+                (0..n).map(|i| RowAt { cache_row: 0, column: w + i, rope: w + i - start, start: *start }).collect(),
+            ),
+            _ if starts.len() == n && starts.iter().all(|&s| s <= w) => Some(
+                starts
+                    .iter()
+                    .enumerate()
+                    .map(|(b, &s)| RowAt { cache_row: b, column: w, rope: w - s, start: s })
+                    .collect(),
+            ),
+            _ => None,
+        }
+    }
+}
 
 /// How a packed matrix is laid out.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -98,10 +140,16 @@ pub struct BlockParts<'a> {
     pub mlp: &'a GatedMlp,
 }
 
-/// The block's output for the rows `x` (`[L, hidden]`, `L` up to [`MAX_POSITIONS`] positions of
-/// one sequence) of a decoding step or verification pass, their keys and values appended to
+/// The block's output for the rows `x` (`[L, hidden]`, `L` up to [`MAX_POSITIONS`]: positions of
+/// the one sequence of `cache`, or one position of each of its sequences, as `starts` says, see
+/// [`StepRows`]) of a decoding step or verification pass, their keys and values appended to
 /// `cache`, or `None` (and the cache untouched) where the fused step does not serve.
-pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache) -> crate::Result<Option<Array>> {
+pub fn decode_step(
+    x: &Array,
+    block: &BlockParts<'_>,
+    cache: &mut StandardCache,
+    starts: &[usize],
+) -> crate::Result<Option<Array>> {
     let dtype = x.dtype();
     let attention = &block.attention;
     let (heads, kv_heads, d) = attention.heads;
@@ -126,9 +174,9 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         && heads % kv_heads.max(1) == 0
         && !mlp.gelu
         && unbiased;
-    if !fits {
-        return Ok(None);
-    }
+    let sequences = cache.keys.as_ref().map_or(1, |k| k.shape()[0] as usize);
+    let rows = StepRows { written: cache.offset, starts }.rows(positions);
+    let (Some(rows), true) = (rows, fits && sequences == starts.len()) else { return Ok(None) };
     // 1: the heads of the new positions.
     let op = AttentionInputs {
         eps: block.input_norm.eps(),
@@ -136,7 +184,7 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         heads: (heads, kv_heads, d),
         qkv: attention.qkv.layout,
         bias: attention.qkv.bias.is_some(),
-        position: cache.offset,
+        rows: rows.clone(),
         rope_scale: attention.rope.1,
     };
     let mut inputs = vec![x.clone(), block.input_norm.weight().clone()];
@@ -147,7 +195,8 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
     }
     inputs.push(attention.rope.0.clone());
     // The new keys and values are written into the cache's buffers in place (the caller owns them).
-    cache.reserve_for([1, kv_heads as i32, positions as i32, d as i32], dtype)?;
+    let written = rows.iter().map(|r| r.column + 1).max().expect("a row") - cache.offset;
+    cache.reserve_for([sequences as i32, kv_heads as i32, written as i32, d as i32], dtype)?;
     let (keys, values) = (cache.keys.take().expect("reserved"), cache.values.take().expect("reserved"));
     inputs.extend([keys.clone(), values.clone()]);
     let [q, keys, values] = match apply(op, &inputs) {
@@ -158,11 +207,10 @@ pub fn decode_step(x: &Array, block: &BlockParts<'_>, cache: &mut StandardCache)
         }
     };
     (cache.keys, cache.values) = (Some(keys.clone()), Some(values.clone()));
-    cache.offset += positions;
-    let valid = cache.offset;
+    cache.offset += written;
     // 2: attention, output projection, feed-forward.
     let op = AttentionOutputMlp {
-        valid,
+        rows,
         scale: attention.scale,
         eps: block.post_norm.eps(),
         head_dim: d,
@@ -205,7 +253,7 @@ struct AttentionInputs {
     heads: (usize, usize, usize),
     qkv: Layout,
     bias: bool,
-    position: usize,
+    rows: Vec<RowAt>,
     rope_scale: f32,
 }
 
@@ -230,21 +278,22 @@ impl CustomPrimitive for AttentionInputs {
         let buffer_fits = |t: &TensorSpec| {
             t.dtype == x.dtype
                 && t.shape.len() == 4
-                && t.shape[..2] == [1, kv_heads as i32]
-                && t.shape[2] as usize >= self.position + positions
+                && t.shape[1] == kv_heads as i32
+                && self.rows.iter().all(|r| (r.cache_row as i32) < t.shape[0] && (r.column as i32) < t.shape[2])
                 && t.shape[3] == d as i32
         };
         if inputs.len() != expected
             || x.shape.len() != 2
             || !(1..=MAX_POSITIONS).contains(&positions)
+            || self.rows.len() != positions
             || !inputs[expected - 2..].iter().all(buffer_fits)
         {
             return Err(Error::InvalidArgument(format!(
-                "fused attention inputs: {} inputs, x {:?}, cache buffers {:?} at position {}",
+                "fused attention inputs: {} inputs, x {:?}, cache buffers {:?} for rows {:?}",
                 inputs.len(),
                 x.shape,
                 inputs[inputs.len().saturating_sub(2)..].iter().map(|t| &t.shape).collect::<Vec<_>>(),
-                self.position
+                self.rows
             )));
         }
         let n = inputs.len();
@@ -309,8 +358,8 @@ impl CustomPrimitive for AttentionInputs {
                     round(part, dtype);
                 }
             }
-            let position = self.position + i;
-            angles.at(position as f64, self.rope_scale, &divisors);
+            let at = self.rows[i];
+            angles.at(at.rope as f64, self.rope_scale, &divisors);
             for part in [&mut *q, &mut *k] {
                 for head in part.chunks_exact_mut(d) {
                     let plain = head.to_vec();
@@ -325,7 +374,7 @@ impl CustomPrimitive for AttentionInputs {
             for (out, new) in outputs[1..].iter_mut().zip([&*k, &*v]) {
                 let capacity = out.shape()[2] as usize;
                 for (h, head) in new.chunks_exact(d).enumerate() {
-                    store_at(out, (h * capacity + position) * d, head)?;
+                    store_at(out, ((at.cache_row * kv_heads + h) * capacity + at.column) * d, head)?;
                 }
             }
         }
@@ -335,7 +384,7 @@ impl CustomPrimitive for AttentionInputs {
 
 /// Primitive 2 (see the module docs).
 struct AttentionOutputMlp {
-    valid: usize,
+    rows: Vec<RowAt>,
     scale: f32,
     eps: f32,
     head_dim: usize,
@@ -360,17 +409,19 @@ impl CustomPrimitive for AttentionOutputMlp {
             && q.shape[2..] == [positions, d]
             && k.shape.len() == 4
             && k.shape == v.shape
-            && k.shape[0] == 1
             && k.shape[1] > 0
             && q.shape[1] % k.shape[1] == 0
             && k.shape[3] == d
-            && self.valid >= positions as usize
-            && self.valid <= k.shape[2] as usize
+            && self.rows.len() == positions as usize
+            && self
+                .rows
+                .iter()
+                .all(|r| (r.cache_row as i32) < k.shape[0] && r.start <= r.column && (r.column as i32) < k.shape[2])
             && [q, k, v].iter().all(|t| t.dtype == x.dtype);
         if !fits {
             return Err(Error::InvalidArgument(format!(
-                "fused attention output: x {:?}, q {:?}, keys {:?}, values {:?}, {} valid positions",
-                x.shape, q.shape, k.shape, v.shape, self.valid
+                "fused attention output: x {:?}, q {:?}, keys {:?}, values {:?}, rows {:?}",
+                x.shape, q.shape, k.shape, v.shape, self.rows
             )));
         }
         Ok(vec![x.clone()])
@@ -385,9 +436,8 @@ impl CustomPrimitive for AttentionOutputMlp {
         let (positions, hidden) = (inputs[0].shape()[0] as usize, inputs[0].shape()[1] as usize);
         let (kv_heads, capacity) = (inputs[2].shape()[1] as usize, inputs[2].shape()[2] as usize);
         let (keys, values) = (Floats::of(&inputs[2])?, Floats::of(&inputs[3])?);
-        let cache: Vec<_> = (0..kv_heads).map(|h| (keys.at(h * capacity * d), values.at(h * capacity * d))).collect();
-        // Each position's heads (`q` is `[1, heads, L, d]`) over the positions up to its own:
-        // rows `[L, heads · d]`.
+        // Each row's heads (`q` is `[1, heads, L, d]`) over its own cache row's columns from its
+        // start up to its own: rows `[L, heads · d]`.
         let heads = q.len() / (positions * d);
         let mut attended = vec![0f32; q.len()];
         let mut query = vec![0f32; heads * d];
@@ -395,7 +445,10 @@ impl CustomPrimitive for AttentionOutputMlp {
             for (h, head) in query.chunks_exact_mut(d).enumerate() {
                 head.copy_from_slice(&q[(h * positions + i) * d..(h * positions + i + 1) * d]);
             }
-            attend_heads(&query, &cache, self.valid - positions + i + 1, d, self.scale, out);
+            let at = self.rows[i];
+            let first = |h: usize| ((at.cache_row * kv_heads + h) * capacity + at.start) * d;
+            let cache: Vec<_> = (0..kv_heads).map(|h| (keys.at(first(h)), values.at(first(h)))).collect();
+            attend_heads(&query, &cache, at.column + 1 - at.start, d, self.scale, out);
         }
         round(&mut attended, dtype);
         let projected = product(&attended, &inputs[5..8], o, dtype)?;
