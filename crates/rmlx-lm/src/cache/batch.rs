@@ -306,14 +306,7 @@ impl BatchCache {
     /// # Ok::<(), rmlx_lm::Error>(())
     /// ```
     pub fn take_lone(&mut self) -> Option<super::StandardCache> {
-        if !self.is_lone() {
-            return None;
-        }
-        let (Some(Stored::Plain(keys)), Some(Stored::Plain(values))) = (self.keys.take(), self.values.take()) else {
-            unreachable!("checked above")
-        };
-        let done = self.lone_done.take();
-        Some(super::StandardCache { keys: Some(keys), values: Some(values), offset: self.written as usize, done })
+        self.is_lone().then(|| self.lend())
     }
 
     /// `f` over the batch's buffers as one standard cache of all its rows (its offset the columns
@@ -326,35 +319,19 @@ impl BatchCache {
         &mut self,
         f: impl FnOnce(&mut super::StandardCache, &[usize]) -> Result<Option<T>>,
     ) -> Result<Option<T>> {
-        let plain = self.window.is_none()
-            && self.quantization.is_none()
-            && !self.ragged()
-            && matches!((&self.keys, &self.values), (Some(Stored::Plain(_)), Some(Stored::Plain(_))));
-        if !plain {
+        if !self.plain() {
             return Ok(None);
         }
         let starts: Vec<usize> = self.padding.iter().map(|&p| p.max(0) as usize).collect();
-        let (Some(Stored::Plain(keys)), Some(Stored::Plain(values))) = (self.keys.take(), self.values.take()) else {
-            unreachable!("checked above")
-        };
-        let offset = self.written as usize;
-        let mut standard = super::StandardCache { keys: Some(keys), values: Some(values), offset, done: None };
+        let mut standard = self.lend();
         let out = f(&mut standard, &starts);
-        self.keys = standard.keys.map(Stored::Plain);
-        self.values = standard.values.map(Stored::Plain);
-        self.written = standard.offset as i32;
+        self.put_lone(standard);
         out
     }
 
     /// Whether [`BatchCache::take_lone`] takes this batch.
     pub fn is_lone(&self) -> bool {
-        self.rows() == 1
-            && self.padding[0] == 0
-            && self.shift[0] == 0
-            && self.behind[0] == 0
-            && self.window.is_none()
-            && self.quantization.is_none()
-            && matches!((&self.keys, &self.values), (Some(Stored::Plain(_)), Some(Stored::Plain(_))))
+        self.rows() == 1 && self.padding[0] == 0 && self.plain()
     }
 
     /// Takes back what [`BatchCache::take_lone`] handed over, with the positions written since.
@@ -363,6 +340,26 @@ impl BatchCache {
         self.keys = lone.keys.map(Stored::Plain);
         self.values = lone.values.map(Stored::Plain);
         self.lone_done = lone.done;
+    }
+
+    /// Whether the buffers are what a standard cache of the batch's rows holds: written, nothing
+    /// packed, no window (nothing dropped), no row taken back apart.
+    fn plain(&self) -> bool {
+        self.window.is_none()
+            && self.quantization.is_none()
+            && !self.ragged()
+            && self.shift.iter().all(|&s| s == 0)
+            && matches!((&self.keys, &self.values), (Some(Stored::Plain(_)), Some(Stored::Plain(_))))
+    }
+
+    /// The buffers lent as a standard cache's ([`BatchCache::plain`] ones), until
+    /// [`BatchCache::put_lone`] takes them back.
+    fn lend(&mut self) -> super::StandardCache {
+        let (Some(Stored::Plain(keys)), Some(Stored::Plain(values))) = (self.keys.take(), self.values.take()) else {
+            unreachable!("plain buffers")
+        };
+        let (offset, done) = (self.written as usize, self.lone_done.take());
+        super::StandardCache { keys: Some(keys), values: Some(values), offset, done }
     }
 
     /// Moves the shared write position back to the longest row.

@@ -62,6 +62,12 @@ fn a_prefix_that_dropped_positions_takes_only_the_columns_it_holds() {
     assert!(matches!(wrong, Err(crate::Error::InvalidParameter(_))));
 }
 
+/// Normal values of `shape` drawn with `seed`.
+fn rand(shape: &[i32], seed: u64) -> Array {
+    let key = rmlx::random::key(seed).unwrap();
+    rmlx::random::normal(shape, Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap()
+}
+
 /// Attention of `q: [rows, H, L, D]` over what `c.update` returns, with its mask.
 fn attend(c: &mut BatchCache, k: &Array, q: &Array) -> Array {
     let (keys, values, mask) = c.update(k, k).unwrap();
@@ -74,10 +80,6 @@ fn rows_trimmed_apart_attend_as_their_own_sequences() {
     // Two rows take 5 positions; row 0 keeps 2 of them and row 1 keeps 4 (speculative decoding's
     // rejected drafts), then both go on. Each row must then see exactly its own positions, as a
     // one-row cache that only ever held them does.
-    let rand = |shape: &[i32], seed: u64| {
-        let key = rmlx::random::key(seed).unwrap();
-        rmlx::random::normal(shape, Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap()
-    };
     let first = rand(&[2, 1, 5, 4], 0);
     let mut batch = BatchCache::new(2, Some(6));
     batch.update(&first, &first).unwrap();
@@ -138,10 +140,6 @@ fn rows_not_started_join_holding_nothing() {
     // Batch rows: an empty one, a started one (3 positions), then another empty one; all three then
     // attend over two new positions. The empty rows must see only those, as a fresh cache does,
     // and the started one its 3 + 2, as alone.
-    let rand = |shape: &[i32], seed: u64| {
-        let key = rmlx::random::key(seed).unwrap();
-        rmlx::random::normal(shape, Dtype::Float32, 0.0, 1.0, Some(&key)).unwrap()
-    };
     let first = rand(&[1, 1, 3, 4], 0);
     let mut started = BatchCache::new(1, None);
     started.update(&first, &first).unwrap();
