@@ -316,7 +316,8 @@ impl<'m> SpeculativeGeneration<'m> {
         self.finish
     }
 
-    /// Up to `k` drafted tokens and, for a draft model, the distributions they were drawn from.
+    /// Up to `k` drafted tokens and, for a sampling draft model, the distributions they were drawn
+    /// from.
     fn draft(&mut self, k: usize) -> Result<(Vec<u32>, Option<Vec<Array>>)> {
         match &self.spec.drafter {
             Drafter::PromptLookup { max_ngram, min_ngram } => {
@@ -325,7 +326,13 @@ impl<'m> SpeculativeGeneration<'m> {
             Drafter::Model(d) => {
                 let d: &LoadedModel = d;
                 let mut input = ids_array(&self.draft_pending)?;
+                // Penalties read the drafts before each one, from the host; without them every
+                // draft stays on the device as the next step's input, read back once at the end.
+                let cfg = self.draft_sampler.config();
+                let reads_history = cfg.penalizes_generated() || cfg.repetition_penalty != 1.0;
+                let greedy = cfg.is_greedy();
                 let (mut tokens, mut dists) = (Vec::with_capacity(k), Vec::with_capacity(k));
+                let mut on_device = Vec::with_capacity(k);
                 let mut history = self.history.clone();
                 for i in 0..k {
                     let h = d.model.forward_hidden(&input, &mut self.draft_caches)?;
@@ -333,23 +340,34 @@ impl<'m> SpeculativeGeneration<'m> {
                     let logits = d.model.logits(&h.slice_axis(1, len - 1, len, 1)?)?.reshape(&[1, -1])?;
                     let logits = d.vocab.mask_logits(&logits)?;
                     let lp = self.draft_sampler.logprobs(&logits, &history)?;
-                    let q = self.draft_sampler.distribution(&lp)?;
-                    let token = if self.draft_sampler.config().is_greedy() {
+                    // Greedy drafts are checked against the model's argmax: no distribution.
+                    let token = if greedy {
                         lp.argmax(Some(-1), false)?.astype(Dtype::Uint32)?
                     } else {
-                        self.draft_sampler.draw(&q.log()?)?
+                        let q = self.draft_sampler.distribution(&lp)?;
+                        let token = self.draft_sampler.draw(&q.log()?)?;
+                        dists.push(q);
+                        token
                     };
-                    // The next draft step waits for this token: the penalties read it.
-                    rmlx::eval([&token, &q])?;
+                    if !reads_history {
+                        input = token.astype(Dtype::Int32)?.reshape(&[1, 1])?;
+                        on_device.push(token);
+                        continue;
+                    }
+                    rmlx::eval(std::iter::once(&token).chain(dists.last()))?;
                     let id = token.item::<u32>()?;
                     tokens.push(id);
-                    dists.push(q);
                     history.push(id);
                     if i + 1 < k {
                         input = ids_array(&[id])?;
                     }
                 }
-                Ok((tokens, Some(dists)))
+                if !reads_history {
+                    let all = ops::concatenate(&on_device.iter().collect::<Vec<_>>(), 0)?;
+                    rmlx::eval(std::iter::once(&all).chain(&dists))?;
+                    tokens = all.to_vec::<u32>()?;
+                }
+                Ok((tokens, (!greedy).then_some(dists)))
             }
         }
     }

@@ -143,6 +143,7 @@ impl<'m> Engine<'m> {
         }
         let most = want.iter().copied().max().unwrap_or(0);
         let mut drafts = Drafts { tokens: vec![Vec::new(); rows], dists: want.iter().map(|_| None).collect() };
+        let mut passes = Vec::with_capacity(most);
         for j in 0..most {
             let logits_now = d.vocab.mask_logits(&logits.astype(Dtype::Float32)?)?;
             let shared = log_softmax(&logits_now)?;
@@ -158,27 +159,30 @@ impl<'m> Engine<'m> {
                 picks.push(s.draft_sampler.draw(&q.log()?)?.reshape(&[1])?);
                 drafts.dists[i].get_or_insert_with(Vec::new).push(q);
             }
+            // Each pass's picks feed the next on the device; all are read back once, at the end.
             let picked = ops::concatenate(&picks.iter().collect::<Vec<_>>(), 0)?;
-            let qs: Vec<&Array> = drafts.dists.iter().flatten().filter_map(|q| q.last()).collect();
-            rmlx::eval(std::iter::once(&picked).chain(qs))?;
-            let picked = picked.to_vec::<u32>()?;
-            for i in 0..rows {
-                if want[i] > j {
-                    drafts.tokens[i].push(picked[i]);
-                }
-            }
+            passes.push(picked.reshape(&[1, rows as i32])?);
             if j + 1 == most {
                 break;
             }
             // Rows wanting another draft feed this one; the others a placeholder taken back.
-            let next: Vec<i32> = (0..rows).map(|i| picked[i] as i32).collect();
-            let next = Array::from_slice(&next, &[rows as i32, 1])?;
+            let next = picked.astype(Dtype::Int32)?.reshape(&[rows as i32, 1])?;
             let h = with_lone_caches(&mut self.draft_caches, |c| d.model.forward_hidden(&next, c))?;
             logits = d.model.logits(&h)?.reshape(&[rows as i32, -1])?;
             let feeds: Vec<bool> = (0..rows).map(|i| want[i] > j + 1).collect();
             trim_rows(&mut self.draft_caches, &feeds.iter().map(|&f| usize::from(!f)).collect::<Vec<_>>())?;
             for (s, f) in self.running.iter_mut().zip(feeds) {
                 s.draft_fed += usize::from(f);
+            }
+        }
+        let picked = ops::concatenate(&passes.iter().collect::<Vec<_>>(), 0)?;
+        rmlx::eval(std::iter::once(&picked).chain(drafts.dists.iter().flatten().flatten()))?;
+        let picked = picked.to_vec::<u32>()?;
+        for (j, pass) in picked.chunks(rows).enumerate() {
+            for (i, &t) in pass.iter().enumerate() {
+                if want[i] > j {
+                    drafts.tokens[i].push(t);
+                }
             }
         }
         Ok(drafts)
